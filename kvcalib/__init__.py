@@ -1,0 +1,15 @@
+"""kvcalib: offline calibration and model conversion for low-bit KV-cache quantization."""
+
+from kvcalib.data import calibration_windows, eval_windows
+from kvcalib.errors import KvcalibError
+from kvcalib.models import DEFAULT_MODEL, load_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "KvcalibError",
+    "calibration_windows",
+    "eval_windows",
+    "load_model",
+]

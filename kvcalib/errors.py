@@ -1,0 +1,33 @@
+"""kvcalib's error family: every expected failure raises a `KvcalibError` subclass.
+
+The message is one line naming the offending input and the fix; the CLI prints it without a
+traceback and exits 2. Anything else is a bug and keeps its traceback.
+"""
+
+
+class KvcalibError(Exception):
+    """Base class of every error kvcalib raises on purpose."""
+
+
+class ModelError(KvcalibError):
+    """A model spec that cannot be resolved or loaded (missing, unsupported, unsafe)."""
+
+
+class DataError(KvcalibError):
+    """Text input that is missing, malformed or too short for the request."""
+
+
+class RecipeError(KvcalibError):
+    """A recipe with an unknown key, a wrong type or an impossible combination."""
+
+
+class ProfileError(KvcalibError):
+    """A calibration profile that is missing, of another model, or of another format version."""
+
+
+class OutputError(KvcalibError):
+    """An output folder that exists (without --force) or cannot be written."""
+
+
+class NumericsError(KvcalibError):
+    """NaN or Inf in activations."""

@@ -1,0 +1,49 @@
+"""`kvcalib inspect`: a short text summary of a model, a profile or a converted checkpoint."""
+
+import json
+from pathlib import Path
+
+from kvcalib import models
+from kvcalib_runtime.quant import QuantSpec
+
+
+def model_summary(spec: str | None) -> str:
+    """Architecture and KV-cache size per token of a model (its config only: no weights load)."""
+    source = models.resolve(spec)
+    cfg = json.loads((source.path / "config.json").read_text())
+    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", heads)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta")}
+    elements = 2 * layers * kv_heads * head_dim  # keys and values of one token, all layers
+    lines = [
+        f"model        {source.spec}  ({source.path})",
+        f"architecture {cfg['model_type']}  {cfg.get('architectures', ['?'])[0]}",
+        f"layers       {layers}",
+        f"heads        {heads} query / {kv_heads} key-value (GQA {heads // kv_heads}:1)",
+        f"head_dim     {head_dim}   hidden {cfg['hidden_size']}",
+        f"RoPE         {rope.get('rope_type', 'default')}, theta {rope.get('rope_theta'):g}",
+        f"context      {cfg.get('max_position_embeddings')} tokens",
+        "KV cache per token (keys + values, all layers):",
+        f"  fp16       {elements * 2:>8,} bytes",
+    ]
+    for bits in (4, 3, 2):
+        bpe = QuantSpec(bits).bits_per_element(head_dim, tokens=1)
+        lines.append(
+            f"  {bits}-bit      {elements * bpe / 8:>8,.0f} bytes  "
+            f"({bpe:.2f} bits/element: codes + fp16 scale and offset per token and head)"
+        )
+    return "\n".join(lines)
+
+
+def summary(path: str | None) -> str:
+    """Dispatch on what `path` is: a profile folder, a converted folder, or a model spec."""
+    if path is not None and (Path(path) / "profile.json").is_file():
+        from kvcalib.profile import profile_summary
+
+        return profile_summary(Path(path))
+    if path is not None and (Path(path) / "kvcalib.json").is_file():
+        from kvcalib.convert import checkpoint_summary
+
+        return checkpoint_summary(Path(path))
+    return model_summary(path)

