@@ -189,6 +189,11 @@ def _dequantize_gguf(path: Path, digest: str, folder: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def head_dim(config) -> int:
+    """Channels per attention head of a transformers config (Qwen2 configs do not store it)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def load_model(
     spec: str | os.PathLike | None = None,
     *,

@@ -22,3 +22,4 @@ def real_model():
     for p in model.parameters():
         p.requires_grad_(False)
     return model, tokenizer
+

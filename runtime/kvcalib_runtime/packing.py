@@ -26,11 +26,12 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     n = codes.shape[-1]
     pad = (-n) % 8
     c = torch.nn.functional.pad(codes.to(torch.int64), (0, pad))
-    c = c.view(*codes.shape[:-1], -1, 8)
+    c = c.view(*codes.shape[:-1], (n + pad) // 8, 8)
     shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
     words = (c << shifts).sum(-1, keepdim=True)  # [..., N/8, 1]: 8 codes = `bits` bytes
     byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
-    out = ((words >> byte_shifts) & 0xFF).to(torch.uint8).reshape(*codes.shape[:-1], -1)
+    out = ((words >> byte_shifts) & 0xFF).to(torch.uint8)
+    out = out.reshape(*codes.shape[:-1], (n + pad) // 8 * bits)
     return out[..., : packed_size(n, bits)].contiguous()
 
 
@@ -40,9 +41,9 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     assert packed.shape[-1] == packed_size(n, bits), (packed.shape, n, bits)
     n8 = n + (-n) % 8
     p = torch.nn.functional.pad(packed.to(torch.int64), (0, n8 // 8 * bits - packed.shape[-1]))
-    p = p.view(*packed.shape[:-1], -1, bits)
+    p = p.view(*packed.shape[:-1], n8 // 8, bits)
     byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
     words = (p << byte_shifts).sum(-1, keepdim=True)
     shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
     codes = ((words >> shifts) & ((1 << bits) - 1)).to(torch.uint8)
-    return codes.reshape(*packed.shape[:-1], -1)[..., :n].contiguous()
+    return codes.reshape(*packed.shape[:-1], n8)[..., :n].contiguous()

@@ -187,6 +187,18 @@ def _group_range(x: torch.Tensor, spec: QuantSpec, exclude: torch.Tensor | None)
     return lo, hi, _ungroup(exact, spec, x.shape)
 
 
+def range_metadata(spec: QuantSpec, lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype):
+    """(scale, offset or None) of groups whose data range is [lo, hi], rounded to `dtype`:
+    the clip ratio shrinks the range towards zero first."""
+    lo, hi = lo.float() * spec.clip, hi.float() * spec.clip
+    if spec.symmetric:
+        absmax = torch.maximum(lo.abs(), hi.abs())
+        qmax = 2 ** (spec.bits - 1) - 1
+        return (absmax if spec.codebook else absmax / qmax).to(dtype), None
+    scale = (hi - lo) / (1 if spec.codebook else spec.levels - 1)
+    return scale.to(dtype), lo.to(dtype)
+
+
 def quantize(
     x: torch.Tensor,
     spec: QuantSpec,
@@ -213,15 +225,8 @@ def quantize(
         lo, hi, exact = _group_range(xf, spec, exclude)
     if spec.codebook and codebook is None:
         raise ValueError("spec.codebook is set: pass the calibrated codebook")
-    lo, hi = lo * spec.clip, hi * spec.clip
+    scale, offset = range_metadata(spec, lo, hi, x.dtype)
     qmax = 2 ** (spec.bits - 1) - 1
-    if spec.symmetric:
-        absmax = torch.maximum(lo.abs(), hi.abs())
-        scale, offset = (absmax if spec.codebook else absmax / qmax), None
-    else:
-        scale, offset = (hi - lo) / (1 if spec.codebook else spec.levels - 1), lo
-    scale = scale.to(x.dtype)
-    offset = offset.to(x.dtype) if offset is not None else None
     s = _expand(scale.float(), spec, x.shape)
     s = torch.where(s > 0, s, torch.ones_like(s))
     t = xf - _expand(offset.float(), spec, x.shape) if offset is not None else xf

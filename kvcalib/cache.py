@@ -1,0 +1,143 @@
+"""`QuantizedKVCache`: any kvcalib recipe as a transformers `Cache`, for `model.generate`.
+
+    with QuantizedKVCache.from_recipe(model, "kivi-2", max_len=4096) as cache:
+        out = model.generate(ids, cache=cache, max_new_tokens=64, do_sample=False)
+
+Storage and the decode rule are kvcalib_runtime's `QuantizedCache` (its reference path), so
+what generation sees here is what the runtime serves and what `kvcalib eval --mode decode`
+simulates. The cache owns two kinds of hooks on the model while it is open — one capturing
+pre-RoPE keys, one handing the sink predictor its residual stream and committing each forward
+— and removes them on exit.
+"""
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvcalib.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
+from kvcalib.models import head_dim
+from kvcalib_runtime.hadamard import hadamard_transform
+from kvcalib_runtime.kvcache import QuantizedCache
+from kvcalib_runtime.rope import Rope
+from kvcalib_runtime.scheme import KVParams, KVScheme
+
+
+class _Layer(CacheLayerMixin):
+    is_sliding = False
+
+    def __init__(self, owner: "QuantizedKVCache", index: int):
+        super().__init__()
+        self.owner, self.index = owner, index
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self.owner._update(self.index, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.owner.seq_length()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self.owner.max_len
+
+
+class QuantizedKVCache(Cache):
+    """A transformers cache storing keys and values as a KVScheme says.
+
+    model:   the transformers model it serves (hooks are attached while the cache is open)
+    fused:   transforms the model's weights already contain ({"value_rotation", "key_smooth"});
+             the others are applied on the way in and undone on the way out
+    max_len: tokens per sequence the cache pre-allocates
+    """
+
+    def __init__(
+        self,
+        model,
+        scheme: KVScheme,
+        params: KVParams | None = None,
+        *,
+        max_len: int,
+        fused=frozenset(),
+        batch: int = 1,
+    ):
+        cfg = model.config
+        self.model, self.scheme, self.max_len = model, scheme, max_len
+        self.params = params or KVParams()
+        self.fused = frozenset(fused)
+        self.rope = Rope(cfg.to_dict())
+        param = next(model.parameters())
+        self.store = QuantizedCache(
+            scheme,
+            self.params,
+            num_layers=cfg.num_hidden_layers,
+            batch=batch,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim(cfg),
+            max_len=max_len,
+            device=param.device,
+            dtype=param.dtype,
+        )
+        self._key_pre = {}
+        self._hooks = Hooks(model)
+        layers = decoder_layers(model)
+        for i in range(len(layers)):
+            self._hooks.forward(key_module(model, i), capture_keys(model, self._key_pre, i))
+        sp = self.params.sink_predictor
+        if sp is not None and scheme.sink_budget:
+            self._hooks.forward(layers[sp.layer], self._observe(sp.layer))
+        self._hooks.forward(layers[-1], self._commit)
+        super().__init__(layers=[_Layer(self, i) for i in range(len(layers))])
+
+    @classmethod
+    def from_recipe(cls, model, recipe, profile=None, *, max_len: int, **kwargs):
+        """Build from a recipe (name, path or Recipe) and, when it needs one, a profile."""
+        from kvcalib.plan import plan_for_model
+
+        scheme, params = plan_for_model(model, recipe, profile)
+        return cls(model, scheme, params, max_len=max_len, **kwargs)
+
+    def __enter__(self) -> "QuantizedKVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Remove the cache's hooks from the model."""
+        self._hooks.remove()
+
+    def seq_length(self) -> int:
+        return int(self.store.lengths.max())
+
+    def _observe(self, layer: int):
+        def hook(module, args, output):
+            self.store.observe_hidden(layer, hidden_of(output))
+
+        return hook
+
+    def _commit(self, module, args, output) -> None:
+        self.store.commit(hidden_of(output).shape[1])
+
+    def _update(self, i: int, key_states, value_states):
+        """Stage layer i's new tokens and return all keys/values as the cache holds them."""
+        layer = self.scheme.layers[i]
+        k = self._key_pre.pop(i)
+        smooth = self.params.key_smooth.get(i) if "key_smooth" not in self.fused else None
+        if smooth is not None:
+            k = k / smooth[None, :, None, :]
+        rotate_v = layer.value_rotation and "value_rotation" not in self.fused
+        seed = self.scheme.rotation_seed
+        v = hadamard_transform(value_states, seed=seed) if rotate_v else value_states
+        positions = self.store.positions(k.shape[2])
+        self.store.stage(i, k, v, self.rope, positions)
+        keys, values, _ = self.store.materialize(i, self.rope)
+        if smooth is not None:
+            keys = keys * smooth[None, :, None, :]
+        if rotate_v:
+            values = hadamard_transform(values, seed=seed, inverse=True)
+        return keys.to(key_states.dtype), values.to(value_states.dtype)

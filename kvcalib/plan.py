@@ -1,0 +1,131 @@
+"""Resolve a recipe (and a calibration profile) into what the cache runs: KVScheme + KVParams.
+
+The recipe says how; the profile supplies the numbers a recipe may ask for — static ranges,
+codebooks, smoothing scales, the sink predictor, per-layer sensitivities for bit allocation.
+"""
+
+import dataclasses
+
+from kvcalib.errors import ProfileError, RecipeError
+from kvcalib.recipe import Recipe, TensorRecipe, load_recipe
+from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme
+
+
+def codebook_variant(name: str, t: TensorRecipe) -> str:
+    """The profile's name for the normalized domain a codebook of this tensor recipe lives in."""
+    parts = [name, t.granularity]
+    if name == "key":
+        parts.append(t.position)
+    if t.rotation != "none":
+        parts.append("hadamard")
+    if t.symmetric:
+        parts.append("symmetric")
+    return ":".join(parts)
+
+
+def flush_of(t: TensorRecipe, residual: int) -> int:
+    """The flush block: as the recipe says, else R for token groups (KIVI's keys), else 1."""
+    if t.flush:
+        return t.flush
+    return residual if t.granularity == "channel" and residual else 1
+
+
+def plan(recipe: Recipe, *, num_layers: int, profile=None) -> tuple[KVScheme, KVParams]:
+    """The per-layer scheme and calibrated tensors of `recipe` for a model of `num_layers`."""
+    where = f"recipe {recipe.name}"
+    if recipe.external:
+        raise RecipeError(f"{where} runs through {recipe.external}, not kvcalib's cache")
+    if recipe.needs_profile and profile is None:
+        raise ProfileError(f"{where} needs calibrated tensors: pass --profile DIR")
+    bits = _allocate(recipe, num_layers, profile) if recipe.allocation else None
+    layers, params = [], KVParams()
+    for i in range(num_layers):
+        key, value = recipe.tensor("key", i), recipe.tensor("value", i)
+        if bits is not None:
+            key = dataclasses.replace(key, bits=bits["key"][i])
+            value = dataclasses.replace(value, bits=bits["value"][i])
+        try:
+            layers.append(
+                LayerScheme(
+                    key=key.spec(),
+                    value=value.spec(),
+                    key_position=key.position,
+                    key_rotation=key.rotation == "hadamard",
+                    value_rotation=value.rotation == "hadamard",
+                    key_flush=flush_of(key, recipe.residual),
+                    value_flush=flush_of(value, recipe.residual),
+                )
+            )
+        except ValueError as e:
+            raise RecipeError(f"{where}, layer {i}: {e}") from None
+        if profile is not None:
+            _calibrated(params, profile, i, key, value)
+    if recipe.sinks_predicted:
+        params.sink_predictor = profile.sink_predictor()
+    try:
+        scheme = KVScheme(
+            layers=tuple(layers),
+            residual=recipe.residual,
+            sinks_first=recipe.sinks_first,
+            sink_budget=recipe.sink_budget,
+            rotation_seed=recipe.rotation_seed,
+        )
+    except ValueError as e:
+        raise RecipeError(f"{where}: {e}") from None
+    return scheme, params
+
+
+def _calibrated(params: KVParams, profile, i: int, key: TensorRecipe, value: TensorRecipe) -> None:
+    """Fill layer i's static ranges, codebooks and smoothing scales from the profile."""
+    if key.quantized and key.granularity == "static":
+        params.key_range[i] = profile.range("key", i, position=key.position, outliers=key.outliers)
+    if value.quantized and value.granularity == "static":
+        params.value_range[i] = profile.range("value", i, outliers=value.outliers)
+    if key.quantized and key.codebook == "calibrated":
+        params.key_codebook[i] = profile.codebook(codebook_variant("key", key), i, key.bits)
+    if value.quantized and value.codebook == "calibrated":
+        params.value_codebook[i] = profile.codebook(codebook_variant("value", value), i, value.bits)
+    if key.smooth > 0:
+        params.key_smooth[i] = profile.smoothing(i, key.smooth, position=key.position)
+    if i in params.key_smooth and i in params.key_range:
+        lo, hi = params.key_range[i]
+        params.key_range[i] = (lo / params.key_smooth[i], hi / params.key_smooth[i])
+
+
+def _allocate(recipe: Recipe, num_layers: int, profile) -> dict[str, list[int]]:
+    """Per-layer key and value bits minimizing the summed sensitivity (KL divergence when only
+    that tensor of that layer is quantized) under a mean-bits budget: greedy upgrades by the
+    largest KL saved per extra bit, which is optimal for convex per-item costs."""
+    choices = sorted(recipe.allocation.choices)
+    kl = {
+        (name, i, b): profile.sensitivity(name, i, b)
+        for name in ("key", "value")
+        for i in range(num_layers)
+        for b in choices
+    }
+    bits = {name: [choices[0]] * num_layers for name in ("key", "value")}
+    budget = recipe.allocation.budget * 2 * num_layers
+    spent = choices[0] * 2 * num_layers
+    while True:
+        best = None
+        for name in ("key", "value"):
+            for i in range(num_layers):
+                now = bits[name][i]
+                up = next((b for b in choices if b > now), None)
+                if up is None or spent + up - now > budget:
+                    continue
+                gain = (kl[name, i, now] - kl[name, i, up]) / (up - now)
+                if best is None or gain > best[0]:
+                    best = (gain, name, i, up)
+        if best is None:
+            return bits
+        _, name, i, up = best
+        spent += up - bits[name][i]
+        bits[name][i] = up
+
+
+def plan_for_model(model, recipe, profile=None) -> tuple[KVScheme, KVParams]:
+    """`plan` for a transformers model; `recipe` is a Recipe, a preset name or a path."""
+    if not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe)
+    return plan(recipe, num_layers=model.config.num_hidden_layers, profile=profile)

@@ -1,0 +1,324 @@
+"""Recipes: a closed, typed TOML schema for a KV-cache quantization method.
+
+A recipe is parsed once, at the edge, into frozen dataclasses; an unknown key, a wrong type or
+an impossible combination raises RecipeError naming the recipe, the key and the fix. Presets
+live in `recipes/<name>.toml`; `load_recipe` takes a preset name or a path.
+
+    name, description, residual, rotation_seed, external
+    [key]    bits granularity group_size symmetric clip codebook outliers flush position
+             rotation smooth
+    [value]  bits granularity group_size symmetric clip codebook outliers flush rotation
+    [sinks]  first predicted budget
+    [allocation]  budget choices            (per-layer bits from the sensitivity profile)
+    [[layers]]    index key value           (per-layer overrides of [key] / [value])
+
+bits = 16 means full precision. `rotation` is "none" or "hadamard": for values a Hadamard per KV
+head fused into v_proj/o_proj, for keys an online Hadamard on queries and keys after RoPE.
+`codebook` is "uniform" or "calibrated" (non-uniform levels from the profile). `flush` defaults
+to the residual window for "channel" granularity (KIVI flushes keys R at a time) and to 1 otherwise.
+"""
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvcalib.errors import RecipeError
+from kvcalib_runtime.quant import QuantSpec
+
+RECIPE_DIRS = (
+    Path(__file__).resolve().parent / "recipes",  # installed wheel
+    Path(__file__).resolve().parent.parent / "recipes",  # source tree / editable install
+)
+FULL_PRECISION = 16
+EXTERNAL = ("hf-quanto",)
+
+
+@dataclass(frozen=True)
+class TensorRecipe:
+    """How keys (or values) are quantized; see the module docstring for each field."""
+
+    bits: int = FULL_PRECISION
+    granularity: str = "token"
+    group_size: int = 0
+    symmetric: bool = False
+    clip: float = 1.0
+    codebook: str = "uniform"
+    outliers: float = 0.0
+    flush: int = 0
+    position: str = "post_rope"
+    rotation: str = "none"
+    smooth: float = 0.0
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits != FULL_PRECISION
+
+    def spec(self) -> QuantSpec | None:
+        if not self.quantized:
+            return None
+        return QuantSpec(
+            bits=self.bits,
+            granularity=self.granularity,
+            group_size=self.group_size,
+            symmetric=self.symmetric,
+            clip=self.clip,
+            codebook=self.codebook == "calibrated",
+            outliers=self.outliers,
+        )
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Per-layer bits for keys and values, chosen from the sensitivity profile so that their
+    mean is at most `budget` bits (codes only)."""
+
+    budget: float
+    choices: tuple[int, ...] = (2, 3, 4)
+
+
+@dataclass(frozen=True)
+class LayerOverride:
+    layers: tuple[int, ...]
+    key: dict
+    value: dict
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str = ""
+    key: TensorRecipe = TensorRecipe()
+    value: TensorRecipe = TensorRecipe()
+    residual: int = 0
+    sinks_first: int = 0
+    sinks_predicted: bool = False
+    sink_budget: int = 0
+    rotation_seed: int | None = None
+    allocation: Allocation | None = None
+    overrides: tuple[LayerOverride, ...] = ()
+    external: str | None = None
+    source: str = ""
+
+    @property
+    def needs_profile(self) -> bool:
+        """Whether resolving this recipe needs calibrated tensors."""
+        tensors = (self.key, self.value)
+        return (
+            self.sinks_predicted
+            or self.allocation is not None
+            or self.key.smooth > 0
+            or any(t.quantized and t.granularity == "static" for t in tensors)
+            or any(t.quantized and t.codebook == "calibrated" for t in tensors)
+        )
+
+    def tensor(self, name: str, layer: int) -> TensorRecipe:
+        """The key or value recipe of one layer, overrides applied."""
+        base = getattr(self, name)
+        for o in self.overrides:
+            if layer in o.layers and getattr(o, name):
+                base = dataclasses.replace(base, **getattr(o, name))
+        return base
+
+
+_TENSOR_KEYS = {f.name: f.type for f in dataclasses.fields(TensorRecipe)}
+_VALUE_ONLY_OUT = {"position", "smooth"}
+_TOP_KEYS = {
+    "name": str,
+    "description": str,
+    "residual": int,
+    "rotation_seed": int,
+    "external": str,
+    "key": dict,
+    "value": dict,
+    "sinks": dict,
+    "allocation": dict,
+    "layers": list,
+}
+_SINK_KEYS = {"first": int, "predicted": bool, "budget": int}
+_ALLOCATION_KEYS = {"budget": float, "choices": list}
+_CHOICES = {
+    "granularity": ("token", "channel", "static"),
+    "codebook": ("uniform", "calibrated"),
+    "position": ("pre_rope", "post_rope"),
+    "rotation": ("none", "hadamard"),
+}
+
+
+def presets() -> list[str]:
+    """Names of the preset recipes shipped with kvcalib."""
+    return sorted({p.stem for d in RECIPE_DIRS if d.is_dir() for p in d.glob("*.toml")})
+
+
+def load_recipe(name_or_path: str | Path) -> Recipe:
+    """A preset by name (see `presets()`) or a recipe TOML file by path."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        found = [d / f"{name_or_path}.toml" for d in RECIPE_DIRS]
+        path = next((p for p in found if p.is_file()), None)
+        if path is None:
+            close = difflib.get_close_matches(str(name_or_path), presets(), n=3)
+            hint = f"did you mean {', '.join(close)}? " if close else ""
+            raise RecipeError(
+                f"recipe {name_or_path}: no such preset or file; {hint}"
+                f"presets: {', '.join(presets())}"
+            )
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise RecipeError(f"recipe {path}: not valid TOML ({e})") from None
+    return parse_recipe(data, source=str(path))
+
+
+def parse_recipe(data: dict, source: str = "<dict>") -> Recipe:
+    """Validate a parsed TOML document into a Recipe (RecipeError on any problem)."""
+    where = f"recipe {data.get('name', source) if isinstance(data, dict) else source}"
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: expected a TOML table at the top level")
+    _check_keys(data, _TOP_KEYS, "", where)
+    if "name" not in data:
+        raise RecipeError(f"{where}: missing key 'name'")
+    if data.get("external") is not None:
+        return _parse_external(data, source, where)
+    key = _tensor(data.get("key", {}), "key", where)
+    value = _tensor(data.get("value", {}), "value", where)
+    sinks = data.get("sinks", {})
+    _check_keys(sinks, _SINK_KEYS, "sinks.", where)
+    allocation = None
+    if "allocation" in data:
+        _check_keys(data["allocation"], _ALLOCATION_KEYS, "allocation.", where)
+        choices = tuple(data["allocation"].get("choices", (2, 3, 4)))
+        if "budget" not in data["allocation"] or not all(isinstance(c, int) for c in choices):
+            raise RecipeError(f"{where}: allocation needs budget = <bits> and integer choices")
+        allocation = Allocation(float(data["allocation"]["budget"]), choices)
+    overrides = tuple(_override(o, i, where) for i, o in enumerate(data.get("layers", [])))
+    recipe = Recipe(
+        name=data["name"],
+        description=data.get("description", ""),
+        key=key,
+        value=value,
+        residual=data.get("residual", 0),
+        sinks_first=sinks.get("first", 0),
+        sinks_predicted=sinks.get("predicted", False),
+        sink_budget=sinks.get("budget", 0),
+        rotation_seed=data.get("rotation_seed"),
+        allocation=allocation,
+        overrides=overrides,
+        source=source,
+    )
+    _check_combinations(recipe, where)
+    return recipe
+
+
+def _parse_external(data: dict, source: str, where: str) -> Recipe:
+    if data["external"] not in EXTERNAL:
+        raise RecipeError(f"{where}: external = {data['external']!r}; known: {', '.join(EXTERNAL)}")
+    extra = set(data) - {"name", "description", "external", "residual", "key", "value"}
+    if extra:
+        raise RecipeError(f"{where}: an external recipe takes no {', '.join(sorted(extra))}")
+    key = _tensor(data.get("key", {}), "key", where)
+    value = _tensor(data.get("value", {}), "value", where)
+    return Recipe(
+        name=data["name"],
+        description=data.get("description", ""),
+        key=key,
+        value=value,
+        residual=data.get("residual", 0),
+        external=data["external"],
+        source=source,
+    )
+
+
+def _check_keys(table: dict, known: dict, prefix: str, where: str) -> None:
+    if not isinstance(table, dict):
+        raise RecipeError(f"{where}: {prefix.rstrip('.')} must be a table")
+    for k, v in table.items():
+        if k not in known:
+            close = difflib.get_close_matches(k, known, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            raise RecipeError(
+                f"{where}: unknown key '{prefix}{k}'{hint} (known: {', '.join(sorted(known))})"
+            )
+        _check_type(v, known[k], f"{prefix}{k}", where)
+
+
+def _check_type(value, expected, key: str, where: str) -> None:
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return
+    ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+    if not ok:
+        raise RecipeError(
+            f"{where}: '{key}' must be {expected.__name__}, not {type(value).__name__} ({value!r})"
+        )
+
+
+def _tensor(table: dict, name: str, where: str, base: TensorRecipe | None = None) -> TensorRecipe:
+    known = {k: t for k, t in _TENSOR_KEYS.items() if name == "key" or k not in _VALUE_ONLY_OUT}
+    _check_keys(table, {k: _type(t) for k, t in known.items()}, f"{name}.", where)
+    for k, allowed in _CHOICES.items():
+        if k in table and table[k] not in allowed:
+            raise RecipeError(
+                f"{where}: '{name}.{k}' = {table[k]!r}; use one of {', '.join(allowed)}"
+            )
+    tensor = dataclasses.replace(base or TensorRecipe(), **table)
+    if tensor.quantized:
+        try:
+            tensor.spec()
+        except ValueError as e:
+            raise RecipeError(f"{where}: [{name}] {e}") from None
+    elif table.get("bits") not in (None, FULL_PRECISION):
+        raise RecipeError(f"{where}: '{name}.bits' must be 2, 3, 4, 8 or 16")
+    return tensor
+
+
+def _type(annotation) -> type:
+    return {"int": int, "str": str, "bool": bool, "float": float}.get(
+        getattr(annotation, "__name__", str(annotation)), annotation
+    )
+
+
+def _override(obj, i: int, where: str) -> LayerOverride:
+    if not isinstance(obj, dict):
+        raise RecipeError(f"{where}: layers[{i}] must be a table")
+    _check_keys(obj, {"index": object, "key": dict, "value": dict}, f"layers[{i}].", where)
+    index = obj.get("index")
+    if isinstance(index, int) and not isinstance(index, bool):
+        layers = (index,)
+    elif isinstance(index, list) and all(isinstance(x, int) for x in index):
+        layers = tuple(index)
+    elif isinstance(index, str) and index.count("-") == 1 and index.replace("-", "").isdigit():
+        lo, hi = map(int, index.split("-"))
+        layers = tuple(range(lo, hi + 1))
+    else:
+        raise RecipeError(f"{where}: layers[{i}].index must be an int, a list or 'a-b' ranges")
+    for name in ("key", "value"):
+        _tensor(obj.get(name, {}), name, where)  # type and key checks on the override alone
+    return LayerOverride(layers, obj.get("key", {}), obj.get("value", {}))
+
+
+def _check_combinations(r: Recipe, where: str) -> None:
+    def fail(msg):
+        raise RecipeError(f"{where}: {msg}")
+
+    if r.residual < 0 or r.sinks_first < 0 or r.sink_budget < 0:
+        fail("residual, sinks.first and sinks.budget must be >= 0")
+    if r.sinks_predicted and r.sink_budget == 0:
+        fail("sinks.predicted needs sinks.budget > 0 (slots for predicted sinks)")
+    if r.sink_budget and not r.sinks_predicted:
+        fail("sinks.budget reserves slots for predicted sinks: set sinks.predicted = true")
+    k = r.key
+    if k.rotation == "hadamard" and k.position != "post_rope":
+        fail("key.rotation = 'hadamard' is the online rotation after RoPE: set key.position = "
+             "'post_rope'")
+    for name in ("key", "value"):
+        t = getattr(r, name)
+        if t.quantized and t.granularity == "static" and t.rotation != "none":
+            fail(f"{name}: static ranges are calibrated unrotated; use rotation 'none' or a "
+                 "dynamic granularity")
+    if k.smooth and k.rotation != "none":
+        fail("key.smooth scales channels, which a Hadamard rotation would mix: pick one")
+    if not 0 <= k.smooth <= 1:
+        fail(f"key.smooth = {k.smooth} is an exponent alpha in [0, 1]")
+    if r.allocation and not 1 <= r.allocation.budget <= 16:
+        fail(f"allocation.budget = {r.allocation.budget} bits is out of range")

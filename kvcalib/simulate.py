@@ -1,0 +1,288 @@
+"""A quantized KV cache simulated inside a transformers model, in one forward pass.
+
+    sim = Simulator(model, scheme, params, mode="decode")
+    logits = sim(input_ids)                  # [B, T, vocab]; the model is unchanged afterwards
+
+mode "fake":   every position's keys and values are quantized before attention (the QuaRot /
+               KVQuant perplexity convention); kept sinks stay exact.
+mode "decode": each query sees exactly what a decoding cache holds at its step (the rule in
+               kvcalib_runtime.scheme): the residual window and kept sinks exact, everything
+               older as the body stores it. Decode mode costs two score and two value matmuls.
+
+All quantization goes through kvcalib_runtime.quant, so what this measures is what the runtime
+stores. Transforms the model's weights already contain (`fused`: "value_rotation", "key_smooth")
+are not applied again; the others are applied online and undone after dequantization, which is
+the same function.
+"""
+
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+from kvcalib.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
+from kvcalib_runtime.hadamard import hadamard_transform
+from kvcalib_runtime.quant import fake_quantize
+from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, quantized_prefix
+
+ATTENTION = "kvcalib"
+MODES = ("fake", "decode")
+_ACTIVE: ContextVar["Simulator | None"] = ContextVar("kvcalib_simulator", default=None)
+MAX_SINK_PASSES = 3
+
+
+@dataclass
+class AttentionRecord:
+    """What an observer sees of one layer's attention in one forward.
+
+    query [B, H, T, D] post-RoPE; key, value [B, Hkv, T, D] exact (key post-RoPE);
+    key_pre [B, Hkv, T, D] pre-RoPE; key_hat, value_hat as attention used them where quantized
+    (post-RoPE, unrotated), or None; probs [B, Hkv, G, T, T] the attention weights used
+    (G = query heads per KV head); sinks bool [B, T] the positions kept exact.
+    """
+
+    layer: int
+    query: torch.Tensor
+    key: torch.Tensor
+    key_pre: torch.Tensor
+    value: torch.Tensor
+    key_hat: torch.Tensor | None
+    value_hat: torch.Tensor | None
+    probs: torch.Tensor
+    sinks: torch.Tensor
+
+
+class _EarlyExit(Exception):
+    pass
+
+
+class Simulator:
+    """Runs a model with a KVScheme applied to every layer's attention (or none, to observe).
+
+    scheme:    None for full precision (observers still see every layer)
+    params:    the calibrated tensors the scheme refers to
+    fused:     transforms already in the weights: {"value_rotation", "key_smooth"}
+    prefill:   decode mode only: the first `prefill` tokens form one prompt chunk that attends
+               to itself exactly (as a runtime prefill does); 0 = token-by-token from the start
+    observers: callables receiving an AttentionRecord per layer per forward
+    """
+
+    def __init__(
+        self,
+        model,
+        scheme: KVScheme | None = None,
+        params: KVParams | None = None,
+        *,
+        mode: str = "fake",
+        fused: frozenset[str] | set[str] = frozenset(),
+        prefill: int = 0,
+        observers=(),
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode = {mode!r}: use one of {MODES}")
+        self.model = model
+        self.scheme = scheme
+        self.params = params or KVParams()
+        self.mode = mode
+        self.fused = frozenset(fused)
+        self.prefill = prefill
+        self.observers = list(observers)
+        self.sink_passes = 0
+        self._sinks = None
+        self._predicted = None
+        self._key_pre = {}
+        self._rope = {}
+        self._masks = {}
+
+    # -- running -------------------------------------------------------------------------------
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, vocab] of the model with this scheme applied."""
+        if not self._changes_attention:
+            self._sinks = self._first_sinks(input_ids)
+            return self.model(input_ids).logits  # the model's own attention: bit-identical
+        predictor = self.params.sink_predictor if self._predicts_sinks else None
+        if predictor is None:
+            self._sinks = self._first_sinks(input_ids)
+            return self._forward(input_ids)
+        flags = self._predict_full_precision(input_ids, predictor.layer)
+        for self.sink_passes in range(1, MAX_SINK_PASSES + 1):
+            self._sinks = self._budget(input_ids, flags)
+            logits = self._forward(input_ids)
+            if torch.equal(self._predicted, flags):
+                break
+            flags = self._predicted  # the quantized pass flags other tokens: decide again
+        return logits
+
+    @property
+    def sinks(self) -> torch.Tensor:
+        """bool [B, T]: the positions the last call kept in full precision."""
+        return self._sinks
+
+    @property
+    def _changes_attention(self) -> bool:
+        quantizes = self.scheme is not None and any(
+            layer.key or layer.value for layer in self.scheme.layers
+        )
+        return quantizes or bool(self.observers)
+
+    @property
+    def _predicts_sinks(self) -> bool:
+        return self.scheme is not None and self.scheme.sink_budget > 0
+
+    def _forward(self, input_ids):
+        with Hooks(self.model) as hooks:
+            self._install(hooks)
+            token = _ACTIVE.set(self)
+            try:
+                return self.model(input_ids).logits
+            finally:
+                _ACTIVE.reset(token)
+                self._key_pre.clear()
+                self._rope.clear()
+                self._masks.clear()
+
+    def _install(self, hooks: Hooks) -> None:
+        hooks.attention(ATTENTION)
+        layers = decoder_layers(self.model)
+        for i, layer in enumerate(layers):
+            hooks.forward(key_module(self.model, i), capture_keys(self.model, self._key_pre, i))
+            hooks.pre_forward(layer.self_attn, self._capture_rope(i))
+        if self._predicts_sinks:
+            sp = self.params.sink_predictor
+            hooks.forward(layers[sp.layer], self._capture_flags)
+
+    def _capture_rope(self, i):
+        def hook(module, args, kwargs):
+            self._rope[i] = kwargs["position_embeddings"]
+
+        return hook
+
+    def _capture_flags(self, module, args, output):
+        self._predicted = self.params.sink_predictor(hidden_of(output))
+
+    def _predict_full_precision(self, input_ids, layer: int) -> torch.Tensor:
+        """Predictor flags from a full-precision forward that stops after the predictor layer."""
+
+        def stop(module, args, output):
+            self._capture_flags(module, args, output)
+            raise _EarlyExit
+
+        with Hooks(self.model) as hooks:
+            hooks.forward(decoder_layers(self.model)[layer], stop)
+            try:
+                self.model(input_ids)
+            except _EarlyExit:
+                pass
+        return self._predicted
+
+    def _first_sinks(self, input_ids) -> torch.Tensor:
+        b, t = input_ids.shape
+        first = self.scheme.sinks_first if self.scheme else 0
+        return (torch.arange(t, device=input_ids.device) < first).expand(b, t)
+
+    def _budget(self, input_ids, flags) -> torch.Tensor:
+        """First-N sinks plus the earliest `sink_budget` predicted ones after them."""
+        first = self._first_sinks(input_ids)
+        extra = flags & ~first
+        extra &= extra.cumsum(-1) <= self.scheme.sink_budget
+        return first | extra
+
+    # -- attention -----------------------------------------------------------------------------
+
+    def attend(self, module, query, key, value, attention_mask, scaling):
+        i = module.layer_idx
+        layer = self.scheme.layers[i] if self.scheme is not None else None
+        b, hkv, t, d = key.shape
+        g = query.shape[1] // hkv
+        sinks = self._sinks
+        key_hat = self._key_hat(i, layer, key, sinks) if layer and layer.key else None
+        value_hat = self._value_hat(i, layer, value, sinks) if layer and layer.value else None
+        q = query.view(b, hkv, g, t, d)
+        mask = attention_mask.view(b, 1, 1, *attention_mask.shape[-2:])
+        k_exact, v_exact = key[:, :, None], value[:, :, None]
+        if self.mode == "fake":
+            keep = sinks[:, None, :, None]
+            k = torch.where(keep, key, key_hat)[:, :, None] if key_hat is not None else k_exact
+            v = torch.where(keep, value, value_hat)[:, :, None] if value_hat is not None else v_exact
+            probs = torch.softmax((q @ k.transpose(-1, -2)) * scaling + mask, -1, torch.float32)
+            out = probs.to(v.dtype) @ v
+        else:
+            scores = q @ k_exact.transpose(-1, -2)
+            if key_hat is not None:
+                m = self._decode_mask(t, layer.key_flush, sinks, key.dtype)
+                delta = q @ (key_hat - key)[:, :, None].transpose(-1, -2)
+                scores = scores + delta * m
+            probs = torch.softmax(scores * scaling + mask, -1, torch.float32)
+            p = probs.to(value.dtype)
+            out = p @ v_exact
+            if value_hat is not None:
+                m = self._decode_mask(t, layer.value_flush, sinks, value.dtype)
+                out = out + (p * m) @ (value_hat - value)[:, :, None]
+        if self.observers:
+            record = AttentionRecord(
+                i, query, key, self._key_pre[i], value, key_hat, value_hat, probs, sinks
+            )
+            for observe in self.observers:
+                observe(record)
+        return out.reshape(b, -1, t, d).transpose(1, 2).contiguous(), None
+
+    def _decode_mask(self, t: int, flush: int, sinks, dtype) -> torch.Tensor:
+        """[B, 1, 1, T, T]: 1 where query t sees key j quantized (cached per forward)."""
+        if (t, flush) in self._masks:
+            return self._masks[t, flush]
+        pos = torch.arange(t, device=sinks.device)
+        n_q = quantized_prefix(pos, self.scheme.residual, flush)
+        if self.prefill:
+            n_q = torch.where(pos < self.prefill, 0, n_q)
+        m = (pos[None, :] < n_q[:, None]) & ~sinks[:, None, :]
+        self._masks[t, flush] = m[:, None, None].to(dtype)
+        return self._masks[t, flush]
+
+    def _key_hat(self, i: int, layer: LayerScheme, key, sinks):
+        spec, p = layer.key, self.params
+        kwargs = {"exclude": sinks, "codebook": p.key_codebook.get(i)}
+        if i in p.key_range:
+            kwargs["static_range"] = tuple(r[None, :, None, :] for r in p.key_range[i])
+        smooth = p.key_smooth.get(i) if "key_smooth" not in self.fused else None
+        if layer.key_rotation:
+            seed = self.scheme.rotation_seed
+            rotated = hadamard_transform(key, seed=seed)
+            return hadamard_transform(fake_quantize(rotated, spec, **kwargs), seed=seed, inverse=True)
+        x = self._key_pre[i] if layer.key_position == "pre_rope" else key
+        s = smooth[None, :, None, :] if smooth is not None else None
+        x_hat = fake_quantize(x / s if s is not None else x, spec, **kwargs)
+        if s is not None:
+            x_hat = x_hat * s
+        if layer.key_position == "pre_rope":
+            cos, sin = (c.unsqueeze(1) for c in self._rope[i])
+            x_hat = x_hat * cos + _rotate_half(x_hat) * sin
+        return x_hat
+
+    def _value_hat(self, i: int, layer: LayerScheme, value, sinks):
+        spec, p = layer.value, self.params
+        kwargs = {"exclude": sinks, "codebook": p.value_codebook.get(i)}
+        if i in p.value_range:
+            kwargs["static_range"] = tuple(r[None, :, None, :] for r in p.value_range[i])
+        if layer.value_rotation and "value_rotation" not in self.fused:
+            seed = self.scheme.rotation_seed
+            rotated = hadamard_transform(value, seed=seed)
+            return hadamard_transform(fake_quantize(rotated, spec, **kwargs), seed=seed, inverse=True)
+        return fake_quantize(value, spec, **kwargs)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    sim = _ACTIVE.get()
+    assert sim is not None, "the kvcalib attention runs only inside a Simulator"
+    return sim.attend(module, query, key, value, attention_mask, scaling)
+
+
+AttentionInterface.register(ATTENTION, _attention)
+AttentionMaskInterface.register(ATTENTION, eager_mask)

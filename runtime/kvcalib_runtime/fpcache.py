@@ -1,0 +1,134 @@
+"""The full-precision KV cache: the reference implementation of the cache interface.
+
+The model never touches K/V storage itself: each attention layer hands its fresh q, k, v to
+the cache and gets the attention output back. A quantized cache implements the same five
+calls and is compared against this one.
+"""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from kvcalib_runtime.errors import CapacityError
+from kvcalib_runtime.rope import Rope
+
+
+class FullPrecisionCache:
+    """Keys and values of B sequences, stored as they are (post-RoPE keys), up to max_len each.
+
+    Storage (B sequences, Hkv KV heads of D channels, L layers):
+
+        keys     [L, B, Hkv, max_len, D]  dtype   post-RoPE keys; slot t = absolute position t
+        values   [L, B, Hkv, max_len, D]  dtype
+        lengths  LongTensor[B] on the CPU  tokens stored per sequence (so capacity checks and
+                                           slicing never wait for the device)
+
+    The cache interface — what `Transformer.forward` calls, in this order, for T new tokens:
+
+        positions(T) -> LongTensor[B, T] on the cache's device
+            absolute positions of the new tokens: lengths[:, None] + arange(T).
+        attend(layer, q, k, v, rope, positions) -> out [B, H, T, D], q's dtype
+            q [B, H, T, D] post-RoPE queries, k [B, Hkv, T, D] PRE-RoPE keys (after k_norm where
+            the architecture has one), v [B, Hkv, T, D], rope the model's `Rope`, positions the
+            tensor positions(T) returned. Stores k (with RoPE applied) and v at slots
+            lengths[b] .. lengths[b] + T - 1 of sequence b and returns softmax(q K^T / sqrt(D)) V
+            over the keys at slots <= positions[b, t] (earlier tokens and causal within the
+            new ones). H is a multiple of Hkv (GQA: query head h reads KV head h // (H / Hkv)).
+            Raises CapacityError, before storing anything, when lengths + T > max_len.
+        observe_hidden(layer, hidden [B, T, hidden_size])
+            the residual stream after decoder layer `layer` (for caches that predict sinks from
+            it); a no-op here.
+        commit(T)
+            the forward is done: lengths += T. Until then `lengths` counts only earlier tokens.
+
+    Also: `view(b)` a cache over sequence b alone (B = 1) sharing this storage and `lengths`
+    (per-prompt prefill without padding), `reset()` (forget every sequence; storage is kept)
+    and `bytes_per_token()` (storage per token of one sequence, all layers).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ):
+        shape = (num_layers, batch, kv_heads, max_len, head_dim)
+        self.keys = torch.zeros(shape, device=device, dtype=dtype)
+        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device="cpu")
+        self.max_len = max_len
+
+    def positions(self, T: int) -> torch.Tensor:
+        """LongTensor[B, T] on the cache's device: lengths[:, None] + arange(T)."""
+        pos = self.lengths[:, None] + torch.arange(T, device="cpu")
+        return pos.to(self.keys.device)
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: Rope,
+        positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """Store k (after RoPE), v and attend q over the stored keys; see the class docstring.
+
+        q [B, H, T, D], k/v [B, Hkv, T, D], positions LongTensor[B, T] -> [B, H, T, D].
+        """
+        B, _, T, _ = q.shape
+        longest = int(self.lengths.max())
+        if longest + T > self.max_len:
+            raise CapacityError(
+                f"the KV cache holds {self.lengths.tolist()} tokens per sequence and {T} more "
+                f"do not fit in max_len = {self.max_len}: build a larger cache or shorten the input"
+            )
+        keys, values = self.keys[layer], self.values[layer]  # [B, Hkv, max_len, D]
+        k = rope.apply(k, positions)
+        if B == 1:
+            start = int(self.lengths[0])
+            keys[:, :, start : start + T] = k
+            values[:, :, start : start + T] = v
+        else:
+            rows = torch.arange(B, device=positions.device)[:, None]  # [B, 1]
+            keys[rows, :, positions] = k.transpose(1, 2)  # indexed view is [B, T, Hkv, D]
+            values[rows, :, positions] = v.transpose(1, 2)
+        S = longest + T  # no sequence has a key at slot >= S
+        keys, values = keys[:, :, :S], values[:, :, :S]
+        mask, causal = None, False
+        if longest == 0:  # all sequences empty before: plain causal attention over T keys
+            causal = T > 1
+        elif not (B == 1 and T == 1):  # one query over its own keys needs no mask
+            slots = torch.arange(S, device=positions.device)
+            mask = (slots <= positions[..., None])[:, None]  # [B, 1, T, S]
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True
+        )
+
+    def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
+        """hidden [B, T, hidden_size]: unused by the full-precision cache."""
+
+    def commit(self, T: int) -> None:
+        """The T tokens of this forward are stored in every layer: count them."""
+        self.lengths += T
+
+    def view(self, b: int) -> "FullPrecisionCache":
+        """Sequence b alone (B = 1), sharing storage and lengths with this cache."""
+        view = copy.copy(self)
+        view.keys, view.values = self.keys[:, b : b + 1], self.values[:, b : b + 1]
+        view.lengths = self.lengths[b : b + 1]
+        return view
+
+    def reset(self) -> None:
+        """Forget every sequence (in place, so views stay attached)."""
+        self.lengths.zero_()
+
+    def bytes_per_token(self) -> int:
+        """Bytes stored per token of one sequence: keys and values of every layer and KV head."""
+        num_layers, _, kv_heads, _, head_dim = self.keys.shape
+        return 2 * num_layers * kv_heads * head_dim * self.keys.element_size()

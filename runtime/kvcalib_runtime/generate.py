@@ -1,0 +1,105 @@
+"""Batched generation: per-prompt prefill, then one decode step for all sequences at once.
+
+Each prompt is prefilled alone through `cache.view(b)`, so prompts of different lengths need no
+padding; decode then feeds one token per sequence (T = 1), each at its own position.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from kvcalib_runtime.errors import KvcalibRuntimeError
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+) -> torch.Tensor:
+    """Next tokens from logits float [B, vocab] -> LongTensor[B].
+
+    Greedy (argmax) when temperature == 0; otherwise softmax(logits / temperature) restricted to
+    the nucleus: the most likely tokens whose cumulative probability first reaches top_p (the
+    most likely token always stays).
+    """
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _check(prompts, max_new_tokens: int, temperature: float, top_p: float, cache) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise KvcalibRuntimeError("every prompt needs at least one token")
+    if max_new_tokens < 1:
+        raise KvcalibRuntimeError(f"max_new_tokens = {max_new_tokens}: ask for at least 1")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise KvcalibRuntimeError(
+            f"temperature = {temperature}, top_p = {top_p}: use temperature >= 0, 0 < top_p <= 1"
+        )
+    if len(cache.lengths) != len(prompts):
+        raise KvcalibRuntimeError(
+            f"the cache holds {len(cache.lengths)} sequences for {len(prompts)} prompts: "
+            "build it with batch = len(prompts)"
+        )
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    *,
+    cache,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_token_id: int | list[int] | None = None,
+    seed: int | None = None,
+    callback: Callable[[int, list[int | None]], None] | None = None,
+) -> list[list[int]]:
+    """Up to max_new_tokens new tokens for each prompt (token ids), as a list per prompt.
+
+    cache:         a cache with one sequence per prompt (see `FullPrecisionCache`); it is reset
+                   first, so its contents afterwards are the prompts and the generated tokens
+    temperature:   0 for greedy decoding, else sampling from softmax(logits / temperature)
+    top_p:         nucleus sampling mass (1.0 = the whole distribution); ignored when greedy
+    eos_token_id:  a sequence stops after producing one of these (it is included in its output)
+    seed:          seeds a torch.Generator for sampling; None uses torch's global generator
+    callback:      callback(step, tokens) after every step: tokens[b] is the token sequence b got
+                   at this step, None once it has stopped
+    """
+    _check(prompts, max_new_tokens, temperature, top_p, cache)
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    device = model.device
+    generator = None
+    if seed is not None and temperature > 0:
+        generator = torch.Generator(device=device).manual_seed(seed)
+    cache.reset()
+
+    last = []  # logits after each prompt: [1, vocab] each
+    for b, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, T_b]
+        last.append(model(ids, cache.view(b), last_only=True)[:, -1])
+    tokens = sample(torch.cat(last), temperature, top_p, generator)  # [B]
+
+    outputs: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for step in range(max_new_tokens):
+        got: list[int | None] = [None] * len(prompts)
+        for b, token in enumerate(tokens.tolist()):
+            if not done[b]:
+                outputs[b].append(token)
+                got[b], done[b] = token, token in eos
+        if callback is not None:
+            callback(step, got)
+        if all(done) or step == max_new_tokens - 1:
+            break
+        logits = model(tokens[:, None], cache, last_only=True)[:, -1]  # [B, vocab]
+        tokens = sample(logits, temperature, top_p, generator)
+    return outputs

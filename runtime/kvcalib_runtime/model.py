@@ -1,0 +1,285 @@
+"""The runtime's own Llama-family transformer (llama, mistral, qwen2, qwen3).
+
+Parameters carry exactly the Hugging Face names (`model.layers.{i}.self_attn.q_proj.weight`,
+...), so an HF safetensors checkpoint loads 1:1 and kvcalib's converted checkpoints need no
+renaming. The model owns no K/V storage: every attention layer hands q, k, v to a cache
+object (see `FullPrecisionCache` for the interface) and gets the attention output back, which
+is how a quantized cache plugs in.
+
+Not implemented: sliding-window attention (Mistral's `sliding_window`, Qwen2's
+`use_sliding_window`) — every layer attends to the whole cache, which equals the reference for
+sequences no longer than the window.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from tokenizers import Tokenizer
+from torch import nn
+
+from kvcalib_runtime import archs
+from kvcalib_runtime.errors import FormatError
+from kvcalib_runtime.fpcache import FullPrecisionCache
+from kvcalib_runtime.generate import generate as _generate
+from kvcalib_runtime.rope import Rope
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim, normalized in fp32 like HF: [..., n] -> [..., n]."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """GQA self-attention whose K/V history lives in the cache passed to `forward`."""
+
+    def __init__(self, config: dict, arch: archs.Arch, layer_idx: int):
+        super().__init__()
+        hidden, self.num_heads = config["hidden_size"], config["num_attention_heads"]
+        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
+        self.head_dim = head_dim = config.get("head_dim") or hidden // self.num_heads
+        self.layer_idx = layer_idx
+        qkv_bias = arch.has_qkv_bias(config)
+        # `attention_bias` covers all four projections; families with fixed q/k/v biases
+        # (qwen2: on, mistral: off) never bias o_proj.
+        o_bias = arch.qkv_bias is None and qkv_bias
+        self.q_proj = nn.Linear(hidden, self.num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden, bias=o_bias)
+        eps = config.get("rms_norm_eps", 1e-6)
+        self.q_norm = RMSNorm(head_dim, eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, eps) if arch.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cache, rope: Rope, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden], positions LongTensor[B, T] -> [B, T, hidden]."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope.apply(q.transpose(1, 2), positions)  # [B, H, T, D] post-RoPE
+        k = k.transpose(1, 2)  # [B, Hkv, T, D] pre-RoPE: the cache decides where RoPE goes
+        out = cache.attend(self.layer_idx, q, k, v, rope, positions)  # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), [B, T, hidden] -> [B, T, hidden]."""
+
+    def __init__(self, config: dict):
+        super().__init__()
+        hidden, inter = config["hidden_size"], config["intermediate_size"]
+        bias = bool(config.get("mlp_bias", False))
+        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=bias)
+        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)); [B, T, hidden] both ways."""
+
+    def __init__(self, config: dict, arch: archs.Arch, layer_idx: int):
+        super().__init__()
+        eps = config.get("rms_norm_eps", 1e-6)
+        self.self_attn = Attention(config, arch, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
+
+    def forward(self, h: torch.Tensor, cache, rope: Rope, positions: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cache, rope, positions)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def _check_config(config: dict) -> archs.Arch:
+    model_type = config.get("model_type")
+    arch = archs.lookup(model_type)
+    if arch is None:
+        raise FormatError(
+            f"model_type {model_type!r} in config.json is not supported: use one of "
+            f"{archs.supported()}"
+        )
+    if config.get("hidden_act", "silu") != "silu":
+        raise FormatError(f"hidden_act {config['hidden_act']!r} is not supported: only 'silu'")
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
+    if kv_heads and heads % kv_heads:
+        raise FormatError(
+            f"num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv_heads}"
+        )
+    return arch
+
+
+class Transformer(nn.Module):
+    """A Llama-family causal LM built from an HF config dict.
+
+    forward(input_ids LongTensor[B, T], cache) -> logits float32 [B, T, vocab]
+    """
+
+    def __init__(self, config: dict):
+        super().__init__()
+        arch = _check_config(config)
+        hidden, vocab = config["hidden_size"], config["vocab_size"]
+        self.config = config
+        self.rope = Rope(config)
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(vocab, hidden)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(config, arch, i) for i in range(config["num_hidden_layers"])
+        )
+        self.model.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def tied(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", False))
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def forward(self, input_ids: torch.Tensor, cache, *, last_only: bool = False) -> torch.Tensor:
+        """input_ids LongTensor[B, T] -> logits float32 [B, T, vocab] ([B, 1, vocab] with
+        `last_only`, which skips the LM head on every earlier token).
+
+        Appends the T tokens to `cache` (positions from `cache.positions(T)`), calling
+        `cache.observe_hidden` after every layer and `cache.commit(T)` at the end.
+        """
+        T = input_ids.shape[1]
+        positions = cache.positions(T)  # [B, T]
+        h = self.model.embed_tokens(input_ids)  # [B, T, hidden]
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cache, self.rope, positions)
+            cache.observe_hidden(i, h)
+        cache.commit(T)
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(self.model.norm(h)).float()
+
+    def new_cache(self, batch: int, max_len: int) -> FullPrecisionCache:
+        """A full-precision cache for `batch` sequences of up to `max_len` tokens."""
+        attn = self.model.layers[0].self_attn
+        return FullPrecisionCache(
+            len(self.model.layers),
+            batch,
+            attn.num_kv_heads,
+            attn.head_dim,
+            max_len,
+            self.device,
+            self.dtype,
+        )
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, cache=None, **options):
+        """`kvcalib_runtime.generate.generate` with a full-precision cache sized to the longest
+        prompt + max_new_tokens when `cache` is None. Returns the new tokens per prompt."""
+        if cache is None:
+            cache = self.new_cache(len(prompts), max(map(len, prompts), default=0) + max_new_tokens)
+        return _generate(self, prompts, max_new_tokens, cache=cache, **options)
+
+    @classmethod
+    def from_folder(
+        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> "Transformer":
+        """Load an HF-layout folder (config.json + model*.safetensors, single or sharded).
+
+        The model is built on the meta device and every tensor is read straight onto `device`;
+        dtype None keeps the checkpoint's. Parameters do not require grad.
+        """
+        folder = Path(path)
+        config = _read_json(folder / "config.json")
+        with torch.device("meta"):
+            model = cls(config)
+        files = _weight_files(folder)
+        expected = dict(model.named_parameters())  # tied lm_head.weight appears once, as embed
+        found = {name: file for file in files for name in _tensor_names(file)}
+        if model.tied:
+            found.pop(f"{archs.LM_HEAD}.weight", None)  # HF ties it whether saved or not
+        missing, unexpected = expected.keys() - found.keys(), found.keys() - expected.keys()
+        if missing:
+            raise FormatError(
+                f"{folder} lacks tensor(s) {sorted(missing)} that {config['model_type']} needs: "
+                "the checkpoint is incomplete"
+            )
+        if unexpected:
+            name = min(unexpected)
+            raise FormatError(
+                f"tensor {name!r} in {found[name]} is not part of a {config['model_type']} model "
+                f"with this config.json (and {len(unexpected) - 1} more)"
+            )
+        device = str(torch.device(device))
+        for file in files:
+            with safe_open(file, framework="pt", device=device) as f:
+                for name in (name for name, where in found.items() if where == file):
+                    model._assign(name, f.get_tensor(name), expected[name].shape, dtype)
+        if model.tied:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model.eval()
+
+    def _assign(self, name: str, tensor: torch.Tensor, shape: torch.Size, dtype) -> None:
+        if tensor.shape != shape:
+            raise FormatError(
+                f"tensor {name!r} has shape {list(tensor.shape)}, config.json implies {list(shape)}"
+            )
+        module, attr = name.rsplit(".", 1)
+        param = nn.Parameter(tensor if dtype is None else tensor.to(dtype), requires_grad=False)
+        setattr(self.get_submodule(module), attr, param)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise FormatError(f"{path} does not exist: point at a folder with an HF config.json")
+    return json.loads(path.read_text())
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The checkpoint's safetensors files: those of the shard index, else model*.safetensors.
+
+    Other safetensors in the folder (kvcalib's kv_params.safetensors) are not weights.
+    """
+    index = folder / INDEX_FILE
+    if index.is_file():
+        files = [folder / f for f in sorted(set(_read_json(index)["weight_map"].values()))]
+        for file in files:
+            if not file.is_file():
+                raise FormatError(f"{file} is listed in {index} but does not exist")
+        return files
+    files = sorted(folder.glob("model*.safetensors"))
+    if not files:
+        raise FormatError(f"{folder} has no model*.safetensors: it is not an HF checkpoint")
+    return files
+
+
+def _tensor_names(file: Path) -> list[str]:
+    with safe_open(file, framework="pt") as f:
+        return list(f.keys())
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a checkpoint folder, from its tokenizer.json."""
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        raise FormatError(f"{file} does not exist: the folder needs an HF tokenizer.json")
+    return Tokenizer.from_file(str(file))

@@ -1,0 +1,239 @@
+"""What a quantized KV cache stores, per layer, and the rule for when a token gets quantized.
+
+A `KVScheme` is the resolved, per-layer form of a recipe: what `kvcalib.json` records and what
+both the cache and kvcalib's one-pass simulation obey. `KVParams` holds the calibrated tensors
+a scheme refers to (static ranges, codebooks, the sink predictor).
+
+The decode rule. The cache keeps the most recent tokens in full precision (the residual window,
+R tokens) and moves older ones into the quantized body in blocks of F tokens (the flush block,
+per tensor). When the token at position t attends, the body holds positions [0, n_q(t)):
+
+    n_q(t) = min(F * ceil(max(0, t + 1 - R) / F), t)
+
+so the residual holds between R - F + 1 and R tokens, the current token is always exact, and
+with F = R keys are flushed R at a time (KIVI's keys) while F = 1 slides one token at a time
+(KIVI's values). Sink tokens — the first `sinks_first` positions, and up to `sink_budget`
+positions flagged by the sink predictor when they are flushed — stay in full precision; the body
+excludes them from its group ranges. A prompt prefilled in one chunk attends to itself in full
+precision and to the body as it stood before the chunk.
+"""
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from kvcalib_runtime.quant import QuantSpec
+
+KEY_POSITIONS = ("pre_rope", "post_rope")
+
+
+@dataclass(frozen=True)
+class LayerScheme:
+    """One layer's keys and values.
+
+    key, value:      how each is quantized, or None for full precision
+    key_position:    "pre_rope" (RoPE applied after dequantization) or "post_rope"
+    key_rotation:    online Hadamard on queries and keys after RoPE (QuaRot); not fusable
+    value_rotation:  Hadamard per KV head, fused into v_proj rows and o_proj columns
+    key_flush, value_flush: tokens moved from the residual window to the body at a time
+    """
+
+    key: QuantSpec | None
+    value: QuantSpec | None
+    key_position: str = "post_rope"
+    key_rotation: bool = False
+    value_rotation: bool = False
+    key_flush: int = 1
+    value_flush: int = 1
+
+    def __post_init__(self):
+        if self.key_position not in KEY_POSITIONS:
+            raise ValueError(f"key_position = {self.key_position!r}: use one of {KEY_POSITIONS}")
+        if self.key_rotation and self.key_position != "post_rope":
+            raise ValueError("the online key rotation acts after RoPE: use key_position post_rope")
+        for name, spec, flush in (
+            ("key", self.key, self.key_flush),
+            ("value", self.value, self.value_flush),
+        ):
+            if flush < 1:
+                raise ValueError(f"{name} flush = {flush} must be >= 1")
+            if spec is not None and spec.granularity == "channel" and flush % spec.group_size:
+                raise ValueError(
+                    f"{name} flush = {flush} must be a multiple of its token group "
+                    f"({spec.group_size}), so that flushed blocks hold whole groups"
+                )
+
+
+@dataclass(frozen=True)
+class KVScheme:
+    """A whole model's cache: one LayerScheme per decoder layer plus the shared token rules."""
+
+    layers: tuple[LayerScheme, ...]
+    residual: int = 0
+    sinks_first: int = 0
+    sink_budget: int = 0
+    rotation_seed: int | None = None
+
+    def __post_init__(self):
+        if self.residual < 0 or self.sinks_first < 0 or self.sink_budget < 0:
+            raise ValueError("residual, sinks_first and sink_budget must be >= 0")
+        for i, layer in enumerate(self.layers):
+            for name, spec, flush in (
+                ("key", layer.key, layer.key_flush),
+                ("value", layer.value, layer.value_flush),
+            ):
+                if spec is None:
+                    continue
+                if self.residual == 0 and flush != 1:
+                    raise ValueError(
+                        f"layer {i} {name}: with no residual window tokens are quantized one at "
+                        f"a time: set flush = 1 (is {flush}) or residual >= flush"
+                    )
+                if self.residual and flush > self.residual:
+                    raise ValueError(
+                        f"layer {i} {name}: flush = {flush} exceeds the residual window "
+                        f"{self.residual}: use flush <= residual"
+                    )
+
+    @property
+    def num_sink_slots(self) -> int:
+        return self.sinks_first + self.sink_budget
+
+    def to_json(self) -> dict:
+        return {
+            "residual": self.residual,
+            "sinks_first": self.sinks_first,
+            "sink_budget": self.sink_budget,
+            "rotation_seed": self.rotation_seed,
+            "layers": [asdict(layer) for layer in self.layers],
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "KVScheme":
+        layers = tuple(_layer_from_json(layer) for layer in obj["layers"])
+        return cls(
+            layers=layers,
+            residual=obj["residual"],
+            sinks_first=obj["sinks_first"],
+            sink_budget=obj["sink_budget"],
+            rotation_seed=obj["rotation_seed"],
+        )
+
+
+def _layer_from_json(obj: dict) -> LayerScheme:
+    obj = dict(obj)
+    for name in ("key", "value"):
+        obj[name] = QuantSpec(**obj[name]) if obj[name] is not None else None
+    return LayerScheme(**obj)
+
+
+def quantized_prefix(t: torch.Tensor, residual: int, flush: int) -> torch.Tensor:
+    """n_q(t): how many leading positions are in the quantized body when position t attends."""
+    over = (t + 1 - residual).clamp_min(0)
+    return torch.minimum((over + flush - 1) // flush * flush, t)
+
+
+def quantized_prefix_int(t: int, residual: int, flush: int) -> int:
+    return min(math.ceil(max(0, t + 1 - residual) / flush) * flush, t)
+
+
+def storage_bits(
+    scheme: KVScheme, kv_heads: int, head_dim: int, context: int, outlier_fraction: float = 0.0
+) -> dict[str, float]:
+    """What a cache following `scheme` really stores for one sequence of `context` tokens.
+
+    Bits and element counts, summed over layers and over keys and values, of three parts:
+    "body" (codes, metadata, codebooks and outliers of the n_q(context) oldest positions — sink
+    positions keep their unused body slot), "sinks" (every pre-allocated sink slot, exact) and
+    "residual" (the exact recent tokens; all tokens of a tensor left in full precision). Exact
+    elements cost METADATA_BITS (an fp16/bf16 cache). `outlier_fraction` is the measured
+    fraction of "static" outliers. Bits per element outside the residual window is
+    (body + sinks) / body_elements.
+    """
+    from kvcalib_runtime.quant import METADATA_BITS
+
+    per_token = kv_heads * head_dim
+    out = dict.fromkeys(("body", "sinks", "residual"), 0.0)
+    out.update(dict.fromkeys(("body_elements", "residual_elements"), 0))
+    for layer in scheme.layers:
+        for spec, flush in ((layer.key, layer.key_flush), (layer.value, layer.value_flush)):
+            body = quantized_prefix_int(context, scheme.residual, flush) if spec else 0
+            out["body_elements"] += body * per_token
+            out["residual_elements"] += (context - body) * per_token
+            out["residual"] += METADATA_BITS * (context - body) * per_token
+            if spec is not None:
+                out["body"] += spec.bits_per_element(head_dim, body, outlier_fraction) * body * per_token
+                out["sinks"] += METADATA_BITS * scheme.num_sink_slots * per_token
+    return out
+
+
+@dataclass(frozen=True)
+class SinkPredictor:
+    """Flags a token as an attention sink when max over `dims` of |h| exceeds `threshold`, h being
+    the residual stream after decoder layer `layer` (massive activations, Sun et al. 2024)."""
+
+    layer: int
+    dims: tuple[int, ...]
+    threshold: float
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., T, hidden_size] -> bool [..., T]."""
+        dims = torch.tensor(self.dims, device=hidden.device)
+        return hidden.index_select(-1, dims).abs().amax(-1) > self.threshold
+
+
+@dataclass
+class KVParams:
+    """Calibrated tensors, per layer index (absent when the scheme needs none).
+
+    key_range / value_range: (lo, hi), each float [Hkv, D], static per-channel ranges
+    key_codebook / value_codebook: float [L] or [Hkv, L], sorted normalized levels
+    key_smooth: float [Hkv, D], keys are divided by it and queries multiplied (RoPE-pair equal)
+    """
+
+    key_range: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    value_range: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    key_codebook: dict[int, torch.Tensor] = field(default_factory=dict)
+    value_codebook: dict[int, torch.Tensor] = field(default_factory=dict)
+    key_smooth: dict[int, torch.Tensor] = field(default_factory=dict)
+    sink_predictor: SinkPredictor | None = None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Flat safetensors names: layers.{i}.key_range_lo, ..., sink_predictor.dims."""
+        out = {}
+        for name in ("key_range", "value_range"):
+            for i, (lo, hi) in getattr(self, name).items():
+                out[f"layers.{i}.{name}_lo"] = lo
+                out[f"layers.{i}.{name}_hi"] = hi
+        for name in ("key_codebook", "value_codebook", "key_smooth"):
+            for i, t in getattr(self, name).items():
+                out[f"layers.{i}.{name}"] = t
+        if self.sink_predictor is not None:
+            sp = self.sink_predictor
+            out["sink_predictor.dims"] = torch.tensor(sp.dims, dtype=torch.int64)
+            out["sink_predictor.threshold"] = torch.tensor([sp.threshold], dtype=torch.float32)
+            out["sink_predictor.layer"] = torch.tensor([sp.layer], dtype=torch.int64)
+        return {k: v.contiguous() for k, v in out.items()}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "KVParams":
+        params = cls()
+        for name, t in tensors.items():
+            if name.startswith("sink_predictor."):
+                continue
+            _, i, key = name.split(".", 2)
+            i = int(i)
+            if key.endswith(("_lo", "_hi")):
+                base, end = key[:-3], key[-2:]
+                lo, hi = getattr(params, base).get(i, (None, None))
+                getattr(params, base)[i] = (t, hi) if end == "lo" else (lo, t)
+            else:
+                getattr(params, key)[i] = t
+        if "sink_predictor.dims" in tensors:
+            params.sink_predictor = SinkPredictor(
+                layer=int(tensors["sink_predictor.layer"][0]),
+                dims=tuple(int(d) for d in tensors["sink_predictor.dims"]),
+                threshold=float(tensors["sink_predictor.threshold"][0]),
+            )
+        return params

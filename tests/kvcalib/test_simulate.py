@@ -1,0 +1,137 @@
+"""The one-pass simulation is exactly a decoding cache: decode mode equals token-by-token
+generation through QuantizedKVCache, fake mode quantizes every position, fp16 is the model."""
+
+import pytest
+import torch
+from tiny import tiny_model
+
+from kvcalib.cache import QuantizedKVCache
+from kvcalib.simulate import Simulator
+from kvcalib_runtime.quant import QuantSpec
+from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
+
+T = 45
+
+
+def _scheme(model, key, value, **kw):
+    layer = kw.pop("layer", {})
+    n = model.config.num_hidden_layers
+    return KVScheme(tuple(LayerScheme(key, value, **layer) for _ in range(n)), **kw)
+
+
+def _static_params(model, ids, position):
+    """Static per-channel ranges (from the data itself, slightly clipped) for every layer."""
+    from kvcalib.hooks import Hooks, capture_keys, key_module
+
+    keys = {}
+    with Hooks(model) as hooks, torch.no_grad():
+        for i in range(model.config.num_hidden_layers):
+            hooks.forward(key_module(model, i), capture_keys(model, keys, i))
+        model(ids)
+    assert position == "pre_rope"
+    return KVParams(
+        key_range={i: (k[0].amin(1) * 0.8, k[0].amax(1) * 0.8) for i, k in keys.items()}
+    )
+
+
+CASES = {
+    # KIVI-like: keys per channel in groups of 4 tokens flushed 8 at a time, values sliding.
+    "kivi": dict(
+        key=QuantSpec(2, "channel", 4), value=QuantSpec(2, "token", 8), residual=8,
+        layer=dict(key_flush=8, value_flush=1),
+    ),
+    "per-token-no-window": dict(key=QuantSpec(3), value=QuantSpec(3), residual=0),
+    "rotated+sinks": dict(
+        key=QuantSpec(2), value=QuantSpec(2, symmetric=True), residual=4, sinks_first=2,
+        rotation_seed=3, layer=dict(key_rotation=True, value_rotation=True, key_flush=2,
+                                    value_flush=2),
+    ),
+    "pre-rope-static": dict(
+        key=QuantSpec(2, "static", outliers=0.01), value=QuantSpec(4, "token", 8), residual=6,
+        sinks_first=1, layer=dict(key_position="pre_rope", key_flush=3, value_flush=3),
+    ),
+}
+
+
+def _incremental(model, scheme, params, ids, prefill):
+    """Logits [T, vocab] from feeding ids through a QuantizedKVCache, prefill then one by one."""
+    out = []
+    with QuantizedKVCache(model, scheme, params, max_len=ids.shape[1]) as cache, torch.no_grad():
+        out.append(model(ids[:, :prefill], cache=cache).logits[0])
+        for t in range(prefill, ids.shape[1]):
+            out.append(model(ids[:, t : t + 1], cache=cache).logits[0])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("prefill", [1, 13])
+def test_decode_mode_equals_incremental_decoding(arch, case, prefill):
+    model = tiny_model(arch)
+    ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(1))
+    kw = dict(CASES[case])
+    scheme = _scheme(model, kw.pop("key"), kw.pop("value"), **kw)
+    pre_rope = scheme.layers[0].key_position == "pre_rope"
+    params = _static_params(model, ids, "pre_rope") if pre_rope else KVParams()
+    with torch.no_grad():
+        one_pass = Simulator(model, scheme, params, mode="decode", prefill=prefill)(ids)[0]
+        reference = model(ids).logits[0]
+    step = _incremental(model, scheme, params, ids, prefill)
+    err = (one_pass - step).abs().max() / step.abs().max()
+    # Same numerics, different summation order only: fp32 rounding, far below the effect of
+    # quantization itself (checked second, so the equality is not vacuous).
+    assert err < 1e-5, err
+    assert (one_pass - reference).abs().max() / reference.abs().max() > 1e-3
+
+
+def test_predicted_sinks_match_incremental_decoding():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states[1][0]  # after layer 0
+    threshold = float(hidden[:, 5].abs().quantile(0.8))  # flags ~20% of tokens on channel 5
+    params = KVParams(sink_predictor=SinkPredictor(layer=0, dims=(5,), threshold=threshold))
+    scheme = _scheme(
+        model, QuantSpec(2, "channel", 4), QuantSpec(2), residual=8, sinks_first=1,
+        sink_budget=3, layer=dict(key_flush=8, value_flush=4),
+    )
+    with torch.no_grad():
+        sim = Simulator(model, scheme, params, mode="decode", prefill=1)
+        one_pass = sim(ids)[0]
+    assert sim.sinks.sum() == 4  # token 0 + the budget of 3 predicted sinks
+    step = _incremental(model, scheme, params, ids, 1)
+    assert (one_pass - step).abs().max() / step.abs().max() < 1e-5
+
+
+def test_fake_mode_quantizes_every_position():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(3))
+    scheme = _scheme(model, QuantSpec(2), QuantSpec(2), residual=16)
+    with torch.no_grad():
+        fake = Simulator(model, scheme, mode="fake")(ids)[0]
+        decode = Simulator(model, scheme, mode="decode")(ids)[0]
+        reference = model(ids).logits[0]
+    # Position 0 attends only to itself: decode keeps it exact, fake quantizes it.
+    assert torch.allclose(decode[0], reference[0], atol=1e-5)
+    assert not torch.allclose(fake[0], reference[0], atol=1e-3)
+    assert (fake - reference).abs().mean() > (decode - reference).abs().mean()
+
+
+def test_full_precision_scheme_is_the_model_bit_for_bit():
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 128, (2, T))
+    scheme = _scheme(model, None, None)
+    with torch.no_grad():
+        assert torch.equal(Simulator(model, scheme, mode="decode")(ids), model(ids).logits)
+
+
+def test_hooks_are_removed_after_a_call():
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (1, 20))
+    with torch.no_grad():
+        before = model(ids).logits
+        Simulator(model, _scheme(model, QuantSpec(2), QuantSpec(2)), mode="fake")(ids)
+        after = model(ids).logits
+    assert torch.equal(before, after)
+    assert model.config._attn_implementation != "kvcalib"
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

@@ -1,0 +1,46 @@
+"""Tiny random transformers models of every supported family, for architecture coverage."""
+
+import torch
+
+
+TINY_CONFIGS = {
+    "llama": dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "mistral": dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "qwen2": dict(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
+    ),
+    "qwen3": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ),
+    "llama-hd80": dict(
+        hidden_size=160,
+        intermediate_size=256,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=80,
+    ),
+}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A random transformers model of a supported family, fp32, eval mode, 2 layers."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(TINY_CONFIGS[arch], num_hidden_layers=2, vocab_size=128)
+    kwargs.update(overrides)
+    config = AutoConfig.for_model(arch.split("-")[0], **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.1)
+    return model
