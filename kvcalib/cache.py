@@ -10,7 +10,8 @@ pre-RoPE keys, one handing the sink predictor its residual stream and committing
 — and removes them on exit.
 """
 
-import torch
+import dataclasses
+
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcalib.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
@@ -71,9 +72,12 @@ class QuantizedKVCache(Cache):
         self.fused = frozenset(fused)
         self.rope = Rope(cfg.to_dict())
         param = next(model.parameters())
+        stored = self.params  # unfused key smoothing is the store's to apply, fused is in weights
+        if "key_smooth" in self.fused:
+            stored = dataclasses.replace(stored, key_smooth={})
         self.store = QuantizedCache(
             scheme,
-            self.params,
+            stored,
             num_layers=cfg.num_hidden_layers,
             batch=batch,
             kv_heads=cfg.num_key_value_heads,
@@ -81,6 +85,7 @@ class QuantizedKVCache(Cache):
             max_len=max_len,
             device=param.device,
             dtype=param.dtype,
+            use_kernels=False,  # transformers attends itself: the reference path stores alone
         )
         self._key_pre = {}
         self._hooks = Hooks(model)
@@ -127,17 +132,12 @@ class QuantizedKVCache(Cache):
         """Stage layer i's new tokens and return all keys/values as the cache holds them."""
         layer = self.scheme.layers[i]
         k = self._key_pre.pop(i)
-        smooth = self.params.key_smooth.get(i) if "key_smooth" not in self.fused else None
-        if smooth is not None:
-            k = k / smooth[None, :, None, :]
         rotate_v = layer.value_rotation and "value_rotation" not in self.fused
         seed = self.scheme.rotation_seed
         v = hadamard_transform(value_states, seed=seed) if rotate_v else value_states
         positions = self.store.positions(k.shape[2])
         self.store.stage(i, k, v, self.rope, positions)
         keys, values, _ = self.store.materialize(i, self.rope)
-        if smooth is not None:
-            keys = keys * smooth[None, :, None, :]
         if rotate_v:
             values = hadamard_transform(values, seed=seed, inverse=True)
         return keys.to(key_states.dtype), values.to(value_states.dtype)

@@ -32,3 +32,186 @@ def inspect(path):
     from kvcalib.inspect import summary
 
     click.echo(summary(path))
+
+
+# Commands defined next to the code they drive.
+
+
+@main.command("eval")
+@click.argument("model", required=False)
+@click.option("--recipe", "recipes", multiple=True, help="Preset name or TOML path (repeat).")
+@click.option("--profile", type=click.Path(), help="Calibration profile folder.")
+@click.option("--data", type=click.Path(), help=".txt, .jsonl, builtin:licenses or builtin:chat (default: built-in text).",
+)
+@click.option("--seq-len", default=1024, show_default=True)
+@click.option("--windows", default=4, show_default=True)
+@click.option("--mode", type=click.Choice(["fake", "decode"]), default="decode", show_default=True)
+@click.option("--passkey", is_flag=True, help="Also measure passkey retrieval at 1K/2K/4K.")
+@click.option("--plots", type=click.Path(), help="Write key-error and token-0 plots here.")
+@click.option("--json", "json_out", type=click.Path(), help="Write the results as JSON.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--dtype", default="float32", show_default=True)
+def eval_(
+    model, recipes, profile, data, seq_len, windows, mode, passkey, plots, json_out, device, dtype
+):
+    """Measure KV recipes against full precision on the same text (MODEL: default
+    smollm2-135m, or a converted folder, evaluated with its own side-car)."""
+    import json
+
+    import torch
+
+    from kvcalib.evaluation import evaluate, format_table
+
+    results = evaluate(
+        model,
+        list(recipes),
+        profile=profile,
+        data=data,
+        seq_len=seq_len,
+        windows=windows,
+        mode=mode,
+        passkey=passkey,
+        plots=plots,
+        device=device,
+        dtype=getattr(torch, dtype),
+    )
+    click.echo(format_table(results))
+    for r in results:
+        for note in r.notes:
+            click.echo(f"note: {r.recipe}: {note}", err=True)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump([r.to_json() for r in results], f, indent=2)
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("--profile", "profile", default=None, help="Profile folder from kvcalib calibrate.")
+@click.option("--recipe", required=True, help="Preset name or recipe TOML file.")
+@click.option("-o", "--output", required=True, help="Folder to write (atomically).")
+@click.option("--force", is_flag=True, help="Replace an existing output folder.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16", "bfloat16"]),
+    default=None,
+    help="dtype of the floating weights written (default: the source's).",
+)
+@click.option(
+    "--max-shard-size",
+    default="5GB",
+    show_default=True,
+    help="Largest weight file, e.g. 5GB, 500MiB.",
+)
+@click.option(
+    "--rotate-residual",
+    is_flag=True,
+    help="Also fuse a Hadamard rotation of the residual stream (QuaRot R1).",
+)
+@click.option(
+    "--export",
+    type=click.Choice(["vllm-fp8"]),
+    default=None,
+    help="Add compressed-tensors FP8 KV-cache scales for vLLM (needs --profile).",
+)
+def convert(model, profile, recipe, output, force, dtype, max_shard_size, rotate_residual, export):
+    """Fuse a recipe's rotations and scalings into MODEL's weights (default: smollm2-135m)."""
+    from kvcalib.conversion import convert as convert_model
+
+    path = convert_model(
+        model,
+        recipe=recipe,
+        output=output,
+        profile=profile,
+        force=force,
+        dtype=dtype,
+        max_shard_size=max_shard_size,
+        rotate_residual=rotate_residual,
+        export=export,
+    )
+    click.echo(f"wrote {path}")
+
+
+@main.command("calibrate")
+@click.argument("model", required=False)
+@click.option(
+    "-o", "--output", required=True, type=click.Path(), help="Profile folder to write (atomically)."
+)
+@click.option(
+    "--data",
+    type=click.Path(),
+    default=None,
+    help=".txt, .jsonl, builtin:licenses or builtin:chat (default: built-in calibration text).",
+)
+@click.option(
+    "--num-samples",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Calibration windows.",
+)
+@click.option(
+    "--seq-len",
+    type=click.IntRange(min=16),
+    default=512,
+    show_default=True,
+    help="Tokens per window.",
+)
+@click.option("--seed", default=0, show_default=True, help="Seed of the window starts.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16", "bfloat16"]),
+    default="float32",
+    show_default=True,
+)
+@click.option("--force", is_flag=True, help="Replace an existing profile folder.")
+def calibrate_(model, output, data, num_samples, seq_len, seed, device, dtype, force):
+    """Profile MODEL's KV cache on calibration text (default: smollm2-135m): ranges, outlier
+    channels, attention sinks, sink predictor, sensitivity and codebooks."""
+    from kvcalib.calibration import calibrate
+    from kvcalib.profile import profile_summary
+
+    profile = calibrate(
+        model,
+        output,
+        data=data,
+        num_samples=num_samples,
+        seq_len=seq_len,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        force=force,
+    )
+    click.echo(profile_summary(profile.path))
+    click.echo(f"wrote {profile.path} (report: {profile.path / 'report.html'})")
+
+
+@main.command("generate")
+@click.argument("converted_dir")
+@click.option("--prompt", required=True, help="Text to complete.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--device", default=None, help="Torch device (default: cuda if available, else cpu).")
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0.0),
+    default=0.0,
+    show_default=True,
+    help="0 is greedy decoding.",
+)
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the folder's chat template.")
+def generate_(converted_dir, prompt, max_new_tokens, device, temperature, chat):
+    """Stream a converted checkpoint's completion of --prompt through its quantized KV cache,
+    then print decode tokens/s and the cache's bytes per token against fp16."""
+    from kvcalib.generate import format_report, generate_text
+
+    report = generate_text(
+        converted_dir,
+        prompt,
+        max_new_tokens=max_new_tokens,
+        device=device,
+        temperature=temperature,
+        chat=chat,
+        on_text=lambda text: click.echo(text, nl=False),
+    )
+    click.echo()
+    click.echo(format_report(report))

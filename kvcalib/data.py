@@ -5,8 +5,20 @@ with every CPython). Its topics are split once, deterministically, into a calibr
 an evaluation part that share no text: topics are taken in the order of the SHA-256 of their
 names into the evaluation part until it holds EVAL_FRACTION of the characters; the rest is
 calibration text, minus every paragraph that also appears in the evaluation part (the topics
-repeat each other's paragraphs, ~50K characters of them). Otherwise `data`
-is a path to a `.txt` file or a `.jsonl` file whose lines are objects with a "text" field.
+repeat each other's paragraphs, ~50K characters of them).
+
+Two more built-in texts, for measuring away from the calibration distribution:
+
+    builtin:licenses  the free-software licenses Debian ships in /usr/share/common-licenses
+                      (GPL-3, GFDL-1.3, MPL-2.0, Apache-2.0, LGPL-3, Artistic, CC0-1.0; ~25K
+                      tokens of legal English, neither Python documentation nor calibration text)
+    builtin:chat      multi-turn conversations in the model's own chat template: a user asks
+                      about a topic, the assistant answers with its documentation, four turns a
+                      conversation; the topics of the split (so evaluation chats share no text
+                      with calibration). Turn boundaries are where later attention sinks appear.
+
+Otherwise `data` is a path to a `.txt` file or a `.jsonl` file whose lines are objects with a
+"text" field.
 """
 
 import functools
@@ -21,6 +33,11 @@ from kvcalib.errors import DataError
 
 EVAL_FRACTION = 0.3
 SPLITS = ("calibration", "evaluation")
+LICENSES = Path("/usr/share/common-licenses")
+LICENSE_FILES = ("GPL-3", "GFDL-1.3", "MPL-2.0", "Apache-2.0", "LGPL-3", "Artistic", "CC0-1.0")
+BUILTINS = ("builtin:licenses", "builtin:chat")
+CHAT_TURNS = 4
+CHAT_ANSWER_CHARS = 2000
 
 
 @functools.cache
@@ -59,10 +76,47 @@ def _builtin_text(split: str) -> str:
     return "\n\n".join(p for p in paragraphs.split("\n\n") if p not in seen)
 
 
-def read_text(data: str | Path | None, split: str) -> str:
-    """The text of `data` (a path), or of one split of the built-in corpus when `data` is None."""
+def _licenses() -> str:
+    missing = [n for n in LICENSE_FILES if not (LICENSES / n).is_file()]
+    if missing:
+        raise DataError(
+            f"--data builtin:licenses reads {LICENSES}, which lacks {', '.join(missing)}: "
+            "install Debian's base-files package or pass a .txt file"
+        )
+    return "\n\n".join((LICENSES / n).read_text(encoding="utf-8") for n in LICENSE_FILES)
+
+
+def _chat(tokenizer, split: str) -> str:
+    """The split's topics as multi-turn conversations in the tokenizer's chat template."""
+    from pydoc_data.topics import topics
+
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError("--data builtin:chat needs a tokenizer with a chat template")
+    names = builtin_topics(split)
+    chats = []
+    for start in range(0, len(names), CHAT_TURNS):
+        messages = []
+        for name in names[start : start + CHAT_TURNS]:
+            messages.append({"role": "user", "content": f"What does Python's {name!r} do?"})
+            answer = topics[name].strip()[:CHAT_ANSWER_CHARS]
+            messages.append({"role": "assistant", "content": answer})
+        chats.append(tokenizer.apply_chat_template(messages, tokenize=False))
+    return "".join(chats)
+
+
+def _check_builtin(data: str) -> None:
+    if data not in BUILTINS:
+        raise DataError(f"--data {data}: unknown built-in text; use one of {', '.join(BUILTINS)}")
+
+
+def read_text(data: str | Path | None, split: str, tokenizer=None) -> str:
+    """The text of `data` (a path or a built-in name), or of one split of the built-in corpus
+    when `data` is None; `builtin:chat` needs the tokenizer for its chat template."""
     if data is None:
         return _builtin_text(split)
+    if str(data).startswith("builtin:"):
+        _check_builtin(str(data))
+        return _licenses() if data == "builtin:licenses" else _chat(tokenizer, split)
     path = Path(data)
     if not path.is_file():
         raise DataError(f"--data {data}: no such file; pass a .txt or .jsonl file")
@@ -95,6 +149,11 @@ def describe(data: str | Path | None, split: str) -> str:
     if data is None:
         version = ".".join(map(str, sys.version_info[:3]))
         return f"builtin:pydoc_data.topics[{split}] (Python {version})"
+    if str(data).startswith("builtin:"):
+        _check_builtin(str(data))
+        if data == "builtin:licenses":
+            return f"builtin:licenses ({LICENSES}: {', '.join(LICENSE_FILES)})"
+        return f"builtin:chat[{split}] (pydoc_data.topics in the model's chat template)"
     digest = hashlib.sha256(Path(data).read_bytes()).hexdigest()
     return f"{Path(data).resolve()} (sha256 {digest[:16]})"
 
@@ -106,7 +165,7 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
 
 
 def _tokens(tokenizer, data, split) -> torch.Tensor:
-    return tokenize(tokenizer, read_text(data, split))
+    return tokenize(tokenizer, read_text(data, split, tokenizer))
 
 
 def _too_short(data, split, have: int, need: str) -> DataError:
@@ -127,13 +186,13 @@ def calibration_windows(
 
 
 def eval_windows(tokenizer, data=None, *, windows: int, seq_len: int) -> torch.Tensor:
-    """`windows` non-overlapping windows [W, seq_len]: evenly spaced over the built-in evaluation
+    """`windows` non-overlapping windows [W, seq_len]: evenly spaced over a built-in evaluation
     text, or the first W consecutive ones of a `--data` file (the usual perplexity convention)."""
     ids = _tokens(tokenizer, data, "evaluation")
     if len(ids) < windows * seq_len:
         raise _too_short(
             data, "evaluation", len(ids), f"{windows} windows of {seq_len} need {windows * seq_len}"
         )
-    spread = data is None and windows > 1
+    spread = (data is None or str(data).startswith("builtin:")) and windows > 1
     stride = (len(ids) - seq_len) // (windows - 1) if spread else seq_len
     return torch.stack([ids[i * stride : i * stride + seq_len] for i in range(windows)])

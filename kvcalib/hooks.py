@@ -1,11 +1,11 @@
 """Owned hooks: everything kvcalib attaches to a model goes through one owner that removes it.
 
-    with Hooks(model) as hooks:
-        hooks.forward(module, fn)            # fn(module, args, output)
-        hooks.pre_forward(module, fn)        # fn(module, args, kwargs)
-        hooks.attention("kvcalib")           # route attention through kvcalib's function
-        model(ids)
-    # the model is exactly as before: no hooks, its own attention implementation
+with Hooks(model) as hooks:
+    hooks.forward(module, fn)            # fn(module, args, output)
+    hooks.pre_forward(module, fn)        # fn(module, args, kwargs)
+    hooks.attention("kvcalib")           # route attention through kvcalib's function
+    model(ids)
+# the model is exactly as before: no hooks, its own attention implementation
 """
 
 import torch
@@ -70,7 +70,8 @@ def capture_keys(model, store: dict, layer: int):
 
 
 def key_module(model, layer: int) -> torch.nn.Module:
-    """The module whose output is the pre-RoPE key: k_norm where keys are normalized, else k_proj."""
+    """The module whose output is the pre-RoPE key: k_norm where keys are normalized, else
+    k_proj."""
     arch = archs.lookup(model.config.model_type)
     attn = decoder_layers(model)[layer].self_attn
     return attn.k_norm if arch.qk_norm else attn.k_proj

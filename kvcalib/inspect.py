@@ -43,7 +43,7 @@ def summary(path: str | None) -> str:
 
         return profile_summary(Path(path))
     if path is not None and (Path(path) / "kvcalib.json").is_file():
-        from kvcalib.convert import checkpoint_summary
+        from kvcalib.conversion import checkpoint_summary
 
         return checkpoint_summary(Path(path))
     return model_summary(path)

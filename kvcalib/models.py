@@ -12,18 +12,16 @@ A GGUF is dequantized once (about 20 s for the default model) into a safetensors
 the user's cache directory, keyed by the GGUF's SHA-256; later loads read that folder.
 """
 
-import contextlib
 import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kvcalib import atomic
 from kvcalib.errors import ModelError
 from kvcalib_runtime import archs
 
@@ -132,14 +130,34 @@ def _from_hub_cache(repo_id: str) -> ModelSource:
 
 
 def _folder_fingerprint(path: Path) -> str:
-    """SHA-256 over the folder's safetensors files (or the GGUF hash a cached folder records)."""
+    """SHA-256 over the folder's safetensors files; a folder kvcalib dequantized from a GGUF
+    carries its GGUF's hash instead (trusted only inside kvcalib's own cache)."""
     source = path / _SOURCE_FILE
-    if source.is_file():
+    if source.is_file() and path.resolve().parent == (cache_dir() / "gguf").resolve():
         return json.loads(source.read_text())["sha256"]
     h = hashlib.sha256()
     for f in sorted(path.glob("*.safetensors")):
-        h.update(f.name.encode() + sha256_file(f).encode())
+        h.update(f.name.encode() + cached_sha256(f).encode())
     return h.hexdigest()
+
+
+def cached_sha256(path: Path) -> str:
+    """sha256_file, remembered per (path, size, mtime) in the cache directory: a multi-GB
+    checkpoint is hashed once, not at every command."""
+    stat = path.stat()
+    key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    memo = cache_dir() / "sha256.json"
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, json.JSONDecodeError):
+        known = {}
+    if key not in known:
+        known[key] = sha256_file(path)
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known))
+        tmp.replace(memo)
+    return known[key]
 
 
 def _gguf_architecture(path: Path) -> str:
@@ -153,7 +171,7 @@ def _gguf_architecture(path: Path) -> str:
 
 
 def _from_gguf(path: Path, spec: str) -> ModelSource:
-    digest = sha256_file(path)
+    digest = cached_sha256(path)
     folder = cache_dir() / "gguf" / f"{path.stem}-{digest[:16]}"
     if not (folder / _SOURCE_FILE).is_file():
         arch = _gguf_architecture(path)
@@ -167,12 +185,11 @@ def _from_gguf(path: Path, spec: str) -> ModelSource:
 
 
 def _dequantize_gguf(path: Path, digest: str, folder: Path) -> None:
-    """Load the GGUF through transformers and save it as a plain safetensors folder, atomically."""
+    """Load the GGUF through transformers and save it as a plain safetensors folder, atomically
+    (a concurrent writer of the same GGUF writes the same bytes: the later one replaces it)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+    with atomic.staging(folder, force=True) as tmp:
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32
@@ -183,10 +200,6 @@ def _dequantize_gguf(path: Path, digest: str, folder: Path) -> None:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / _SOURCE_FILE).write_text(json.dumps({"gguf": path.name, "sha256": digest}))
-        with contextlib.suppress(OSError):  # another process finished first: same content
-            tmp.rename(folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def head_dim(config) -> int:

@@ -7,13 +7,17 @@ codebooks, smoothing scales, the sink predictor, per-layer sensitivities for bit
 import dataclasses
 
 from kvcalib.errors import ProfileError, RecipeError
+from kvcalib.models import head_dim
 from kvcalib.recipe import Recipe, TensorRecipe, load_recipe
 from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme
 
 
 def codebook_variant(name: str, t: TensorRecipe) -> str:
-    """The profile's name for the normalized domain a codebook of this tensor recipe lives in."""
-    parts = [name, t.granularity]
+    """The profile's name for the normalized domain a codebook of this tensor recipe lives in:
+    tensor, granularity with its group size, key position, rotation, symmetry, e.g.
+    "key:channel64:pre_rope" or "value:token:hadamard:symmetric". (Clip ratio and outlier
+    fraction do not enter: levels are fitted to the unclipped, 1%-outlier-free domain.)"""
+    parts = [name, f"{t.granularity}{t.group_size or ''}"]
     if name == "key":
         parts.append(t.position)
     if t.rotation != "none":
@@ -30,8 +34,11 @@ def flush_of(t: TensorRecipe, residual: int) -> int:
     return residual if t.granularity == "channel" and residual else 1
 
 
-def plan(recipe: Recipe, *, num_layers: int, profile=None) -> tuple[KVScheme, KVParams]:
-    """The per-layer scheme and calibrated tensors of `recipe` for a model of `num_layers`."""
+def plan(
+    recipe: Recipe, *, num_layers: int, head_dim: int | None = None, profile=None
+) -> tuple[KVScheme, KVParams]:
+    """The per-layer scheme and calibrated tensors of `recipe` for a model of `num_layers`
+    decoder layers (and heads of `head_dim` channels, checked against token groups)."""
     where = f"recipe {recipe.name}"
     if recipe.external:
         raise RecipeError(f"{where} runs through {recipe.external}, not kvcalib's cache")
@@ -56,6 +63,10 @@ def plan(recipe: Recipe, *, num_layers: int, profile=None) -> tuple[KVScheme, KV
                     value_flush=flush_of(value, recipe.residual),
                 )
             )
+            if head_dim is not None:
+                for spec in (layers[-1].key, layers[-1].value):
+                    if spec is not None and spec.granularity == "token":
+                        spec.channel_group(head_dim)
         except ValueError as e:
             raise RecipeError(f"{where}, layer {i}: {e}") from None
         if profile is not None:
@@ -128,4 +139,5 @@ def plan_for_model(model, recipe, profile=None) -> tuple[KVScheme, KVParams]:
     """`plan` for a transformers model; `recipe` is a Recipe, a preset name or a path."""
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
-    return plan(recipe, num_layers=model.config.num_hidden_layers, profile=profile)
+    cfg = model.config
+    return plan(recipe, num_layers=cfg.num_hidden_layers, head_dim=head_dim(cfg), profile=profile)

@@ -20,9 +20,10 @@ to the residual window for "channel" granularity (KIVI flushes keys R at a time)
 
 import dataclasses
 import difflib
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 from kvcalib.errors import RecipeError
 from kvcalib_runtime.quant import QuantSpec
@@ -309,13 +310,17 @@ def _check_combinations(r: Recipe, where: str) -> None:
         fail("sinks.budget reserves slots for predicted sinks: set sinks.predicted = true")
     k = r.key
     if k.rotation == "hadamard" and k.position != "post_rope":
-        fail("key.rotation = 'hadamard' is the online rotation after RoPE: set key.position = "
-             "'post_rope'")
+        fail(
+            "key.rotation = 'hadamard' is the online rotation after RoPE: set key.position = "
+            "'post_rope'"
+        )
     for name in ("key", "value"):
         t = getattr(r, name)
         if t.quantized and t.granularity == "static" and t.rotation != "none":
-            fail(f"{name}: static ranges are calibrated unrotated; use rotation 'none' or a "
-                 "dynamic granularity")
+            fail(
+                f"{name}: static ranges are calibrated unrotated; use rotation 'none' or a "
+                "dynamic granularity"
+            )
     if k.smooth and k.rotation != "none":
         fail("key.smooth scales channels, which a Hadamard rotation would mix: pick one")
     if not 0 <= k.smooth <= 1:

@@ -15,6 +15,7 @@ are not applied again; the others are applied online and undone after dequantiza
 the same function.
 """
 
+import contextlib
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -172,10 +173,8 @@ class Simulator:
 
         with Hooks(self.model) as hooks:
             hooks.forward(decoder_layers(self.model)[layer], stop)
-            try:
+            with contextlib.suppress(_EarlyExit):
                 self.model(input_ids)
-            except _EarlyExit:
-                pass
         return self._predicted
 
     def _first_sinks(self, input_ids) -> torch.Tensor:
@@ -206,7 +205,11 @@ class Simulator:
         if self.mode == "fake":
             keep = sinks[:, None, :, None]
             k = torch.where(keep, key, key_hat)[:, :, None] if key_hat is not None else k_exact
-            v = torch.where(keep, value, value_hat)[:, :, None] if value_hat is not None else v_exact
+            v = (
+                torch.where(keep, value, value_hat)[:, :, None]
+                if value_hat is not None
+                else v_exact
+            )
             probs = torch.softmax((q @ k.transpose(-1, -2)) * scaling + mask, -1, torch.float32)
             out = probs.to(v.dtype) @ v
         else:
@@ -250,7 +253,9 @@ class Simulator:
         if layer.key_rotation:
             seed = self.scheme.rotation_seed
             rotated = hadamard_transform(key, seed=seed)
-            return hadamard_transform(fake_quantize(rotated, spec, **kwargs), seed=seed, inverse=True)
+            return hadamard_transform(
+                fake_quantize(rotated, spec, **kwargs), seed=seed, inverse=True
+            )
         x = self._key_pre[i] if layer.key_position == "pre_rope" else key
         s = smooth[None, :, None, :] if smooth is not None else None
         x_hat = fake_quantize(x / s if s is not None else x, spec, **kwargs)
@@ -269,7 +274,9 @@ class Simulator:
         if layer.value_rotation and "value_rotation" not in self.fused:
             seed = self.scheme.rotation_seed
             rotated = hadamard_transform(value, seed=seed)
-            return hadamard_transform(fake_quantize(rotated, spec, **kwargs), seed=seed, inverse=True)
+            return hadamard_transform(
+                fake_quantize(rotated, spec, **kwargs), seed=seed, inverse=True
+            )
         return fake_quantize(value, spec, **kwargs)
 
 

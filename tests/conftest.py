@@ -1,7 +1,13 @@
-"""Shared fixtures: the real default model (loaded once per session) and tiny random models."""
+"""Shared fixtures: the real default model (loaded once per session)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels run on the CPU through its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,4 +28,3 @@ def real_model():
     for p in model.parameters():
         p.requires_grad_(False)
     return model, tokenizer
-

@@ -2,7 +2,6 @@
 
 import torch
 
-
 TINY_CONFIGS = {
     "llama": dict(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
@@ -44,3 +43,19 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
             if p.dim() == 2:
                 p.normal_(0, 0.1)
     return model
+
+
+def save_with_tokenizer(model, path):
+    """Save a tiny model as a Hugging Face folder with an ASCII tokenizer: one token per
+    character (ids = code points), decoded back by concatenation. Returns the folder."""
+    from tokenizers import Regex, Tokenizer, decoders
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Split
+
+    model.save_pretrained(path)
+    vocab = {chr(i): i for i in range(model.config.vocab_size)}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="?"))
+    tokenizer.pre_tokenizer = Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return path

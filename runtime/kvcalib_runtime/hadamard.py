@@ -186,33 +186,56 @@ def orthogonal_hadamard(
     return q.mul_(scale.to(dtype=dtype, device=device)[:, None])
 
 
+_RADIX = 128  # largest dense Sylvester block of the blocked fast transform
+
+
+def _kron_factors(n: int, h: int) -> list[int]:
+    """Orders of the dense factors whose Kronecker product is H_n: h, then blocks of <= _RADIX."""
+    sizes, s = ([h] if h > 1 else []), n // h
+    while s > 1:
+        r = min(s, _RADIX)
+        sizes.append(r)
+        s //= r
+    return sizes or [1]
+
+
+def _apply(x: torch.Tensor, mats: list[torch.Tensor]) -> torch.Tensor:
+    """x @ kron(*mats) along the last dim, one dense matmul per factor axis."""
+    lead = x.shape[:-1]
+    y = x.reshape(*lead, *(m.shape[0] for m in mats))
+    k = len(mats)
+    for i, m in enumerate(mats):
+        axis = len(lead) + i
+        y = (y.movedim(axis, -1) @ m).movedim(-1, axis) if i < k - 1 else y @ m
+    return y.reshape(x.shape)
+
+
 def fwht(x: torch.Tensor) -> torch.Tensor:
     """Unnormalized fast Walsh-Hadamard transform x @ H_n along the last dim (n a power of two).
 
-    Same shape and dtype as x; log2(n) butterfly stages, O(n log n) per row.
+    Same shape and dtype as x. Blocked: H_n = kron of dense Sylvester blocks of at most 128, each
+    applied as one matmul over its axis — O(n log n)-like work (n * sum of block orders) with
+    large, vectorized steps instead of log2(n) tiny butterfly stages.
     """
     n = x.shape[-1]
     if n < 1 or n & (n - 1):
         raise ValueError(f"fwht needs a power-of-two last dimension, got n = {n}")
-    lead = x.shape[:-1]
-    y, half = x, 1
-    while half < n:  # pair index i with i + half inside blocks of 2 * half
-        y = y.reshape(*lead, n // (2 * half), 2, half)
-        a, b = y[..., 0, :], y[..., 1, :]
-        y = torch.stack((a + b, a - b), dim=-2)
-        half *= 2
-    return y.reshape(x.shape)
+    mats = [_sylvester(r, x.dtype, x.device) for r in _kron_factors(n, 1)]
+    return _apply(x, mats)
 
 
 @functools.lru_cache(maxsize=64)
 def _transform_factors(
     n: int, seed: int | None, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Internal cache: (H_h / sqrt(n), signs) in dtype on device; only read, never handed out."""
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """Internal cache: the dense factors of H_n, each scaled by 1/sqrt(order), and the signs."""
     h, _ = _decompose(n)
-    base = (_base_matrix(h).double() * n**-0.5).to(dtype=dtype, device=device)
+    mats = []
+    for i, r in enumerate(_kron_factors(n, h)):
+        m = _base_matrix(h) if i == 0 and h > 1 else _sylvester(r, torch.int8, None)
+        mats.append((m.double() * r**-0.5).to(dtype=dtype, device=device))
     signs = None if seed is None else random_signs(n, seed).to(dtype=dtype, device=device)
-    return base, signs
+    return tuple(mats), signs
 
 
 def hadamard_transform(
@@ -221,19 +244,15 @@ def hadamard_transform(
     """Rotate the last dim by Q = orthogonal_hadamard(n, seed): y = x @ Q, or x = y @ Q.T.
 
     Any leading shape, same shape out; floating x keeps its dtype (others compute in float32).
-    With H = kron(H_h, H_s) and the last dim viewed as (h, s): x @ H = H_h^T @ X @ H_s, where
-    X @ H_s is `fwht` and the product with H_h^T a small dense (h, h) matmul.
+    H = kron(H_h, S_1, ..., S_k) with dense factors (the Paley/Sylvester base and Sylvester
+    blocks of <= 128), so x @ H is one small matmul per factor over its axis of x.
     """
     if not x.is_floating_point():
         x = x.float()
-    n = x.shape[-1]
-    base, signs = _transform_factors(n, seed, x.dtype, x.device)
-    h = base.shape[0]
+    mats, signs = _transform_factors(x.shape[-1], seed, x.dtype, x.device)
     if signs is not None and not inverse:
         x = x * signs
-    y = fwht(x.reshape(*x.shape[:-1], h, n // h))
-    y = torch.matmul(base if inverse else base.mT, y) if h > 1 else y * base
-    y = y.reshape(x.shape)
+    y = _apply(x, [m.T for m in mats] if inverse else list(mats))
     if signs is not None and inverse:
         y = y * signs
     return y

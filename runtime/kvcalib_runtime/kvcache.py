@@ -4,14 +4,11 @@ It implements the cache interface of `FullPrecisionCache` (positions / attend / 
 commit / view / reset) and follows the decode rule of `kvcalib_runtime.scheme`. Storage, per
 layer, for B sequences of up to N tokens, Hkv KV heads of D channels:
 
-    body codes   uint8 [B, Hkv, N, ceil(D * bits / 8)]  b-bit codes of each token, packed along
-                 channels (kvcalib_runtime.packing); slot t = position t
-    body scale   dtype [B, Hkv, N, D / g]   ("token": one per group of g channels of a token)
-                 dtype [B, Hkv, N / G, D]   ("channel": one per group of G tokens of a channel)
-                 absent for "static" (the calibrated range in KVParams); offset likewise, absent
-                 when symmetric
-    body exact   dtype [B, Hkv, N, D] + bool mask, only when the scheme keeps outliers (the
-                 reference stores them densely; their accounted cost is 32 bits each)
+    body         kernels.layout.PackedBody: codes uint8 [B, Hkv, N, ceil(D * bits / 8)] (slot t =
+                 position t) and scale/offset per group of channels of a token [B, Hkv, N, D/g],
+                 per group of tokens of a channel [B, Hkv, N/G, D], or per channel ("static",
+                 from the calibrated range); outliers, when the scheme keeps them, densely
+    exact        dtype [B, Hkv, N, D] instead of a body, for a tensor left in full precision
     tail         dtype [B, Hkv, max(R, 1), D]  ring of the residual window, slot = position % R
     sink slots   dtype [B, Hkv, S, D], S = sinks_first + sink_budget, and per sequence the
                  positions they hold; a sink's body slot is masked out of ranges and attention
@@ -23,102 +20,110 @@ too). Values are stored as the model produces them (a fused value rotation is in
 New tokens are held exact until `commit`, when every layer has seen them and the sink predictor
 has flagged them: sinks are decided then (in position order), and each tensor flushes the
 positions the next token must see quantized: [n_body, n_q(lengths + T)).
+
+Two paths compute the same thing. The reference (`_gather` + `_attention`, quant.quantize +
+packing.pack) is the spec and the CPU fallback; the Triton kernels (kvcalib_runtime.kernels)
+serve decode steps (T = 1) and flushes on CUDA, or anywhere under TRITON_INTERPRET=1.
 """
 
 import copy
+import warnings
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kvcalib_runtime.errors import CapacityError, FormatError
 from kvcalib_runtime.hadamard import hadamard_transform
-from kvcalib_runtime.packing import pack, packed_size, unpack
-from kvcalib_runtime.quant import QTensor, dequantize, quantize, range_metadata
+from kvcalib_runtime.kernels import decode_attention as dec
+from kvcalib_runtime.kernels import quant_pack as qp
+from kvcalib_runtime.kernels.layout import PackedBody, Sinks, Stored, use_triton
+from kvcalib_runtime.packing import packed_size
 from kvcalib_runtime.rope import Rope
-from kvcalib_runtime.scheme import KVParams, KVScheme, quantized_prefix_int, storage_bits
+from kvcalib_runtime.scheme import KVParams, KVScheme, quantized_prefix, storage_bits
 
 
 class _Stream:
     """Keys or values of one layer: quantized body + residual ring (exact if spec is None)."""
 
-    def __init__(self, spec, flush, residual, params_range, codebook, shape, device, dtype):
-        b, h, n, d = shape
-        self.spec, self.flush, self.residual = spec, flush, residual
-        self.range, self.codebook = params_range, codebook
+    def __init__(self, kind: str, i: int, scheme: KVScheme, params: KVParams, shape, device, dtype):
+        """Layer i's keys or values (kind "key" / "value"), shape (B, Hkv, N, D)."""
+        b, h, _, d = shape
+        spec = self.spec = getattr(scheme.layers[i], kind)
+        self.flush, self.residual = getattr(scheme.layers[i], f"{kind}_flush"), scheme.residual
         self.n_body = torch.zeros(b, dtype=torch.long)
-        self.tail = torch.zeros(b, h, max(residual, 1), d, device=device, dtype=dtype)
+        self.tail = torch.zeros(b, h, max(self.residual, 1), d, device=device, dtype=dtype)
+        self.exact = self.body = None
         if spec is None:
             self.exact = torch.zeros(shape, device=device, dtype=dtype)
-            return
-        self.codes = torch.zeros(b, h, n, packed_size(d, spec.bits), device=device, dtype=torch.uint8)
-        if spec.granularity == "token":
-            meta = (b, h, n, d // spec.channel_group(d))
-        elif spec.granularity == "channel":
-            meta = (b, h, -(-n // spec.group_size), d)
-        self.scale = torch.zeros(meta, device=device, dtype=dtype) if spec.granularity != "static" else None
-        has_offset = self.scale is not None and not spec.symmetric
-        self.offset = torch.zeros(meta, device=device, dtype=dtype) if has_offset else None
-        self.outliers = None
-        if spec.outliers > 0:
-            self.outliers = (torch.zeros(shape, device=device, dtype=dtype),
-                             torch.zeros(shape, device=device, dtype=torch.bool))
+        else:
+            static_range = getattr(params, f"{kind}_range").get(i)
+            codebook = getattr(params, f"{kind}_codebook").get(i)
+            self.body = PackedBody.allocate(spec, shape, device, dtype, static_range, codebook)
+        self.packs = spec is not None and qp.supports(spec, d)  # quant_pack handles spec
 
-    def target(self, stored: int) -> int:
-        """Body size once `stored` tokens are in: what the next token must see quantized."""
+    def targets(self, stored: torch.Tensor) -> torch.Tensor:
+        """Body sizes once `stored` tokens are in (LongTensor[B]): what the next token must see
+        quantized (everything, for a tensor left in full precision)."""
         if self.spec is None:
             return stored
-        return quantized_prefix_int(stored, self.residual, self.flush) if self.residual else stored
+        return quantized_prefix(stored, self.residual, self.flush)
 
-    def write(self, b: int, start: int, x: torch.Tensor, sinks: torch.Tensor) -> None:
-        """Move positions [start, start + n) of sequence b into the body; x [Hkv, n, D]."""
-        n = x.shape[1]
+    def write(self, seq, start, x: torch.Tensor, is_sink: torch.Tensor, kernel: bool) -> None:
+        """Move x [M, Hkv, n, D] to body slots [start[m], start[m] + n) of sequence seq[m]
+        (seq, start: LongTensor[M] on x's device); is_sink bool [B, N] masks kept sinks;
+        through the quant_pack kernel when `kernel` and it handles the spec."""
         if self.spec is None:
-            self.exact[b, :, start : start + n] = x
-            return
-        spec = self.spec
-        kwargs = {"codebook": self.codebook, "exclude": sinks[None, None]}
-        if self.range is not None:
-            kwargs["static_range"] = tuple(r[:, None, :] for r in self.range)
-        q = quantize(x[None], spec, **kwargs)
-        self.codes[b, :, start : start + n] = pack(q.codes[0], spec.bits)
-        if spec.granularity == "token":
-            self.scale[b, :, start : start + n] = q.scale[0, ..., 0]
-            if self.offset is not None:
-                self.offset[b, :, start : start + n] = q.offset[0, ..., 0]
-        elif spec.granularity == "channel":
-            g0, g1 = start // spec.group_size, (start + n) // spec.group_size
-            self.scale[b, :, g0:g1] = q.scale[0, ..., 0]
-            if self.offset is not None:
-                self.offset[b, :, g0:g1] = q.offset[0, ..., 0]
-        if self.outliers is not None:
-            self.outliers[0][b, :, start : start + n] = q.values[0]
-            self.outliers[1][b, :, start : start + n] = q.exact[0]
+            pos = start[:, None] + torch.arange(x.shape[2], device=x.device)
+            self.exact[seq[:, None], :, pos] = x.transpose(1, 2)
+        elif kernel and self.packs:
+            qp.quant_pack(x, self.body, seq, start, is_sink)
+        else:
+            qp.quant_pack_reference(x, self.body, seq, start, is_sink)
 
     def read(self, b: int, n: int, dtype) -> torch.Tensor:
         """Positions [0, n) of sequence b's body, dequantized: [Hkv, n, D]."""
         if self.spec is None:
             return self.exact[b, :, :n]
-        spec = self.spec
-        d = self.tail.shape[-1]
-        codes = unpack(self.codes[b, :, :n], spec.bits, d)[None]
-        if spec.granularity == "token":
-            scale = self.scale[b, :, :n, :, None][None]
-            offset = self.offset[b, :, :n, :, None][None] if self.offset is not None else None
-        elif spec.granularity == "channel":
-            ng = -(-n // spec.group_size)
-            scale = self.scale[b, :, :ng, :, None][None]
-            offset = self.offset[b, :, :ng, :, None][None] if self.offset is not None else None
-        else:
-            lo, hi = (r[None, :, None, :] for r in self.range)
-            scale, offset = range_metadata(spec, lo, hi, dtype)
-        exact = values = None
-        if self.outliers is not None:
-            values, exact = (t[b, :, :n][None] for t in self.outliers)
-        q = QTensor(codes, scale, offset, exact, values)
-        return dequantize(q, spec, codebook=self.codebook, dtype=dtype)[0]
+        return self.body.dequantize(b, n, dtype)
+
+    def stored(self, n_body: torch.Tensor) -> Stored:
+        return Stored(self.body if self.body is not None else self.exact, self.tail, n_body)
+
+    def view(self, b: int) -> "_Stream":
+        v = copy.copy(self)
+        v.tail = self.tail[b : b + 1]
+        v.exact = self.exact[b : b + 1] if self.exact is not None else None
+        v.body = self.body.view(b) if self.body is not None else None
+        v.n_body = self.n_body[b : b + 1]  # a view: the parent sees the update
+        return v
+
+
+@dataclass
+class _Moves:
+    """What one decode step (T = 1) does to every stream sharing a flush rule.
+
+    n_body, target   LongTensor[B] on the CPU: body sizes before and after the step
+    groups           per flushed block size k: (seq [M], start [M], ring slot [M, k], is_new
+                     bool [M, k]) on the device; the flushed positions start + arange(k) are
+                     in the ring, or the new token itself
+    ring             (seq, slot) on the device: sequences whose new token enters the ring
+    """
+
+    n_body: torch.Tensor
+    target: torch.Tensor
+    groups: list
+    ring: tuple
 
 
 class QuantizedCache:
-    """A KV cache following a KVScheme; see the module docstring for the layout."""
+    """A KV cache following a KVScheme; see the module docstring for the layout.
+
+    use_kernels: True / False forces the Triton kernels on or off; None (auto) uses them where
+    they run (`kernels.layout.use_triton`); the attribute `kernels` may be flipped between steps
+    (both paths store the same bits). Layers a kernel does not handle (outliers) use the
+    reference path, with one warning.
+    """
 
     def __init__(
         self,
@@ -132,44 +137,67 @@ class QuantizedCache:
         max_len: int,
         device,
         dtype: torch.dtype,
+        use_kernels: bool | None = None,
     ):
         if len(scheme.layers) != num_layers:
             raise FormatError(
                 f"the KV scheme has {len(scheme.layers)} layers, the model {num_layers}"
             )
+        self.kernels = use_triton(device) if use_kernels is None else use_kernels
+        if self.kernels and not use_triton(device):
+            raise ValueError(
+                f"use_kernels=True needs a CUDA device or TRITON_INTERPRET=1 (device is {device})"
+            )
+        _check_fits(scheme, batch, kv_heads, head_dim, max_len, device, dtype)
         self.scheme, self.params = scheme, params
         self.max_len, self.dtype = max_len, dtype
         shape = (batch, kv_heads, max_len, head_dim)
-        self.keys, self.values = [], []
-        for i, layer in enumerate(scheme.layers):
-            self.keys.append(_Stream(layer.key, layer.key_flush, scheme.residual,
-                                     params.key_range.get(i), params.key_codebook.get(i),
-                                     shape, device, dtype))
-            self.values.append(_Stream(layer.value, layer.value_flush, scheme.residual,
-                                       params.value_range.get(i), params.value_codebook.get(i),
-                                       shape, device, dtype))
+
+        alloc = (scheme, params, shape, device, dtype)
+        self.keys = [_Stream("key", i, *alloc) for i in range(num_layers)]
+        self.values = [_Stream("value", i, *alloc) for i in range(num_layers)]
         slots = max(scheme.num_sink_slots, 1)
-        self.sink_k = torch.zeros(num_layers, batch, kv_heads, slots, head_dim, device=device, dtype=dtype)
+        self.sink_k = torch.zeros(
+            num_layers, batch, kv_heads, slots, head_dim, device=device, dtype=dtype
+        )
         self.sink_v = torch.zeros_like(self.sink_k)
         self.sink_pos = torch.full((batch, slots), -1, dtype=torch.long)
         self.is_sink = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
-        self.flags = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long)
         self._pending = {}
         self._pending_flags = None
+        self._step = None  # device copies of lengths / n_body / sink_pos for this forward
+        self._decodable = [
+            dec.supports(k.spec) and dec.supports(v.spec)
+            for k, v in zip(self.keys, self.values, strict=True)
+        ]
+        self._warned = False
 
     # -- the cache interface -------------------------------------------------------------------
 
     def positions(self, T: int) -> torch.Tensor:
+        self._step = None
         return (self.lengths[:, None] + torch.arange(T)).to(self.is_sink.device)
 
     def attend(self, layer, q, k, v, rope: Rope, positions) -> torch.Tensor:
         """q [B, H, T, D] post-RoPE, k [B, Hkv, T, D] pre-RoPE, v -> out [B, H, T, D]."""
         self.stage(layer, k, v, rope, positions)
-        keys, values, valid = self._gather(layer, rope)
+        smooth = self.params.key_smooth.get(layer)
+        if smooth is not None:  # q . k = (q * s) . (k / s)
+            q = q * smooth.repeat_interleave(q.shape[1] // smooth.shape[0], 0)[None, :, None, :]
         if self.scheme.layers[layer].key_rotation:
             q = hadamard_transform(q, seed=self.scheme.rotation_seed)
-        return _attention(q, keys, values, valid)
+        if q.shape[2] == 1 and self.kernels and self._decodable[layer]:
+            return self._decode(layer, q, rope)
+        if q.shape[2] == 1 and self.kernels and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"layer {layer} keeps outliers, which the decode kernel does not read: "
+                "such layers decode through the (slower) reference path",
+                stacklevel=2,
+            )
+        keys, values, valid = self._gather(layer, rope)
+        return _attention(q, keys, values, valid, causal=int(self.lengths.max()) == 0)
 
     def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
         sp = self.params.sink_predictor
@@ -178,31 +206,35 @@ class QuantizedCache:
 
     def commit(self, T: int) -> None:
         flags = self._pending_flags
-        for b in range(len(self.lengths)):
-            n = int(self.lengths[b])
-            self._decide_sinks(b, n, T, flags[b] if flags is not None else None)
-            for layer in range(len(self.keys)):
-                k, v = self._pending[layer]
-                self._flush(self.keys[layer], b, n, k[b], layer, self.sink_k)
-                self._flush(self.values[layer], b, n, v[b], layer, self.sink_v)
+        rows, slots, _ = self._decide_sinks(T, flags.cpu() if flags is not None else None)
+        if T == 1:
+            self._append_one(rows, slots)
+        else:
+            for b in range(len(self.lengths)):
+                n = int(self.lengths[b])
+                for layer, (k, v) in self._pending.items():
+                    self._flush(self.keys[layer], b, n, k[b], layer, self.sink_k)
+                    self._flush(self.values[layer], b, n, v[b], layer, self.sink_v)
         self.lengths += T
         self._pending.clear()
         self._pending_flags = None
+        self._step = None
 
     def view(self, b: int) -> "QuantizedCache":
         view = copy.copy(self)
-        view.keys = [_view_stream(s, b) for s in self.keys]
-        view.values = [_view_stream(s, b) for s in self.values]
+        view.keys = [s.view(b) for s in self.keys]
+        view.values = [s.view(b) for s in self.values]
         view.sink_k, view.sink_v = self.sink_k[:, b : b + 1], self.sink_v[:, b : b + 1]
         view.sink_pos, view.is_sink = self.sink_pos[b : b + 1], self.is_sink[b : b + 1]
-        view.flags, view.lengths = self.flags[b : b + 1], self.lengths[b : b + 1]
-        view._pending = {}
+        view.lengths = self.lengths[b : b + 1]
+        view._pending, view._step = {}, None
         return view
 
     def reset(self) -> None:
         self.lengths.zero_()
         self.sink_pos.fill_(-1)
         self.is_sink.zero_()
+        self._step = None
         for s in self.keys + self.values:
             s.n_body.zero_()
 
@@ -213,8 +245,14 @@ class QuantizedCache:
         return (bits["body"] + bits["sinks"] + bits["residual"]) / 8 / context
 
     def stage(self, layer: int, k, v, rope: Rope, positions) -> None:
-        """Hold one layer's new tokens (k [B, Hkv, T, D] pre-RoPE, v) exact until `commit`."""
+        """Hold one layer's new tokens (k [B, Hkv, T, D] pre-RoPE, v) exact until `commit`.
+
+        Keys are divided by the layer's `key_smooth` scales when KVParams holds them (scales the
+        converter could not fuse into the weights)."""
         self._check_capacity(k.shape[2])
+        smooth = self.params.key_smooth.get(layer)
+        if smooth is not None:
+            k = k / smooth[None, :, None, :]
         self._pending[layer] = (self._to_domain(layer, k, rope, positions), v)
 
     # -- reading ---------------------------------------------------------------------------------
@@ -225,6 +263,9 @@ class QuantizedCache:
         keys, values, valid = self._gather(layer, rope)
         if self.scheme.layers[layer].key_rotation:
             keys = hadamard_transform(keys, seed=self.scheme.rotation_seed, inverse=True)
+        smooth = self.params.key_smooth.get(layer)
+        if smooth is not None:
+            keys = keys * smooth[None, :, None, :]
         return keys, values, valid
 
     def _gather(self, layer: int, rope: Rope):
@@ -247,8 +288,9 @@ class QuantizedCache:
     def _read(self, stream: _Stream, b: int, n: int, layer: int, sink_slots) -> torch.Tensor:
         """Positions [0, n) of sequence b as stored: body dequantized, sinks exact, tail exact."""
         nb = int(stream.n_body[b])
-        out = torch.empty(stream.tail.shape[1], n, stream.tail.shape[-1], dtype=self.dtype,
-                          device=stream.tail.device)
+        out = stream.tail.new_empty(
+            stream.tail.shape[1], n, stream.tail.shape[-1], dtype=self.dtype
+        )
         out[:, :nb] = stream.read(b, nb, self.dtype)
         for slot, pos in enumerate(self.sink_pos[b].tolist()):
             if 0 <= pos < nb:
@@ -257,6 +299,27 @@ class QuantizedCache:
             slots = torch.arange(nb, n) % stream.tail.shape[2]
             out[:, nb:n] = stream.tail[b][:, slots]
         return out
+
+    def _decode(self, layer: int, q: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """One new token per sequence through the decode kernel."""
+        if self._step is None:
+            streams = self.keys + self.values
+            host = torch.cat(
+                [self.lengths[None], torch.stack([s.n_body for s in streams]), self.sink_pos.T]
+            )
+            dev = host.to(device=q.device, dtype=torch.int32)
+            self._step = (dev[0], dev[1 : 1 + len(streams)], dev[1 + len(streams) :].T.contiguous())
+        lengths, n_body, sink_pos = self._step
+        keys = self.keys[layer].stored(n_body[layer])
+        values = self.values[layer].stored(n_body[len(self.keys) + layer])
+        sinks = Sinks(self.sink_k[layer], self.sink_v[layer], sink_pos, self.is_sink)
+        pre_rope = self.scheme.layers[layer].key_position == "pre_rope"
+        inv_freq = rope.inv_freq.to(q.device) if pre_rope else None
+        k_new, v_new = self._pending[layer]
+        longest = int(self.lengths.max())
+        return dec.decode_attention(
+            q, k_new, v_new, keys, values, sinks, lengths, longest, inv_freq=inv_freq
+        )
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -267,21 +330,25 @@ class QuantizedCache:
         k = rope.apply(k, positions)
         return hadamard_transform(k, seed=self.scheme.rotation_seed) if scheme.key_rotation else k
 
-    def _decide_sinks(self, b: int, n: int, T: int, flags) -> None:
-        """First-N positions, then predicted ones while sink slots last, in position order."""
-        scheme = self.scheme
-        used_predicted = int(((self.sink_pos[b] >= scheme.sinks_first)).sum())
-        for i in range(T):
-            pos = n + i
-            if pos < scheme.sinks_first:
-                slot = pos
-            elif flags is not None and bool(flags[i]) and used_predicted < scheme.sink_budget:
-                slot = scheme.sinks_first + used_predicted
-                used_predicted += 1
-            else:
-                continue
-            self.sink_pos[b, slot] = pos
-            self.is_sink[b, pos] = True
+    def _decide_sinks(self, T: int, flags):
+        """First-N positions, then predicted ones (flags bool [B, T] on the CPU, or None) while
+        sink slots last, in position order. Returns the new sinks' (rows, slots, positions)."""
+        s = self.scheme
+        pos = self.lengths[:, None] + torch.arange(T)  # [B, T]
+        sink, slot = pos < s.sinks_first, pos.clone()
+        if flags is not None:
+            candidate = flags & ~sink
+            used = (self.sink_pos >= s.sinks_first).sum(1, keepdim=True)
+            rank = used + candidate.cumsum(1)  # 1-based, among predicted sinks
+            taken = candidate & (rank <= s.sink_budget)
+            sink |= taken
+            slot = torch.where(taken, s.sinks_first + rank - 1, slot)
+        rows, cols = sink.nonzero(as_tuple=True)
+        slots, positions = slot[rows, cols], pos[rows, cols]
+        self.sink_pos[rows, slots] = positions
+        device = self.is_sink.device
+        self.is_sink[rows.to(device), positions.to(device)] = True
+        return rows, slots, positions
 
     def _flush(self, stream: _Stream, b: int, n: int, new: torch.Tensor, layer, sink_slots) -> None:
         """Store the T new tokens of sequence b (new [Hkv, T, D]) and flush to the target."""
@@ -289,17 +356,58 @@ class QuantizedCache:
         for slot, pos in enumerate(self.sink_pos[b].tolist()):
             if n <= pos < n + T:
                 sink_slots[layer, b, :, slot] = new[:, pos - n]
-        nb, target = int(stream.n_body[b]), stream.target(n + T)
+        nb, target = int(stream.n_body[b]), int(stream.targets(torch.tensor(n + T)))
         if target > nb:
             ring = stream.tail.shape[2]
             old = stream.tail[b][:, torch.arange(nb, n) % ring] if n > nb else new[:, :0]
             block = torch.cat([old, new], dim=1)[:, : target - nb]
-            stream.write(b, nb, block, self.is_sink[b, nb:target])
+            where = torch.tensor([[b], [nb]], device=new.device)
+            stream.write(where[0], where[1], block[None], self.is_sink, self.kernels)
             stream.n_body[b] = target
         start = max(n, target)
         if start < n + T and stream.residual:
             slots = torch.arange(start, n + T) % stream.tail.shape[2]
             stream.tail[b][:, slots] = new[:, start - n :]
+
+    def _append_one(self, rows, slots) -> None:
+        """commit(1) for every sequence at once: sink slots (new sinks at rows/slots), flushes
+        batched over the sequences that flush, ring writes; no loop over sequences."""
+        device = self.is_sink.device
+        rows, slots = rows.to(device), slots.to(device)
+        moves = {}
+        for layer, (k, v) in self._pending.items():
+            for stream, new, sink_slots in (
+                (self.keys[layer], k[:, :, 0], self.sink_k),
+                (self.values[layer], v[:, :, 0], self.sink_v),
+            ):
+                if len(rows):
+                    sink_slots[layer][rows, :, slots] = new[rows]
+                key = (stream.spec is None, stream.flush)
+                if key not in moves or not torch.equal(moves[key].n_body, stream.n_body):
+                    moves[key] = self._moves(stream)
+                move = moves[key]
+                for seq, start, ring_slot, is_new in move.groups:
+                    old = stream.tail[seq[:, None], :, ring_slot]  # [M, k, Hkv, D]
+                    x = torch.where(is_new[..., None, None], new[seq][:, None], old)
+                    stream.write(seq, start, x.transpose(1, 2), self.is_sink, self.kernels)
+                stream.n_body.copy_(move.target)
+                if stream.residual:
+                    seq, ring_slot = move.ring
+                    stream.tail[seq, :, ring_slot] = new[seq]
+
+    def _moves(self, stream: _Stream) -> _Moves:
+        n, nb, ring = self.lengths, stream.n_body, stream.tail.shape[2]
+        target = torch.maximum(stream.targets(n + 1), nb)
+        count, device = target - nb, self.is_sink.device
+        groups = []
+        for k in count[count > 0].unique().tolist():
+            seq = (count == k).nonzero()[:, 0]
+            pos = nb[seq, None] + torch.arange(k)  # [M, k]
+            groups.append(
+                tuple(t.to(device) for t in (seq, nb[seq], pos % ring, pos >= n[seq, None]))
+            )
+        keep = (target <= n).nonzero()[:, 0]
+        return _Moves(nb.clone(), target, groups, (keep.to(device), (n[keep] % ring).to(device)))
 
     def _check_capacity(self, T: int) -> None:
         if int(self.lengths.max()) + T > self.max_len:
@@ -309,28 +417,56 @@ class QuantizedCache:
             )
 
 
-def _view_stream(s: _Stream, b: int) -> _Stream:
-    v = copy.copy(s)
-    for name in ("tail", "exact", "codes", "scale", "offset"):
-        t = getattr(s, name, None)
-        if t is not None:
-            setattr(v, name, t[b : b + 1])
-    if s.outliers is not None:
-        v.outliers = tuple(t[b : b + 1] for t in s.outliers)
-    v.n_body = s.n_body[b : b + 1]
-    return v
+def cache_bytes(
+    scheme: KVScheme, batch: int, kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype
+) -> int:
+    """Bytes the per-sequence buffers of a QuantizedCache of this size take on its device."""
+    es = torch.empty((), dtype=dtype).element_size()
+    rows = batch * kv_heads  # (sequence, KV head) pairs
+    total = 2 * len(scheme.layers) * rows * max(scheme.num_sink_slots, 1) * head_dim * es
+    total += batch * max_len  # is_sink
+    for layer in scheme.layers:
+        for spec in (layer.key, layer.value):
+            total += rows * max(scheme.residual, 1) * head_dim * es  # the ring
+            if spec is None:
+                total += rows * max_len * head_dim * es
+                continue
+            total += rows * max_len * packed_size(head_dim, spec.bits)
+            meta = 1 if spec.symmetric else 2
+            if spec.granularity == "token":
+                total += meta * rows * max_len * head_dim // spec.channel_group(head_dim) * es
+            elif spec.granularity == "channel":
+                total += meta * rows * -(-max_len // spec.group_size) * head_dim * es
+            if spec.outliers > 0:
+                total += rows * max_len * head_dim * (es + 1)
+    return total
 
 
-def _attention(q, keys, values, valid) -> torch.Tensor:
+def _free_bytes(device) -> int | None:
+    """Free memory of a CUDA device; None elsewhere (no check)."""
+    device = torch.device(device)
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+def _check_fits(scheme, batch, kv_heads, head_dim, max_len, device, dtype) -> None:
+    need = cache_bytes(scheme, batch, kv_heads, head_dim, max_len, dtype)
+    free = _free_bytes(device)
+    if free is not None and need > free:
+        raise CapacityError(
+            f"a KV cache for {batch} sequences of max_len = {max_len} needs {need / 2**30:.2f} "
+            f"GiB and {device} has {free / 2**30:.2f} GiB free: lower max_len or the batch"
+        )
+
+
+def _attention(q, keys, values, valid, causal: bool = False) -> torch.Tensor:
     """q [B, H, T, D] over keys/values [B, Hkv, N, D]; the T queries are the last valid T keys of
-    each sequence (causal among them). valid bool [B, N]."""
-    B, H, T, D = q.shape
-    hkv, N = keys.shape[1], keys.shape[2]
-    length = valid.sum(-1)  # [B]
-    qpos = length[:, None] - T + torch.arange(T, device=q.device)  # [B, T]
+    each sequence (causal among them). valid bool [B, N]; `causal` when every key is valid and
+    N == T (a first prefill)."""
+    if causal:
+        return F.scaled_dot_product_attention(
+            q, keys, values, is_causal=q.shape[2] > 1, enable_gqa=True
+        )
+    T, N = q.shape[2], keys.shape[2]
+    qpos = valid.sum(-1)[:, None] - T + torch.arange(T, device=q.device)  # [B, T]
     mask = torch.arange(N, device=q.device)[None, None, :] <= qpos[:, :, None]  # [B, T, N]
-    qg = q.view(B, hkv, H // hkv, T, D)
-    scores = (qg @ keys[:, :, None].transpose(-1, -2)).float() * D**-0.5
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, -1).to(values.dtype)
-    return (probs @ values[:, :, None]).view(B, H, T, D)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=True)

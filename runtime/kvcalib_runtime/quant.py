@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 
 GRANULARITIES = ("token", "channel", "static")
-BITS = (2, 3, 4, 8)
+BITS = (2, 3, 4, 5, 6, 8)
 METADATA_BITS = 16  # scales, offsets, codebook levels and exact values are stored as fp16/bf16
-OUTLIER_BITS = 32  # one kept outlier: fp16 value + 16-bit index
+OUTLIER_BITS = 24  # one kept outlier: fp16 value + 8-bit position in its group or token row
 OUTLIER_COUNT_BITS = 8  # "static" outliers vary per token: one count per token and head
 
 
@@ -71,6 +71,8 @@ class QuantSpec:
             raise ValueError(f"codebook with bits = {self.bits}: codebooks are for 2-4 bits")
         if not 0.0 <= self.outliers < 0.5:
             raise ValueError(f"outliers = {self.outliers} is a fraction: use 0 <= outliers < 0.5")
+        if self.outliers and self.group_size > 256:
+            raise ValueError("outliers are indexed by one byte: use group_size <= 256 with them")
 
     @property
     def levels(self) -> int:
@@ -168,23 +170,33 @@ def _lookup(codebook: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 
 def _group_range(x: torch.Tensor, spec: QuantSpec, exclude: torch.Tensor | None):
-    """Per-group (lo, hi) and the outlier mask, in group shape / element shape."""
+    """Per-group (lo, hi) in group shape, and the outlier mask in element shape (or None).
+
+    "channel" groups take their range over kept tokens only: excluded (kept-exact sinks) and
+    padded tokens neither widen it nor count as outliers."""
     g = _group(x, spec)
-    if spec.granularity == "channel":
-        keep = torch.ones(x.shape[:-1], dtype=x.dtype, device=x.device)
-        if exclude is not None:
-            keep = keep * (~exclude).to(x.dtype)
-        keep = _group(keep.unsqueeze(-1).expand_as(x), spec)
-        mean = (g * keep).sum(-1, keepdim=True) / keep.sum(-1, keepdim=True).clamp_min(1)
-        g = torch.where(keep.bool(), g, mean)  # excluded and padded tokens leave the range alone
     k = spec.outliers_per_side(g.shape[-1])
-    if k == 0:
-        return g.amin(-1, keepdim=True), g.amax(-1, keepdim=True), None
-    n = g.shape[-1]
-    lo = g.kthvalue(k + 1, dim=-1, keepdim=True).values
-    hi = g.kthvalue(n - k, dim=-1, keepdim=True).values
-    exact = (g < lo) | (g > hi)
-    return lo, hi, _ungroup(exact, spec, x.shape)
+    if spec.granularity != "channel":
+        if k == 0:
+            return g.amin(-1, keepdim=True), g.amax(-1, keepdim=True), None
+        lo = g.kthvalue(k + 1, dim=-1, keepdim=True).values
+        hi = g.kthvalue(g.shape[-1] - k, dim=-1, keepdim=True).values
+        return lo, hi, _ungroup((g < lo) | (g > hi), spec, x.shape)
+    keep = torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
+    if exclude is not None:
+        keep = keep & ~exclude
+    keep = _group(keep.unsqueeze(-1).expand(x.shape).to(x.dtype), spec).bool()  # padding: False
+    up, down = torch.where(keep, g, torch.inf), torch.where(keep, g, -torch.inf)
+    lo, hi = up.amin(-1, keepdim=True), down.amax(-1, keepdim=True)
+    exact = None
+    if k > 0:  # the (k+1)-th smallest and largest kept values, where enough tokens are kept
+        lo_k = up.topk(k + 1, -1, largest=False).values[..., -1:]
+        hi_k = down.topk(k + 1, -1).values[..., -1:]
+        lo = torch.where(lo_k.isfinite(), lo_k, lo)
+        hi = torch.where(hi_k.isfinite(), hi_k, hi)
+        exact = _ungroup(keep & ((g < lo) | (g > hi)), spec, x.shape)
+    empty = ~keep.any(-1, keepdim=True)
+    return lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0), exact
 
 
 def range_metadata(spec: QuantSpec, lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype):

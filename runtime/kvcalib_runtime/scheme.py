@@ -163,7 +163,9 @@ def storage_bits(
             out["residual_elements"] += (context - body) * per_token
             out["residual"] += METADATA_BITS * (context - body) * per_token
             if spec is not None:
-                out["body"] += spec.bits_per_element(head_dim, body, outlier_fraction) * body * per_token
+                out["body"] += (
+                    spec.bits_per_element(head_dim, body, outlier_fraction) * body * per_token
+                )
                 out["sinks"] += METADATA_BITS * scheme.num_sink_slots * per_token
     return out
 

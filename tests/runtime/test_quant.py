@@ -53,6 +53,20 @@ def test_exclude_keeps_sink_out_of_channel_range():
     assert torch.equal(dequantize(q, spec)[1:], x[1:])
 
 
+def test_excluded_tokens_never_reach_a_channel_range():
+    # An excluded token (a kept sink) may hold anything, even inf: the others' range is theirs.
+    x = _t([float("inf"), 7.0], [1.0, 2.0], [1.0 + 2**-20, 5.0], [3.0, 2.0])
+    exclude = torch.tensor([True, False, False, False])
+    for outliers in (0.0, 0.25):
+        spec = QuantSpec(2, "channel", 4, outliers=outliers)
+        q = quantize(x, spec, exclude=exclude)
+        assert q.scale.isfinite().all() and q.offset.isfinite().all()
+        if q.exact is not None:
+            assert not q.exact[0].any()  # excluded tokens are not outliers either
+    q = quantize(x, QuantSpec(2, "channel", 4), exclude=exclude)
+    assert q.offset.flatten().tolist() == [1.0, 2.0]  # min over kept tokens, exactly
+
+
 def test_codebook_by_hand():
     # range [0, 10] -> normalized [0, .1, .4, 1]; nearest of levels [0, .1, .5, 1]
     x = _t([0.0, 1.0, 4.0, 10.0])
@@ -154,7 +168,7 @@ def test_bits_per_element_accounting():
     static = QuantSpec(2, "static", outliers=0.01)
     assert math.isclose(
         static.bits_per_element(d, 1024, outlier_fraction=0.01),
-        2 + 32 / 1024 + 0.01 * 32 + 8 / 64,
+        2 + 32 / 1024 + 0.01 * 24 + 8 / 64,  # 24-bit outliers, 8-bit count per token row
     )
     cb = QuantSpec(3, codebook=True)
     assert math.isclose(cb.bits_per_element(d, 1024), 3 + 32 / 64 + 8 * 16 / (1024 * 64))
@@ -163,7 +177,7 @@ def test_bits_per_element_accounting():
 @pytest.mark.parametrize(
     "kwargs, fix",
     [
-        ({"bits": 5}, "use one of"),
+        ({"bits": 7}, "use one of"),
         ({"bits": 2, "granularity": "row"}, "unknown"),
         ({"bits": 2, "granularity": "channel"}, "group_size > 0"),
         ({"bits": 2, "granularity": "static", "group_size": 4}, "drop group_size"),

@@ -90,3 +90,30 @@ def test_too_short_says_how_much_there_is(tmp_path):
         eval_windows(CharTokenizer(), f, windows=4, seq_len=3)
     with pytest.raises(DataError, match="has 10 tokens; --seq-len 11 needs 11"):
         calibration_windows(CharTokenizer(), f, num_samples=1, seq_len=11, seed=0)
+
+
+def test_license_text_is_long_english_outside_the_calibration_text():
+    text = read_text("builtin:licenses", "evaluation")
+    assert len(text) > 100_000  # ~25K tokens: room for 4 windows of 1024 several times over
+    assert "GNU GENERAL PUBLIC LICENSE" in text
+    calib = set(read_text(None, "calibration").split("\n\n"))
+    assert not calib & set(text.split("\n\n"))
+
+
+def test_unknown_builtin_text_is_refused():
+    with pytest.raises(DataError, match="builtin:licenses"):
+        read_text("builtin:wikipedia", "evaluation")
+    with pytest.raises(DataError, match="chat template"):
+        read_text("builtin:chat", "evaluation", CharTokenizer())
+
+
+def test_chat_text_is_templated_and_split(real_model):
+    _, tokenizer = real_model
+    evl = read_text("builtin:chat", "evaluation", tokenizer)
+    calib = read_text("builtin:chat", "calibration", tokenizer)
+    # One user turn per evaluation topic, CHAT_TURNS of them to a conversation.
+    assert evl.count("<|im_start|>user") == len(builtin_topics("evaluation"))
+    questions = {line for line in evl.splitlines() if line.startswith("What does Python's")}
+    assert not questions & set(calib.splitlines())  # no topic asked in both splits
+    ids = eval_windows(tokenizer, "builtin:chat", windows=4, seq_len=1024)
+    assert ids.shape == (4, 1024)

@@ -37,18 +37,26 @@ def _static_params(model, ids, position):
 CASES = {
     # KIVI-like: keys per channel in groups of 4 tokens flushed 8 at a time, values sliding.
     "kivi": dict(
-        key=QuantSpec(2, "channel", 4), value=QuantSpec(2, "token", 8), residual=8,
+        key=QuantSpec(2, "channel", 4),
+        value=QuantSpec(2, "token", 8),
+        residual=8,
         layer=dict(key_flush=8, value_flush=1),
     ),
     "per-token-no-window": dict(key=QuantSpec(3), value=QuantSpec(3), residual=0),
     "rotated+sinks": dict(
-        key=QuantSpec(2), value=QuantSpec(2, symmetric=True), residual=4, sinks_first=2,
-        rotation_seed=3, layer=dict(key_rotation=True, value_rotation=True, key_flush=2,
-                                    value_flush=2),
+        key=QuantSpec(2),
+        value=QuantSpec(2, symmetric=True),
+        residual=4,
+        sinks_first=2,
+        rotation_seed=3,
+        layer=dict(key_rotation=True, value_rotation=True, key_flush=2, value_flush=2),
     ),
     "pre-rope-static": dict(
-        key=QuantSpec(2, "static", outliers=0.01), value=QuantSpec(4, "token", 8), residual=6,
-        sinks_first=1, layer=dict(key_position="pre_rope", key_flush=3, value_flush=3),
+        key=QuantSpec(2, "static", outliers=0.01),
+        value=QuantSpec(4, "token", 8),
+        residual=6,
+        sinks_first=1,
+        layer=dict(key_position="pre_rope", key_flush=3, value_flush=3),
     ),
 }
 
@@ -92,8 +100,13 @@ def test_predicted_sinks_match_incremental_decoding():
     threshold = float(hidden[:, 5].abs().quantile(0.8))  # flags ~20% of tokens on channel 5
     params = KVParams(sink_predictor=SinkPredictor(layer=0, dims=(5,), threshold=threshold))
     scheme = _scheme(
-        model, QuantSpec(2, "channel", 4), QuantSpec(2), residual=8, sinks_first=1,
-        sink_budget=3, layer=dict(key_flush=8, value_flush=4),
+        model,
+        QuantSpec(2, "channel", 4),
+        QuantSpec(2),
+        residual=8,
+        sinks_first=1,
+        sink_budget=3,
+        layer=dict(key_flush=8, value_flush=4),
     )
     with torch.no_grad():
         sim = Simulator(model, scheme, params, mode="decode", prefill=1)
@@ -101,6 +114,20 @@ def test_predicted_sinks_match_incremental_decoding():
     assert sim.sinks.sum() == 4  # token 0 + the budget of 3 predicted sinks
     step = _incremental(model, scheme, params, ids, 1)
     assert (one_pass - step).abs().max() / step.abs().max() < 1e-5
+
+
+def test_unfused_key_smoothing_matches_incremental_decoding():
+    model = tiny_model("qwen3")
+    ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(4))
+    half = torch.rand(2, 8, generator=torch.Generator().manual_seed(5)) + 0.5
+    params = KVParams(key_smooth={i: torch.cat([half, half], -1) for i in range(2)})  # RoPE pairs
+    scheme = _scheme(model, QuantSpec(2), QuantSpec(4), residual=8)
+    with torch.no_grad():
+        one_pass = Simulator(model, scheme, params, mode="decode", prefill=5)(ids)[0]
+        plain = Simulator(model, scheme, mode="decode", prefill=5)(ids)[0]
+    step = _incremental(model, scheme, params, ids, 5)
+    assert (one_pass - step).abs().max() / step.abs().max() < 1e-5
+    assert not torch.allclose(one_pass, plain, atol=1e-4)  # the scales did change the codes
 
 
 def test_fake_mode_quantizes_every_position():

@@ -1,0 +1,108 @@
+"""Atomic output folders: everything is written into a temporary sibling, then renamed.
+
+    check_output(out, force, inputs)    # early: exists without force, overlaps an input
+    with staging(out, force) as tmp:    # write into tmp; on success tmp becomes out
+        ...
+
+The temporary folder is ".<name>.kvcalib-tmp-<host>-<pid>-<random>" next to `out` (a rename is
+atomic only within one filesystem). Any exception removes it. A process killed outright (SIGKILL,
+OOM) cannot clean up: the next `staging` of the same output removes the temporary folders of
+this host whose process is gone (folders of live processes, or of other hosts on a shared
+filesystem, are left alone). With `force`, the old output is first moved into a temporary folder
+too, so a crash in between leaves the old output to that cleanup, never a half-written one.
+"""
+
+import contextlib
+import glob
+import hashlib
+import os
+import re
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+from kvcalib.errors import OutputError
+
+TMP_MARK = ".kvcalib-tmp-"
+
+
+def check_output(out: Path, force: bool, inputs: list[Path]) -> None:
+    """Refuse, before any work, an output that exists (without force) or overlaps an input."""
+    if (out.exists() or out.is_symlink()) and not force:
+        raise OutputError(f"output {out} exists; pass --force to replace it")
+    if out.exists() and (out.is_symlink() or not out.is_dir()):
+        raise OutputError(f"output {out} is a file or a link; remove it or pick another output")
+    target = out.resolve()
+    for p in inputs:
+        p = p.resolve()
+        if target == p or target in p.parents or p in target.parents:
+            raise OutputError(
+                f"output {out} overlaps the input {p}; pick an output folder "
+                "outside it (inputs are never modified)"
+            )
+
+
+def tmp_prefix(out: Path) -> str:
+    host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    return f".{out.name}{TMP_MARK}{host}-"
+
+
+def _clean_stale(out: Path) -> None:
+    """Remove temporary folders that a killed conversion on this host left next to `out`."""
+    prefix = tmp_prefix(out)
+    for p in out.parent.glob(glob.escape(prefix) + "*"):
+        m = re.match(r"(\d+)-", p.name[len(prefix) :])
+        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def staging(out: Path, force: bool):
+    """A temporary sibling of `out` to write into; renamed to `out` when the block succeeds."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputError(f"output {out}: cannot create its parent folder ({e.strerror})") from None
+    _clean_stale(out)
+    prefix = f"{tmp_prefix(out)}{os.getpid()}-"
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+    try:
+        yield tmp
+        _public_modes(tmp)
+        if out.exists() or out.is_symlink():
+            if not force:
+                raise OutputError(f"output {out} exists; pass --force to replace it")
+            trash = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+            os.rename(out, trash / out.name)
+            os.rename(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            try:
+                os.rename(tmp, out)
+            except OSError:  # another writer renamed its folder into place first
+                raise OutputError(
+                    f"output {out} was created by another process while this one wrote it; "
+                    "its result is complete - pass --force to replace it"
+                ) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _public_modes(folder: Path) -> None:
+    """mkdtemp makes the folder 0700 and some writers 0600 files: give them the usual modes."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.iterdir():
+        f.chmod(0o666 & ~umask)

@@ -1,0 +1,212 @@
+"""Non-uniform codebooks: sensitivity-weighted k-means in each normalized domain (KVQuant,
+Hooper et al. 2024, "nuqX": per-layer levels from Fisher-weighted k-means).
+
+Each element's weight is its Fisher information, the squared gradient of the window's LM loss
+(summed next-token cross-entropy) with respect to that key or value activation, from one
+backward pass per window through the full-precision Simulator. Elements are mapped to the
+normalized domain u in [0, 1] a quantizer of the variant codes them in, then accumulated into a
+weighted histogram of BINS bins per layer (streaming); a weighted 1-D Lloyd k-means on the
+histogram (initialized uniform, levels sorted) gives [L, 2**bits] levels. A variant is named as
+kvcalib.plan.codebook_variant names a recipe's tensor — "tensor:granularity[group]:position
+[:hadamard][:symmetric]":
+
+    static        u = (x - lo) / (hi - lo), [lo, hi] the non-sink range with 1% outliers left
+                  out; elements outside it are left out
+    token[g]      per token and group of g channels (the whole head without g)
+    channel[G]    per channel and group of G tokens from position 0
+    hadamard      after hadamard_transform(seed=None) of the tensor (and of its gradients: the
+                  rotation is orthonormal)
+    symmetric     u = (x / absmax + 1) / 2; the levels are returned in [-1, 1]
+
+Sink tokens (the ground-truth flags) are left out everywhere: recipes keep them exact. The
+variants calibrated by default are those the shipped presets use (`preset_variants`).
+"""
+
+import re
+
+import torch
+
+from kvcalib.calibration.observe import check_finite
+from kvcalib.hooks import Hooks, key_module
+from kvcalib.models import head_dim
+from kvcalib_runtime.hadamard import hadamard_transform, is_supported
+from kvcalib_runtime.quant import uniform_codebook
+
+BITS = (2, 3, 4)
+STATIC_OUTLIERS = 0.01  # the static variants' range leaves out this fraction (KVQuant's 1%)
+LLOYD_ITERATIONS = 200
+_GRANULARITY = re.compile(r"(token|channel|static)(\d*)$")
+
+
+def preset_variants() -> tuple[str, ...]:
+    """The codebook variants the shipped preset recipes ask for."""
+    from kvcalib.plan import codebook_variant
+    from kvcalib.recipe import load_recipe, presets
+
+    out = set()
+    for name in presets():
+        recipe = load_recipe(name)
+        for tensor in ("key", "value"):
+            t = recipe.tensor(tensor, 0)
+            if t.quantized and t.codebook == "calibrated":
+                out.add(codebook_variant(tensor, t))
+    return tuple(sorted(out))
+
+
+def variants(model, wanted: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The variants this model gets (default: the presets'); the Hadamard ones need a Hadamard
+    order of head_dim."""
+    rotatable = is_supported(head_dim(model.config))
+    return tuple(v for v in wanted or preset_variants() if rotatable or ":hadamard" not in v)
+
+
+def codebook_pass(
+    model, ids, sinks, ranges, bins: int, step, wanted=None
+) -> dict[str, torch.Tensor]:
+    """{f"codebook.{variant}.{bits}": float32 [L, 2**bits]} from windows ids [N, T] with sink
+    flags bool [N, T]; ranges[position] = (lo, hi) [L, Hkv, D] for "pre_rope" / "post_rope"."""
+    names = variants(model, wanted)
+    hist = {
+        v: torch.zeros(model.config.num_hidden_layers, bins, dtype=torch.float64) for v in names
+    }
+    for w in range(ids.shape[0]):
+        x, g = _fisher(model, ids[w : w + 1])
+        keep = ~sinks[w]
+        for v in names:
+            t, weight = _normalized(v, x, g, keep, ranges)
+            hist[v] += _histogram(t, weight, bins)
+        step()
+    out = {}
+    for v in names:
+        for bits in BITS:
+            levels = lloyd(hist[v], bits)
+            out[f"codebook.{v}.{bits}"] = levels * 2 - 1 if v.endswith(":symmetric") else levels
+    return out
+
+
+def _fisher(model, ids: torch.Tensor) -> tuple[dict, dict]:
+    """Activations and loss gradients of one window ids [1, T], each kind [L, Hkv, T, D]:
+    "pre" (keys before RoPE), "key" (after RoPE), "value"."""
+    from kvcalib.simulate import Simulator
+
+    cfg = model.config
+    num_layers, d = cfg.num_hidden_layers, head_dim(cfg)
+    pre, key, value = [None] * num_layers, [None] * num_layers, [None] * num_layers
+
+    def observe(record) -> None:
+        key[record.layer], value[record.layer] = record.key, record.value
+
+    def keep_pre(i: int):
+        def hook(module, args, output):
+            pre[i] = output  # the tensor attention reads; a view of it would get no gradient
+
+        return hook
+
+    def track(module, args, output):  # gradients flow even when no weight requires one
+        return output.detach().requires_grad_()
+
+    with Hooks(model) as hooks, torch.enable_grad():
+        hooks.forward(model.get_input_embeddings(), track)
+        for i in range(num_layers):
+            hooks.forward(key_module(model, i), keep_pre(i))
+        logits = Simulator(model, None, observers=[observe])(ids)
+        loss = torch.nn.functional.cross_entropy(
+            logits[0, :-1].float(), ids[0, 1:], reduction="sum"
+        )
+        grads = torch.autograd.grad(loss, pre + key + value)
+
+    def heads(t: torch.Tensor) -> torch.Tensor:  # [1, T, Hkv * D] or [1, T, Hkv, D]
+        return t.detach().reshape(t.shape[1], -1, d).transpose(0, 1).float().cpu()
+
+    n = num_layers
+    x = {
+        "pre": torch.stack([heads(p) for p in pre]),
+        "key": torch.stack([k[0].detach().float().cpu() for k in key]),
+        "value": torch.stack([v[0].detach().float().cpu() for v in value]),
+    }
+    g = {
+        "pre": torch.stack([heads(p) for p in grads[:n]]),
+        "key": torch.stack([k[0].float().cpu() for k in grads[n : 2 * n]]),
+        "value": torch.stack([v[0].float().cpu() for v in grads[2 * n :]]),
+    }
+    check_finite({f"loss gradient of the {name} activations": grad for name, grad in g.items()})
+    return x, g
+
+
+def _normalized(variant: str, x: dict, g: dict, keep: torch.Tensor, ranges: dict):
+    """(u, weight), both [L, Hkv, T, D], u in [0, 1]; weight 0 where the element is left out."""
+    tensor, granularity, *rest = variant.split(":")
+    kind, group = _GRANULARITY.match(granularity).groups()
+    position = "pre_rope" if "pre_rope" in rest else "post_rope"
+    source = "value" if tensor == "value" else ("pre" if position == "pre_rope" else "key")
+    v, grad = x[source], g[source]
+    if "hadamard" in rest:
+        v, grad = hadamard_transform(v), hadamard_transform(grad)
+    weight = grad.square() * keep[:, None].to(grad.dtype)
+    if kind == "static":
+        lo, hi = (r[:, :, None, :] for r in ranges[position])
+    elif kind == "token":
+        lo, hi = _token_range(v, int(group or v.shape[-1]))
+    else:
+        lo, hi = _channel_range(v, keep, int(group))
+    if "symmetric" in rest:
+        a = torch.maximum(lo.abs(), hi.abs())
+        lo, hi = -a, a
+    u = (v - lo) / (hi - lo).clamp_min(torch.finfo(v.dtype).tiny)
+    inside = (u >= 0) & (u <= 1) & (hi > lo)  # static ranges leave their 1% outliers out
+    return u, weight * inside
+
+
+def _token_range(v: torch.Tensor, group: int):
+    """Min and max of each group of `group` channels of a token, broadcast back to v."""
+    gv = v.unflatten(-1, (-1, group))
+    back = lambda r: r.expand(gv.shape).flatten(-2)  # noqa: E731
+    return back(gv.amin(-1, keepdim=True)), back(gv.amax(-1, keepdim=True))
+
+
+def _channel_range(v: torch.Tensor, keep: torch.Tensor, group: int):
+    """Per channel, min and max over non-sink tokens of each `group`-token group, broadcast back
+    to v [L, Hkv, T, D]; empty groups get lo = hi (left out)."""
+    t = v.shape[2]
+    pad = (-t) % group
+    mask = torch.cat((keep, keep.new_zeros(pad)))[:, None]  # [T', 1]
+    vp = torch.nn.functional.pad(v, (0, 0, 0, pad))
+    groups = (*v.shape[:2], -1, group, v.shape[3])
+    lo = torch.where(mask, vp, torch.inf).view(groups).amin(3, keepdim=True)
+    hi = torch.where(mask, vp, -torch.inf).view(groups).amax(3, keepdim=True)
+    empty = torch.isinf(lo)
+    lo, hi = torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi)
+
+    def back(r):
+        return r.expand(groups).reshape(*v.shape[:2], -1, v.shape[3])[:, :, :t]
+
+    return back(lo), back(hi)
+
+
+def _histogram(t: torch.Tensor, weight: torch.Tensor, bins: int) -> torch.Tensor:
+    """Weighted histogram of t in [0, 1] per layer: t, weight [L, ...] -> float64 [L, bins]."""
+    num_layers = t.shape[0]
+    idx = (t.reshape(num_layers, -1) * bins).floor().clamp(0, bins - 1).long()
+    idx += torch.arange(num_layers)[:, None] * bins
+    w = weight.reshape(num_layers, -1).double()
+    counts = torch.bincount(idx.flatten(), w.flatten(), minlength=num_layers * bins)
+    return counts.view(num_layers, bins)
+
+
+def lloyd(hist: torch.Tensor, bits: int) -> torch.Tensor:
+    """Weighted 1-D k-means of bin centres: hist [L, B] -> sorted levels float32 [L, 2**bits];
+    starts from the uniform grid, an empty cluster keeps its level, layers with no weight stay
+    uniform."""
+    num_layers, bins = hist.shape
+    centres = ((torch.arange(bins, dtype=torch.float64) + 0.5) / bins).expand(num_layers, bins)
+    levels = uniform_codebook(bits).double().expand(num_layers, -1).clone()
+    for _ in range(LLOYD_ITERATIONS):
+        mids = (levels[:, 1:] + levels[:, :-1]) / 2
+        cluster = torch.searchsorted(mids, centres.contiguous())  # t == mid goes low, as quant
+        mass = torch.zeros_like(levels).scatter_add_(1, cluster, hist)
+        moment = torch.zeros_like(levels).scatter_add_(1, cluster, hist * centres)
+        new = torch.where(mass > 0, moment / mass.clamp_min(1e-300), levels).sort(-1).values
+        if torch.equal(new, levels):
+            break
+        levels = new
+    return levels.float()

@@ -1,0 +1,425 @@
+"""`kvcalib convert`: a recipe's weight transforms fused into a plain HF checkpoint + side-car.
+
+    kvcalib.convert("smollm2-135m", recipe="quarot-kv4", output="out/", rotate_residual=True)
+
+The source is streamed one group at a time — the embedding, each decoder layer, the head —
+through the transforms of `kvcalib.rotate` and into shards written as they fill (`shards`), so
+peak memory is about one layer whatever the model's size. Everything is written into a
+temporary sibling folder (`atomic`), validated with the runtime's one validator
+(`kvcalib_runtime.format.read_checkpoint`), then renamed into place. Every decision — what is
+fused, which tensors go where — is made before the first byte is written. The layout is
+FORMAT.md's; `checkpoint_summary` is what `kvcalib inspect` prints of it.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from kvcalib import atomic, models, rotate
+from kvcalib import export as exports
+from kvcalib.errors import ModelError, OutputError, ProfileError, RecipeError
+from kvcalib.plan import plan
+from kvcalib.recipe import Recipe, load_recipe
+from kvcalib.shards import ShardWriter, SourceWeights, TensorSpec, parse_size
+from kvcalib_runtime import archs, format
+from kvcalib_runtime.hadamard import is_supported
+from kvcalib_runtime.scheme import storage_bits
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# Copied byte for byte from the source when present (tokenizer.json is required).
+COPIED = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "tokenizer.model", "vocab.json", "merges.txt",
+)  # fmt: skip
+SUMMARY_CONTEXT = 4096
+EMBED, NORM, LM_HEAD = (n + ".weight" for n in (archs.EMBED, archs.FINAL_NORM, archs.LM_HEAD))
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_LINEARS = (*(r for rs in archs.READS_AFTER.values() for r in rs), *archs.WRITES)
+_KNOWN = {p + s for p in _LINEARS for s in (".weight", ".bias")} | {
+    n + ".weight" for n in (*archs.READS_AFTER, archs.Q_NORM, archs.K_NORM)
+}
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What one conversion does: the decisions, made before any byte is written."""
+
+    geo: rotate.Geometry
+    qk_norm: bool
+    value_seed: int | None
+    value_layers: frozenset[int]
+    smooth: dict[int, torch.Tensor]
+    residual_seed: int | None
+    tied: bool
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def fused(self) -> list[str]:
+        return sorted(
+            name
+            for name, on in (
+                ("value_rotation", self.value_layers),
+                ("key_smooth", self.smooth),
+                ("residual_rotation", self.residual_seed is not None),
+            )
+            if on
+        )
+
+    @property
+    def untie(self) -> bool:
+        return self.tied and self.residual_seed is not None
+
+
+def convert(
+    model: str | os.PathLike | None = None,
+    *,
+    recipe: str | os.PathLike | Recipe,
+    output: str | os.PathLike,
+    profile=None,
+    force: bool = False,
+    dtype: str | None = None,
+    max_shard_size: int | str = "5GB",
+    rotate_residual: bool = False,
+    export: str | None = None,
+) -> Path:
+    """Write the converted checkpoint of `model` under `recipe` to `output`; returns its path.
+
+    profile:         a profile folder (or a loaded Profile) when the recipe or export needs one
+    dtype:           "float32", "float16" or "bfloat16" for the floating weights (default: keep)
+    max_shard_size:  bytes per weight file, as "5GB", "500MiB" or an int
+    rotate_residual: also fuse a Hadamard rotation of the residual stream (QuaRot's R1)
+    export:          "vllm-fp8" adds compressed-tensors FP8 KV-cache scales for vLLM
+    """
+    out = Path(output).expanduser()
+    if dtype is not None and dtype not in DTYPES:
+        raise OutputError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    if export is not None and export not in format.EXPORTS:
+        raise OutputError(f"export {export!r}: use one of {', '.join(format.EXPORTS)}")
+    max_bytes = parse_size(max_shard_size)
+    source = models.resolve(model)
+    if (source.path / format.META).exists():
+        raise ModelError(
+            f"model {source.spec}: already a kvcalib-converted checkpoint; "
+            "convert the original model instead"
+        )
+    if not (source.path / format.TOKENIZER).is_file():
+        raise ModelError(
+            f"model {source.spec}: no {format.TOKENIZER} in {source.path}; the "
+            "runtime tokenizes with it - save a fast tokenizer there"
+        )
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    profile_path = str(profile) if isinstance(profile, str | os.PathLike) else None
+    atomic.check_output(out, force, [source.path] + ([Path(profile_path)] if profile_path else []))
+    config = json.loads((source.path / format.CONFIG).read_text())
+    geo = rotate.Geometry.from_config(config)
+    profile = _load_profile(profile, source)
+    if export and profile is None:
+        raise ProfileError(
+            f"--export {export} takes its FP8 scales from calibrated key and "
+            "value ranges: pass --profile DIR"
+        )
+    scheme, params = plan(recipe, num_layers=geo.layers, head_dim=geo.head_dim, profile=profile)
+    weights = SourceWeights(source.path)
+    job = _decide(recipe, scheme, params, config, geo, weights, rotate_residual)
+    if export:
+        scales = exports.kv_scales(profile, scheme, params, frozenset(job.fused))
+        job = dataclasses.replace(job, extra=scales)
+    groups = _groups(weights, job, DTYPES.get(dtype))
+    meta = {
+        "format_version": format.FORMAT_VERSION,
+        "source": {"spec": source.spec, "fingerprint": source.fingerprint},
+        "recipe": {"name": recipe.name, "toml": _recipe_text(recipe)},
+        "profile": None if profile is None else {
+            "fingerprint": profile.fingerprint,
+            "path": profile_path or _str(getattr(profile, "path", None)),
+        },
+        "fused": job.fused,
+        "residual_rotation_seed": job.residual_seed,
+        "untied_embeddings": job.untie,
+        "export": export,
+        "scheme": scheme.to_json(),
+    }  # fmt: skip
+    with atomic.staging(out, force) as tmp:
+        hashes = _write_weights(tmp, weights, groups, job, max_bytes)
+        hashes[format.CONFIG] = _write_json(
+            tmp / format.CONFIG, _out_config(config, job, dtype, export)
+        )
+        hashes[format.META] = _write_json(tmp / format.META, meta)
+        for name in COPIED:
+            if (source.path / name).is_file():
+                shutil.copyfile(source.path / name, tmp / name)
+        save_file(params.tensors(), tmp / format.PARAMS, metadata={"format": "pt"})
+        files = {p.name: format.manifest_entry(p, hashes.get(p.name)) for p in tmp.iterdir()}
+        manifest = {"format_version": format.FORMAT_VERSION, "files": dict(sorted(files.items()))}
+        _write_json(tmp / format.MANIFEST, manifest)
+        format.read_checkpoint(tmp, hashes=False)  # hashed while writing: no second read
+    return out
+
+
+def _out_config(config: dict, job: _Job, dtype: str | None, export: str | None) -> dict:
+    """The source's config.json, with what the conversion changed."""
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    if job.untie:
+        config["tie_word_embeddings"] = False
+    if dtype is not None:
+        config["dtype"] = dtype
+        if "torch_dtype" in config:
+            config["torch_dtype"] = dtype
+    if export:
+        config["quantization_config"] = exports.quantization_config()
+    return config
+
+
+def _decide(recipe, scheme, params, config, geo, weights, rotate_residual) -> _Job:
+    """Which transforms apply, refusing what cannot be fused before anything is written."""
+    arch = archs.lookup(config["model_type"])
+    value_layers = frozenset(i for i, layer in enumerate(scheme.layers) if layer.value_rotation)
+    if value_layers and not is_supported(geo.head_dim):
+        raise RecipeError(
+            f"recipe {recipe.name}: no Hadamard matrix of order head_dim = "
+            f"{geo.head_dim} for the value rotation; set value.rotation = 'none'"
+        )
+    for i, s in params.key_smooth.items():
+        if why := rotate.check_smoothing(s, geo):
+            raise ProfileError(f"key smoothing of layer {i}: {why}; calibrate the profile again")
+    # A shared q/k norm (Qwen3) holds one scale per channel: per-head scales stay online, in
+    # kv_params.safetensors, and "key_smooth" is not listed as fused.
+    fusable = all(rotate.fusable_smoothing(s, arch.qk_norm) for s in params.key_smooth.values())
+    if rotate_residual and not is_supported(geo.hidden):
+        raise ModelError(
+            f"model: no Hadamard matrix of order hidden_size = {geo.hidden} for the "
+            "residual rotation; convert without --rotate-residual"
+        )
+    if EMBED not in weights.entries or NORM not in weights.entries:
+        raise ModelError(f"model {weights.folder}: no {EMBED} or {NORM} in its weights")
+    return _Job(
+        geo=geo,
+        qk_norm=arch.qk_norm,
+        value_seed=scheme.rotation_seed,
+        value_layers=value_layers,
+        smooth=dict(params.key_smooth) if fusable else {},
+        residual_seed=(recipe.rotation_seed or 0) if rotate_residual else None,
+        tied=bool(config.get("tie_word_embeddings")) or LM_HEAD not in weights.entries,
+    )
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Tensors transformed together: kind "embed", "layer", "head" or "other"."""
+
+    kind: str
+    layer: int | None
+    reads: list[str]
+    specs: list[TensorSpec]
+
+
+def _groups(weights: SourceWeights, job: _Job, out_dtype) -> list[_Group]:
+    """Every output tensor, grouped and in write order: embedding, layers, head, the rest."""
+    entries = weights.entries
+    layers = {i: [] for i in range(job.geo.layers)}
+    rest = []
+    for name in sorted(entries):
+        m = _LAYER.fullmatch(name)
+        if m and int(m.group(1)) in layers:
+            layers[int(m.group(1))].append(name)
+            if m.group(2) not in _KNOWN and job.residual_seed is not None:
+                raise ModelError(
+                    f"model {weights.folder}: tensor {name} is not in the "
+                    "architecture table, so a residual rotation cannot place it"
+                )
+        elif name not in (EMBED, NORM, LM_HEAD):
+            rest.append(name)
+    if rest and job.residual_seed is not None:
+        raise ModelError(
+            f"model {weights.folder}: tensor {rest[0]} is not in the architecture "
+            "table, so a residual rotation cannot place it"
+        )
+    if clash := sorted(set(job.extra) & set(entries)):
+        raise ModelError(f"model {weights.folder}: already holds {clash[0]}")
+
+    def spec(name, like=None):
+        _, shape, dt = entries[like or name]
+        return TensorSpec(name, shape, out_dtype if out_dtype and dt in FLOATS else dt)
+
+    head_reads = [NORM] + ([EMBED] if job.untie else [LM_HEAD] if LM_HEAD in entries else [])
+    head = [spec(NORM)] + ([spec(LM_HEAD, head_reads[1])] if len(head_reads) > 1 else [])
+    groups = [_Group("embed", None, [EMBED], [spec(EMBED)])]
+    for i, names in layers.items():
+        extra = sorted(n for n in job.extra if _LAYER.fullmatch(n).group(1) == str(i))
+        specs = sorted([spec(n) for n in names] + [
+            TensorSpec(n, tuple(job.extra[n].shape), job.extra[n].dtype) for n in extra
+        ], key=lambda s: s.name)  # fmt: skip
+        groups.append(_Group("layer", i, names, specs))
+    groups.append(_Group("head", None, head_reads, head))
+    groups += [_Group("other", None, [n], [spec(n)]) for n in rest]
+    for g in groups:
+        touched = g.kind != "other" and (g.kind == "layer" or job.residual_seed is not None)
+        for name in g.reads if touched else ():
+            if entries[name][2] not in FLOATS:
+                raise ModelError(
+                    f"model {weights.folder}: {name} is {entries[name][2]}; kvcalib "
+                    "converts unquantized checkpoints (float32, float16, bfloat16)"
+                )
+    return groups
+
+
+def _transform(group: _Group, tensors: dict, job: _Job) -> dict[str, torch.Tensor]:
+    """The output tensors of one group (in compute precision where a transform touched them)."""
+    seed = job.residual_seed
+    if group.kind == "layer":
+        prefix = archs.LAYER.format(group.layer) + "."
+        t = {n.removeprefix(prefix): v for n, v in tensors.items()}
+        try:
+            if group.layer in job.value_layers:
+                rotate.rotate_values(t, job.geo, job.value_seed)
+            if group.layer in job.smooth:
+                rotate.smooth_keys(t, job.geo, job.smooth[group.layer], job.qk_norm)
+            if seed is not None:
+                rotate.rotate_residual(t, seed)
+        except KeyError as e:
+            raise ModelError(
+                f"model: layer {group.layer} has no tensor {prefix}{e.args[0]}, "
+                "which the transform needs"
+            ) from None
+        out = {prefix + n: v for n, v in t.items()}
+        out.update({n: job.extra[n] for n in job.extra if n.startswith(prefix)})
+        return out
+    if seed is not None and group.kind == "embed":
+        return {EMBED: rotate.rotate_embedding(tensors[EMBED], seed)}
+    if seed is not None and group.kind == "head":
+        norm = tensors[NORM]
+        lm = tensors[EMBED if job.untie else LM_HEAD]
+        return {NORM: torch.ones_like(norm), LM_HEAD: rotate.rotate_lm_head(lm, norm, seed)}
+    return tensors
+
+
+def _write_weights(tmp: Path, weights, groups, job: _Job, max_bytes: int) -> dict[str, str]:
+    writer = ShardWriter(tmp, [s for g in groups for s in g.specs], max_bytes)
+    try:
+        for group in groups:
+            out = _transform(group, weights.read(group.reads), job)
+            for s in group.specs:
+                writer.write(s.name, out.pop(s.name).to(s.dtype))
+    finally:
+        writer.close()
+    return writer.finish()
+
+
+def _write_json(path: Path, obj: dict) -> str:
+    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+    path.write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def _recipe_text(recipe: Recipe) -> str | None:
+    path = Path(recipe.source)
+    return path.read_text() if recipe.source and path.is_file() else None
+
+
+def _str(x) -> str | None:
+    return None if x is None else str(x)
+
+
+def _load_profile(profile, source: models.ModelSource):
+    if profile is None:
+        return None
+    if isinstance(profile, str | os.PathLike):
+        from kvcalib.profile import Profile
+
+        profile = Profile.load(profile)
+    profile.check_model(source)
+    return profile
+
+
+# -- inspect -----------------------------------------------------------------------------------
+
+
+def _spec_text(spec) -> str:
+    if spec is None:
+        return "fp16"
+    parts = [f"{spec.bits}-bit {spec.granularity}"]
+    if spec.group_size:
+        parts.append(f"g{spec.group_size}")
+    parts.append("sym" if spec.symmetric else "asym")
+    if spec.clip != 1.0:
+        parts.append(f"clip {spec.clip:g}")
+    if spec.codebook:
+        parts.append("codebook")
+    if spec.outliers:
+        parts.append(f"{spec.outliers:.1%} outliers")
+    return " ".join(parts)
+
+
+def _layer_text(layer, fused: frozenset[str]) -> tuple[str, str]:
+    key = _spec_text(layer.key)
+    if layer.key_position == "pre_rope":
+        key += ", pre-RoPE"
+    if layer.key_rotation:
+        key += ", Hadamard (online)"
+    value = _spec_text(layer.value)
+    if layer.value_rotation:
+        value += ", Hadamard (fused)" if "value_rotation" in fused else ", Hadamard (online)"
+    return key, value
+
+
+def checkpoint_summary(path: Path) -> str:
+    """What `kvcalib inspect CONVERTED_DIR` prints (the folder is validated first)."""
+    ckpt = format.read_checkpoint(path, hashes=False)
+    meta, scheme, cfg = ckpt.meta, ckpt.scheme, ckpt.config
+    geo = rotate.Geometry.from_config(cfg)
+    profile = meta["profile"]
+    online = [name for name, on in (
+        ("key rotation", any(layer.key_rotation for layer in scheme.layers)),
+        ("key smoothing", ckpt.params.key_smooth and "key_smooth" not in ckpt.fused),
+    ) if on]  # fmt: skip
+    lines = [
+        f"converted    {path}  (format {meta['format_version']})",
+        f"source       {meta['source']['spec']}  (sha256 {meta['source']['fingerprint'][:16]})",
+        f"recipe       {meta['recipe']['name']}",
+        "profile      "
+        + (
+            "none"
+            if profile is None
+            else f"{profile.get('path')}  (fingerprint {profile['fingerprint'][:16]})"
+        ),
+        f"weights      {cfg['model_type']}, {cfg.get('dtype', '?')}; fused: "
+        + (", ".join(meta["fused"]) or "nothing"),
+        f"online       {', '.join(online) or 'nothing'}",
+    ]
+    if meta["untied_embeddings"]:
+        lines.append("embeddings   untied (the residual rotation makes lm_head differ)")
+    if meta["export"]:
+        lines.append(f"export       {meta['export']} (config.json quantization_config)")
+    sinks = f"first {scheme.sinks_first}" + (
+        f" + up to {scheme.sink_budget} predicted" if scheme.sink_budget else ""
+    )
+    lines += [
+        f"cache        residual window {scheme.residual} tokens; sinks {sinks}",
+        f"  {'layers':<8} {'key':<40} value",
+    ]
+    rows = [_layer_text(layer, ckpt.fused) for layer in scheme.layers]
+    start = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[start]:
+            span = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
+            lines.append(f"  {span:<8} {rows[start][0]:<40} {rows[start][1]}")
+            start = i
+    n = SUMMARY_CONTEXT
+    bits = storage_bits(scheme, geo.kv_heads, geo.head_dim, n)
+    quantized = (bits["body"] + bits["sinks"] + bits["residual"]) / 8 / n
+    fp16 = 2 * geo.layers * geo.kv_heads * geo.head_dim * 2
+    lines.append(
+        f"KV cache     {quantized:,.0f} bytes/token at {n} tokens vs {fp16:,} in fp16 "
+        f"({fp16 / quantized:.2f}x smaller)"
+    )
+    return "\n".join(lines)

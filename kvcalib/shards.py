@@ -1,0 +1,196 @@
+"""Stream safetensors: read a source folder a few tensors at a time, write shards as they fill.
+
+    source = SourceWeights(folder)            # name -> (file, shape, dtype); nothing loaded
+    tensors = source.read(names)              # opens the files holding them, closes after
+
+    writer = ShardWriter(out, specs, max_bytes)    # specs: every output tensor, in write order
+    writer.write(name, tensor)                # in that order; each shard's header is known up
+    files = writer.finish()                   # front, so bytes go straight to disk -> sha256
+
+The writer plans the shards from the specs before any data exists (HF's rule: a shard takes
+tensors until the next would pass max_bytes; a larger tensor gets a shard of its own), writes
+each header, then the tensor bytes as they arrive, hashing each buffer on a second thread while
+the next is written (hashlib and file writes release the GIL). Peak memory is what the caller
+holds plus at most one tensor being hashed, never a shard.
+"""
+
+import hashlib
+import json
+import math
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from kvcalib.errors import ModelError, OutputError
+from kvcalib_runtime.format import DTYPE_NAMES, DTYPES, INDEX, SINGLE
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in "5GB" (10^9), "500MiB" (2^20) or a plain integer, as transformers reads them."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
+    if m is None or float(m.group(1)) <= 0:
+        raise OutputError(f"max_shard_size {size!r}: use a size such as 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One output tensor: name, shape, torch dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class SourceWeights:
+    """The tensors of a Hugging Face folder (single file or index + shards), read on demand."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        if (self.folder / INDEX).is_file():
+            try:
+                files = sorted(
+                    set(json.loads((self.folder / INDEX).read_text())["weight_map"].values())
+                )
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise ModelError(f"model {self.folder}: {INDEX} is malformed ({e})") from None
+        elif (self.folder / SINGLE).is_file():
+            files = [SINGLE]
+        else:
+            files = sorted(p.name for p in self.folder.glob("*.safetensors"))
+        self.entries: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
+        for file in files:
+            try:
+                with safe_open(self.folder / file, framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                        if name in self.entries:
+                            raise ModelError(
+                                f"model {self.folder}: tensor {name} is in both "
+                                f"{self.entries[name][0]} and {file}"
+                            )
+                        sl = f.get_slice(name)
+                        dtype = DTYPES.get(sl.get_dtype())
+                        if dtype is None:
+                            raise ModelError(
+                                f"model {self.folder}: tensor {name} in {file} has dtype "
+                                f"{sl.get_dtype()}, which kvcalib does not read"
+                            )
+                        self.entries[name] = (file, tuple(sl.get_shape()), dtype)
+            except (SafetensorError, OSError) as e:
+                raise ModelError(f"model {self.folder}: cannot read {file} ({e})") from None
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, in memory; their files are mapped only for the duration."""
+        out = {}
+        for file in sorted({self.entries[n][0] for n in names}):
+            with safe_open(self.folder / file, framework="pt") as f:
+                for name in names:
+                    if self.entries[name][0] == file:
+                        out[name] = f.get_tensor(name)
+        return out
+
+
+def plan_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
+    shards, size = [[]], 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards
+
+
+def shard_name(i: int, n: int) -> str:
+    return SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def header_bytes(specs: list[TensorSpec]) -> bytes:
+    """The 8-byte length + JSON header of a safetensors file holding `specs` in that order."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for s in specs:
+        header[s.name] = {
+            "dtype": DTYPE_NAMES[s.dtype],
+            "shape": list(s.shape),
+            "data_offsets": [offset, offset + s.nbytes],
+        }
+        offset += s.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned, as safetensors pads
+    return len(text).to_bytes(8, "little") + text
+
+
+class ShardWriter:
+    """Writes planned tensors into model.safetensors or model-0000i-of-0000n shards + index."""
+
+    def __init__(self, folder: Path, specs: list[TensorSpec], max_bytes: int):
+        self.folder = Path(folder)
+        self.shards = plan_shards(specs, max_bytes)
+        self.order = [(i, s) for i, shard in enumerate(self.shards) for s in shard]
+        self.next = 0
+        self.file = None
+        self.hash = None
+        self.hashes: dict[str, str] = {}
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvcalib-sha256")
+        self._pending = None
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        i, spec = self.order[self.next]
+        assert name == spec.name, f"wrote {name}, planned {spec.name}"
+        assert tuple(tensor.shape) == spec.shape and tensor.dtype == spec.dtype, name
+        if self.file is None:
+            self.file = open(self.folder / shard_name(i, len(self.shards)), "wb")  # noqa: SIM115
+            self.hash = hashlib.sha256()
+            self._put(header_bytes(self.shards[i]))
+        self._put(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        self.next += 1
+        if self.next == len(self.order) or self.order[self.next][0] != i:
+            self.file.close()
+            self.file = None
+            self._wait()
+            self.hashes[shard_name(i, len(self.shards))] = self.hash.hexdigest()
+
+    def _put(self, data) -> None:
+        self._wait()  # one buffer in flight: hashed in order, memory bounded
+        self._pending = self._hasher.submit(self.hash.update, data)
+        self.file.write(data)
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def close(self) -> None:
+        """Release the file and the hashing thread (also on failure; then the caller removes
+        the folder)."""
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        self._hasher.shutdown(wait=True)
+
+    def finish(self) -> dict[str, str]:
+        """file name -> sha256 of every weight file written (the index included)."""
+        assert self.next == len(self.order), "not every planned tensor was written"
+        if len(self.shards) > 1:
+            weight_map = {s.name: shard_name(i, len(self.shards)) for i, s in self.order}
+            index = {
+                "metadata": {"total_size": sum(s.nbytes for _, s in self.order)},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            data = (json.dumps(index, indent=2) + "\n").encode()
+            (self.folder / INDEX).write_bytes(data)
+            self.hashes[INDEX] = hashlib.sha256(data).hexdigest()
+        return self.hashes

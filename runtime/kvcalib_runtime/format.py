@@ -1,0 +1,393 @@
+"""The converted-checkpoint format (FORMAT.md) and its one validator.
+
+The writer (`kvcalib convert`) runs `read_checkpoint` on its temporary folder before renaming it
+into place; the loader runs it before touching a weight. Everything here reads bytes and JSON —
+no string from a checkpoint is ever evaluated, and no pickle is ever loaded.
+
+    ckpt = read_checkpoint(path)     # FormatError naming the file when anything is off
+    ckpt.config, ckpt.meta, ckpt.scheme, ckpt.params, ckpt.fused
+"""
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from kvcalib_runtime import archs
+from kvcalib_runtime.errors import FormatError
+from kvcalib_runtime.scheme import KVParams, KVScheme
+
+FORMAT_VERSION = 1
+CONFIG, META, TOKENIZER = "config.json", "kvcalib.json", "tokenizer.json"
+PARAMS, MANIFEST = "kv_params.safetensors", "manifest.json"
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+FUSED = ("key_smooth", "residual_rotation", "value_rotation")
+EXPORTS = ("vllm-fp8",)
+# safetensors dtype names -> torch dtypes (the safetensors spec's table, minus unsigned > 8 bits).
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}  # fmt: skip
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+MAX_HEADER = 100 << 20  # the safetensors library refuses larger headers too
+# kv_params.safetensors tensor names (KVParams.tensors()) -> the dtype family they must have.
+_PARAM_NAMES = re.compile(
+    r"layers\.(\d+)\.(key_range_lo|key_range_hi|value_range_lo|value_range_hi|key_codebook|"
+    r"value_codebook|key_smooth)|sink_predictor\.(dims|threshold|layer)"
+)
+_META_KEYS = {
+    "format_version": int, "source": dict, "recipe": dict, "profile": (dict, type(None)),
+    "fused": list, "residual_rotation_seed": (int, type(None)), "untied_embeddings": bool,
+    "export": (str, type(None)), "scheme": dict,
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A validated converted checkpoint's side-car (the weights stay on disk).
+
+    config: config.json; meta: kvcalib.json; scheme, params: the KV cache it runs;
+    fused: the transforms already in the weights (a subset of FUSED)
+    """
+
+    config: dict
+    meta: dict
+    scheme: KVScheme
+    params: KVParams
+    fused: frozenset[str]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a safetensors file: dtype name, shape, byte range inside the data section."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """A safetensors file's tensors and metadata, validated without reading the data.
+
+    Checks the header length against the file, the JSON, every dtype and shape, and that the
+    byte ranges tile the data section exactly (what the safetensors library also demands).
+    """
+    path = Path(path)
+
+    def fail(msg):
+        raise FormatError(f"{path.name}: {msg}; the file is damaged - convert the model again")
+
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            fail(f"{size} bytes, shorter than the 8-byte header length")
+        n = int.from_bytes(raw, "little")
+        if n > size - 8 or n > MAX_HEADER:
+            fail(f"header length {n} runs past the end of the file ({size} bytes)")
+        text = f.read(n)
+    try:
+        header = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        fail(f"header is not valid JSON ({e})")
+    if not isinstance(header, dict):
+        fail("header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        fail("__metadata__ must map strings to strings")
+    data = size - 8 - n
+    tensors = {}
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            fail(f"tensor {name!r} needs exactly dtype, shape and data_offsets")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in DTYPES:
+            fail(f"tensor {name!r} has unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+        if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
+            fail(f"tensor {name!r}: shape and data_offsets must be lists of integers >= 0")
+        begin, end = offsets
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        if not begin <= end <= data or end - begin != nbytes:
+            fail(
+                f"tensor {name!r}: data_offsets {offsets} out of range for {nbytes} bytes of "
+                f"{dtype} {shape} in a data section of {data} bytes"
+            )
+        tensors[name] = TensorInfo(dtype, tuple(shape), begin, end)
+    cursor = 0
+    for name, info in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
+        if info.begin != cursor:
+            fail(f"tensor {name!r} starts at byte {info.begin}, expected {cursor} (gap or overlap)")
+        cursor = info.end
+    if cursor != data:
+        fail(f"tensors cover {cursor} bytes of a data section of {data} bytes")
+    return tensors, metadata
+
+
+def _ints(x) -> bool:
+    return isinstance(x, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in x
+    )
+
+
+def _json(path: Path) -> dict:
+    try:
+        obj = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FormatError(f"{path.name}: missing from {path.parent}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{path.name}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise FormatError(f"{path.name}: expected a JSON object")
+    return obj
+
+
+def manifest_entry(path: Path, sha256: str | None = None) -> dict:
+    """{"sha256", "size"} of one file (pass sha256 when the writer hashed the bytes it wrote)."""
+    return {"sha256": sha256 or sha256_file(path), "size": path.stat().st_size}
+
+
+def verify_manifest(path: Path, *, hashes: bool = True) -> dict[str, dict]:
+    """Check that the folder holds exactly the manifest's files, with its sizes and sha256.
+
+    `hashes=False` checks names and sizes only: the writer uses it on the folder it has just
+    written and hashed on the way out, so that validation does not read every byte twice.
+    """
+    path = Path(path)
+    manifest = _json(path / MANIFEST)
+    files = manifest.get("files")
+    if manifest.get("format_version") != FORMAT_VERSION or not isinstance(files, dict):
+        raise FormatError(f"{MANIFEST}: expected format_version {FORMAT_VERSION} and a files map")
+    for name, entry in files.items():
+        if not _plain_name(name) or name == MANIFEST:
+            raise FormatError(f"{MANIFEST}: entry {name!r} is not a plain file name of the folder")
+        if not isinstance(entry, dict) or set(entry) != {"sha256", "size"}:
+            raise FormatError(f"{MANIFEST}: entry {name!r} needs exactly sha256 and size")
+    present = {p.name for p in path.iterdir()} - {MANIFEST}
+    if missing := sorted(set(files) - present):
+        raise FormatError(f"{missing[0]}: listed in {MANIFEST} but missing from {path}")
+    if extra := sorted(present - set(files)):
+        raise FormatError(f"{extra[0]}: in {path} but not in {MANIFEST} (extra file)")
+    for name in sorted(files):
+        file, entry = path / name, files[name]
+        if not file.is_file():
+            raise FormatError(f"{name}: not a regular file")
+        changed = file.stat().st_size != entry["size"]
+        if changed or (hashes and sha256_file(file) != entry["sha256"]):
+            raise FormatError(
+                f"{name}: changed since it was written (size or sha256 differs "
+                f"from {MANIFEST}); convert the model again"
+            )
+    return files
+
+
+def _plain_name(name) -> bool:
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and not name.startswith(".")
+    )
+
+
+def weight_files(path: Path) -> dict[str, list[str]]:
+    """file -> tensor names of the model weights, validated against the index when sharded."""
+    path = Path(path)
+    if (path / INDEX).exists():
+        index = _json(path / INDEX)
+        weight_map, meta = index.get("weight_map"), index.get("metadata")
+        if not isinstance(weight_map, dict) or not isinstance(meta, dict):
+            raise FormatError(f"{INDEX}: needs a weight_map and metadata.total_size")
+        shards = sorted(set(weight_map.values()))
+        if not shards or not all(isinstance(s, str) and SHARD.fullmatch(s) for s in shards):
+            raise FormatError(f"{INDEX}: weight_map must name model-XXXXX-of-YYYYY.safetensors")
+        expected = [
+            f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+        ]
+        if shards != expected:
+            raise FormatError(f"{INDEX}: shards {shards} are not {expected}")
+        files, total = {}, 0
+        for shard in shards:
+            tensors, _ = read_header(path / shard)
+            mapped = {k for k, v in weight_map.items() if v == shard}
+            if mapped != set(tensors):
+                diff = sorted(mapped ^ set(tensors))[0]
+                raise FormatError(f"{shard}: tensor {diff!r} disagrees with {INDEX}")
+            files[shard] = sorted(tensors)
+            total += sum(t.end - t.begin for t in tensors.values())
+        if meta.get("total_size") != total:
+            raise FormatError(
+                f"{INDEX}: metadata.total_size {meta.get('total_size')} is not "
+                f"the {total} bytes of tensor data in the shards"
+            )
+        stray = {p.name for p in path.glob("model*.safetensors")} - set(shards)
+    else:
+        tensors, _ = read_header(path / SINGLE) if (path / SINGLE).exists() else ({}, {})
+        if not tensors:
+            raise FormatError(f"{SINGLE}: missing or empty, and there is no {INDEX}")
+        files = {SINGLE: sorted(tensors)}
+        stray = {p.name for p in path.glob("model*.safetensors")} - {SINGLE}
+    if stray:
+        raise FormatError(f"{sorted(stray)[0]}: a weight file the index does not name")
+    return files
+
+
+def _check_meta(meta: dict) -> None:
+    def fail(msg):
+        raise FormatError(f"{META}: {msg}")
+
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        fail(
+            f"format_version {version!r}, but this kvcalib-runtime reads version "
+            f"{FORMAT_VERSION}: install the kvcalib-runtime that matches the converter, or "
+            "convert the model again"
+        )
+    for key, kind in _META_KEYS.items():
+        if key not in meta:
+            fail(f"missing key {key!r}")
+        if not isinstance(meta[key], kind) or isinstance(meta[key], bool) != (kind is bool):
+            fail(f"{key!r} has the wrong type ({type(meta[key]).__name__})")
+    if extra := sorted(set(meta) - set(_META_KEYS)):
+        fail(f"unknown key {extra[0]!r}")
+    source, recipe, profile = meta["source"], meta["recipe"], meta["profile"]
+    if not all(isinstance(source.get(k), str) for k in ("spec", "fingerprint")):
+        fail("source needs string spec and fingerprint")
+    if not isinstance(recipe.get("name"), str) or not isinstance(recipe.get("toml"), str | None):
+        fail("recipe needs a string name and toml (a string or null)")
+    if profile is not None and not isinstance(profile.get("fingerprint"), str):
+        fail("profile needs a string fingerprint")
+    fused = meta["fused"]
+    if any(f not in FUSED for f in fused) or sorted(set(fused)) != fused:
+        fail(f"fused {fused} must be a sorted list drawn from {', '.join(FUSED)}")
+    if meta["export"] not in (None, *EXPORTS):
+        fail(f"export {meta['export']!r} is unknown (known: {', '.join(EXPORTS)})")
+
+
+def _read_params(path: Path, num_layers: int, kv_heads: int, head_dim: int) -> KVParams:
+    tensors, _ = read_header(path)
+    for name, info in tensors.items():
+        m = _PARAM_NAMES.fullmatch(name)
+        if m is None:
+            raise FormatError(
+                f"{PARAMS}: unknown tensor {name!r}; names are those of "
+                "KVParams.tensors() (layers.{i}.key_range_lo, ..., sink_predictor.*)"
+            )
+        if m.group(1) is not None and int(m.group(1)) >= num_layers:
+            raise FormatError(f"{PARAMS}: {name!r} names a layer past the model's {num_layers}")
+        integer = m.group(3) in ("dims", "layer")
+        floating = info.dtype in ("F32", "F16", "BF16")
+        if integer != (info.dtype == "I64") or not (integer or floating):
+            raise FormatError(f"{PARAMS}: {name!r} has dtype {info.dtype}")
+        if m.group(2) in (
+            "key_smooth",
+            "key_range_lo",
+            "key_range_hi",
+            "value_range_lo",
+            "value_range_hi",
+        ) and info.shape != (kv_heads, head_dim):
+            raise FormatError(
+                f"{PARAMS}: {name!r} has shape {list(info.shape)}, expected "
+                f"[{kv_heads}, {head_dim}] (KV heads, head_dim)"
+            )
+    names = set(tensors)
+    for name in names:
+        pair = re.sub(r"_(lo|hi)$", lambda m: "_hi" if m.group(1) == "lo" else "_lo", name)
+        if pair not in names:
+            raise FormatError(f"{PARAMS}: {name!r} without its partner {pair!r}")
+    sink = {f"sink_predictor.{k}" for k in ("dims", "threshold", "layer")}
+    if names & sink and not sink <= names:
+        raise FormatError(f"{PARAMS}: the sink predictor needs all of {sorted(sink)}")
+    return KVParams.from_tensors(load_file(path))
+
+
+def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
+    """Validate a converted checkpoint (FORMAT.md) and read its side-car.
+
+    Raises FormatError naming the file that is missing, extra, changed or malformed.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FormatError(f"{path}: not a folder; pass the folder `kvcalib convert` wrote")
+    verify_manifest(path, hashes=hashes)
+    meta = _json(path / META)
+    _check_meta(meta)
+    config = _json(path / CONFIG)
+    arch = archs.lookup(config.get("model_type"))
+    if arch is None:
+        raise FormatError(
+            f"{CONFIG}: model_type {config.get('model_type')!r} is not supported "
+            f"(supported: {archs.supported()})"
+        )
+    if not (path / TOKENIZER).is_file():
+        raise FormatError(f"{TOKENIZER}: missing; the runtime tokenizes with it")
+    quant = config.get("quantization_config")
+    if quant is not None and not (
+        meta["export"] == "vllm-fp8"
+        and isinstance(quant, dict)
+        and quant.get("quant_method") == "compressed-tensors"
+    ):
+        raise FormatError(
+            f"{CONFIG}: quantization_config is only written by --export vllm-fp8 "
+            "(compressed-tensors); other engines reject custom quant methods"
+        )
+    if "residual_rotation" in meta["fused"] and config.get("tie_word_embeddings"):
+        raise FormatError(
+            f"{CONFIG}: tie_word_embeddings is true, but a residual rotation "
+            "makes lm_head differ from the embedding"
+        )
+    weights = weight_files(path)
+    names = {n for tensors in weights.values() for n in tensors}
+    if meta["untied_embeddings"] and "lm_head.weight" not in names:
+        raise FormatError(f"{META}: untied_embeddings, but no lm_head.weight in the weights")
+    try:
+        scheme = KVScheme.from_json(meta["scheme"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise FormatError(f"{META}: scheme is malformed ({type(e).__name__}: {e})") from None
+    layers = config.get("num_hidden_layers")
+    if len(scheme.layers) != layers:
+        raise FormatError(f"{META}: scheme has {len(scheme.layers)} layers, {CONFIG} {layers}")
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    params = _read_params(
+        path / PARAMS, layers, config.get("num_key_value_heads") or heads, head_dim
+    )
+    fused = frozenset(meta["fused"])
+    if "value_rotation" in fused and not any(layer.value_rotation for layer in scheme.layers):
+        raise FormatError(f"{META}: value_rotation is fused, but no layer's scheme rotates values")
+    if "value_rotation" not in fused and any(layer.value_rotation for layer in scheme.layers):
+        raise FormatError(
+            f"{META}: a layer's scheme rotates values but value_rotation is not fused: the "
+            "runtime never rotates values online; reconvert the model"
+        )
+    for i, layer in enumerate(scheme.layers):
+        for spec in (layer.key, layer.value):
+            if (
+                spec is not None
+                and spec.granularity == "token"
+                and head_dim % (spec.group_size or head_dim)
+            ):
+                raise FormatError(
+                    f"{META}: layer {i} groups {spec.group_size} channels, which "
+                    f"does not divide head_dim {head_dim}"
+                )
+    if "key_smooth" in fused and not params.key_smooth:
+        raise FormatError(f"{META}: key_smooth is fused, but {PARAMS} has no key_smooth")
+    return Checkpoint(config=config, meta=meta, scheme=scheme, params=params, fused=fused)

@@ -1,0 +1,254 @@
+"""The converted-checkpoint format: FORMAT.md is enough to write one, and the validator names
+the file whenever something is missing, extra, changed or malformed.
+
+The checkpoints here are written by hand from the spec (not by kvcalib), so the runtime's tests
+need no converter and the spec is shown to be sufficient.
+"""
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+
+from kvcalib_runtime import format
+from kvcalib_runtime.errors import FormatError
+from kvcalib_runtime.quant import QuantSpec
+from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
+
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 8
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+    "num_attention_heads": 4, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+    "num_hidden_layers": LAYERS, "intermediate_size": 64, "vocab_size": 16,
+}  # fmt: skip
+
+
+def _scheme() -> KVScheme:
+    layer = LayerScheme(
+        QuantSpec(4),
+        QuantSpec(2, "token", 4),
+        key_rotation=True,
+        value_rotation=True,
+        key_flush=4,
+        value_flush=4,
+    )
+    return KVScheme((layer,) * LAYERS, residual=8, sinks_first=1, sink_budget=2, rotation_seed=3)
+
+
+def _params() -> KVParams:
+    g = torch.Generator().manual_seed(0)
+    return KVParams(
+        key_range={
+            1: (
+                -torch.rand(KV_HEADS, HEAD_DIM, generator=g),
+                torch.rand(KV_HEADS, HEAD_DIM, generator=g),
+            )
+        },
+        value_codebook={0: torch.linspace(0, 1, 4)},
+        sink_predictor=SinkPredictor(layer=1, dims=(3, 7), threshold=50.0),
+    )
+
+
+def _manifest(path: Path) -> None:
+    files = {
+        p.name: {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "size": p.stat().st_size}
+        for p in sorted(path.iterdir())
+        if p.name != format.MANIFEST
+    }
+    (path / format.MANIFEST).write_text(json.dumps({"format_version": 1, "files": files}))
+
+
+def _write(path: Path, *, shards: int = 1, meta: dict | None = None) -> Path:
+    """A checkpoint by FORMAT.md: the weights are random, only their files matter here."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    Tokenizer(WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(path / "tokenizer.json"))
+    tensors = {f"model.layers.{i}.mlp.up_proj.weight": torch.randn(64, 32) for i in range(4)}
+    if shards == 1:
+        save_file(tensors, path / format.SINGLE)
+    else:
+        names = sorted(tensors)
+        weight_map = {
+            n: f"model-{i % shards + 1:05d}-of-{shards:05d}.safetensors"
+            for i, n in enumerate(names)
+        }
+        for file in sorted(set(weight_map.values())):
+            save_file({n: tensors[n] for n in names if weight_map[n] == file}, path / file)
+        index = {
+            "metadata": {"total_size": sum(t.numel() * 4 for t in tensors.values())},
+            "weight_map": weight_map,
+        }
+        (path / format.INDEX).write_text(json.dumps(index))
+    meta = meta or {
+        "format_version": 1,
+        "source": {"spec": "tiny", "fingerprint": "ab" * 32},
+        "recipe": {"name": "handmade", "toml": None},
+        "profile": {"fingerprint": "cd" * 32, "path": "profile/"},
+        "fused": ["value_rotation"],
+        "residual_rotation_seed": None,
+        "untied_embeddings": False,
+        "export": None,
+        "scheme": _scheme().to_json(),
+    }
+    (path / format.META).write_text(json.dumps(meta))
+    save_file(_params().tensors(), path / format.PARAMS)
+    _manifest(path)
+    return path
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> Path:
+    return _write(tmp_path / "ckpt")
+
+
+def test_round_trip(ckpt):
+    read = format.read_checkpoint(ckpt)
+    assert read.scheme == _scheme()
+    assert read.fused == frozenset({"value_rotation"}) and read.config == CONFIG
+    expected, got = _params().tensors(), read.params.tensors()
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[k], got[k]) for k in expected)
+    assert read.params.sink_predictor == _params().sink_predictor
+
+
+def test_sharded_round_trip_and_index_checks(tmp_path):
+    path = _write(tmp_path / "sharded", shards=2)
+    assert format.read_checkpoint(path).scheme == _scheme()
+    index = json.loads((path / format.INDEX).read_text())
+    index["metadata"]["total_size"] += 4
+    (path / format.INDEX).write_text(json.dumps(index))
+    _manifest(path)
+    with pytest.raises(FormatError, match=r"model\.safetensors\.index\.json: metadata\.total_size"):
+        format.read_checkpoint(path)
+    index["metadata"]["total_size"] -= 4
+    index["weight_map"]["model.layers.0.mlp.up_proj.weight"] = "model-00002-of-00002.safetensors"
+    (path / format.INDEX).write_text(json.dumps(index))
+    _manifest(path)
+    with pytest.raises(FormatError, match=r"model-00001-of-00002\.safetensors: tensor"):
+        format.read_checkpoint(path)
+
+
+def test_manifest_names_changed_missing_and_extra_files(ckpt):
+    data = bytearray((ckpt / "config.json").read_bytes())
+    data[-2] = ord(" ") if data[-2] != ord(" ") else ord("\n")  # same size, other bytes
+    (ckpt / "config.json").write_bytes(bytes(data))
+    with pytest.raises(FormatError, match=r"^config\.json: changed since it was written"):
+        format.verify_manifest(ckpt)
+    format.verify_manifest(ckpt, hashes=False)  # sizes alone cannot see it
+    _manifest(ckpt)
+    (ckpt / "notes.txt").write_text("hi")
+    with pytest.raises(FormatError, match=r"^notes\.txt: .* not in manifest\.json \(extra file\)"):
+        format.read_checkpoint(ckpt)
+    (ckpt / "notes.txt").unlink()
+    (ckpt / format.PARAMS).unlink()
+    with pytest.raises(
+        FormatError,
+        match=r"^kv_params\.safetensors: listed in manifest\.json but "
+        "missing",
+    ):
+        format.read_checkpoint(ckpt)
+
+
+def test_manifest_entries_must_be_plain_names(ckpt):
+    manifest = json.loads((ckpt / format.MANIFEST).read_text())
+    manifest["files"]["../escape"] = {"sha256": "0" * 64, "size": 1}
+    (ckpt / format.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="not a plain file name"):
+        format.verify_manifest(ckpt)
+
+
+def _header(tensors: dict) -> bytes:
+    text = json.dumps(tensors).encode()
+    return struct.pack("<Q", len(text)) + text
+
+
+ENTRY = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+CORRUPT = {
+    "length beyond the file": (struct.pack("<Q", 10**6) + b"{}", "runs past the end"),
+    "short file": (b"\x01\x00", "shorter than the 8-byte header length"),
+    "bad JSON": (struct.pack("<Q", 5) + b"{nope", "not valid JSON"),
+    "offsets out of range": (
+        _header({"w": {**ENTRY, "data_offsets": [0, 64]}}) + bytes(16),
+        "out of range",
+    ),
+    "size mismatch": (_header({"w": {**ENTRY, "shape": [3, 2]}}) + bytes(16), "out of range"),
+    "unknown dtype": (_header({"w": {**ENTRY, "dtype": "F128"}}) + bytes(16), "unknown dtype"),
+    "gap": (_header({"w": {**ENTRY, "data_offsets": [8, 24]}}) + bytes(24), "gap or overlap"),
+    "trailing bytes": (_header({"w": ENTRY}) + bytes(20), "cover 16 bytes"),
+    "extra field": (_header({"w": {**ENTRY, "x": 1}}) + bytes(16), "exactly dtype"),
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPT))
+def test_corrupted_headers_are_named(ckpt, case):
+    data, message = CORRUPT[case]
+    (ckpt / format.SINGLE).write_bytes(data)
+    with pytest.raises(FormatError, match=message):
+        format.read_header(ckpt / format.SINGLE)
+    _manifest(ckpt)  # as if the writer itself had produced it: the header check must catch it
+    with pytest.raises(FormatError, match=rf"^model\.safetensors: .*{message}"):
+        format.read_checkpoint(ckpt)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=64), st.integers(0, 200))
+def test_any_bytes_give_a_header_or_a_format_error(tmp_path_factory, data, length):
+    path = tmp_path_factory.mktemp("fuzz") / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", length) + data)
+    try:
+        format.read_header(path)
+    except FormatError as e:
+        assert str(e).startswith("x.safetensors: ")
+
+
+def _edit_meta(ckpt: Path, **changes) -> None:
+    meta = json.loads((ckpt / format.META).read_text())
+    meta.update(changes)
+    (ckpt / format.META).write_text(json.dumps(meta))
+    _manifest(ckpt)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"format_version": 2}, "format_version 2, but this kvcalib-runtime reads version 1"),
+        ({"fused": ["value_rotation", "magic"]}, "fused"),
+        ({"surprise": 1}, "unknown key 'surprise'"),
+        ({"untied_embeddings": 1}, "'untied_embeddings' has the wrong type"),
+        ({"export": "tgi"}, "export 'tgi' is unknown"),
+        ({"scheme": {"layers": []}}, "scheme is malformed"),
+    ],
+)
+def test_bad_side_car_is_named(ckpt, changes, message):
+    _edit_meta(ckpt, **changes)
+    with pytest.raises(FormatError, match=rf"^kvcalib\.json: .*{message}"):
+        format.read_checkpoint(ckpt)
+
+
+def test_unknown_kv_params_are_refused(ckpt):
+    tensors = _params().tensors() | {"layers.0.surprise": torch.zeros(2)}
+    save_file(tensors, ckpt / format.PARAMS)
+    _manifest(ckpt)
+    with pytest.raises(FormatError, match=r"kv_params\.safetensors: unknown tensor 'layers\.0\."):
+        format.read_checkpoint(ckpt)
+    tensors = _params().tensors() | {"layers.5.key_smooth": torch.ones(KV_HEADS, HEAD_DIM)}
+    save_file(tensors, ckpt / format.PARAMS)
+    _manifest(ckpt)
+    with pytest.raises(FormatError, match="names a layer past the model's 2"):
+        format.read_checkpoint(ckpt)
+
+
+def test_quantization_config_only_with_export(ckpt):
+    config = dict(CONFIG, quantization_config={"quant_method": "gptq"})
+    (ckpt / "config.json").write_text(json.dumps(config))
+    _manifest(ckpt)
+    with pytest.raises(FormatError, match=r"^config\.json: quantization_config"):
+        format.read_checkpoint(ckpt)

@@ -1,0 +1,117 @@
+"""Recipes are a closed, typed schema: presets validate; typos and impossible combinations are
+refused with the key and the fix named."""
+
+from pathlib import Path
+
+import pytest
+
+from kvcalib.errors import RecipeError
+from kvcalib.plan import plan
+from kvcalib.recipe import load_recipe, parse_recipe, presets
+
+PEERS = [
+    "fp16",
+    "per-token-2",
+    "per-token-3",
+    "per-token-4",
+    "kivi-2",
+    "kivi-4",
+    "kvquant-3",
+    "quarot-kv4",
+    "hf-quanto-2",
+    "hf-quanto-4",
+]
+
+
+def test_every_peer_preset_is_shipped():
+    assert set(PEERS) <= set(presets())
+
+
+@pytest.mark.parametrize("name", presets())
+def test_every_preset_validates_and_cites_its_source(name):
+    recipe = load_recipe(name)
+    assert recipe.name == name
+    assert recipe.description
+    text = Path(recipe.source).read_text()
+    assert text.lstrip().startswith("#")  # a comment saying what it reproduces
+    if not recipe.needs_profile and not recipe.external:
+        scheme, _ = plan(recipe, num_layers=3)
+        assert len(scheme.layers) == 3
+
+
+def test_kivi_reproduces_the_paper_setting():
+    scheme, _ = plan(load_recipe("kivi-2"), num_layers=1)
+    layer = scheme.layers[0]
+    assert scheme.residual == 128
+    assert (layer.key.granularity, layer.key.group_size, layer.key_flush) == ("channel", 32, 128)
+    assert (layer.value.granularity, layer.value.group_size, layer.value_flush) == ("token", 32, 1)
+    assert not layer.key.symmetric and not layer.value.symmetric
+
+
+def test_typo_is_refused_with_the_key_named():
+    with pytest.raises(RecipeError, match=r"unknown key 'key\.bitz'; did you mean 'key\.bits'"):
+        parse_recipe({"name": "x", "key": {"bitz": 2}})
+
+
+@pytest.mark.parametrize(
+    "doc, message",
+    [
+        ({"name": "x", "key": {"bits": "2"}}, r"'key\.bits' must be int, not str"),
+        ({"name": "x", "key": {"bits": 5}}, r"bits = 5 is not supported"),
+        ({"name": "x", "key": {"bits": 2, "granularity": "row"}}, r"use one of token, channel"),
+        ({"name": "x", "key": {"bits": 2, "granularity": "channel"}}, r"group_size > 0"),
+        (
+            {"name": "x", "value": {"bits": 2, "position": "pre_rope"}},
+            r"unknown key 'value\.position'",
+        ),
+        (
+            {"name": "x", "key": {"bits": 2, "rotation": "hadamard", "position": "pre_rope"}},
+            r"set key\.position = 'post_rope'",
+        ),
+        ({"name": "x", "sinks": {"predicted": True}}, r"needs sinks\.budget > 0"),
+        (
+            {"name": "x", "key": {"bits": 2, "granularity": "static", "rotation": "hadamard"}},
+            r"static ranges are calibrated unrotated",
+        ),
+        (
+            {
+                "name": "x",
+                "residual": 4,
+                "key": {"bits": 2, "granularity": "channel", "group_size": 32},
+            },
+            r"multiple of its token group",
+        ),
+        ({"name": "x", "key": {"bits": 2, "flush": 4}}, r"with no residual window"),
+        ({"key": {"bits": 2}}, r"missing key 'name'"),
+    ],
+)
+def test_impossible_recipes_say_the_fix(doc, message):
+    with pytest.raises(RecipeError, match=message):
+        recipe = parse_recipe(doc)
+        plan(recipe, num_layers=2)
+
+
+def test_layer_overrides_apply():
+    recipe = parse_recipe(
+        {
+            "name": "x",
+            "key": {"bits": 2},
+            "value": {"bits": 2},
+            "layers": [{"index": "1-2", "key": {"bits": 4}}],
+        }
+    )
+    scheme, _ = plan(recipe, num_layers=4)
+    assert [layer.key.bits for layer in scheme.layers] == [2, 4, 4, 2]
+    assert [layer.value.bits for layer in scheme.layers] == [2, 2, 2, 2]
+
+
+def test_unknown_preset_suggests_close_names():
+    with pytest.raises(RecipeError, match="did you mean kivi-2"):
+        load_recipe("kivi2")
+
+
+def test_profile_needed_is_said():
+    from kvcalib.errors import ProfileError
+
+    with pytest.raises(ProfileError, match="needs calibrated tensors: pass --profile"):
+        plan(load_recipe("kvquant-3"), num_layers=2)
