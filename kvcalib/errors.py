@@ -8,6 +8,9 @@ traceback and exits 2. Anything else is a bug and keeps its traceback.
 class KvcalibError(Exception):
     """Base class of every error kvcalib raises on purpose."""
 
+    def __str__(self) -> str:  # one line, even when it quotes a damaged file's text
+        return " ".join(super().__str__().splitlines())
+
 
 class ModelError(KvcalibError):
     """A model spec that cannot be resolved or loaded (missing, unsupported, unsafe)."""

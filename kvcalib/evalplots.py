@@ -83,7 +83,10 @@ class Recorder:
 
 
 def _save(fig, path: Path) -> Path:
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    from kvcalib.atomic import file_staging
+
+    with file_staging(path) as tmp:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
     import matplotlib.pyplot as plt
 
     plt.close(fig)

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kvcalib import data as data_mod
-from kvcalib.errors import RecipeError
+from kvcalib.errors import DataError, RecipeError
 from kvcalib.models import head_dim
 from kvcalib.plan import plan_for_model
 from kvcalib.recipe import Recipe, load_recipe
@@ -115,6 +115,7 @@ def evaluate(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     progress: bool = True,
+    trust_remote_code: bool = False,
 ) -> list[Result]:
     """Evaluate recipes (names, paths or Recipe objects) on a model spec or a converted folder.
 
@@ -125,8 +126,10 @@ def evaluate(
     """
     from kvcalib.models import load_model, resolve
 
-    source = resolve(model)
-    net, tokenizer = load_model(model, device=device, dtype=dtype)
+    source = resolve(model, trust_remote_code=trust_remote_code)
+    net, tokenizer = load_model(
+        model, device=device, dtype=dtype, trust_remote_code=trust_remote_code
+    )
     cands = []
     if (source.path / "kvcalib.json").is_file():
         from kvcalib_runtime.format import read_checkpoint
@@ -176,7 +179,7 @@ def score(
 
     max_len = getattr(model.config, "max_position_embeddings", None)
     if max_len and seq_len > max_len:
-        raise RecipeError(
+        raise DataError(
             f"--seq-len {seq_len} exceeds the model's context ({max_len} tokens): use at most that"
         )
     device = next(model.parameters()).device

@@ -119,7 +119,7 @@ def chat_prompt(path: str | Path, prompt: str) -> str:
     """`prompt` as one user message of the folder's chat template, ready for the reply."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     if not tokenizer.chat_template:
         raise ModelError(
             f"{path}: --chat needs a chat template (chat_template.jinja, or chat_template in "

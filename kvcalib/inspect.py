@@ -7,9 +7,9 @@ from kvcalib import models
 from kvcalib_runtime.quant import QuantSpec
 
 
-def model_summary(spec: str | None) -> str:
+def model_summary(spec: str | None, *, trust_remote_code: bool = False) -> str:
     """Architecture and KV-cache size per token of a model (its config only: no weights load)."""
-    source = models.resolve(spec)
+    source = models.resolve(spec, trust_remote_code=trust_remote_code)
     cfg = json.loads((source.path / "config.json").read_text())
     layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads", heads)
@@ -36,8 +36,9 @@ def model_summary(spec: str | None) -> str:
     return "\n".join(lines)
 
 
-def summary(path: str | None) -> str:
-    """Dispatch on what `path` is: a profile folder, a converted folder, or a model spec."""
+def summary(path: str | None, *, trust_remote_code: bool = False) -> str:
+    """Dispatch on what `path` is: a profile folder, a converted folder, or a model spec
+    (refused when it names custom code, unless `trust_remote_code`)."""
     if path is not None and (Path(path) / "profile.json").is_file():
         from kvcalib.profile import profile_summary
 
@@ -46,4 +47,4 @@ def summary(path: str | None) -> str:
         from kvcalib.conversion import checkpoint_summary
 
         return checkpoint_summary(Path(path))
-    return model_summary(path)
+    return model_summary(path, trust_remote_code=trust_remote_code)

@@ -24,6 +24,8 @@ import torch
 from kvcalib import atomic
 from kvcalib.errors import ModelError
 from kvcalib_runtime import archs
+from kvcalib_runtime.errors import FormatError
+from kvcalib_runtime.format import read_header
 
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,8 +59,14 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def resolve(spec: str | os.PathLike | None = None) -> ModelSource:
-    """The local Hugging Face folder for a model spec (materializing a GGUF on first use)."""
+def resolve(
+    spec: str | os.PathLike | None = None, *, trust_remote_code: bool = False
+) -> ModelSource:
+    """The local Hugging Face folder for a model spec (materializing a GGUF on first use).
+
+    A folder whose config asks for custom code (`auto_map`) is refused unless
+    `trust_remote_code`: kvcalib runs no code that comes with a checkpoint by default.
+    """
     spec = str(spec or DEFAULT_MODEL)
     if spec == DEFAULT_MODEL:
         return _from_gguf(_default_gguf(), spec)
@@ -70,9 +78,10 @@ def resolve(spec: str | os.PathLike | None = None) -> ModelSource:
                     f"model {spec}: a file that is not .gguf; pass a .gguf file or a folder"
                 )
             return _from_gguf(path, spec)
-        return ModelSource(spec, path, _folder_fingerprint(check_folder(path)))
+        check_folder(path, trust_remote_code=trust_remote_code)
+        return ModelSource(spec, path, _folder_fingerprint(path))
     if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
-        return _from_hub_cache(spec)
+        return _from_hub_cache(spec, trust_remote_code)
     raise ModelError(f"model {spec}: no such file or folder; pass a local path or a cached hub id")
 
 
@@ -89,12 +98,15 @@ def _default_gguf() -> Path:
     return path
 
 
-def check_folder(path: Path) -> Path:
-    """Refuse what is not a supported, safetensors-only Hugging Face folder."""
-    config = path / "config.json"
-    if not config.is_file():
+def check_folder(path: Path, *, trust_remote_code: bool = False) -> Path:
+    """Refuse what is not a supported, safetensors-only Hugging Face folder: no config, pickle
+    weights only, damaged safetensors headers, an unsupported architecture, or custom code
+    (`auto_map`) without `trust_remote_code`. Reads the config and the weights' headers only."""
+    config = _json_object(path, "config.json")
+    if config is None:
         raise ModelError(f"model {path}: no config.json, so not a Hugging Face model folder")
-    if not any(path.glob("*.safetensors")):
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
         if pickles:
             raise ModelError(
@@ -103,19 +115,43 @@ def check_folder(path: Path) -> Path:
                 "transformers, which writes safetensors"
             )
         raise ModelError(f"model {path}: no *.safetensors weights in the folder")
-    try:
-        model_type = json.loads(config.read_text()).get("model_type")
-    except json.JSONDecodeError as e:
-        raise ModelError(f"model {path}: config.json is not valid JSON ({e.msg})") from None
+    model_type = config.get("model_type")
     if archs.lookup(model_type) is None:
         raise ModelError(
             f"model {path}: architecture {model_type!r} is not supported; "
             f"supported: {archs.supported()}"
         )
+    if not trust_remote_code:
+        for name in ("config.json", "tokenizer_config.json"):
+            if (_json_object(path, name) or {}).get("auto_map"):
+                raise ModelError(
+                    f"model {path}: {name} has an auto_map, so transformers would run the "
+                    "folder's own Python code; kvcalib runs no code that comes with a "
+                    "checkpoint - read that code, then pass --trust-remote-code"
+                )
+    for file in weights:
+        try:
+            read_header(file, fix="download or save the model again")
+        except FormatError as e:
+            raise ModelError(f"model {path}: {e}") from None
     return path
 
 
-def _from_hub_cache(repo_id: str) -> ModelSource:
+def _json_object(path: Path, name: str) -> dict | None:
+    """The JSON object in path/name; None when there is no such file; ModelError when it is
+    not a JSON object."""
+    if not (path / name).is_file():
+        return None
+    try:
+        obj = json.loads((path / name).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ModelError(f"model {path}: {name} is not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ModelError(f"model {path}: {name} is not a JSON object")
+    return obj
+
+
+def _from_hub_cache(repo_id: str, trust_remote_code: bool) -> ModelSource:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -126,7 +162,8 @@ def _from_hub_cache(repo_id: str) -> ModelSource:
             f"model {repo_id}: not a local path and not in the local Hugging Face cache; "
             "nothing is downloaded at run time - fetch it on a connected machine or pass a folder"
         ) from None
-    return ModelSource(repo_id, path, _folder_fingerprint(check_folder(path)))
+    check_folder(path, trust_remote_code=trust_remote_code)
+    return ModelSource(repo_id, path, _folder_fingerprint(path))
 
 
 def _folder_fingerprint(path: Path) -> str:
@@ -149,7 +186,9 @@ def cached_sha256(path: Path) -> str:
     memo = cache_dir() / "sha256.json"
     try:
         known = json.loads(memo.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError, RecursionError):
+        known = {}
+    if not isinstance(known, dict):
         known = {}
     if key not in known:
         known[key] = sha256_file(path)
@@ -163,11 +202,13 @@ def cached_sha256(path: Path) -> str:
 def _gguf_architecture(path: Path) -> str:
     from gguf import GGUFReader
 
-    try:
+    try:  # gguf's reader raises what numpy raises on a cut or damaged file
         field = GGUFReader(path).fields["general.architecture"]
-    except (KeyError, ValueError, OSError) as e:
-        raise ModelError(f"model {path}: not a readable GGUF file ({e})") from None
-    return bytes(field.parts[field.data[0]]).decode()
+        return bytes(field.parts[field.data[0]]).decode()
+    except (KeyError, IndexError, TypeError, ValueError, OSError) as e:
+        raise ModelError(
+            f"model {path}: not a readable GGUF file ({type(e).__name__}: {e}); download it again"
+        ) from None
 
 
 def _from_gguf(path: Path, spec: str) -> ModelSource:
@@ -216,15 +257,28 @@ def load_model(
 ):
     """Load a model and its tokenizer -> (model, tokenizer), in eval mode on `device`.
 
+    device "auto": spread over every visible GPU by accelerate (device_map="auto"); on a machine
+    without one, the CPU.
+    trust_remote_code: run the folder's own modeling code (its config's auto_map); without it
+    such a folder is refused (`resolve`).
     The model carries `model.kvcalib_source` (a ModelSource) for provenance.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = resolve(spec)
+    source = resolve(spec, trust_remote_code=trust_remote_code)
+    spread = str(device) == "auto" and torch.cuda.is_available()
+    if str(device) == "auto" and not spread:
+        device = "cpu"
     model = AutoModelForCausalLM.from_pretrained(
-        source.path, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+        source.path,
+        dtype=dtype,
+        use_safetensors=True,
+        trust_remote_code=trust_remote_code,
+        **({"device_map": "auto"} if spread else {}),
     )
     tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
-    model.to(device).eval()
+    if not spread:
+        model.to(device)
+    model.eval()
     model.kvcalib_source = source
     return model, tokenizer

@@ -40,7 +40,8 @@ profile.safetensors (float32 unless noted):
 
 profile.json: format_version; model {spec, path, fingerprint, model_type, num_layers,
 num_heads, num_kv_heads, head_dim, hidden_size}; data; num_samples, seq_len, seed, device,
-dtype, phases; versions {python, torch, transformers, kvcalib}; settings; quantile_levels,
+dtype, sequential (true: calibrated layer by layer, the same tensors), phases; versions
+{python, torch, transformers, kvcalib}; settings; quantile_levels,
 outlier_fractions; tokens {all, nonsink}; probe (the sensitivity quantizers, or null); codebooks
 {variants, bits, windows, bins} or null; timings (seconds per phase); layers (per layer:
 token0_attention per head, token0_sink, key_outlier_channels_pre_rope and _post_rope per KV
@@ -50,6 +51,8 @@ tokens}; massive {ratio, first_layer}; sink_predictor {layer, dims, threshold, p
 recall, f1, held_out} or null.
 """
 
+import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
@@ -94,12 +97,18 @@ class Profile:
             raise ProfileError(
                 f"profile {path}: {META} is not valid JSON ({e}); {fix} --force"
             ) from None
-        version = meta.get("format_version") if isinstance(meta, dict) else None
+        meta = meta if isinstance(meta, dict) else {}
+        model = meta.get("model") if isinstance(meta.get("model"), dict) else {}
+        version = meta.get("format_version")
         if version != FORMAT_VERSION:
-            spec = meta.get("model", {}).get("spec", "MODEL") if isinstance(meta, dict) else ""
+            spec = model.get("spec", "MODEL")
             raise ProfileError(
                 f"profile {path} has format version {version}; this kvcalib reads "
                 f"{FORMAT_VERSION}: recalibrate with kvcalib calibrate {spec} -o {path} --force"
+            )
+        if not all(isinstance(model.get(k), str) for k in ("spec", "fingerprint")):
+            raise ProfileError(
+                f"profile {path}: {META} lacks model.spec or .fingerprint; {fix} --force"
             )
         try:
             tensors = load_file(path / TENSORS)
@@ -269,7 +278,7 @@ def ensure_profile(source, profile=None, *, progress: bool = True) -> Profile:
         loaded = Profile.load(profile)
         loaded.check_model(source)
         return loaded
-    path = cache_dir() / "profiles" / f"{source.fingerprint[:16]}-v{FORMAT_VERSION}"
+    path = cache_dir() / "profiles" / f"{source.fingerprint[:16]}-{_default_calibration_key()}"
     if not path.is_dir():
         from kvcalib.calibration import calibrate
 
@@ -277,6 +286,17 @@ def ensure_profile(source, profile=None, *, progress: bool = True) -> Profile:
     loaded = Profile.load(path)
     loaded.check_model(source)
     return loaded
+
+
+def _default_calibration_key() -> str:
+    """The format version and a digest of what a default calibration computes (its settings and
+    the codebook variants the presets ask for): a cached profile from an older kvcalib, or from
+    before a preset was added, is not reused."""
+    from kvcalib.calibration import Settings
+    from kvcalib.calibration.codebooks import preset_variants
+
+    what = json.dumps([dataclasses.asdict(Settings()), preset_variants()], sort_keys=True)
+    return f"v{FORMAT_VERSION}-{hashlib.sha256(what.encode()).hexdigest()[:8]}"
 
 
 def profile_summary(path) -> str:

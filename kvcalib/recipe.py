@@ -20,6 +20,7 @@ to the residual window for "channel" granularity (KIVI flushes keys R at a time)
 
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,7 +168,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
             )
     try:
         data = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise RecipeError(f"recipe {path}: not valid TOML ({e})") from None
     return parse_recipe(data, source=str(path))
 
@@ -288,7 +289,7 @@ def _override(obj, i: int, where: str) -> LayerOverride:
         layers = (index,)
     elif isinstance(index, list) and all(isinstance(x, int) for x in index):
         layers = tuple(index)
-    elif isinstance(index, str) and index.count("-") == 1 and index.replace("-", "").isdigit():
+    elif isinstance(index, str) and re.fullmatch(r"[0-9]+-[0-9]+", index):
         lo, hi = map(int, index.split("-"))
         layers = tuple(range(lo, hi + 1))
     else:
@@ -325,5 +326,7 @@ def _check_combinations(r: Recipe, where: str) -> None:
         fail("key.smooth scales channels, which a Hadamard rotation would mix: pick one")
     if not 0 <= k.smooth <= 1:
         fail(f"key.smooth = {k.smooth} is an exponent alpha in [0, 1]")
+    if r.rotation_seed is not None and not 0 <= r.rotation_seed < 2**63:
+        fail(f"rotation_seed = {r.rotation_seed}: use an integer in [0, 2**63)")
     if r.allocation and not 1 <= r.allocation.budget <= 16:
         fail(f"allocation.budget = {r.allocation.budget} bits is out of range")

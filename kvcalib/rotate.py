@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcalib.errors import ModelError
 from kvcalib_runtime import archs
 from kvcalib_runtime.hadamard import (
     hadamard_matrix,
@@ -58,14 +59,33 @@ class Geometry:
 
     @classmethod
     def from_config(cls, config: dict) -> "Geometry":
-        heads = config["num_attention_heads"]
-        return cls(
-            layers=config["num_hidden_layers"],
-            hidden=config["hidden_size"],
+        """ModelError when a size is missing (where required) or not a positive integer."""
+
+        def size(key, default=None):
+            v = config.get(key)
+            if v is None and default is not None:
+                return default
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ModelError(
+                    f"config.json: {key} = {v!r}, not a positive integer; the config is "
+                    "damaged - download or save the model again"
+                )
+            return v
+
+        heads, hidden = size("num_attention_heads"), size("hidden_size")
+        geo = cls(
+            layers=size("num_hidden_layers"),
+            hidden=hidden,
             heads=heads,
-            kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            kv_heads=size("num_key_value_heads", heads),
+            head_dim=size("head_dim", hidden // heads),
         )
+        if geo.heads % geo.kv_heads or geo.head_dim < 1:
+            raise ModelError(
+                f"config.json: {heads} attention heads, {geo.kv_heads} KV heads and "
+                f"hidden_size {hidden} do not make whole heads; the config is damaged"
+            )
+        return geo
 
     @property
     def group(self) -> int:

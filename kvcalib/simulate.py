@@ -108,13 +108,14 @@ class Simulator:
         if predictor is None:
             self._sinks = self._first_sinks(input_ids)
             return self._forward(input_ids)
-        flags = self._predict_full_precision(input_ids, predictor.layer)
+        flags = self._predict_full_precision(input_ids, predictor.layer).to(input_ids.device)
         for self.sink_passes in range(1, MAX_SINK_PASSES + 1):
             self._sinks = self._budget(input_ids, flags)
             logits = self._forward(input_ids)
-            if torch.equal(self._predicted, flags):
+            predicted = self._predicted.to(input_ids.device)  # layers may sit on other GPUs
+            if torch.equal(predicted, flags):
                 break
-            flags = self._predicted  # the quantized pass flags other tokens: decide again
+            flags = predicted  # the quantized pass flags other tokens: decide again
         return logits
 
     @property
@@ -134,11 +135,28 @@ class Simulator:
         return self.scheme is not None and self.scheme.sink_budget > 0
 
     def _forward(self, input_ids):
+        with self._active():
+            return self.model(input_ids).logits
+
+    @contextlib.contextmanager
+    def layerwise(self, input_ids: torch.Tensor):
+        """This simulator in effect for input_ids [B, T] without running the model: for
+        kvcalib.layerwise, which calls the decoder layers one at a time itself (and captures
+        their inputs in here, under the kvcalib attention's mask). First-N sinks only: a sink
+        predictor needs the full-precision forward up to its layer."""
+        if self._predicts_sinks:
+            raise ValueError("a sink budget needs the whole model: run the Simulator in memory")
+        self._sinks = self._first_sinks(input_ids)
+        with self._active():
+            yield self
+
+    @contextlib.contextmanager
+    def _active(self):
         with Hooks(self.model) as hooks:
             self._install(hooks)
             token = _ACTIVE.set(self)
             try:
-                return self.model(input_ids).logits
+                yield
             finally:
                 _ACTIVE.reset(token)
                 self._key_pre.clear()
@@ -196,7 +214,7 @@ class Simulator:
         layer = self.scheme.layers[i] if self.scheme is not None else None
         b, hkv, t, d = key.shape
         g = query.shape[1] // hkv
-        sinks = self._sinks
+        sinks = self._sinks.to(key.device)  # a model spread over GPUs (device_map "auto")
         key_hat = self._key_hat(i, layer, key, sinks) if layer and layer.key else None
         value_hat = self._value_hat(i, layer, value, sinks) if layer and layer.value else None
         q = query.view(b, hkv, g, t, d)
@@ -234,15 +252,16 @@ class Simulator:
 
     def _decode_mask(self, t: int, flush: int, sinks, dtype) -> torch.Tensor:
         """[B, 1, 1, T, T]: 1 where query t sees key j quantized (cached per forward)."""
-        if (t, flush) in self._masks:
-            return self._masks[t, flush]
+        cached = (t, flush, sinks.device)
+        if cached in self._masks:
+            return self._masks[cached]
         pos = torch.arange(t, device=sinks.device)
         n_q = quantized_prefix(pos, self.scheme.residual, flush)
         if self.prefill:
             n_q = torch.where(pos < self.prefill, 0, n_q)
         m = (pos[None, :] < n_q[:, None]) & ~sinks[:, None, :]
-        self._masks[t, flush] = m[:, None, None].to(dtype)
-        return self._masks[t, flush]
+        self._masks[cached] = m[:, None, None].to(dtype)
+        return self._masks[cached]
 
     def _key_hat(self, i: int, layer: LayerScheme, key, sinks):
         spec, p = layer.key, self.params

@@ -33,6 +33,7 @@ from kvcalib_runtime.hadamard import hadamard_transform, is_supported
 from kvcalib_runtime.quant import uniform_codebook
 
 BITS = (2, 3, 4)
+KINDS = ("pre", "key", "value")
 STATIC_OUTLIERS = 0.01  # the static variants' range leaves out this fraction (KVQuant's 1%)
 LLOYD_ITERATIONS = 200
 _GRANULARITY = re.compile(r"(token|channel|static)(\d*)$")
@@ -65,32 +66,44 @@ def codebook_pass(
 ) -> dict[str, torch.Tensor]:
     """{f"codebook.{variant}.{bits}": float32 [L, 2**bits]} from windows ids [N, T] with sink
     flags bool [N, T]; ranges[position] = (lo, hi) [L, Hkv, D] for "pre_rope" / "post_rope"."""
-    names = variants(model, wanted)
-    hist = {
-        v: torch.zeros(model.config.num_hidden_layers, bins, dtype=torch.float64) for v in names
-    }
+    books = Codebooks(variants(model, wanted), model.config.num_hidden_layers, bins)
     for w in range(ids.shape[0]):
         x, g = _fisher(model, ids[w : w + 1])
-        keep = ~sinks[w]
-        for v in names:
-            t, weight = _normalized(v, x, g, keep, ranges)
-            hist[v] += _histogram(t, weight, bins)
+        books.add(x, g, sinks[w], ranges)
         step()
-    out = {}
-    for v in names:
-        for bits in BITS:
-            levels = lloyd(hist[v], bits)
-            out[f"codebook.{v}.{bits}"] = levels * 2 - 1 if v.endswith(":symmetric") else levels
-    return out
+    return books.result()
+
+
+class Codebooks:
+    """The weighted histograms of every variant, window by window, and their k-means levels."""
+
+    def __init__(self, names: tuple[str, ...], num_layers: int, bins: int):
+        self.names, self.bins = names, bins
+        self.hist = {v: torch.zeros(num_layers, bins, dtype=torch.float64) for v in names}
+
+    def add(self, x: dict, g: dict, sinks: torch.Tensor, ranges: dict) -> None:
+        """One window: activations x and gradients g as `stack_fisher` returns them, sink
+        flags bool [T]."""
+        check_finite({f"loss gradient of the {name} activations": grad for name, grad in g.items()})
+        keep = ~sinks
+        for v in self.names:
+            t, weight = _normalized(v, x, g, keep, ranges)
+            self.hist[v] += _histogram(t, weight, self.bins)
+
+    def result(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for v in self.names:
+            for bits in BITS:
+                levels = lloyd(self.hist[v], bits)
+                out[f"codebook.{v}.{bits}"] = levels * 2 - 1 if v.endswith(":symmetric") else levels
+        return out
 
 
 def _fisher(model, ids: torch.Tensor) -> tuple[dict, dict]:
-    """Activations and loss gradients of one window ids [1, T], each kind [L, Hkv, T, D]:
-    "pre" (keys before RoPE), "key" (after RoPE), "value"."""
+    """Activations and loss gradients of one window ids [1, T], as `stack_fisher` returns them."""
     from kvcalib.simulate import Simulator
 
-    cfg = model.config
-    num_layers, d = cfg.num_hidden_layers, head_dim(cfg)
+    num_layers = model.config.num_hidden_layers
     pre, key, value = [None] * num_layers, [None] * num_layers, [None] * num_layers
 
     def observe(record) -> None:
@@ -110,27 +123,47 @@ def _fisher(model, ids: torch.Tensor) -> tuple[dict, dict]:
         for i in range(num_layers):
             hooks.forward(key_module(model, i), keep_pre(i))
         logits = Simulator(model, None, observers=[observe])(ids)
-        loss = torch.nn.functional.cross_entropy(
-            logits[0, :-1].float(), ids[0, 1:], reduction="sum"
-        )
+        loss = window_loss(logits, ids)
         grads = torch.autograd.grad(loss, pre + key + value)
+    n, d = num_layers, head_dim(model.config)
+    layers = [
+        fisher_layer(d, (pre[i], key[i], value[i]), (grads[i], grads[n + i], grads[2 * n + i]))
+        for i in range(n)
+    ]
+    return stack_fisher(layers)
 
-    def heads(t: torch.Tensor) -> torch.Tensor:  # [1, T, Hkv * D] or [1, T, Hkv, D]
+
+def window_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The LM loss whose gradients weigh the k-means: summed next-token cross-entropy of one
+    window, logits [1, T, V], ids [1, T]."""
+    return torch.nn.functional.cross_entropy(
+        logits[0, :-1].float(), ids[0, 1:].to(logits.device), reduction="sum"
+    )
+
+
+def fisher_layer(d: int, acts: tuple, grads: tuple) -> dict[str, torch.Tensor]:
+    """One layer's activations and their loss gradients on the CPU in float32, each [Hkv, T, D]:
+    acts and grads are (pre, key, value) as attention saw them (pre [1, T, Hkv * D] or
+    [1, T, Hkv, D], key and value [1, Hkv, T, D])."""
+
+    def heads(t: torch.Tensor) -> torch.Tensor:
         return t.detach().reshape(t.shape[1], -1, d).transpose(0, 1).float().cpu()
 
-    n = num_layers
-    x = {
-        "pre": torch.stack([heads(p) for p in pre]),
-        "key": torch.stack([k[0].detach().float().cpu() for k in key]),
-        "value": torch.stack([v[0].detach().float().cpu() for v in value]),
-    }
-    g = {
-        "pre": torch.stack([heads(p) for p in grads[:n]]),
-        "key": torch.stack([k[0].float().cpu() for k in grads[n : 2 * n]]),
-        "value": torch.stack([v[0].float().cpu() for v in grads[2 * n :]]),
-    }
-    check_finite({f"loss gradient of the {name} activations": grad for name, grad in g.items()})
-    return x, g
+    out = {}
+    for prefix, (p, k, v) in (("x.", acts), ("g.", grads)):
+        out[prefix + "pre"] = heads(p)
+        out[prefix + "key"] = k[0].detach().float().cpu()
+        out[prefix + "value"] = v[0].detach().float().cpu()
+    return out
+
+
+def stack_fisher(layers: list[dict]) -> tuple[dict, dict]:
+    """fisher_layer of every layer -> (x, g): "pre" (keys before RoPE), "key" (after RoPE) and
+    "value", each [L, Hkv, T, D]."""
+    return tuple(
+        {name: torch.stack([layer[f"{p}.{name}"] for layer in layers]) for name in KINDS}
+        for p in ("x", "g")
+    )
 
 
 def _normalized(variant: str, x: dict, g: dict, keep: torch.Tensor, ranges: dict):

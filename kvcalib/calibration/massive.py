@@ -1,6 +1,6 @@
 """Massive activations in the residual stream, and the sink predictor built on them.
 
-Per decoder layer (its output h [T, E], a window of all layers at a time) the meter keeps the
+Per decoder layer (its output h [T, E], one window and layer at a time) the meter keeps the
 max |h| of every dimension, the median |h| of each window (over every MEDIAN_STRIDE-th entry: a
 full sort costs as much as the layer), and, sparsely, every entry with |h| >= FLOOR x that
 window's median. A layer's massive dims are those whose max |h| reaches `ratio` x its
@@ -29,34 +29,40 @@ MEDIAN_STRIDE = 11  # divides no common hidden size, so every dim is sampled
 
 
 class MassiveMeter:
-    """Accumulates residual-stream magnitudes of every decoder layer, window by window."""
+    """Accumulates residual-stream magnitudes of every decoder layer, one (window, layer) at a
+    time in any order (window by window in memory, layer by layer in sequential.py)."""
 
     def __init__(self, num_layers: int, hidden: int):
         self.max_abs = torch.zeros(num_layers, hidden)
-        self.medians = []  # per window, [L]
-        self.index = []  # per window, int32 [4, n]: window, layer, position, dim
-        self.value = []  # per window, float32 [n]: |h|
+        # (window, layer) -> (median |h|, int32 [4, n] window/layer/position/dim, float32 [n])
+        self.chunks = {}
+
+    def add(self, window: int, layer: int, hidden: torch.Tensor) -> None:
+        """One layer's output in one window: hidden float32 [T, E] on the CPU."""
+        a = hidden.abs()
+        self.max_abs[layer] = torch.maximum(self.max_abs[layer], a.amax(0))
+        median = a.reshape(-1)[::MEDIAN_STRIDE].median()
+        pos, dim = (a >= FLOOR * median).nonzero(as_tuple=True)
+        where = torch.stack((torch.full_like(pos, window), torch.full_like(pos, layer), pos, dim))
+        self.chunks[window, layer] = (median, where.int(), a[pos, dim])
 
     def update(self, hidden: torch.Tensor) -> None:
-        """One window: every layer's output, hidden [L, T, E]."""
-        num_layers = hidden.shape[0]
-        a = hidden.abs()
-        self.max_abs = torch.maximum(self.max_abs, a.amax(1))
-        median = a.view(num_layers, -1)[:, ::MEDIAN_STRIDE].median(1).values  # [L]
-        layer, pos, dim = (a >= FLOOR * median[:, None, None]).nonzero(as_tuple=True)
-        window = torch.full_like(layer, len(self.medians))
-        self.index.append(torch.stack((window, layer, pos, dim)).int())
-        self.value.append(a[layer, pos, dim])
-        self.medians.append(median)
+        """The next window, every layer: hidden float32 [L, T, E]."""
+        window = 1 + max((w for w, _ in self.chunks), default=-1)
+        for layer, h in enumerate(hidden):
+            self.add(window, layer, h)
 
     def result(self, ratio: float) -> "Massive":
+        keys = sorted(self.chunks)  # window-major, whatever order they came in
+        num_layers = len(self.max_abs)
+        medians = torch.stack([self.chunks[k][0] for k in keys]).view(-1, num_layers)  # [N, L]
         return Massive(
             max_abs=self.max_abs,
-            median=torch.stack(self.medians).mean(0),
-            floor=FLOOR * torch.stack(self.medians).amax(0),
-            index=torch.cat(self.index, 1),
-            value=torch.cat(self.value),
-            windows=len(self.medians),
+            median=medians.mean(0),
+            floor=FLOOR * medians.amax(0),
+            index=torch.cat([self.chunks[k][1] for k in keys], 1),
+            value=torch.cat([self.chunks[k][2] for k in keys]),
+            windows=len(medians),
             ratio=ratio,
         )
 

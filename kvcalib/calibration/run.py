@@ -8,6 +8,9 @@ Phases (timed, one progress bar over all of them):
   sensitivity  KL of the logits with one layer's keys or values quantized (sensitivity.py)
   codebooks    Fisher-weighted k-means levels per layer and normalized domain (codebooks.py)
 The profile (kvcalib.profile) and its report are written atomically to `output_dir`.
+
+When the model does not fit in memory (or with `sequential=True`), the same phases run layer by
+layer on weights read from the shards (sequential.py), with the same result.
 """
 
 import contextlib
@@ -21,6 +24,7 @@ import torch
 
 from kvcalib.atomic import check_output, staging
 from kvcalib.calibration import codebooks, sensitivity
+from kvcalib.calibration import sequential as layer_by_layer
 from kvcalib.calibration.observe import POSITION_BITS, stats_pass
 from kvcalib.calibration.sinks import later_sinks, local_span
 from kvcalib.calibration.stats import (
@@ -30,7 +34,7 @@ from kvcalib.calibration.stats import (
     range_ratio,
     select_range,
 )
-from kvcalib.errors import DataError
+from kvcalib.errors import DataError, OutputError
 from kvcalib.profile import FORMAT_VERSION, Profile
 
 PHASES = ("stats", "sensitivity", "codebooks")
@@ -93,16 +97,48 @@ def calibrate(
     force: bool = False,
     settings: Settings = Settings(),
     progress: bool = True,
+    sequential: bool | None = None,
+    offload_dir=None,
+    trust_remote_code: bool = False,
 ) -> Profile:
     """Calibrate a model spec (None: smollm2-135m) on `data` (None: the built-in calibration
-    text) and write the profile folder `output_dir`; returns the Profile."""
-    from kvcalib.models import load_model
+    text) and write the profile folder `output_dir`; returns the Profile.
+
+    device:      "cpu", "cuda", "cuda:1", or "auto" (every visible GPU, else the CPU)
+    sequential:  True: layer by layer, one decoder layer in memory at a time (sequential.py);
+                 False: the whole model in memory; None: layer by layer when the weights do not
+                 fit in the memory free on `device` (kvcalib.layerwise.fits_in_memory)
+    offload_dir: keep the activations between layers in files under this folder instead of
+                 in memory (implies sequential)
+    """
+    from kvcalib.layerwise import LayerwiseModel, fits_in_memory
+    from kvcalib.models import load_model, resolve
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype = {dtype!r}: use one of {', '.join(DTYPES)}")
     check_output(Path(output_dir), force, [])  # before minutes of work, not after
+    if offload_dir is not None:
+        if sequential is False:
+            raise OutputError(
+                f"--offload-dir {offload_dir}: activations are offloaded between layers, so "
+                "only a sequential calibration offloads; drop --in-memory or --offload-dir"
+            )
+        sequential = True
     clock = time.perf_counter()
-    net, tokenizer = load_model(model, device=device, dtype=DTYPES[dtype])
+    source = resolve(model, trust_remote_code=trust_remote_code)
+    if sequential is None:
+        sequential = not fits_in_memory(source.path, DTYPES[dtype], device, quiet=not progress)
+    if sequential:
+        from transformers import AutoTokenizer
+
+        net = LayerwiseModel(
+            source, device=device, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+        )
+        tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    else:
+        net, tokenizer = load_model(
+            model, device=device, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
+        )
     return calibrate_model(
         net,
         tokenizer,
@@ -117,6 +153,7 @@ def calibrate(
         settings=settings,
         progress=progress,
         timings={"load": time.perf_counter() - clock},
+        offload_dir=offload_dir,
     )
 
 
@@ -135,13 +172,16 @@ def calibrate_model(
     settings: Settings = Settings(),
     progress: bool = True,
     timings: dict | None = None,
+    offload_dir=None,
 ) -> Profile:
-    """`calibrate` on an already loaded transformers model (eval mode) and its tokenizer;
-    `source` is its kvcalib.models.ModelSource (for the fingerprint)."""
+    """`calibrate` on an already loaded transformers model (eval mode), or on a
+    kvcalib.layerwise.LayerwiseModel (layer by layer), and its tokenizer; `source` is its
+    kvcalib.models.ModelSource (for the fingerprint)."""
     from tqdm.auto import tqdm
 
     from kvcalib.calibration.report import write_report
     from kvcalib.data import calibration_windows, describe
+    from kvcalib.layerwise import ActivationStore, LayerwiseModel
 
     phases = tuple(phases)
     if set(phases) - set(PHASES) or "stats" not in phases:
@@ -156,7 +196,11 @@ def calibrate_model(
     out = Path(output_dir)
     check_output(out, force, [])
     timings = dict(timings or {})
-    device = next(model.parameters()).device
+    layerwise = isinstance(model, LayerwiseModel)
+    if offload_dir is not None and not layerwise:
+        raise ValueError("offload_dir: only a LayerwiseModel (layer by layer) offloads")
+    device = model.device if layerwise else next(model.parameters()).device
+    dtype = model.dtype if layerwise else next(model.parameters()).dtype
     ids = calibration_windows(
         tokenizer, data, num_samples=num_samples, seq_len=seq_len, seed=seed
     ).to(device)
@@ -168,6 +212,22 @@ def calibrate_model(
         "sensitivity": 2 * layers * len(sensitivity.BITS),
         "codebooks": len(code_ids),
     }
+    if layerwise:
+        steps = layer_by_layer.steps(num_samples, layers, len(code_ids))
+        store = ActivationStore(offload_dir)
+        keep = len(code_ids) if "codebooks" in phases else 0
+        passes = {
+            "stats": lambda *a: layer_by_layer.stats_pass(model, *a, store, keep),
+            "sensitivity": lambda *a: layer_by_layer.sensitivity_pass(model, *a, store),
+            "codebooks": lambda *a: layer_by_layer.codebook_pass(model, *a, store),
+        }
+    else:
+        store = contextlib.nullcontext()
+        passes = {
+            "stats": lambda *a: stats_pass(model, *a),
+            "sensitivity": lambda *a: sensitivity.sensitivity_pass(model, *a),
+            "codebooks": lambda *a: codebooks.codebook_pass(model, *a),
+        }
     bar = tqdm(
         total=sum(steps[p] for p in phases),
         file=sys.stderr,
@@ -175,9 +235,9 @@ def calibrate_model(
         unit="step",
         desc="stats",
     )
-    with bar:
+    with bar, store:
         with _timed(timings, "stats", bar):
-            tensors, massive = stats_pass(model, ids, settings, bar.update)
+            tensors, massive = passes["stats"](ids, settings, bar.update)
             tensors["windows.input_ids"] = ids.cpu()
             for kind in ("key_pre_rope", "key_post_rope"):
                 lo, hi = tensors[f"{kind}.nonsink.min"], tensors[f"{kind}.nonsink.max"]
@@ -188,19 +248,21 @@ def calibrate_model(
         if "sensitivity" in phases:
             with _timed(timings, "sensitivity", bar):
                 key_range = select_range(quantiles["pre_rope"], sensitivity.KEY_RANGE_OUTLIERS)
-                tensors.update(sensitivity.sensitivity_pass(model, sens_ids, key_range, bar.update))
+                tensors.update(passes["sensitivity"](sens_ids, key_range, bar.update))
         if "codebooks" in phases:
             with _timed(timings, "codebooks", bar):
                 ranges = {
                     p: select_range(q, codebooks.STATIC_OUTLIERS) for p, q in quantiles.items()
                 }
                 tensors.update(
-                    codebooks.codebook_pass(
-                        model, code_ids, flags, ranges, settings.histogram_bins, bar.update
+                    passes["codebooks"](
+                        code_ids, flags, ranges, settings.histogram_bins, bar.update
                     )
                 )
+    run = {"device": str(device), "dtype": str(dtype)[6:], "sequential": layerwise}
     meta = _meta(
         model,
+        run,
         tokenizer,
         source,
         tensors,
@@ -234,7 +296,7 @@ def _timed(timings: dict, phase: str, bar):
 
 
 def _meta(
-    model, tokenizer, source, tensors, massive, predictor, settings, data, seed, phases, timings
+    model, run, tokenizer, source, tensors, massive, predictor, settings, data, seed, phases, times
 ) -> dict:
     """profile.json (see kvcalib.profile for its fields)."""
     import transformers
@@ -300,8 +362,7 @@ def _meta(
         "num_samples": n,
         "seq_len": t,
         "seed": seed,
-        "device": str(next(model.parameters()).device),
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        **run,  # device, dtype, sequential
         "phases": list(phases),
         "versions": {
             "python": platform.python_version(),
@@ -328,7 +389,7 @@ def _meta(
         }
         if "codebooks" in phases
         else None,
-        "timings": {k: round(v, 2) for k, v in timings.items()},
+        "timings": {k: round(v, 2) for k, v in times.items()},
         "layers": layers,
         "sinks": sinks,
         "massive": {"ratio": settings.massive_ratio, "first_layer": first},

@@ -16,6 +16,7 @@ at 2, 3 and 4 bits, on the first `tokens` tokens of the first `windows` calibrat
 
 import torch
 
+from kvcalib.hooks import key_module
 from kvcalib_runtime.quant import QuantSpec
 from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme
 
@@ -63,7 +64,6 @@ def sensitivity_pass(model, ids: torch.Tensor, key_range, step) -> dict[str, tor
     from kvcalib.simulate import Simulator
 
     num_layers = model.config.num_hidden_layers
-    device = ids.device
     out = {}
     with torch.no_grad():
         reference = torch.log_softmax(model(ids).logits.float(), -1)
@@ -71,7 +71,8 @@ def sensitivity_pass(model, ids: torch.Tensor, key_range, step) -> dict[str, tor
             kl = torch.zeros(num_layers, len(BITS))
             for layer in range(num_layers):
                 params = KVParams()
-                if tensor == "key":
+                if tensor == "key":  # on the layer's device (device_map "auto" spreads them)
+                    device = key_module(model, layer).weight.device
                     params.key_range[layer] = tuple(r[layer].to(device) for r in key_range)
                 for j, bits in enumerate(BITS):
                     scheme = probe_scheme(tensor, layer, bits, num_layers)

@@ -37,6 +37,7 @@ class SinkMeter:
         weight: float,
         ratio: float,
         min_layers: int,
+        windows: int = 1,
     ):
         t = seq_len
         self.local = local_span(t)
@@ -51,12 +52,14 @@ class SinkMeter:
         self.limit = torch.clamp(ratio * uniform, min=weight)  # [T]
         self.min_layers = min_layers
         self.received = torch.zeros(num_layers, num_heads, t, dtype=torch.float64)
-        self.distant = torch.zeros(num_layers, num_heads, t)  # the current window
+        # the open windows: one at a time in memory, all of them layer by layer (sequential.py)
+        self.distant = torch.zeros(windows, num_layers, num_heads, t)
         self.token0 = torch.zeros(num_layers)  # windows in which token 0 is a sink, per layer
         self.flags, self.layers, self.weights = [], [], []
 
-    def observe(self, layer: int, probs: torch.Tensor) -> None:
-        """One layer of the current window: probs [..., T, T] (query, key), heads leading."""
+    def observe(self, layer: int, probs: torch.Tensor, window: int = 0) -> None:
+        """One layer of an open window (0 ... windows - 1): probs [..., T, T] (query, key),
+        heads leading. Each layer sees the windows in order."""
         t, r = probs.shape[-1], self.local
         p = probs.reshape(-1, t, t).float().contiguous()
         total = p.sum(-2)
@@ -67,11 +70,12 @@ class SinkMeter:
             band = p.as_strided((len(p), t - r + 1, r), (t * t, t + 1, t))
             near[:, : t - r + 1] = band.sum(-1)
         self.received[layer] += (total / self.count_all).double()
-        self.distant[layer] = (total - near) / self.count_far.clamp_min(1)
+        self.distant[window, layer] = (total - near) / self.count_far.clamp_min(1)
 
-    def end_window(self) -> torch.Tensor:
-        """Close the current window: its sink flags, bool [T]."""
-        mean = self.distant.mean(1)  # [L, T]
+    def end_window(self, window: int = 0) -> torch.Tensor:
+        """Close an open window, every layer observed: its sink flags, bool [T]. Windows close
+        in order."""
+        mean = self.distant[window].mean(1)  # [L, T]
         sink = (mean > self.limit) & self.judged  # [L, T]
         self.token0 += sink[:, 0]
         layers = sink.sum(0)

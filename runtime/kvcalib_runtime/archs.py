@@ -52,4 +52,5 @@ def supported() -> str:
 
 
 def lookup(model_type: str) -> Arch | None:
-    return ARCHITECTURES.get(model_type)
+    """The architecture of a config's model_type; None for anything else (any JSON value)."""
+    return ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None

@@ -43,6 +43,14 @@ _PARAM_NAMES = re.compile(
     r"layers\.(\d+)\.(key_range_lo|key_range_hi|value_range_lo|value_range_hi|key_codebook|"
     r"value_codebook|key_smooth)|sink_predictor\.(dims|threshold|layer)"
 )
+# kv_params tensors whose shape does not depend on the model: what FORMAT.md says, and a check.
+_PARAM_SHAPES = {
+    "dims": ("[n]", lambda shape: len(shape) == 1),
+    "threshold": ("[1]", lambda shape: shape == (1,)),
+    "layer": ("[1]", lambda shape: shape == (1,)),
+    "key_codebook": ("[L] or [Hkv, L]", lambda shape: len(shape) in (1, 2)),
+    "value_codebook": ("[L] or [Hkv, L]", lambda shape: len(shape) in (1, 2)),
+}
 _META_KEYS = {
     "format_version": int, "source": dict, "recipe": dict, "profile": (dict, type(None)),
     "fused": list, "residual_rotation_seed": (int, type(None)), "untied_embeddings": bool,
@@ -83,16 +91,20 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+def read_header(
+    path: Path, *, fix: str = "convert the model again"
+) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """A safetensors file's tensors and metadata, validated without reading the data.
 
     Checks the header length against the file, the JSON, every dtype and shape, and that the
-    byte ranges tile the data section exactly (what the safetensors library also demands).
+    byte ranges tile the data section exactly (what the safetensors library also demands). At
+    most the header's bytes are read, and only once its length fits inside the file. `fix`
+    ends the FormatError's message: what the user should do about a damaged file.
     """
     path = Path(path)
 
     def fail(msg):
-        raise FormatError(f"{path.name}: {msg}; the file is damaged - convert the model again")
+        raise FormatError(f"{path.name}: {msg}; the file is damaged - {fix}")
 
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -105,7 +117,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         text = f.read(n)
     try:
         header = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         fail(f"header is not valid JSON ({e})")
     if not isinstance(header, dict):
         fail("header is not a JSON object")
@@ -118,7 +130,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             fail(f"tensor {name!r} needs exactly dtype, shape and data_offsets")
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             fail(f"tensor {name!r} has unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
         if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
             fail(f"tensor {name!r}: shape and data_offsets must be lists of integers >= 0")
@@ -148,10 +160,14 @@ def _ints(x) -> bool:
 
 def _json(path: Path) -> dict:
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise FormatError(f"{path.name}: missing from {path.parent}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(
+            f"{path.name}: missing from {path.parent}; pass a folder that kvcalib convert wrote"
+        ) from None
+    except OSError as e:
+        raise FormatError(f"{path.name}: cannot be read ({e.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise FormatError(f"{path.name}: not valid JSON ({e})") from None
     if not isinstance(obj, dict):
         raise FormatError(f"{path.name}: expected a JSON object")
@@ -215,8 +231,10 @@ def weight_files(path: Path) -> dict[str, list[str]]:
         weight_map, meta = index.get("weight_map"), index.get("metadata")
         if not isinstance(weight_map, dict) or not isinstance(meta, dict):
             raise FormatError(f"{INDEX}: needs a weight_map and metadata.total_size")
+        if not all(isinstance(s, str) for s in weight_map.values()):
+            raise FormatError(f"{INDEX}: weight_map must map tensor names to file names")
         shards = sorted(set(weight_map.values()))
-        if not shards or not all(isinstance(s, str) and SHARD.fullmatch(s) for s in shards):
+        if not shards or not all(SHARD.fullmatch(s) for s in shards):
             raise FormatError(f"{INDEX}: weight_map must name model-XXXXX-of-YYYYY.safetensors")
         expected = [
             f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
@@ -249,6 +267,33 @@ def weight_files(path: Path) -> dict[str, list[str]]:
     return files
 
 
+def _geometry(config: dict) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) of config.json, whose sizes must be positive integers."""
+
+    def size(key, required=True):
+        v = config.get(key)
+        if v is None and not required:
+            return None
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise FormatError(f"{CONFIG}: {key} = {v!r}; expected a positive integer")
+        return v
+
+    for key in ("vocab_size", "intermediate_size"):
+        size(key)
+    size("max_position_embeddings", required=False)
+    layers, hidden, heads = (
+        size(k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads")
+    )
+    kv_heads = size("num_key_value_heads", required=False) or heads
+    head_dim = size("head_dim", required=False) or hidden // heads
+    if heads % kv_heads or head_dim < 1:
+        raise FormatError(
+            f"{CONFIG}: {heads} attention heads, {kv_heads} KV heads and hidden_size {hidden} "
+            "do not make whole heads; the config does not match the weights' architecture"
+        )
+    return layers, kv_heads, head_dim
+
+
 def _check_meta(meta: dict) -> None:
     def fail(msg):
         raise FormatError(f"{META}: {msg}")
@@ -277,6 +322,9 @@ def _check_meta(meta: dict) -> None:
     fused = meta["fused"]
     if any(f not in FUSED for f in fused) or sorted(set(fused)) != fused:
         fail(f"fused {fused} must be a sorted list drawn from {', '.join(FUSED)}")
+    seed = meta["residual_rotation_seed"]
+    if seed is not None and not 0 <= seed < 2**63:
+        fail(f"residual_rotation_seed {seed} is outside [0, 2**63)")
     if meta["export"] not in (None, *EXPORTS):
         fail(f"export {meta['export']!r} is unknown (known: {', '.join(EXPORTS)})")
 
@@ -292,6 +340,9 @@ def _read_params(path: Path, num_layers: int, kv_heads: int, head_dim: int) -> K
             )
         if m.group(1) is not None and int(m.group(1)) >= num_layers:
             raise FormatError(f"{PARAMS}: {name!r} names a layer past the model's {num_layers}")
+        want, fits = _PARAM_SHAPES.get(m.group(2) or m.group(3), ("", None))
+        if fits is not None and not fits(info.shape):
+            raise FormatError(f"{PARAMS}: {name!r} has shape {list(info.shape)}, expected {want}")
         integer = m.group(3) in ("dims", "layer")
         floating = info.dtype in ("F32", "F16", "BF16")
         if integer != (info.dtype == "I64") or not (integer or floating):
@@ -336,6 +387,7 @@ def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
             f"{CONFIG}: model_type {config.get('model_type')!r} is not supported "
             f"(supported: {archs.supported()})"
         )
+    layers, kv_heads, head_dim = _geometry(config)
     if not (path / TOKENIZER).is_file():
         raise FormatError(f"{TOKENIZER}: missing; the runtime tokenizes with it")
     quant = config.get("quantization_config")
@@ -361,14 +413,17 @@ def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
         scheme = KVScheme.from_json(meta["scheme"])
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError(f"{META}: scheme is malformed ({type(e).__name__}: {e})") from None
-    layers = config.get("num_hidden_layers")
     if len(scheme.layers) != layers:
         raise FormatError(f"{META}: scheme has {len(scheme.layers)} layers, {CONFIG} {layers}")
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    params = _read_params(
-        path / PARAMS, layers, config.get("num_key_value_heads") or heads, head_dim
-    )
+    params = _read_params(path / PARAMS, layers, kv_heads, head_dim)
+    sp = params.sink_predictor
+    if sp is not None and not (
+        0 <= sp.layer < layers and all(0 <= d < config["hidden_size"] for d in sp.dims)
+    ):
+        raise FormatError(
+            f"{PARAMS}: sink_predictor layer {sp.layer} or dims {list(sp.dims)} fall outside "
+            f"the model's {layers} layers and {config['hidden_size']} hidden dims"
+        )
     fused = frozenset(meta["fused"])
     if "value_rotation" in fused and not any(layer.value_rotation for layer in scheme.layers):
         raise FormatError(f"{META}: value_rotation is fused, but no layer's scheme rotates values")

@@ -78,6 +78,8 @@ class KVScheme:
     def __post_init__(self):
         if self.residual < 0 or self.sinks_first < 0 or self.sink_budget < 0:
             raise ValueError("residual, sinks_first and sink_budget must be >= 0")
+        if self.rotation_seed is not None and not 0 <= self.rotation_seed < 2**63:
+            raise ValueError(f"rotation_seed = {self.rotation_seed}: use an integer in [0, 2**63)")
         for i, layer in enumerate(self.layers):
             for name, spec, flush in (
                 ("key", layer.key, layer.key_flush),

@@ -7,13 +7,18 @@ need no converter and the spec is shown to be sufficient.
 
 import hashlib
 import json
+import shutil
 import struct
+import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from mutate import mutated, mutated_bytes
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -225,6 +230,8 @@ def _edit_meta(ckpt: Path, **changes) -> None:
         ({"untied_embeddings": 1}, "'untied_embeddings' has the wrong type"),
         ({"export": "tgi"}, "export 'tgi' is unknown"),
         ({"scheme": {"layers": []}}, "scheme is malformed"),
+        ({"residual_rotation_seed": 2**64}, r"residual_rotation_seed 18446744073709551616 is "),
+        ({"scheme": {**_scheme().to_json(), "rotation_seed": -1}}, r"rotation_seed = -1: use"),
     ],
 )
 def test_bad_side_car_is_named(ckpt, changes, message):
@@ -246,9 +253,115 @@ def test_unknown_kv_params_are_refused(ckpt):
         format.read_checkpoint(ckpt)
 
 
+def test_config_sizes_and_predictor_shapes_are_checked(ckpt):
+    (ckpt / "config.json").write_text(json.dumps({**CONFIG, "num_attention_heads": "4"}))
+    _manifest(ckpt)
+    with pytest.raises(FormatError, match=r"^config\.json: num_attention_heads = '4'; expected"):
+        format.read_checkpoint(ckpt)
+    (ckpt / "config.json").write_text(json.dumps(CONFIG))
+    tensors = _params().tensors() | {"sink_predictor.layer": torch.tensor(1)}  # shape [], not [1]
+    save_file(tensors, ckpt / format.PARAMS)
+    _manifest(ckpt)
+    with pytest.raises(
+        FormatError, match=r"'sink_predictor\.layer' has shape \[\], expected \[1\]"
+    ):
+        format.read_checkpoint(ckpt)
+    tensors["sink_predictor.layer"] = torch.tensor([LAYERS])  # past the last layer
+    save_file(tensors, ckpt / format.PARAMS)
+    _manifest(ckpt)
+    with pytest.raises(FormatError, match="sink_predictor layer 2 or dims"):
+        format.read_checkpoint(ckpt)
+
+
 def test_quantization_config_only_with_export(ckpt):
     config = dict(CONFIG, quantization_config={"quant_method": "gptq"})
     (ckpt / "config.json").write_text(json.dumps(config))
     _manifest(ckpt)
     with pytest.raises(FormatError, match=r"^config\.json: quantization_config"):
         format.read_checkpoint(ckpt)
+
+
+# -- fuzzing: a damaged checkpoint loads or raises FormatError, nothing else -------------------
+
+SIDE_CARS = (format.META, format.CONFIG, format.INDEX, format.MANIFEST)
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    return _write(tmp_path_factory.mktemp("fuzz") / "sharded", shards=2)
+
+
+def _read_or_format_error(path: Path) -> None:
+    start = time.monotonic()
+    try:
+        format.read_checkpoint(path)
+    except FormatError as e:
+        assert "\n" not in str(e)
+    assert time.monotonic() - start < 10, "validation must not hang on a damaged file"
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(SIDE_CARS), st.data())
+def test_a_mutated_side_car_loads_or_raises_format_error(tmp_path_factory, sharded, name, data):
+    """Keys dropped, values of any type, unknown keys: in kvcalib.json, config.json, the shard
+    index and the manifest. The manifest is rewritten after the edit (except when it is the
+    file edited), as a careless or hostile writer would, so the sha256 check cannot hide the
+    validation behind it."""
+    path = shutil.copytree(sharded, tmp_path_factory.mktemp("side-car") / "ckpt")
+    doc = json.loads((path / name).read_text())
+    (path / name).write_text(json.dumps(data.draw(mutated(doc))))
+    if name != format.MANIFEST:
+        _manifest(path)
+    _read_or_format_error(path)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from((*SIDE_CARS, format.PARAMS)), st.data())
+def test_side_car_bytes_flipped_or_cut_load_or_raise_format_error(
+    tmp_path_factory, sharded, name, data
+):
+    path = shutil.copytree(sharded, tmp_path_factory.mktemp("bytes") / "ckpt")
+    raw = (path / name).read_bytes()
+    within = 8 + int.from_bytes(raw[:8], "little") if name == format.PARAMS else None
+    (path / name).write_bytes(data.draw(mutated_bytes(raw, within=within)))
+    _manifest(path)
+    _read_or_format_error(path)
+
+
+def _small_safetensors(path: Path) -> Path:
+    save_file(
+        {"a": torch.zeros(3, 2), "b": torch.ones(5, dtype=torch.int8), "c": torch.zeros(())},
+        path,
+        metadata={"format": "pt"},
+    )
+    return path
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_a_damaged_safetensors_header_raises_without_allocating_its_claims(tmp_path_factory, data):
+    """Bit flips, cuts and a rewritten length field in the header of a valid file: read_header
+    raises FormatError or returns what the safetensors library also reads; either way it
+    allocates about what the file holds, never what a corrupted length field claims (2**63
+    bytes would be a MemoryError)."""
+    path = _small_safetensors(tmp_path_factory.mktemp("header") / "x.safetensors")
+    raw = path.read_bytes()
+    if data.draw(st.booleans()):
+        raw = data.draw(mutated_bytes(raw, within=8 + int.from_bytes(raw[:8], "little")))
+    else:
+        raw = data.draw(st.integers(0, 2**64 - 1)).to_bytes(8, "little") + raw[8:]
+    path.write_bytes(raw)
+    tracemalloc.start()
+    try:
+        tensors, _ = format.read_header(path)
+    except FormatError as e:
+        assert str(e).startswith("x.safetensors: ") and "\n" not in str(e)
+        return
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 64 * len(raw) + (64 << 10), f"{peak} bytes to read a {len(raw)}-byte file"
+    with safe_open(path, "pt") as f:  # accepted: the library agrees, tensor by tensor
+        assert set(f.keys()) == set(tensors)
+        for name, info in tensors.items():
+            assert tuple(f.get_tensor(name).shape) == info.shape

@@ -118,7 +118,7 @@ ARCHS = {
 TRANSFORMS = {
     "value": (VALUE_TOML, False, {"value_rotation"}),
     "smooth": (SMOOTH_TOML, False, {"key_smooth"}),
-    "residual": ("kivi-2", True, {"residual_rotation"}),
+    "residual": ("per-token-4", True, {"residual_rotation"}),
     "all": (BOTH_TOML, True, {"value_rotation", "key_smooth", "residual_rotation"}),
 }
 
@@ -299,7 +299,7 @@ def test_small_shards_index_and_sharded_source(tmp_path):
 
 def test_bf16_output_from_fp32_source(tmp_path):
     _, src = _source(tmp_path)
-    out = conv.convert(src, recipe="kivi-2", output=tmp_path / "out", dtype="bfloat16")
+    out = conv.convert(src, recipe="per-token-4", output=tmp_path / "out", dtype="bfloat16")
     assert {t.dtype for t in _weights(out).values()} == {torch.bfloat16}
 
 
@@ -323,16 +323,16 @@ def test_failure_midway_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(shards.ShardWriter, "write", failing)
     with pytest.raises(RuntimeError, match="disk on fire"):
-        conv.convert(src, recipe="kivi-2", output=tmp_path / "out", max_shard_size="20KB")
+        conv.convert(src, recipe="per-token-4", output=tmp_path / "out", max_shard_size="20KB")
     assert not (tmp_path / "out").exists() and _strays(tmp_path) == []
 
 
 def test_existing_output_needs_force(tmp_path):
     _, src = _source(tmp_path)
-    out = conv.convert(src, recipe="kivi-2", output=tmp_path / "out")
+    out = conv.convert(src, recipe="per-token-4", output=tmp_path / "out")
     with pytest.raises(OutputError, match="exists; pass --force"):
         conv.convert(src, recipe="quarot-kv4", output=out)
-    assert format.read_checkpoint(out).meta["recipe"]["name"] == "kivi-2"
+    assert format.read_checkpoint(out).meta["recipe"]["name"] == "per-token-4"
     conv.convert(src, recipe="quarot-kv4", output=out, force=True)
     assert format.read_checkpoint(out).meta["recipe"]["name"] == "quarot-kv4"
     assert _strays(tmp_path) == []
@@ -342,7 +342,7 @@ def test_output_overlapping_the_source_is_refused(tmp_path):
     _, src = _source(tmp_path)
     for out in (src, src / "converted", tmp_path):
         with pytest.raises(OutputError, match="overlaps the input"):
-            conv.convert(src, recipe="kivi-2", output=out, force=True)
+            conv.convert(src, recipe="per-token-4", output=out, force=True)
 
 
 _KILLED = """
@@ -355,7 +355,7 @@ def slow(self, name, tensor):
     open(sys.argv[3], "w").close()
     time.sleep(60)
 shards.ShardWriter.write = slow
-convert(sys.argv[1], recipe="kivi-2", output=sys.argv[2])
+convert(sys.argv[1], recipe="per-token-4", output=sys.argv[2])
 """
 
 
@@ -379,7 +379,7 @@ def test_sigkilled_conversion_is_cleaned_by_the_next(tmp_path):
     assert len(_strays(tmp_path)) == 1 and not out.exists()
     live = tmp_path / f"{atomic.tmp_prefix(out)}{os.getppid()}-keep"  # a live process's folder
     live.mkdir()
-    conv.convert(src, recipe="kivi-2", output=out)
+    conv.convert(src, recipe="per-token-4", output=out)
     assert _strays(tmp_path) == [live.name]
     format.read_checkpoint(out)
 
@@ -400,20 +400,20 @@ def test_refusals(tmp_path):
     with pytest.raises(ProfileError, match="pass --profile"):
         conv.convert(src, recipe="quarot-kv4", output=out, export="vllm-fp8")
     with pytest.raises(OutputError, match="dtype 'int8'"):
-        conv.convert(src, recipe="kivi-2", output=out, dtype="int8")
+        conv.convert(src, recipe="per-token-4", output=out, dtype="int8")
     with pytest.raises(OutputError, match="max_shard_size"):
-        conv.convert(src, recipe="kivi-2", output=out, max_shard_size="lots")
+        conv.convert(src, recipe="per-token-4", output=out, max_shard_size="lots")
     (src / "tokenizer.json").unlink()
     with pytest.raises(ModelError, match=r"no tokenizer\.json"):
-        conv.convert(src, recipe="kivi-2", output=out)
+        conv.convert(src, recipe="per-token-4", output=out)
     assert not out.exists()
 
 
 def test_converted_checkpoint_is_not_converted_again(tmp_path):
     _, src = _source(tmp_path)
-    out = conv.convert(src, recipe="kivi-2", output=tmp_path / "out")
+    out = conv.convert(src, recipe="per-token-4", output=tmp_path / "out")
     with pytest.raises(ModelError, match="already a kvcalib-converted checkpoint"):
-        conv.convert(out, recipe="kivi-2", output=tmp_path / "again")
+        conv.convert(out, recipe="per-token-4", output=tmp_path / "again")
 
 
 # -- vLLM export -------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ def test_codebooks_and_sensitivity(profile):
     with pytest.raises(
         ProfileError,
         match=r"no 3-bit codebook for 'key:token:pre_rope'; it has "
-        r"codebooks at \[2, 3, 4\] bits for key:channel:post_rope, ",
+        r"codebooks at \[2, 3, 4\] bits for key:static:pre_rope, ",
     ):
         profile.codebook("key:token:pre_rope", 1, 3)
     assert profile.sensitivity("value", 1, 2) >= profile.sensitivity("value", 1, 4) >= 0

@@ -57,7 +57,7 @@ def test_typo_is_refused_with_the_key_named():
     "doc, message",
     [
         ({"name": "x", "key": {"bits": "2"}}, r"'key\.bits' must be int, not str"),
-        ({"name": "x", "key": {"bits": 5}}, r"bits = 5 is not supported"),
+        ({"name": "x", "key": {"bits": 7}}, r"bits = 7 is not supported"),
         ({"name": "x", "key": {"bits": 2, "granularity": "row"}}, r"use one of token, channel"),
         ({"name": "x", "key": {"bits": 2, "granularity": "channel"}}, r"group_size > 0"),
         (
