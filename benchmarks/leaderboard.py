@@ -33,8 +33,11 @@ MODES = ("decode", "fake")
 
 
 def ablations() -> list:
-    """kvcalib-2 with one ingredient changed at a time."""
-    base = load_recipe("kvcalib-2")
+    """kvcalib-2 with one ingredient changed at a time, and kvcalib-3 without its per-layer
+    bit allocation. A change of a tensor's normalized domain (granularity, RoPE side, rotation)
+    has no calibrated codebook in the default profile: those rows use uniform levels for that
+    tensor and compare against the "- key codebook" / "- value codebook" rows."""
+    base, k3 = load_recipe("kvcalib-2"), load_recipe("kvcalib-3")
     key, value = base.key, base.value
 
     def variant(name, **changes):
@@ -47,12 +50,33 @@ def ablations() -> list:
         variant("- outliers", key=dataclasses.replace(key, outliers=0.0)),
         variant("- key codebook", key=dataclasses.replace(key, codebook="uniform")),
         variant("- value codebook", value=dataclasses.replace(value, codebook="uniform")),
-        variant("- value Hadamard", value=dataclasses.replace(value, rotation="none")),
         variant(
-            "static -> dynamic keys (KIVI groups of 64)",
-            key=dataclasses.replace(key, granularity="channel", group_size=64, outliers=0.0),
+            "- value Hadamard (uniform)",
+            value=dataclasses.replace(value, rotation="none", codebook="uniform"),
         ),
-        variant("pre -> post-RoPE keys", key=dataclasses.replace(key, position="post_rope")),
+        variant(
+            "static -> dynamic keys, groups of 64 (uniform)",
+            key=dataclasses.replace(
+                key, granularity="channel", group_size=64, outliers=0.0, codebook="uniform"
+            ),
+        ),
+        variant(
+            "pre -> post-RoPE keys (uniform)",
+            key=dataclasses.replace(key, position="post_rope", codebook="uniform"),
+        ),
+        variant(
+            "keys: online Hadamard per token, QuaRot (uniform)",
+            key=dataclasses.replace(
+                key,
+                granularity="token",
+                position="post_rope",
+                rotation="hadamard",
+                outliers=0.0,
+                codebook="uniform",
+            ),
+        ),
+        k3,
+        dataclasses.replace(k3, name="kvcalib-3 - allocation (3 bits everywhere)", allocation=None),
     ]
 
 

@@ -1,9 +1,14 @@
-"""The shipped kvcalib-* recipes on the real default model: each converts, and the converted
-folder evaluates as the recipe does online (what `kvcalib eval CONVERTED_DIR` reports)."""
+"""The shipped kvcalib-* recipes on the real default model: each converts, the converted folder
+evaluates as the recipe does online (what `kvcalib eval CONVERTED_DIR` reports), and the
+runtime generates what that evaluation predicts."""
+
+from pydoc_data.topics import topics
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+import kvcalib_runtime
 from kvcalib.calibration import Settings, calibrate_model
 from kvcalib.conversion import convert
 from kvcalib.data import eval_windows
@@ -38,8 +43,6 @@ def _kl(p_logits, q_logits) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["kvcalib-2", "kvcalib-3", "kvcalib-4"])
 def test_converted_preset_evaluates_as_the_online_recipe(name, real_model, profile, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     model, tokenizer = real_model
     out = convert(None, recipe=name, output=tmp_path / name, profile=profile)
     ckpt = read_checkpoint(out)
@@ -56,3 +59,23 @@ def test_converted_preset_evaluates_as_the_online_recipe(name, real_model, profi
     # moves the output by far less than quantization itself does.
     assert _kl(online, fused) < 0.05 * error
     assert error > 1e-4  # the low-bit cache does change the output
+
+
+@pytest.mark.slow
+def test_runtime_generates_what_the_simulation_predicts_with_kvcalib_2(profile, tmp_path):
+    """The runtime contract with the shipped 2-bit recipe (static codebook keys with outliers,
+    rotated codebook values, predicted sinks): 32 greedy tokens after a 150-token prompt, the
+    body growing past the 128-token window, are the argmax of eval's decode simulation; and the
+    cache stores at most a fifth of fp16's bytes per token at 4K, everything included."""
+    out = convert(None, recipe="kvcalib-2", output=tmp_path / "k2", profile=profile)
+    rm = kvcalib_runtime.load(out, device="cpu", dtype=torch.float32, use_kernels=False)
+    assert rm.kv_bytes_per_token(4096) <= rm.fp16_bytes_per_token() / 5
+    prompt = rm.encode(topics["assert"])[:150]
+    [new] = rm.generate([prompt], 32, eos_token_id=[])
+    converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = torch.tensor([prompt + new])
+    with torch.no_grad():
+        simulated = Simulator(
+            converted, rm.scheme, rm.params, mode="decode", fused=rm.fused, prefill=len(prompt)
+        )(ids)
+    assert simulated[0, len(prompt) - 1 : -1].argmax(-1).tolist() == new
