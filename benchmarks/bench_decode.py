@@ -28,7 +28,7 @@ import os
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -370,7 +370,7 @@ def main(argv=None) -> None:
         f"{cfg['repeats']} after {cfg['warmup']} warm-up"
     )
     report = (
-        f"## Decode, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC\n\n{setup}\n\n"
+        f"## Decode, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC\n\n{setup}\n\n"
         f"### Attention, one decode step\n\n{attention_table(rows)}\n\n"
         f"### End to end\n\n{e2e_table(e2e)}\n"
     )

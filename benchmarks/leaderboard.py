@@ -1,5 +1,6 @@
-"""Regenerate the leaderboard: every preset, both modes, three texts, passkey, and the ablation
-of kvcalib-2's ingredients, on the default model in fp32.
+"""Regenerate the leaderboard: every preset in both modes on two texts, the sink-sensitive
+recipes on chat text, passkey retrieval, and the ablation of kvcalib-2's ingredients, on the
+default model in fp32.
 
     python benchmarks/leaderboard.py [--profile DIR] [--windows 4] [--seq-len 1024]
 
@@ -9,7 +10,7 @@ Writes benchmarks/leaderboard.md (the tables the README quotes) and benchmarks/l
 Python's documentation, `builtin:licenses` (legal English, not calibration text) and
 `builtin:chat` (evaluation topics as multi-turn chats in the model's template, where later sinks
 appear at turn boundaries). External peers (hf-quanto) run only in decode mode, through their own
-cache. About 45 minutes on 2 CPU cores.
+cache. About an hour on 2 idle CPU cores.
 """
 
 import argparse
@@ -21,15 +22,17 @@ from pathlib import Path
 import torch
 
 from kvcalib import load_model
-from kvcalib.evaluation import Result, candidates, format_table, score
+from kvcalib.evaluation import candidates, format_table, score
 from kvcalib.models import resolve
-from kvcalib.passkey import passkey_accuracy
+from kvcalib.passkey import LENGTHS, passkey_accuracy
 from kvcalib.profile import ensure_profile
 from kvcalib.recipe import load_recipe, presets
 
 HERE = Path(__file__).resolve().parent
 TEXTS = {"pydoc": None, "licenses": "builtin:licenses", "chat": "builtin:chat"}
 MODES = ("decode", "fake")
+SINK_RECIPES = ("fp16", "kivi-2", "kvquant-3", "kvcalib-2")  # on the chat text
+PASSKEY_RECIPES = ("fp16", "per-token-2", "kivi-2", "kvquant-3", "kvcalib-2", "kvcalib-3")
 
 
 def ablations() -> list:
@@ -80,9 +83,26 @@ def ablations() -> list:
     ]
 
 
-def _record(rows, results: list[Result], text: str, table: str) -> None:
-    for r in results:
-        rows.append({"table": table, "text": text, **r.to_json()})
+class Board:
+    """The tables so far, rewritten to leaderboard.md / .json after every block: an interrupted
+    run keeps what it measured."""
+
+    def __init__(self, out: Path, setup: str):
+        self.out, self.setup, self.start = out, setup, time.time()
+        self.rows, self.md = [], [f"Setup: {setup}.", ""]
+
+    def add(self, title: str, table: str, rows: list[dict]) -> None:
+        self.rows += rows
+        self.md += [f"### {title}", "", table, ""]
+        self.out.joinpath("leaderboard.md").write_text("\n".join(self.md))
+        doc = {"setup": self.setup, "rows": self.rows}
+        self.out.joinpath("leaderboard.json").write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"{title}: {time.time() - self.start:.0f}s", flush=True)
+
+    def scores(self, title, model, tokenizer, cands, *, text, table="leaderboard", **kw):
+        results = score(model, tokenizer, cands, data=TEXTS[text], progress=False, **kw)
+        rows = [{"table": table, "text": text, **r.to_json()} for r in results]
+        self.add(title, format_table(results), rows)
 
 
 def main():
@@ -93,48 +113,41 @@ def main():
     parser.add_argument("--out", default=str(HERE), help="Folder for leaderboard.md / .json.")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    start = time.time()
     model, tokenizer = load_model(None, dtype=torch.float32)
     profile = ensure_profile(resolve(None), args.profile)
-    setup = (
+    board = Board(
+        Path(args.out),
         f"SmolLM2-135M-Instruct (GGUF, dequantized), fp32, CPU; {args.windows} windows x "
         f"{args.seq_len} tokens per text; profile: default `kvcalib calibrate` "
-        f"(16 x 512 tokens of the built-in calibration text)"
+        "(16 x 512 tokens of the built-in calibration text)",
     )
-    rows, md = [], [f"Setup: {setup}.", ""]
+    size = dict(seq_len=args.seq_len, windows=args.windows)
     everything = candidates(model, presets(), profile)
-    for text, data in TEXTS.items():
-        for mode in MODES:
-            chosen = [c for c in everything if c.scheme is not None or mode == "decode"]
-            results = score(
-                model, tokenizer, chosen, data=data, seq_len=args.seq_len,
-                windows=args.windows, mode=mode, progress=False,
-            )  # fmt: skip
-            _record(rows, results, text, "leaderboard")
-            md += [f"### {text}, {mode} mode", "", format_table(results), ""]
-            print(f"{text} {mode}: {time.time() - start:.0f}s", flush=True)
-    md += ["### passkey retrieval (decode, needle at depths 10/50/90%)", ""]
-    md += ["| recipe | " + " | ".join(f"{n} tokens" for n in (1024, 2048, 4096)) + " |"]
-    md += ["|---|---|---|---|"]
+
+    def presets_on(text: str, mode: str) -> None:
+        chosen = [c for c in everything if c.scheme is not None or mode == "decode"]
+        board.scores(f"{text}, {mode} mode", model, tokenizer, chosen, text=text, mode=mode, **size)
+
+    presets_on("pydoc", "decode")
+    presets_on("pydoc", "fake")
+    table = ["| recipe | " + " | ".join(f"{n} tokens" for n in LENGTHS) + " |"]
+    table += ["|---" * (len(LENGTHS) + 1) + "|"]
+    rows = []
     for c in everything:
-        acc = passkey_accuracy(model, tokenizer, c)
-        rows.append({"table": "passkey", "recipe": c.name, "passkey": acc})
-        md.append(f"| {c.name} | " + " | ".join(f"{v:.0%}" for v in acc.values()) + " |")
-    print(f"passkey: {time.time() - start:.0f}s", flush=True)
-    md += [""]
+        if c.name in PASSKEY_RECIPES:
+            acc = passkey_accuracy(model, tokenizer, c)
+            rows.append({"table": "passkey", "recipe": c.name, "passkey": acc})
+            table.append(f"| {c.name} | " + " | ".join(f"{v:.0%}" for v in acc.values()) + " |")
+    board.add("passkey retrieval (needle at depths 10/50/90%)", "\n".join(table), rows)
     abl = candidates(model, ablations(), profile)
-    for mode in MODES:
-        results = score(
-            model, tokenizer, abl, seq_len=args.seq_len, windows=args.windows, mode=mode,
-            progress=False,
-        )  # fmt: skip
-        _record(rows, results, "pydoc", f"ablation-{mode}")
-        md += [f"### ablation of kvcalib-2, pydoc, {mode} mode", "", format_table(results), ""]
-    md += [f"Total: {(time.time() - start) / 60:.0f} min."]
-    out = Path(args.out)
-    (out / "leaderboard.md").write_text("\n".join(md) + "\n")
-    (out / "leaderboard.json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=1))
-    print("\n".join(md))
+    board.scores(
+        "ablation, pydoc, decode mode", model, tokenizer, abl, text="pydoc", mode="decode",
+        table="ablation", **size,
+    )  # fmt: skip
+    presets_on("licenses", "decode")
+    presets_on("licenses", "fake")
+    sinks = [c for c in everything if c.name in SINK_RECIPES] + abl[1:3]
+    board.scores("chat, decode mode", model, tokenizer, sinks, text="chat", mode="decode", **size)
 
 
 if __name__ == "__main__":

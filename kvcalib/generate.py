@@ -17,6 +17,7 @@ import kvcalib_runtime
 from kvcalib.errors import ModelError
 
 KIB = 1024
+LONG_CONTEXT = 4096  # the context the memory claim is made at
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class GenerationReport:
     kv_bytes_per_token:    the quantized cache's storage per token at the final context
                            (prompt + new tokens), sinks and residual window amortized
     fp16_bytes_per_token:  an fp16 cache's, for the same model
+    long_bytes_per_token:  the quantized cache's storage per token at LONG_CONTEXT tokens, where
+                           the exact residual window no longer dominates
     """
 
     text: str
@@ -40,6 +43,7 @@ class GenerationReport:
     decode_tokens_per_s: float | None
     kv_bytes_per_token: float
     fp16_bytes_per_token: int
+    long_bytes_per_token: float
 
     @property
     def context(self) -> int:
@@ -87,6 +91,7 @@ def generate_text(
         decode_tokens_per_s=(len(new) - 1) / (stamps[-1] - stamps[0]) if len(new) > 1 else None,
         kv_bytes_per_token=model.kv_bytes_per_token(len(ids) + len(new)),
         fp16_bytes_per_token=model.fp16_bytes_per_token(),
+        long_bytes_per_token=model.kv_bytes_per_token(LONG_CONTEXT),
     )
 
 
@@ -130,7 +135,8 @@ def chat_prompt(path: str | Path, prompt: str) -> str:
 
 
 def format_report(report: GenerationReport) -> str:
-    """Two lines: prefill and decode speed, then the KV cache's size against fp16."""
+    """Two lines: prefill and decode speed, then the KV cache's size against fp16, at this
+    context and at LONG_CONTEXT tokens."""
     speed = (
         f"{report.decode_tokens_per_s:.1f} tokens/s"
         if report.decode_tokens_per_s is not None
@@ -141,5 +147,7 @@ def format_report(report: GenerationReport) -> str:
         f"decode: {max(report.new_tokens - 1, 0)} tokens at {speed}\n"
         f"KV cache: {report.kv_bytes_per_token / KIB:.2f} KiB/token at {report.context} tokens "
         f"vs {report.fp16_bytes_per_token / KIB:.2f} KiB/token fp16 "
-        f"(ratio {report.kv_bytes_per_token / report.fp16_bytes_per_token:.3f})"
+        f"(ratio {report.kv_bytes_per_token / report.fp16_bytes_per_token:.3f}); "
+        f"at {LONG_CONTEXT} tokens {report.long_bytes_per_token / KIB:.2f} KiB/token "
+        f"(ratio {report.long_bytes_per_token / report.fp16_bytes_per_token:.3f})"
     )

@@ -21,10 +21,9 @@ to the residual window for "channel" granularity (KIVI flushes keys R at a time)
 import dataclasses
 import difflib
 import re
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 from kvcalib.errors import RecipeError
 from kvcalib_runtime.quant import QuantSpec

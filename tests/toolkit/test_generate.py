@@ -18,7 +18,8 @@ from kvcalib.generate import TextStream, generate_text
 
 SPEED = re.compile(r"^prefill: 5 tokens in [\d.]+ s; decode: (\d+) tokens at [\d.]+ tokens/s$")
 SIZE = re.compile(
-    r"^KV cache: ([\d.]+) KiB/token at (\d+) tokens vs ([\d.]+) KiB/token fp16 \(ratio [\d.]+\)$"
+    r"^KV cache: ([\d.]+) KiB/token at (\d+) tokens vs ([\d.]+) KiB/token fp16 \(ratio [\d.]+\); "
+    r"at 4096 tokens ([\d.]+) KiB/token \(ratio [\d.]+\)$"
 )
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -47,9 +48,10 @@ def test_generate_prints_the_text_then_speed_and_cache_size(folder):
     text, speed, size = result.output.rsplit("\n", 3)[:3]
     assert text == expected.decode(new)
     assert int(SPEED.match(speed).group(1)) == len(new) - 1
-    kib, context, fp16 = SIZE.match(size).groups()
+    kib, context, fp16, long = SIZE.match(size).groups()
     assert int(context) == 5 + len(new)
     assert float(kib) == pytest.approx(expected.kv_bytes_per_token(5 + len(new)) / 1024, abs=0.01)
+    assert float(long) == pytest.approx(expected.kv_bytes_per_token(4096) / 1024, abs=0.01)
     assert float(fp16) == expected.fp16_bytes_per_token() / 1024
 
 
