@@ -261,17 +261,7 @@ def bench_end_to_end(batch, cfg, config, device, dtype, run) -> dict:
     scheme, params = scheme_for(len(model.model.layers), attn.num_kv_heads, attn.head_dim, gen)
     caches = {
         "fp16": model.new_cache(batch, max_len),
-        "quantized": QuantizedCache(
-            scheme,
-            params,
-            num_layers=len(model.model.layers),
-            batch=batch,
-            kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim,
-            max_len=max_len,
-            device=device,
-            dtype=dtype,
-        ),
+        "quantized": model.new_cache(batch, max_len, scheme, params),
     }
     ids = torch.randint(0, config["vocab_size"], (batch, cfg["prompt"]), device=device)
     out = {}

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_scale.py                          # 2.0B params, bf16, ~4 GB
     python benchmarks/bench_scale.py --phases stats,codebooks --offload
+    python benchmarks/bench_scale.py --layers 16 --residual   # ~0.9B params, + R1 rotation
 
 Builds a random Llama checkpoint (hidden 2048, GQA 16/4 heads, head_dim 128, intermediate 5632,
 vocab 49152, 40 layers, untied: 2.005B parameters) in bf16 safetensors shards of --shard-mb,
@@ -15,6 +16,7 @@ getrusage(RUSAGE_CHILDREN):
   convert    kvcalib.convert with quarot-kv4 (value Hadamard fused into v_proj / o_proj), with
              an empty kvcalib cache: it also hashes the source (its fingerprint)
   convert*   the same with the source's hash cached, as after `kvcalib calibrate` of it
+  +resid     with --residual: convert* with --rotate-residual (every weight gets a Hadamard)
   calibrate  kvcalib.calibrate --sequential, --windows x --tokens, --phases, float32, empty cache
 
 The page cache is warmed once; before every run the dirty pages are flushed (os.sync, not
@@ -142,8 +144,8 @@ def task(name: str, src: Path, out: Path, opts: dict) -> None:
                 save_file(load_file(f), out / f.name, metadata={"format": "pt"})
             else:
                 shutil.copyfile(f, out / f.name)
-    elif name in ("convert", "convert*"):
-        kvcalib.convert(src, recipe="quarot-kv4", output=out)
+    elif name in ("convert", "convert*", "+resid"):
+        kvcalib.convert(src, recipe="quarot-kv4", output=out, rotate_residual=name == "+resid")
     elif name == "calibrate":
         kvcalib.calibrate(
             src,
@@ -190,6 +192,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--phases", default="stats", help="calibration phases, comma-separated")
     parser.add_argument("--offload", action="store_true", help="calibrate with --offload-dir")
+    parser.add_argument("--residual", action="store_true", help="also time --rotate-residual")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--task", nargs=4, help=argparse.SUPPRESS)
@@ -216,10 +219,11 @@ def main() -> None:
         code = f"from kvcalib.models import resolve; resolve({str(src)!r})"
         subprocess.run([sys.executable, "-c", code], check=True, env=env)
         names = ["import", "copy", "convert", "convert*", "calibrate"]
+        names += ["+resid"] if args.residual else []
         runs = {n: [] for n in names}
         for r in range(args.repeats):
             for n in names:
-                cache = primed if n == "convert*" else None
+                cache = primed if n in ("convert*", "+resid") else None
                 runs[n].append(measure(n, src, work / "out", opts, cache))
                 one = runs[n][-1]
                 wall, rss = one["wall"], one["rss"] / 2**30
@@ -236,7 +240,7 @@ def main() -> None:
     for n in names:
         wall = min(r["wall"] for r in runs[n])
         rss = max(r["rss"] for r in runs[n]) / 2**30
-        ratio = f"{wall / copy:.2f}x" if n.startswith(("copy", "convert")) else ""
+        ratio = f"{wall / copy:.2f}x" if n.startswith(("copy", "convert", "+")) else ""
         print(f"{n:<11}{wall:>9.1f}{ratio:>9}{rss:>14.2f}")
     print("\ntargets: convert <= 1.5x copy and <= 2.5 GiB; calibrate <= 3 GiB")
     print("convert: empty kvcalib cache (hashes the source); convert*: the source's hash cached")

@@ -25,7 +25,7 @@ from kvcalib import atomic
 from kvcalib.errors import ModelError
 from kvcalib_runtime import archs
 from kvcalib_runtime.errors import FormatError
-from kvcalib_runtime.format import read_header
+from kvcalib_runtime.format import read_header, sha256_file
 
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -49,14 +49,6 @@ def cache_dir() -> Path:
         return Path(os.environ["KVCALIB_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "kvcalib"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def resolve(

@@ -73,20 +73,7 @@ class RuntimeModel:
     def new_cache(self, batch: int, max_len: int):
         """A QuantizedCache following the checkpoint's scheme for `batch` sequences of up to
         `max_len` tokens, on the model's device and dtype."""
-        from kvcalib_runtime.kvcache import QuantizedCache  # imports triton: only when needed
-
-        return QuantizedCache(
-            self.scheme,
-            self.params,
-            num_layers=self.num_layers,
-            batch=batch,
-            kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            max_len=max_len,
-            device=self.device,
-            dtype=self.dtype,
-            use_kernels=self.use_kernels,
-        )
+        return self.model.new_cache(batch, max_len, self.scheme, self.params, self.use_kernels)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (the tokenizer's own special-token rules apply)."""

@@ -179,17 +179,31 @@ class Transformer(nn.Module):
             h = h[:, -1:]
         return self.lm_head(self.model.norm(h)).float()
 
-    def new_cache(self, batch: int, max_len: int) -> FullPrecisionCache:
-        """A full-precision cache for `batch` sequences of up to `max_len` tokens."""
+    def new_cache(
+        self, batch: int, max_len: int, scheme=None, params=None, use_kernels: bool | None = None
+    ):
+        """A cache for `batch` sequences of up to `max_len` tokens on the model's device and
+        dtype: full precision, or a QuantizedCache following `scheme` and `params` (KVScheme,
+        KVParams; `use_kernels` as QuantizedCache takes it)."""
         attn = self.model.layers[0].self_attn
-        return FullPrecisionCache(
-            len(self.model.layers),
-            batch,
-            attn.num_kv_heads,
-            attn.head_dim,
-            max_len,
-            self.device,
-            self.dtype,
+        layers, kv_heads, head_dim = len(self.model.layers), attn.num_kv_heads, attn.head_dim
+        if scheme is None:
+            return FullPrecisionCache(
+                layers, batch, kv_heads, head_dim, max_len, self.device, self.dtype
+            )
+        from kvcalib_runtime.kvcache import QuantizedCache  # imports triton: only when needed
+
+        return QuantizedCache(
+            scheme,
+            params,
+            num_layers=layers,
+            batch=batch,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            max_len=max_len,
+            device=self.device,
+            dtype=self.dtype,
+            use_kernels=use_kernels,
         )
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, cache=None, **options):

@@ -103,19 +103,7 @@ def _scheme_and_params(hf, name, ids):
 
 
 def _cache(model, scheme, params, batch, max_len, kernels):
-    attn = model.model.layers[0].self_attn
-    return QuantizedCache(
-        scheme,
-        params,
-        num_layers=len(model.model.layers),
-        batch=batch,
-        kv_heads=attn.num_kv_heads,
-        head_dim=attn.head_dim,
-        max_len=max_len,
-        device="cpu",
-        dtype=torch.float32,
-        use_kernels=kernels,
-    )
+    return model.new_cache(batch, max_len, scheme, params, use_kernels=kernels)
 
 
 @torch.no_grad()
@@ -293,28 +281,9 @@ def test_bytes_per_token_is_what_the_buffers_hold(context):
 def test_use_kernels_needs_somewhere_to_run(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     scheme = KVScheme((LayerScheme(QuantSpec(2), QuantSpec(2)),))
+    shape = dict(num_layers=1, batch=1, kv_heads=1, head_dim=16, max_len=8)
+    where = dict(device="cpu", dtype=torch.float32)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        QuantizedCache(
-            scheme,
-            KVParams(),
-            num_layers=1,
-            batch=1,
-            kv_heads=1,
-            head_dim=16,
-            max_len=8,
-            device="cpu",
-            dtype=torch.float32,
-            use_kernels=True,
-        )
-    auto = QuantizedCache(
-        scheme,
-        KVParams(),
-        num_layers=1,
-        batch=1,
-        kv_heads=1,
-        head_dim=16,
-        max_len=8,
-        device="cpu",
-        dtype=torch.float32,
-    )
+        QuantizedCache(scheme, KVParams(), **shape, **where, use_kernels=True)
+    auto = QuantizedCache(scheme, KVParams(), **shape, **where)
     assert not auto.kernels

@@ -108,19 +108,25 @@ def test_rotated_checkpoint_prefill_is_exact(converted):
     assert _rel_err(ours, ref) < RTOL
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "reference"])
-def test_generated_tokens_equal_the_decode_simulation(converted, kernels):
-    folder = converted["quarot-kv4"]
-    rm = kvcalib_runtime.load(folder, device="cpu", use_kernels=kernels)
-    prompt = _ids(9)[0].tolist()
-    [new] = rm.generate([prompt], 16, eos_token_id=[])
+def _simulate(folder, rm, prompt: list[int], new: list[int]):
+    """(eval's decode simulation of prompt + new through rm's scheme, the exact logits), both
+    [1, T, V], from transformers' model of the same folder."""
     hf = _hf(folder)
     ids = torch.tensor([prompt + new])
     with torch.no_grad():
         simulated = Simulator(
             hf, rm.scheme, rm.params, mode="decode", fused=rm.fused, prefill=len(prompt)
         )(ids)
-        full_precision = hf(ids).logits
+        return simulated, hf(ids).logits
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "reference"])
+def test_generated_tokens_equal_the_decode_simulation(converted, kernels):
+    folder = converted["quarot-kv4"]
+    rm = kvcalib_runtime.load(folder, device="cpu", use_kernels=kernels)
+    prompt = _ids(9)[0].tolist()
+    [new] = rm.generate([prompt], 16, eos_token_id=[])
+    simulated, full_precision = _simulate(folder, rm, prompt, new)
     assert simulated[0, len(prompt) - 1 : -1].argmax(-1).tolist() == new
     assert _rel_err(simulated, full_precision) > 1e-3  # the cache does quantize
 
@@ -264,13 +270,7 @@ def test_real_model_greedy_tokens_equal_the_decode_simulation(tmp_path):
     assert quantized_prefix_int(150 + steps - 1, 32, 32) > quantized_prefix_int(150, 32, 32)
     [new] = rm.generate([prompt], steps, eos_token_id=[])
     assert len(new) == steps
-    hf = _hf(folder)
-    ids = torch.tensor([prompt + new])
-    with torch.no_grad():
-        simulated = Simulator(
-            hf, rm.scheme, rm.params, mode="decode", fused=rm.fused, prefill=len(prompt)
-        )(ids)
-        full_precision = hf(ids).logits
+    simulated, full_precision = _simulate(folder, rm, prompt, new)
     predicted = simulated[0, len(prompt) - 1 : -1].argmax(-1).tolist()
     assert predicted == new
     assert _rel_err(simulated, full_precision) > 1e-2  # 2 bits do change the logits (~0.2)
