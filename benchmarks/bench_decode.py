@@ -174,14 +174,7 @@ def filled_cache(batch, context, cfg, device, dtype, gen) -> tuple[QuantizedCach
     cache.is_sink[:, 0] = True
     cache.sink_k.normal_()
     cache.sink_v.normal_()
-    rope = Rope(
-        {
-            "hidden_size": cfg["heads"] * d,
-            "num_attention_heads": cfg["heads"],
-            "head_dim": d,
-            "rope_theta": 500000.0,
-        }
-    )
+    rope = Rope({"rope_theta": 500000.0}, d)
     return cache, rope
 
 

@@ -13,9 +13,9 @@ import time
 import torch
 
 from kvcalib import load_model
-from kvcalib.data import eval_windows
-from kvcalib.evaluation import candidates
-from kvcalib.simulate import Simulator
+from kvcalib.core.data import eval_windows
+from kvcalib.evaluation.score import candidates
+from kvcalib.sim.simulate import Simulator
 
 
 def _timed(fn, ids, repeats: int) -> float:
@@ -42,7 +42,7 @@ def main():
     ids = eval_windows(tokenizer, None, windows=args.windows, seq_len=args.seq_len).to(args.device)
     profile = None
     if args.profile:
-        from kvcalib.profile import Profile
+        from kvcalib.core.profile import Profile
 
         profile = Profile.load(args.profile)
     with torch.no_grad():

@@ -112,7 +112,7 @@ def build(folder: Path, layers: int, shard_mb: int) -> int:
 def _tokenizer(folder: Path) -> None:
     """SmolLM2's tokenizer from the default model's folder; else one token per byte."""
     try:
-        from kvcalib.models import resolve
+        from kvcalib.core.models import resolve
 
         source = resolve(None).path
         for name in TOKENIZER_FILES:
@@ -216,7 +216,7 @@ def main() -> None:
             f.read_bytes()
         primed = work / "primed-cache"  # the source's sha256 computed once, untimed
         env = {**os.environ, "KVCALIB_CACHE_DIR": str(primed)}
-        code = f"from kvcalib.models import resolve; resolve({str(src)!r})"
+        code = f"from kvcalib.core.models import resolve; resolve({str(src)!r})"
         subprocess.run([sys.executable, "-c", code], check=True, env=env)
         names = ["import", "copy", "convert", "convert*", "calibrate"]
         names += ["+resid"] if args.residual else []

@@ -22,11 +22,11 @@ from pathlib import Path
 import torch
 
 from kvcalib import load_model
-from kvcalib.evaluation import candidates, format_table, score
-from kvcalib.models import resolve
-from kvcalib.passkey import LENGTHS, passkey_accuracy
-from kvcalib.profile import ensure_profile
-from kvcalib.recipe import load_recipe, presets
+from kvcalib.api import default_profile
+from kvcalib.core.models import resolve
+from kvcalib.core.recipe import load_recipe, presets
+from kvcalib.evaluation.passkey import LENGTHS, passkey_accuracy
+from kvcalib.evaluation.score import candidates, format_table, score
 
 HERE = Path(__file__).resolve().parent
 TEXTS = {"pydoc": None, "licenses": "builtin:licenses", "chat": "builtin:chat"}
@@ -114,7 +114,7 @@ def main():
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model, tokenizer = load_model(None, dtype=torch.float32)
-    profile = ensure_profile(resolve(None), args.profile)
+    profile = default_profile(resolve(None), args.profile)
     board = Board(
         Path(args.out),
         f"SmolLM2-135M-Instruct (GGUF, dequantized), fp32, CPU; {args.windows} windows x "

@@ -90,9 +90,10 @@ def eval_(
 
     import torch
 
-    from kvcalib.atomic import file_staging
+    from kvcalib.api import evaluate
     from kvcalib.errors import OutputError
-    from kvcalib.evaluation import evaluate, format_table
+    from kvcalib.evaluation.score import format_table
+    from kvcalib.io.atomic import file_staging
 
     if json_out and not Path(json_out).resolve().parent.is_dir():
         raise OutputError(f"--json {json_out}: its folder does not exist; create it first")
@@ -162,7 +163,7 @@ def convert(
     trust_remote_code,
 ):
     """Fuse a recipe's rotations and scalings into MODEL's weights (default: smollm2-135m)."""
-    from kvcalib.conversion import convert as convert_model
+    from kvcalib.api import convert as convert_model
 
     path = convert_model(
         model,
@@ -247,8 +248,8 @@ def calibrate_(
 ):
     """Profile MODEL's KV cache on calibration text (default: smollm2-135m): ranges, outlier
     channels, attention sinks, sink predictor, sensitivity and codebooks."""
-    from kvcalib.calibration import calibrate
-    from kvcalib.profile import profile_summary
+    from kvcalib.api import calibrate
+    from kvcalib.inspect import profile_summary
 
     profile = calibrate(
         model,

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 import kvcalib_runtime
 from kvcalib.errors import ModelError
 
@@ -122,7 +124,6 @@ class TextStream:
 
 def chat_prompt(path: str | Path, prompt: str) -> str:
     """`prompt` as one user message of the folder's chat template, ready for the reply."""
-    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     if not tokenizer.chat_template:

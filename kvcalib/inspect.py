@@ -3,7 +3,12 @@
 import json
 from pathlib import Path
 
-from kvcalib import models
+from kvcalib.calibration.report import summary_lines
+from kvcalib.conversion.convert import checkpoint_summary
+from kvcalib.core import models
+from kvcalib.core.profile import FORMAT_VERSION, Profile
+from kvcalib.core.profile import META as PROFILE_META
+from kvcalib_runtime.format import META
 from kvcalib_runtime.quant import QuantSpec
 
 
@@ -39,12 +44,16 @@ def model_summary(spec: str | None, *, trust_remote_code: bool = False) -> str:
 def summary(path: str | None, *, trust_remote_code: bool = False) -> str:
     """Dispatch on what `path` is: a profile folder, a converted folder, or a model spec
     (refused when it names custom code, unless `trust_remote_code`)."""
-    if path is not None and (Path(path) / "profile.json").is_file():
-        from kvcalib.profile import profile_summary
-
+    if path is not None and (Path(path) / PROFILE_META).is_file():
         return profile_summary(Path(path))
-    if path is not None and (Path(path) / "kvcalib.json").is_file():
-        from kvcalib.conversion import checkpoint_summary
-
+    if path is not None and (Path(path) / META).is_file():
         return checkpoint_summary(Path(path))
     return model_summary(path, trust_remote_code=trust_remote_code)
+
+
+def profile_summary(path) -> str:
+    """What `kvcalib inspect PROFILE_DIR` prints."""
+    profile = Profile.load(path)
+    return "\n".join(
+        [f"profile      {profile.path}  (format {FORMAT_VERSION})", *summary_lines(profile)]
+    )

@@ -59,3 +59,14 @@ def save_with_tokenizer(model, path):
     tokenizer.decoder = decoders.Fuse()
     tokenizer.save(str(path / "tokenizer.json"))
     return path
+
+
+def fused_kinds(ckpt) -> set[str]:
+    """The transforms a converted checkpoint's weights hold, on any layer (and the residual
+    rotation, which is the model's)."""
+    from kvcalib_runtime.transforms import FUSED, KINDS
+
+    kinds = {k for t in ckpt.transforms.layers for k in KINDS if getattr(t, k) == FUSED}
+    return kinds | (
+        {"residual_rotation"} if ckpt.meta["residual_rotation_seed"] is not None else set()
+    )

@@ -27,8 +27,11 @@ import re
 import torch
 
 from kvcalib.calibration.observe import check_finite
-from kvcalib.hooks import Hooks, key_module
-from kvcalib.models import head_dim
+from kvcalib.core.plan import codebook_variant
+from kvcalib.core.recipe import load_recipe, presets
+from kvcalib.sim.hooks import Hooks, key_module
+from kvcalib.sim.simulate import Simulator
+from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.hadamard import hadamard_transform, is_supported
 from kvcalib_runtime.quant import uniform_codebook
 
@@ -41,8 +44,6 @@ _GRANULARITY = re.compile(r"(token|channel|static)(\d*)$")
 
 def preset_variants() -> tuple[str, ...]:
     """The codebook variants the shipped preset recipes ask for."""
-    from kvcalib.plan import codebook_variant
-    from kvcalib.recipe import load_recipe, presets
 
     out = set()
     for name in presets():
@@ -57,7 +58,7 @@ def preset_variants() -> tuple[str, ...]:
 def variants(model, wanted: tuple[str, ...] | None = None) -> tuple[str, ...]:
     """The variants this model gets (default: the presets'); the Hadamard ones need a Hadamard
     order of head_dim."""
-    rotatable = is_supported(head_dim(model.config))
+    rotatable = is_supported(Geometry.from_config(model.config).head_dim)
     return tuple(v for v in wanted or preset_variants() if rotatable or ":hadamard" not in v)
 
 
@@ -101,7 +102,6 @@ class Codebooks:
 
 def _fisher(model, ids: torch.Tensor) -> tuple[dict, dict]:
     """Activations and loss gradients of one window ids [1, T], as `stack_fisher` returns them."""
-    from kvcalib.simulate import Simulator
 
     num_layers = model.config.num_hidden_layers
     pre, key, value = [None] * num_layers, [None] * num_layers, [None] * num_layers
@@ -125,7 +125,7 @@ def _fisher(model, ids: torch.Tensor) -> tuple[dict, dict]:
         logits = Simulator(model, None, observers=[observe])(ids)
         loss = window_loss(logits, ids)
         grads = torch.autograd.grad(loss, pre + key + value)
-    n, d = num_layers, head_dim(model.config)
+    n, d = num_layers, Geometry.from_config(model.config).head_dim
     layers = [
         fisher_layer(d, (pre[i], key[i], value[i]), (grads[i], grads[n + i], grads[2 * n + i]))
         for i in range(n)

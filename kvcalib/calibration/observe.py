@@ -18,8 +18,9 @@ from kvcalib.calibration.massive import Massive, MassiveMeter
 from kvcalib.calibration.sinks import SinkMeter
 from kvcalib.calibration.stats import ChannelStats
 from kvcalib.errors import NumericsError
-from kvcalib.hooks import Hooks, decoder_layers, hidden_of
-from kvcalib.models import head_dim
+from kvcalib.sim.hooks import Hooks, decoder_layers, hidden_of
+from kvcalib.sim.simulate import Simulator
+from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.quant import QuantSpec, fake_quantize
 
 KINDS = ("key_pre_rope", "key_post_rope", "value")
@@ -78,7 +79,7 @@ class StatsAccumulator:
 
     def __init__(self, cfg, num_windows: int, seq_len: int, settings, open_windows: int = 1):
         layers, t = cfg.num_hidden_layers, seq_len
-        shape = (layers, cfg.num_key_value_heads, head_dim(cfg))
+        shape = (layers, cfg.num_key_value_heads, Geometry.from_config(cfg).head_dim)
         self.seq_len = t
         self.stats = {kind: ChannelStats(shape, num_windows * t) for kind in KINDS}
         self.sinks = SinkMeter(
@@ -138,12 +139,11 @@ class StatsAccumulator:
 def stats_pass(model, windows: torch.Tensor, settings, step) -> tuple[dict, Massive]:
     """Observe every window of windows [N, T]; `step()` after each. Returns the profile tensors
     of this phase and the massive-activation findings (for the predictor and the report)."""
-    from kvcalib.simulate import Simulator
 
     cfg = model.config
     n, t = windows.shape
     acc = StatsAccumulator(cfg, n, t, settings)
-    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, t, head_dim(cfg))
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, t, Geometry.from_config(cfg).head_dim)
     window = {kind: torch.empty(shape) for kind in KINDS}  # [L, Hkv, T, D]
     current = [0]
 

@@ -3,6 +3,8 @@ report.html with its PNG plots (matplotlib's object API with the Agg canvas: no 
 
 import html
 
+from kvcalib.io.figures import figure
+
 
 def summary_lines(profile) -> list[str]:
     """The findings of a profile, one topic per line (two for outliers)."""
@@ -114,17 +116,8 @@ def write_report(profile, folder) -> None:
     )
 
 
-def _figure(width: float, height: float):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height), layout="constrained")
-    FigureCanvasAgg(fig)
-    return fig
-
-
 def _channel_ranges(profile, path) -> bool:
-    fig = _figure(12, 5)
+    fig = figure(12, 5)
     axes = fig.subplots(1, 2, sharey=True)
     for ax, kind, label in zip(
         axes, ("key_pre_rope", "key_post_rope"), ("before RoPE", "after RoPE"), strict=True
@@ -148,7 +141,7 @@ def _channel_ranges(profile, path) -> bool:
 
 
 def _token0(profile, path) -> bool:
-    fig = _figure(7, 5)
+    fig = figure(7, 5)
     ax = fig.subplots()
     image = ax.imshow(
         profile.tensors["attention.token0"].numpy(),
@@ -167,7 +160,7 @@ def _token0(profile, path) -> bool:
 
 
 def _key_error(profile, path) -> bool:
-    fig = _figure(12, 4)
+    fig = figure(12, 4)
     left, right = fig.subplots(1, 2, width_ratios=(3, 2))
     error = profile.tensors["position_error.key"]  # [bits, L, T]
     for bits, row in zip(profile.meta["position_error_bits"], error.mean(1), strict=True):
@@ -194,7 +187,7 @@ def _key_error(profile, path) -> bool:
 
 
 def _massive(profile, path) -> bool:
-    fig = _figure(10, 4)
+    fig = figure(10, 4)
     ax = fig.subplots()
     t, layers = profile.tensors, profile.meta["layers"]
     ax.plot(t["massive.median_abs"].numpy(), "k--", label="median |h|")
@@ -216,7 +209,7 @@ def _massive(profile, path) -> bool:
 def _sensitivity(profile, path) -> bool:
     if "sensitivity.key" not in profile.tensors:
         return False
-    fig = _figure(12, 4)
+    fig = figure(12, 4)
     axes = fig.subplots(1, 2, sharey=True)
     for ax, tensor in zip(axes, ("key", "value"), strict=True):
         kl = profile.tensors[f"sensitivity.{tensor}"]

@@ -21,21 +21,30 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
-from kvcalib.atomic import check_output, staging
+from kvcalib import __version__
 from kvcalib.calibration import codebooks, sensitivity
 from kvcalib.calibration import sequential as layer_by_layer
 from kvcalib.calibration.observe import POSITION_BITS, stats_pass
+from kvcalib.calibration.report import write_report
 from kvcalib.calibration.sinks import later_sinks, local_span
-from kvcalib.calibration.stats import (
+from kvcalib.calibration.stats import outlier_list, range_ratio
+from kvcalib.core.data import calibration_windows, describe
+from kvcalib.core.models import load_model, resolve
+from kvcalib.core.profile import (
+    FORMAT_VERSION,
     OUTLIER_FRACTIONS,
     QUANTILE_LEVELS,
-    outlier_list,
-    range_ratio,
+    Profile,
     select_range,
 )
 from kvcalib.errors import DataError, OutputError
-from kvcalib.profile import FORMAT_VERSION, Profile
+from kvcalib.io.atomic import check_output, staging
+from kvcalib.sim.layerwise import ActivationStore, LayerwiseModel, fits_in_memory
+from kvcalib_runtime.geometry import Geometry
 
 PHASES = ("stats", "sensitivity", "codebooks")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -111,8 +120,6 @@ def calibrate(
     offload_dir: keep the activations between layers in files under this folder instead of
                  in memory (implies sequential)
     """
-    from kvcalib.layerwise import LayerwiseModel, fits_in_memory
-    from kvcalib.models import load_model, resolve
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype = {dtype!r}: use one of {', '.join(DTYPES)}")
@@ -129,8 +136,6 @@ def calibrate(
     if sequential is None:
         sequential = not fits_in_memory(source.path, DTYPES[dtype], device, quiet=not progress)
     if sequential:
-        from transformers import AutoTokenizer
-
         net = LayerwiseModel(
             source, device=device, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code
         )
@@ -177,11 +182,6 @@ def calibrate_model(
     """`calibrate` on an already loaded transformers model (eval mode), or on a
     kvcalib.layerwise.LayerwiseModel (layer by layer), and its tokenizer; `source` is its
     kvcalib.models.ModelSource (for the fingerprint)."""
-    from tqdm.auto import tqdm
-
-    from kvcalib.calibration.report import write_report
-    from kvcalib.data import calibration_windows, describe
-    from kvcalib.layerwise import ActivationStore, LayerwiseModel
 
     phases = tuple(phases)
     if set(phases) - set(PHASES) or "stats" not in phases:
@@ -299,10 +299,6 @@ def _meta(
     model, run, tokenizer, source, tensors, massive, predictor, settings, data, seed, phases, times
 ) -> dict:
     """profile.json (see kvcalib.profile for its fields)."""
-    import transformers
-
-    from kvcalib import __version__
-    from kvcalib.models import head_dim
 
     cfg = model.config
     ids = tensors["windows.input_ids"]
@@ -355,7 +351,7 @@ def _meta(
             "num_layers": cfg.num_hidden_layers,
             "num_heads": cfg.num_attention_heads,
             "num_kv_heads": cfg.num_key_value_heads,
-            "head_dim": head_dim(cfg),
+            "head_dim": Geometry.from_config(cfg).head_dim,
             "hidden_size": cfg.hidden_size,
         },
         "data": data,

@@ -16,7 +16,8 @@ at 2, 3 and 4 bits, on the first `tokens` tokens of the first `windows` calibrat
 
 import torch
 
-from kvcalib.hooks import key_module
+from kvcalib.sim.hooks import key_module
+from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.quant import QuantSpec
 from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme
 
@@ -61,7 +62,6 @@ def sensitivity_pass(model, ids: torch.Tensor, key_range, step) -> dict[str, tor
     """{"sensitivity.key", "sensitivity.value"}: float32 [L, len(BITS)] for ids [B, T];
     key_range = (lo, hi), each [L, Hkv, D], the pre-RoPE probe ranges; `step()` after each
     forward."""
-    from kvcalib.simulate import Simulator
 
     num_layers = model.config.num_hidden_layers
     out = {}

@@ -40,8 +40,9 @@ from kvcalib.calibration.codebooks import (
 )
 from kvcalib.calibration.observe import KINDS, StatsAccumulator
 from kvcalib.calibration.sensitivity import BITS, _kl, probe_scheme
-from kvcalib.hooks import Hooks, key_module
-from kvcalib.models import head_dim
+from kvcalib.sim.hooks import Hooks, key_module
+from kvcalib.sim.simulate import Simulator
+from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.scheme import KVParams
 
 TENSORS = ("key", "value")
@@ -60,7 +61,6 @@ def steps(num_windows: int, num_layers: int, code_windows: int) -> dict[str, int
 def stats_pass(lm, windows: torch.Tensor, settings, step, store, keep: int = 0):
     """observe.stats_pass layer by layer: windows [N, T]; `step()` per window and layer. Keeps
     ("input", w, i) and ("h", w) in `store` for the first `keep` windows (codebook_pass)."""
-    from kvcalib.simulate import Simulator
 
     n, t = windows.shape
     num_layers = lm.config.num_hidden_layers
@@ -104,7 +104,6 @@ def stats_pass(lm, windows: torch.Tensor, settings, step, store, keep: int = 0):
 
 def sensitivity_pass(lm, ids: torch.Tensor, key_range, step, store) -> dict[str, torch.Tensor]:
     """sensitivity.sensitivity_pass layer by layer, for ids [B, T]; `step()` per probe."""
-    from kvcalib.simulate import Simulator
 
     num_layers = lm.config.num_hidden_layers
     dev = lm.device
@@ -151,10 +150,13 @@ def codebook_pass(
 ) -> dict[str, torch.Tensor]:
     """codebooks.codebook_pass layer by layer, for windows ids [N, T] whose layer inputs
     stats_pass(keep=N) left in `store`; `step()` per window and layer."""
-    from kvcalib.simulate import Simulator
 
     n, t = ids.shape
-    num_layers, d, dev = lm.config.num_hidden_layers, head_dim(lm.config), lm.device
+    num_layers, d, dev = (
+        lm.config.num_hidden_layers,
+        Geometry.from_config(lm.config).head_dim,
+        lm.device,
+    )
     books = Codebooks(variants(lm, wanted), num_layers, bins)
     seen = {}
 

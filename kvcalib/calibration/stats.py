@@ -18,35 +18,9 @@ import math
 
 import torch
 
+from kvcalib.core.profile import QUANTILE_LEVELS
+
 TAIL = 0.025
-QUANTILE_LEVELS = (
-    0.0,
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.975,
-    0.99,
-    0.995,
-    0.9975,
-    0.999,
-    0.9995,
-    1.0,
-)
-# Outlier fraction f excludes f/2 at each end: lo = quantile(f/2), hi = quantile(1 - f/2).
-OUTLIER_FRACTIONS = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
-
-
-def select_range(quantiles: torch.Tensor, fraction: float):
-    """(lo, hi) = quantiles at (f/2, 1 - f/2): quantiles [..., len(QUANTILE_LEVELS)] -> two
-    [...] tensors; None when the outlier fraction is not one of OUTLIER_FRACTIONS."""
-    for i, f in enumerate(OUTLIER_FRACTIONS):
-        if math.isclose(fraction, f, rel_tol=1e-9, abs_tol=1e-12):
-            hi = len(QUANTILE_LEVELS) - 1 - i
-            return quantiles[..., i].contiguous(), quantiles[..., hi].contiguous()
-    return None
 
 
 class ChannelStats:

@@ -5,7 +5,10 @@ into place; the loader runs it before touching a weight. Everything here reads b
 no string from a checkpoint is ever evaluated, and no pickle is ever loaded.
 
     ckpt = read_checkpoint(path)     # FormatError naming the file when anything is off
-    ckpt.config, ckpt.meta, ckpt.scheme, ckpt.params, ckpt.fused
+    ckpt.config, ckpt.meta, ckpt.geometry, ckpt.scheme, ckpt.params, ckpt.transforms
+
+Version 2 records where each layer's transforms are (`transforms`); version 1 files, which list
+the fused ones (`fused`), are still read.
 """
 
 import hashlib
@@ -18,16 +21,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from kvcalib_runtime import archs
 from kvcalib_runtime.errors import FormatError
+from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.scheme import KVParams, KVScheme
+from kvcalib_runtime.transforms import FUSED, NONE, ONLINE, LayerTransforms, Transforms
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 CONFIG, META, TOKENIZER = "config.json", "kvcalib.json", "tokenizer.json"
 PARAMS, MANIFEST = "kv_params.safetensors", "manifest.json"
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
-FUSED = ("key_smooth", "residual_rotation", "value_rotation")
+FUSED_V1 = ("key_smooth", "residual_rotation", "value_rotation")  # version 1 `fused`
 EXPORTS = ("vllm-fp8",)
 # safetensors dtype names -> torch dtypes (the safetensors spec's table, minus unsigned > 8 bits).
 DTYPES = {
@@ -53,24 +58,26 @@ _PARAM_SHAPES = {
 }
 _META_KEYS = {
     "format_version": int, "source": dict, "recipe": dict, "profile": (dict, type(None)),
-    "fused": list, "residual_rotation_seed": (int, type(None)), "untied_embeddings": bool,
+    "transforms": dict, "residual_rotation_seed": (int, type(None)), "untied_embeddings": bool,
     "export": (str, type(None)), "scheme": dict,
 }  # fmt: skip
+_META_KEYS_V1 = {**{k: v for k, v in _META_KEYS.items() if k != "transforms"}, "fused": list}
 
 
 @dataclass(frozen=True)
 class Checkpoint:
     """A validated converted checkpoint's side-car (the weights stay on disk).
 
-    config: config.json; meta: kvcalib.json; scheme, params: the KV cache it runs;
-    fused: the transforms already in the weights (a subset of FUSED)
+    config: config.json; meta: kvcalib.json; geometry: the config's shapes; scheme, params:
+    the KV cache it runs; transforms: where each layer's smoothing and rotations are
     """
 
     config: dict
     meta: dict
+    geometry: Geometry
     scheme: KVScheme
     params: KVParams
-    fused: frozenset[str]
+    transforms: Transforms
 
 
 @dataclass(frozen=True)
@@ -188,8 +195,12 @@ def verify_manifest(path: Path, *, hashes: bool = True) -> dict[str, dict]:
     path = Path(path)
     manifest = _json(path / MANIFEST)
     files = manifest.get("files")
-    if manifest.get("format_version") != FORMAT_VERSION or not isinstance(files, dict):
-        raise FormatError(f"{MANIFEST}: expected format_version {FORMAT_VERSION} and a files map")
+    version = manifest.get("format_version")
+    if version not in READABLE_VERSIONS or isinstance(version, bool) or not isinstance(files, dict):
+        raise FormatError(
+            f"{MANIFEST}: expected format_version {FORMAT_VERSION} (or "
+            f"{', '.join(map(str, READABLE_VERSIONS[:-1]))}) and a files map"
+        )
     for name, entry in files.items():
         if not _plain_name(name) or name == MANIFEST:
             raise FormatError(f"{MANIFEST}: entry {name!r} is not a plain file name of the folder")
@@ -267,50 +278,24 @@ def weight_files(path: Path) -> dict[str, list[str]]:
     return files
 
 
-def _geometry(config: dict) -> tuple[int, int, int]:
-    """(layers, KV heads, head_dim) of config.json, whose sizes must be positive integers."""
-
-    def size(key, required=True):
-        v = config.get(key)
-        if v is None and not required:
-            return None
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise FormatError(f"{CONFIG}: {key} = {v!r}; expected a positive integer")
-        return v
-
-    for key in ("vocab_size", "intermediate_size"):
-        size(key)
-    size("max_position_embeddings", required=False)
-    layers, hidden, heads = (
-        size(k) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads")
-    )
-    kv_heads = size("num_key_value_heads", required=False) or heads
-    head_dim = size("head_dim", required=False) or hidden // heads
-    if heads % kv_heads or head_dim < 1:
-        raise FormatError(
-            f"{CONFIG}: {heads} attention heads, {kv_heads} KV heads and hidden_size {hidden} "
-            "do not make whole heads; the config does not match the weights' architecture"
-        )
-    return layers, kv_heads, head_dim
-
-
 def _check_meta(meta: dict) -> None:
     def fail(msg):
         raise FormatError(f"{META}: {msg}")
 
     version = meta.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
         fail(
-            f"format_version {version!r}, but this kvcalib-runtime reads version "
-            f"{FORMAT_VERSION}: install the kvcalib-runtime that matches the converter, or "
-            "convert the model again"
+            f"format_version {version!r}, but this kvcalib-runtime reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}: install the kvcalib-runtime that matches "
+            "the converter, or convert the model again"
         )
-    for key, kind in _META_KEYS.items():
+    keys = _META_KEYS if version == FORMAT_VERSION else _META_KEYS_V1
+    for key, kind in keys.items():
         if key not in meta:
             fail(f"missing key {key!r}")
         if not isinstance(meta[key], kind) or isinstance(meta[key], bool) != (kind is bool):
             fail(f"{key!r} has the wrong type ({type(meta[key]).__name__})")
-    if extra := sorted(set(meta) - set(_META_KEYS)):
+    if extra := sorted(set(meta) - set(keys)):
         fail(f"unknown key {extra[0]!r}")
     source, recipe, profile = meta["source"], meta["recipe"], meta["profile"]
     if not all(isinstance(source.get(k), str) for k in ("spec", "fingerprint")):
@@ -319,14 +304,61 @@ def _check_meta(meta: dict) -> None:
         fail("recipe needs a string name and toml (a string or null)")
     if profile is not None and not isinstance(profile.get("fingerprint"), str):
         fail("profile needs a string fingerprint")
-    fused = meta["fused"]
-    if any(f not in FUSED for f in fused) or sorted(set(fused)) != fused:
-        fail(f"fused {fused} must be a sorted list drawn from {', '.join(FUSED)}")
+    if version == 1:
+        fused = meta["fused"]
+        if any(f not in FUSED_V1 for f in fused) or sorted(set(fused)) != fused:
+            fail(f"fused {fused} must be a sorted list drawn from {', '.join(FUSED_V1)}")
     seed = meta["residual_rotation_seed"]
     if seed is not None and not 0 <= seed < 2**63:
         fail(f"residual_rotation_seed {seed} is outside [0, 2**63)")
     if meta["export"] not in (None, *EXPORTS):
         fail(f"export {meta['export']!r} is unknown (known: {', '.join(EXPORTS)})")
+
+
+def _transforms(meta: dict, scheme: KVScheme, params: KVParams) -> Transforms:
+    """The side-car's transforms (version 1: derived from its `fused` list), checked against
+    the scheme and the calibrated tensors: each layer places exactly the transforms its scheme
+    quantizes in, never undone (a converted checkpoint serves its own recipe)."""
+    if meta["format_version"] == 1:
+        fused = set(meta["fused"])
+        layers = []
+        for i, layer in enumerate(scheme.layers):
+            smooth = NONE
+            if i in params.key_smooth:
+                smooth = FUSED if "key_smooth" in fused else ONLINE
+            value = NONE
+            if layer.value_rotation:
+                value = FUSED if "value_rotation" in fused else ONLINE
+            rotation = ONLINE if layer.key_rotation else NONE
+            layers.append(LayerTransforms(smooth, value, rotation))
+        transforms = Transforms(tuple(layers), scheme.rotation_seed)
+    else:
+        try:
+            transforms = Transforms.from_json(meta["transforms"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise FormatError(f"{META}: transforms is malformed ({e})") from None
+    if len(transforms.layers) != len(scheme.layers):
+        raise FormatError(
+            f"{META}: transforms cover {len(transforms.layers)} layers, the scheme "
+            f"{len(scheme.layers)}"
+        )
+    if transforms.seed != scheme.rotation_seed:
+        raise FormatError(f"{META}: transforms.seed differs from scheme.rotation_seed")
+    for i, (t, layer) in enumerate(zip(transforms.layers, scheme.layers, strict=True)):
+        want = {
+            "key_smooth": i in params.key_smooth,
+            "value_rotation": layer.value_rotation,
+            "key_rotation": layer.key_rotation,
+        }
+        for kind, wanted in want.items():
+            place = getattr(t, kind)
+            if wanted != (place in (FUSED, ONLINE)) or (not wanted and place != NONE):
+                raise FormatError(
+                    f"{META}: layer {i} places {kind} {place!r}, but its scheme "
+                    f"{'quantizes' if wanted else 'does not quantize'} in that domain: "
+                    "convert the model again"
+                )
+    return transforms
 
 
 def _read_params(path: Path, num_layers: int, kv_heads: int, head_dim: int) -> KVParams:
@@ -381,13 +413,9 @@ def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
     meta = _json(path / META)
     _check_meta(meta)
     config = _json(path / CONFIG)
-    arch = archs.lookup(config.get("model_type"))
-    if arch is None:
-        raise FormatError(
-            f"{CONFIG}: model_type {config.get('model_type')!r} is not supported "
-            f"(supported: {archs.supported()})"
-        )
-    layers, kv_heads, head_dim = _geometry(config)
+    geo = Geometry.from_config(config)
+    geo.require_arch()
+    layers, kv_heads, head_dim = geo.layers, geo.kv_heads, geo.head_dim
     if not (path / TOKENIZER).is_file():
         raise FormatError(f"{TOKENIZER}: missing; the runtime tokenizes with it")
     quant = config.get("quantization_config")
@@ -400,7 +428,7 @@ def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
             f"{CONFIG}: quantization_config is only written by --export vllm-fp8 "
             "(compressed-tensors); other engines reject custom quant methods"
         )
-    if "residual_rotation" in meta["fused"] and config.get("tie_word_embeddings"):
+    if meta["residual_rotation_seed"] is not None and config.get("tie_word_embeddings"):
         raise FormatError(
             f"{CONFIG}: tie_word_embeddings is true, but a residual rotation "
             "makes lm_head differ from the embedding"
@@ -418,31 +446,21 @@ def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
     params = _read_params(path / PARAMS, layers, kv_heads, head_dim)
     sp = params.sink_predictor
     if sp is not None and not (
-        0 <= sp.layer < layers and all(0 <= d < config["hidden_size"] for d in sp.dims)
+        0 <= sp.layer < layers and all(0 <= d < geo.hidden for d in sp.dims)
     ):
         raise FormatError(
             f"{PARAMS}: sink_predictor layer {sp.layer} or dims {list(sp.dims)} fall outside "
-            f"the model's {layers} layers and {config['hidden_size']} hidden dims"
-        )
-    fused = frozenset(meta["fused"])
-    if "value_rotation" in fused and not any(layer.value_rotation for layer in scheme.layers):
-        raise FormatError(f"{META}: value_rotation is fused, but no layer's scheme rotates values")
-    if "value_rotation" not in fused and any(layer.value_rotation for layer in scheme.layers):
-        raise FormatError(
-            f"{META}: a layer's scheme rotates values but value_rotation is not fused: the "
-            "runtime never rotates values online; reconvert the model"
+            f"the model's {layers} layers and {geo.hidden} hidden dims"
         )
     for i, layer in enumerate(scheme.layers):
         for spec in (layer.key, layer.value):
-            if (
-                spec is not None
-                and spec.granularity == "token"
-                and head_dim % (spec.group_size or head_dim)
-            ):
+            if spec is None or spec.granularity not in ("token", "vector"):
+                continue
+            n = spec.vector_size(head_dim, kv_heads)
+            if n % (spec.group_size or n):
                 raise FormatError(
                     f"{META}: layer {i} groups {spec.group_size} channels, which "
-                    f"does not divide head_dim {head_dim}"
+                    f"does not divide the {n} channels of a row"
                 )
-    if "key_smooth" in fused and not params.key_smooth:
-        raise FormatError(f"{META}: key_smooth is fused, but {PARAMS} has no key_smooth")
-    return Checkpoint(config=config, meta=meta, scheme=scheme, params=params, fused=fused)
+    transforms = _transforms(meta, scheme, params)
+    return Checkpoint(config, meta, geo, scheme, params, transforms)

@@ -44,7 +44,7 @@ class FullPrecisionCache:
 
     Also: `view(b)` a cache over sequence b alone (B = 1) sharing this storage and `lengths`
     (per-prompt prefill without padding), `reset()` (forget every sequence; storage is kept)
-    and `bytes_per_token()` (storage per token of one sequence, all layers).
+    and `bytes_per_token()` (allocated bytes per token slot of one sequence, all layers).
     """
 
     def __init__(
@@ -128,7 +128,10 @@ class FullPrecisionCache:
         """Forget every sequence (in place, so views stay attached)."""
         self.lengths.zero_()
 
-    def bytes_per_token(self) -> int:
-        """Bytes stored per token of one sequence: keys and values of every layer and KV head."""
-        num_layers, _, kv_heads, _, head_dim = self.keys.shape
-        return 2 * num_layers * kv_heads * head_dim * self.keys.element_size()
+    def allocated_bytes(self) -> int:
+        """The bytes of the key and value buffers, walked."""
+        return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values))
+
+    def bytes_per_token(self) -> float:
+        """Allocated bytes per token slot of one sequence: allocated_bytes / (B * max_len)."""
+        return self.allocated_bytes() / (len(self.lengths) * self.max_len)

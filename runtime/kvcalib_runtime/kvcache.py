@@ -7,15 +7,20 @@ layer, for B sequences of up to N tokens, Hkv KV heads of D channels:
     body         kernels.layout.PackedBody: codes uint8 [B, Hkv, N, ceil(D * bits / 8)] (slot t =
                  position t) and scale/offset per group of channels of a token [B, Hkv, N, D/g],
                  per group of tokens of a channel [B, Hkv, N/G, D], or per channel ("static",
-                 from the calibrated range); outliers, when the scheme keeps them, densely
+                 from the calibrated range); K outlier slots per row (index + delta) when the
+                 scheme keeps outliers
     exact        dtype [B, Hkv, N, D] instead of a body, for a tensor left in full precision
     tail         dtype [B, Hkv, max(R, 1), D]  ring of the residual window, slot = position % R
     sink slots   dtype [B, Hkv, S, D], S = sinks_first + sink_budget, and per sequence the
                  positions they hold; a sink's body slot is masked out of ranges and attention
 
-Keys are stored in the scheme's key domain: pre-RoPE (RoPE is applied when they are read), or
-post-RoPE, times the online Hadamard Q when the scheme rotates keys (queries are then rotated
-too). Values are stored as the model produces them (a fused value rotation is in the weights).
+Keys and values are stored in the scheme's domain (`kvcalib_runtime.transforms`: smoothing,
+the key rotation and the value rotation, each fused in the weights or applied here): keys
+pre-RoPE (RoPE is applied when they are read), or post-RoPE; queries meet them in that domain,
+and an attention output over values kept in a rotated domain is rotated back.
+
+Memory is what the buffers hold: `allocated_bytes` walks them; `storage_bits` is the formula
+that plans them (a test holds the two equal for every preset).
 
 New tokens are held exact until `commit`, when every layer has seen them and the sink predictor
 has flagged them: sinks are decided then (in position order), and each tensor flushes the
@@ -34,13 +39,12 @@ import torch
 import torch.nn.functional as F
 
 from kvcalib_runtime.errors import CapacityError, FormatError
-from kvcalib_runtime.hadamard import hadamard_transform
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import quant_pack as qp
 from kvcalib_runtime.kernels.layout import PackedBody, Sinks, Stored, use_triton
-from kvcalib_runtime.packing import packed_size
 from kvcalib_runtime.rope import Rope
 from kvcalib_runtime.scheme import KVParams, KVScheme, quantized_prefix, storage_bits
+from kvcalib_runtime.transforms import Transforms
 
 
 class _Stream:
@@ -119,6 +123,8 @@ class _Moves:
 class QuantizedCache:
     """A KV cache following a KVScheme; see the module docstring for the layout.
 
+    transforms: where each layer's smoothing and rotations are (`Transforms`): the cache applies
+    the online ones and never applies a fused one again.
     use_kernels: True / False forces the Triton kernels on or off; None (auto) uses them where
     they run (`kernels.layout.use_triton`); the attribute `kernels` may be flipped between steps
     (both paths store the same bits). Layers a kernel does not handle (outliers) use the
@@ -129,6 +135,7 @@ class QuantizedCache:
         self,
         scheme: KVScheme,
         params: KVParams,
+        transforms: Transforms,
         *,
         num_layers: int,
         batch: int,
@@ -149,7 +156,11 @@ class QuantizedCache:
                 f"use_kernels=True needs a CUDA device or TRITON_INTERPRET=1 (device is {device})"
             )
         _check_fits(scheme, batch, kv_heads, head_dim, max_len, device, dtype)
-        self.scheme, self.params = scheme, params
+        if len(transforms.layers) != num_layers:
+            raise FormatError(
+                f"the transforms cover {len(transforms.layers)} layers, the model {num_layers}"
+            )
+        self.scheme, self.params, self.transforms = scheme, params, transforms
         self.max_len, self.dtype = max_len, dtype
         shape = (batch, kv_heads, max_len, head_dim)
 
@@ -182,22 +193,20 @@ class QuantizedCache:
     def attend(self, layer, q, k, v, rope: Rope, positions) -> torch.Tensor:
         """q [B, H, T, D] post-RoPE, k [B, Hkv, T, D] pre-RoPE, v -> out [B, H, T, D]."""
         self.stage(layer, k, v, rope, positions)
-        smooth = self.params.key_smooth.get(layer)
-        if smooth is not None:  # q . k = (q * s) . (k / s)
-            q = q * smooth.repeat_interleave(q.shape[1] // smooth.shape[0], 0)[None, :, None, :]
-        if self.scheme.layers[layer].key_rotation:
-            q = hadamard_transform(q, seed=self.scheme.rotation_seed)
+        q = self.transforms.query(layer, q, self.params)
         if q.shape[2] == 1 and self.kernels and self._decodable[layer]:
-            return self._decode(layer, q, rope)
-        if q.shape[2] == 1 and self.kernels and not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"layer {layer} keeps outliers, which the decode kernel does not read: "
-                "such layers decode through the (slower) reference path",
-                stacklevel=2,
-            )
-        keys, values, valid = self._gather(layer, rope)
-        return _attention(q, keys, values, valid, causal=int(self.lengths.max()) == 0)
+            out = self._decode(layer, q, rope)
+        else:
+            if q.shape[2] == 1 and self.kernels and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"layer {layer} stores what the decode kernel does not read (outlier slots "
+                    "or joined heads): such layers decode through the slower reference path",
+                    stacklevel=2,
+                )
+            keys, values, valid = self._gather(layer, rope)
+            out = _attention(q, keys, values, valid, causal=int(self.lengths.max()) == 0)
+        return self.transforms.value_out(layer, out)
 
     def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
         sp = self.params.sink_predictor
@@ -238,35 +247,60 @@ class QuantizedCache:
         for s in self.keys + self.values:
             s.n_body.zero_()
 
-    def bytes_per_token(self, context: int = 4096) -> float:
-        """Storage per token of one sequence of `context` tokens (storage_bits / 8 / context)."""
-        _, _, hkv, _, d = self.sink_k.shape
-        bits = storage_bits(self.scheme, hkv, d, context)
-        return (bits["body"] + bits["sinks"] + bits["residual"]) / 8 / context
+    def parts(self) -> dict[str, list[torch.Tensor]]:
+        """Every tensor the cache holds, by part: "body" (the quantized bodies with their
+        per-layer constants, and tensors left in full precision), "ring" (the residual
+        windows), "sinks" (sink slots and their positions), "bookkeeping" (lengths, body sizes,
+        the is-sink map)."""
+        streams = self.keys + self.values
+        return {
+            "body": [t for s in streams for t in (s.body.tensors() if s.body else [s.exact])],
+            "ring": [s.tail for s in streams],
+            "sinks": [self.sink_k, self.sink_v, self.sink_pos],
+            "bookkeeping": [self.is_sink, self.lengths, *(s.n_body for s in streams)],
+        }
+
+    def memory(self) -> dict[str, int]:
+        """Bytes per part (`parts`), walked over the buffers, each storage counted once."""
+        seen, out = set(), {}
+        for part, tensors in self.parts().items():
+            out[part] = 0
+            for t in tensors:
+                key = (
+                    id(t) if t.device.type == "meta" else (t.device, t.untyped_storage().data_ptr())
+                )
+                if key not in seen:
+                    seen.add(key)
+                    out[part] += t.untyped_storage().nbytes()
+        return out
+
+    def allocated_bytes(self) -> int:
+        """The bytes of every buffer the cache holds, walked."""
+        return sum(self.memory().values())
+
+    def bytes_per_token(self) -> float:
+        """Allocated bytes per token slot of one sequence: allocated_bytes / (B * max_len)."""
+        return self.allocated_bytes() / (len(self.lengths) * self.max_len)
 
     def stage(self, layer: int, k, v, rope: Rope, positions) -> None:
         """Hold one layer's new tokens (k [B, Hkv, T, D] pre-RoPE, v) exact until `commit`.
 
-        Keys are divided by the layer's `key_smooth` scales when KVParams holds them (scales the
-        converter could not fuse into the weights)."""
+        Both go into the layer's domain first (`transforms`)."""
         self._check_capacity(k.shape[2])
-        smooth = self.params.key_smooth.get(layer)
-        if smooth is not None:
-            k = k / smooth[None, :, None, :]
+        k = self.transforms.key_in(layer, k, self.params)
+        v = self.transforms.value_in(layer, v)
         self._pending[layer] = (self._to_domain(layer, k, rope, positions), v)
 
     # -- reading ---------------------------------------------------------------------------------
 
     def materialize(self, layer: int, rope: Rope):
-        """Keys and values as attention sees them, in position order, post-RoPE and unrotated:
-        ([B, Hkv, N, D], [B, Hkv, N, D], valid bool [B, N]) with N = max(lengths) + T."""
+        """Keys and values as attention sees them, in position order, post-RoPE and back in the
+        weights' domain (what the model's own attention expects): ([B, Hkv, N, D],
+        [B, Hkv, N, D], valid bool [B, N]) with N = max(lengths) + T."""
         keys, values, valid = self._gather(layer, rope)
-        if self.scheme.layers[layer].key_rotation:
-            keys = hadamard_transform(keys, seed=self.scheme.rotation_seed, inverse=True)
-        smooth = self.params.key_smooth.get(layer)
-        if smooth is not None:
-            keys = keys * smooth[None, :, None, :]
-        return keys, values, valid
+        keys = self.transforms.key_rotate(layer, keys, inverse=True)
+        keys = self.transforms.key_out(layer, keys, self.params)
+        return keys, self.transforms.value_out(layer, values), valid
 
     def _gather(self, layer: int, rope: Rope):
         k_new, v_new = self._pending[layer]
@@ -327,8 +361,7 @@ class QuantizedCache:
         scheme = self.scheme.layers[layer]
         if scheme.key_position == "pre_rope":
             return k
-        k = rope.apply(k, positions)
-        return hadamard_transform(k, seed=self.scheme.rotation_seed) if scheme.key_rotation else k
+        return self.transforms.key_rotate(layer, rope.apply(k, positions))
 
     def _decide_sinks(self, T: int, flags):
         """First-N positions, then predicted ones (flags bool [B, T] on the CPU, or None) while
@@ -417,31 +450,6 @@ class QuantizedCache:
             )
 
 
-def cache_bytes(
-    scheme: KVScheme, batch: int, kv_heads: int, head_dim: int, max_len: int, dtype: torch.dtype
-) -> int:
-    """Bytes the per-sequence buffers of a QuantizedCache of this size take on its device."""
-    es = torch.empty((), dtype=dtype).element_size()
-    rows = batch * kv_heads  # (sequence, KV head) pairs
-    total = 2 * len(scheme.layers) * rows * max(scheme.num_sink_slots, 1) * head_dim * es
-    total += batch * max_len  # is_sink
-    for layer in scheme.layers:
-        for spec in (layer.key, layer.value):
-            total += rows * max(scheme.residual, 1) * head_dim * es  # the ring
-            if spec is None:
-                total += rows * max_len * head_dim * es
-                continue
-            total += rows * max_len * packed_size(head_dim, spec.bits)
-            meta = 1 if spec.symmetric else 2
-            if spec.granularity == "token":
-                total += meta * rows * max_len * head_dim // spec.channel_group(head_dim) * es
-            elif spec.granularity == "channel":
-                total += meta * rows * -(-max_len // spec.group_size) * head_dim * es
-            if spec.outliers > 0:
-                total += rows * max_len * head_dim * (es + 1)
-    return total
-
-
 def _free_bytes(device) -> int | None:
     """Free memory of a CUDA device; None elsewhere (no check)."""
     device = torch.device(device)
@@ -449,7 +457,8 @@ def _free_bytes(device) -> int | None:
 
 
 def _check_fits(scheme, batch, kv_heads, head_dim, max_len, device, dtype) -> None:
-    need = cache_bytes(scheme, batch, kv_heads, head_dim, max_len, dtype)
+    bits = torch.empty((), dtype=dtype).element_size() * 8
+    need = storage_bits(scheme, kv_heads, head_dim, max_len, batch=batch, exact_bits=bits).bytes
     free = _free_bytes(device)
     if free is not None and need > free:
         raise CapacityError(
@@ -470,3 +479,33 @@ def _attention(q, keys, values, valid, causal: bool = False) -> torch.Tensor:
     qpos = valid.sum(-1)[:, None] - T + torch.arange(T, device=q.device)  # [B, T]
     mask = torch.arange(N, device=q.device)[None, None, :] <= qpos[:, :, None]  # [B, T, N]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=True)
+
+
+def planned_memory(
+    scheme: KVScheme,
+    params: KVParams,
+    transforms: Transforms,
+    *,
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    context: int,
+    batch: int = 1,
+    dtype: torch.dtype = torch.float16,
+) -> dict[str, int]:
+    """`QuantizedCache.memory()` of a cache for `batch` sequences of `context` tokens, built on
+    the meta device: the buffers' real sizes, nothing allocated."""
+    cache = QuantizedCache(
+        scheme,
+        params,
+        transforms,
+        num_layers=num_layers,
+        batch=batch,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        max_len=context,
+        device="meta",
+        dtype=dtype,
+        use_kernels=False,
+    )
+    return cache.memory()

@@ -10,7 +10,6 @@ straight onto the device (`Transformer.from_folder`). Every `generate` call runs
 `QuantizedCache` that follows the checkpoint's scheme, one sequence per prompt.
 """
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -22,9 +21,6 @@ from kvcalib_runtime.format import TOKENIZER, Checkpoint, read_checkpoint
 from kvcalib_runtime.generate import generate as _generate
 from kvcalib_runtime.kernels.layout import use_triton  # plain torch: no triton import
 from kvcalib_runtime.model import Transformer
-from kvcalib_runtime.scheme import storage_bits
-
-FP16_BYTES = 2
 
 Prompts = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
 
@@ -35,9 +31,9 @@ class RuntimeModel:
     model:      the runtime's Transformer (weights on `device`)
     tokenizer:  tokenizers.Tokenizer from tokenizer.json
     config:     config.json; meta: kvcalib.json; scheme: the KVScheme the cache follows
-    params:     the KVParams the cache applies online (key_smooth dropped when it is fused into
-                the weights, so it is not applied twice)
-    fused:      the transforms already in the weights (kvcalib.json "fused")
+    params:     the calibrated tensors the cache uses (KVParams)
+    transforms: where each layer's smoothing and rotations are: fused in the weights or applied
+                by the cache (kvcalib_runtime.transforms)
     max_len:    the longest sequence (prompt + generated tokens) a generate call may hold, or
                 None for no limit
     use_kernels: passed to QuantizedCache (None: Triton where it runs)
@@ -54,9 +50,7 @@ class RuntimeModel:
     ):
         self.model, self.tokenizer = model, tokenizer
         self.config, self.meta = ckpt.config, ckpt.meta
-        self.scheme, self.fused, self.params = ckpt.scheme, ckpt.fused, ckpt.params
-        if "key_smooth" in ckpt.fused:
-            self.params = dataclasses.replace(ckpt.params, key_smooth={})
+        self.scheme, self.params, self.transforms = ckpt.scheme, ckpt.params, ckpt.transforms
         self.max_len, self.use_kernels = max_len, use_kernels
         attn = model.model.layers[0].self_attn
         self.num_layers = len(model.model.layers)
@@ -73,7 +67,9 @@ class RuntimeModel:
     def new_cache(self, batch: int, max_len: int):
         """A QuantizedCache following the checkpoint's scheme for `batch` sequences of up to
         `max_len` tokens, on the model's device and dtype."""
-        return self.model.new_cache(batch, max_len, self.scheme, self.params, self.use_kernels)
+        return self.model.new_cache(
+            batch, max_len, self.scheme, self.params, self.transforms, self.use_kernels
+        )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (the tokenizer's own special-token rules apply)."""
@@ -145,17 +141,20 @@ class RuntimeModel:
                 )
         return out
 
-    def kv_bytes_per_token(self, context: int = 4096) -> float:
-        """What the cache really stores per token of one sequence of `context` tokens, all
-        layers, keys and values: codes and metadata of the quantized body, every sink slot and
-        the exact residual window, amortized over the context (exact elements as fp16/bf16;
-        equals `QuantizedCache.bytes_per_token`)."""
-        bits = storage_bits(self.scheme, self.kv_heads, self.head_dim, context)
-        return (bits["body"] + bits["sinks"] + bits["residual"]) / 8 / context
+    def kv_bytes_per_token(self, context: int = 4096, dtype=torch.float16) -> float:
+        """Bytes per token of this checkpoint's quantized cache for one sequence of `context`
+        tokens whose exact values are `dtype` (fp16 by default, as served): every buffer such a
+        cache allocates (codes, metadata, outlier slots, constants, sink slots, the residual
+        window, bookkeeping), walked on a cache planned on the meta device."""
+        cache = self.model.new_cache(
+            1, context, self.scheme, self.params, self.transforms, False, "meta", dtype
+        )
+        return cache.bytes_per_token()
 
-    def fp16_bytes_per_token(self) -> int:
-        """Bytes per token of an fp16 cache of the same model: keys and values, every layer."""
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * FP16_BYTES
+    def fp16_bytes_per_token(self, context: int = 4096) -> float:
+        """The same for an fp16 cache of the same model."""
+        cache = self.model.new_cache(1, context, device="meta", dtype=torch.float16)
+        return cache.bytes_per_token()
 
 
 def load(

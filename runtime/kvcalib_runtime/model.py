@@ -24,6 +24,7 @@ from kvcalib_runtime import archs
 from kvcalib_runtime.errors import FormatError
 from kvcalib_runtime.fpcache import FullPrecisionCache
 from kvcalib_runtime.generate import generate as _generate
+from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.rope import Rope
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -46,11 +47,11 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """GQA self-attention whose K/V history lives in the cache passed to `forward`."""
 
-    def __init__(self, config: dict, arch: archs.Arch, layer_idx: int):
+    def __init__(self, config: dict, geo: Geometry, layer_idx: int):
         super().__init__()
-        hidden, self.num_heads = config["hidden_size"], config["num_attention_heads"]
-        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
-        self.head_dim = head_dim = config.get("head_dim") or hidden // self.num_heads
+        arch, hidden = geo.arch, geo.hidden
+        self.num_heads, self.num_kv_heads, self.head_dim = geo.heads, geo.kv_heads, geo.head_dim
+        head_dim = geo.head_dim
         self.layer_idx = layer_idx
         qkv_bias = arch.has_qkv_bias(config)
         # `attention_bias` covers all four projections; families with fixed q/k/v biases
@@ -96,10 +97,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: h + attn(norm(h)), then h + mlp(norm(h)); [B, T, hidden] both ways."""
 
-    def __init__(self, config: dict, arch: archs.Arch, layer_idx: int):
+    def __init__(self, config: dict, geo: Geometry, layer_idx: int):
         super().__init__()
         eps = config.get("rms_norm_eps", 1e-6)
-        self.self_attn = Attention(config, arch, layer_idx)
+        self.self_attn = Attention(config, geo, layer_idx)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
@@ -109,22 +110,12 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def _check_config(config: dict) -> archs.Arch:
-    model_type = config.get("model_type")
-    arch = archs.lookup(model_type)
-    if arch is None:
-        raise FormatError(
-            f"model_type {model_type!r} in config.json is not supported: use one of "
-            f"{archs.supported()}"
-        )
+def _check_config(config: dict) -> Geometry:
+    geo = Geometry.from_config(config)
+    geo.require_arch()
     if config.get("hidden_act", "silu") != "silu":
         raise FormatError(f"hidden_act {config['hidden_act']!r} is not supported: only 'silu'")
-    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads")
-    if kv_heads and heads % kv_heads:
-        raise FormatError(
-            f"num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv_heads}"
-        )
-    return arch
+    return geo
 
 
 class Transformer(nn.Module):
@@ -135,15 +126,13 @@ class Transformer(nn.Module):
 
     def __init__(self, config: dict):
         super().__init__()
-        arch = _check_config(config)
-        hidden, vocab = config["hidden_size"], config["vocab_size"]
+        geo = self.geometry = _check_config(config)
+        hidden, vocab = geo.hidden, geo.vocab
         self.config = config
-        self.rope = Rope(config)
+        self.rope = Rope(config, geo.head_dim)
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(vocab, hidden)
-        self.model.layers = nn.ModuleList(
-            DecoderLayer(config, arch, i) for i in range(config["num_hidden_layers"])
-        )
+        self.model.layers = nn.ModuleList(DecoderLayer(config, geo, i) for i in range(geo.layers))
         self.model.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6))
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         if self.tied:
@@ -180,29 +169,40 @@ class Transformer(nn.Module):
         return self.lm_head(self.model.norm(h)).float()
 
     def new_cache(
-        self, batch: int, max_len: int, scheme=None, params=None, use_kernels: bool | None = None
+        self,
+        batch: int,
+        max_len: int,
+        scheme=None,
+        params=None,
+        transforms=None,
+        use_kernels: bool | None = None,
+        device=None,
+        dtype=None,
     ):
-        """A cache for `batch` sequences of up to `max_len` tokens on the model's device and
-        dtype: full precision, or a QuantizedCache following `scheme` and `params` (KVScheme,
-        KVParams; `use_kernels` as QuantizedCache takes it)."""
-        attn = self.model.layers[0].self_attn
-        layers, kv_heads, head_dim = len(self.model.layers), attn.num_kv_heads, attn.head_dim
+        """A cache for `batch` sequences of up to `max_len` tokens, in the model's dtype and on
+        its device unless given (device "meta" plans one without allocating): full precision,
+        or a QuantizedCache following `scheme`, `params` and `transforms` (KVScheme, KVParams,
+        Transforms; `use_kernels` as QuantizedCache takes it)."""
+        geo = self.geometry
+        device = self.device if device is None else device
+        dtype = self.dtype if dtype is None else dtype
         if scheme is None:
             return FullPrecisionCache(
-                layers, batch, kv_heads, head_dim, max_len, self.device, self.dtype
+                geo.layers, batch, geo.kv_heads, geo.head_dim, max_len, device, dtype
             )
         from kvcalib_runtime.kvcache import QuantizedCache  # imports triton: only when needed
 
         return QuantizedCache(
             scheme,
             params,
-            num_layers=layers,
+            transforms,
+            num_layers=geo.layers,
             batch=batch,
-            kv_heads=kv_heads,
-            head_dim=head_dim,
+            kv_heads=geo.kv_heads,
+            head_dim=geo.head_dim,
             max_len=max_len,
-            device=self.device,
-            dtype=self.dtype,
+            device=device,
+            dtype=dtype,
             use_kernels=use_kernels,
         )
 

@@ -9,6 +9,8 @@ its own range:
     granularity "channel"  groups of `group_size` consecutive tokens inside one channel
                            (KIVI's keys), aligned to absolute token index
     granularity "static"   one range per channel, calibrated offline (KVQuant's keys)
+    granularity "vector"   one group per token over every KV head (KVQuant's values): the heads
+                           at dim -3 are joined into one vector of H * D channels first
 
 Every group is dequantized as  x_hat = offset + scale * level[code]:
 
@@ -20,9 +22,25 @@ Every group is dequantized as  x_hat = offset + scale * level[code]:
     codebook, symmetric           scale = absmax, level = sorted table in [-1, 1]
 
 `clip` shrinks min/max (or absmax) towards zero before the scale is taken (QuaRot's clip
-ratio). With `outliers = f > 0` (dense-and-sparse, KVQuant) the extremes of each group are kept
-exactly and the range is taken over the rest: ceil(f * n / 2) elements at each end of a dynamic
-group of n, or everything outside the calibrated [min, max] for "static".
+ratio).
+
+Outliers (dense-and-sparse, KVQuant). With `outliers = f > 0` the range of a dynamic group of n
+elements leaves out k = ceil(f * n / 2) elements at each end; a "static" range is calibrated
+with the fraction f left out. Elements outside their group's range are clamped by the codes,
+and a fixed number K of slots per vector (one token of one head, or of every head for
+"vector") keeps K elements exactly:
+
+    slot_index  [..., T, K]  channel within the vector (uint8, int16 past 256 channels)
+    slot_delta  [..., T, K]  x - x_hat at that channel, in x's dtype; x_hat += delta restores it
+
+Which elements (`slot_rule`; ties go to the lower channel):
+    "outside"  the K farthest outside their range (KVQuant's outliers); a vector with fewer
+               leaves the other slots at index 0 with delta 0, one with more has them clamped
+    "error"    the K with the largest |x - x_hat| (kvcalib's): the clamped outliers first,
+               then the worst-rounded elements inside the range, so every slot is used
+K is (D / g) * 2k for dynamic groups (under "outside" none is ever clamped); for "static" it
+is `outlier_slots`. That one rule is what the cache stores, what kvcalib's simulation computes
+and what the bit count charges (the slots whether used or not).
 
 Scale and offset are rounded to the input's dtype before codes are computed (fp16 metadata in
 an fp16 cache, as KIVI does); codes are computed in fp32 from the rounded metadata.
@@ -33,16 +51,25 @@ from dataclasses import dataclass
 
 import torch
 
-GRANULARITIES = ("token", "channel", "static")
+GRANULARITIES = ("token", "channel", "static", "vector")
+SLOT_RULES = ("outside", "error")
 BITS = (2, 3, 4, 5, 6, 8)
-METADATA_BITS = 16  # scales, offsets, codebook levels and exact values are stored as fp16/bf16
-OUTLIER_BITS = 24  # one kept outlier: fp16 value + 8-bit position in its group or token row
-OUTLIER_COUNT_BITS = 8  # "static" outliers vary per token: one count per token and head
+METADATA_BITS = 16  # scales, offsets and exact values in an fp16/bf16 cache
+MAX_SLOTS = 64  # exact slots per vector: beyond this dense storage is cheaper
+
+
+def slot_index_dtype(n: int) -> torch.dtype:
+    """The dtype of a slot's channel index in a vector of n channels."""
+    return torch.uint8 if n <= 256 else torch.int16
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How one KV tensor (keys or values of one layer) is quantized; see the module docstring."""
+    """How one KV tensor (keys or values of one layer) is quantized; see the module docstring.
+
+    outlier_slots: "static" only, the K exact slots per vector (required when outliers > 0);
+    dynamic groups derive K from `outliers` (`slots`). slot_rule: which elements get them.
+    """
 
     bits: int
     granularity: str = "token"
@@ -51,8 +78,18 @@ class QuantSpec:
     clip: float = 1.0
     codebook: bool = False
     outliers: float = 0.0
+    outlier_slots: int = 0
+    slot_rule: str = "outside"
 
     def __post_init__(self):
+        for name in ("bits", "group_size", "outlier_slots"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"{name} = {v!r} must be an integer")
+        for name in ("clip", "outliers"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+                raise ValueError(f"{name} = {v!r} must be a finite number")
         if self.bits not in BITS:
             raise ValueError(f"bits = {self.bits} is not supported: use one of {BITS}")
         if self.granularity not in GRANULARITIES:
@@ -71,15 +108,35 @@ class QuantSpec:
             raise ValueError(f"codebook with bits = {self.bits}: codebooks are for 2-4 bits")
         if not 0.0 <= self.outliers < 0.5:
             raise ValueError(f"outliers = {self.outliers} is a fraction: use 0 <= outliers < 0.5")
+        if self.outliers and self.granularity == "channel":
+            raise ValueError(
+                "outliers are kept in slots per token: use granularity 'token', 'vector' or "
+                "'static' with them, or outliers = 0 for 'channel'"
+            )
         if self.outliers and self.group_size > 256:
             raise ValueError("outliers are indexed by one byte: use group_size <= 256 with them")
+        if self.granularity == "static" and self.outliers and not self.outlier_slots >= 1:
+            raise ValueError(
+                "static outliers are kept in outlier_slots exact slots per vector: set "
+                "outlier_slots >= 1 (recipes set it as outlier_slots)"
+            )
+        if self.outlier_slots and (self.granularity != "static" or not self.outliers):
+            raise ValueError(
+                "outlier_slots is for 'static' granularity with outliers > 0; dynamic groups "
+                "keep ceil(outliers * group / 2) at each end"
+            )
+        if self.slot_rule not in SLOT_RULES:
+            raise ValueError(f"slot_rule = {self.slot_rule!r} is unknown: use one of {SLOT_RULES}")
+        if self.outlier_slots > MAX_SLOTS:
+            raise ValueError(f"outlier_slots = {self.outlier_slots}: use at most {MAX_SLOTS}")
 
     @property
     def levels(self) -> int:
         return 2**self.bits
 
     def channel_group(self, head_dim: int) -> int:
-        """Channels per group for "token" granularity (the whole head when group_size is 0)."""
+        """Channels per group for "token" / "vector" granularity (the whole vector when
+        group_size is 0); head_dim is the vector's length."""
         g = self.group_size or head_dim
         if head_dim % g:
             raise ValueError(f"group_size = {g} does not divide head_dim = {head_dim}")
@@ -88,54 +145,73 @@ class QuantSpec:
     def outliers_per_side(self, group_numel: int) -> int:
         return math.ceil(self.outliers * group_numel / 2) if self.outliers > 0 else 0
 
-    def bits_per_element(self, head_dim: int, tokens: int, outlier_fraction: float = 0.0) -> float:
-        """Storage per element of a body of `tokens` tokens: codes + metadata + codebook + outliers.
+    def vector_size(self, head_dim: int, kv_heads: int = 1) -> int:
+        """Channels of one vector: one head's, or every head's for "vector"."""
+        return head_dim * kv_heads if self.granularity == "vector" else head_dim
 
-        `outlier_fraction` is the measured fraction for "static" (it depends on the data); dynamic
-        groups keep a fixed count, computed here.
-        """
-        meta = METADATA_BITS * (1 if self.symmetric else 2)
-        if self.granularity == "token":
-            group = self.channel_group(head_dim)
-        elif self.granularity == "channel":
-            group = self.group_size
-        else:
-            group = max(tokens, 1)
-        total = self.bits + meta / group
-        if self.codebook:
-            total += self.levels * METADATA_BITS / (max(tokens, 1) * head_dim)
+    def slots(self, n: int) -> int:
+        """K, the exact slots of a vector of n channels (see the module docstring)."""
+        if not self.outliers:
+            return 0
         if self.granularity == "static":
-            if self.outliers > 0:
-                total += outlier_fraction * OUTLIER_BITS + OUTLIER_COUNT_BITS / head_dim
+            return self.outlier_slots
+        g = self.channel_group(n)
+        return n // g * 2 * self.outliers_per_side(g)
+
+    def bits_per_element(self, head_dim: int, tokens: int, kv_heads: int = 1) -> float:
+        """Storage per element of a body of `tokens` tokens in an fp16 cache: codes, metadata
+        (per group; "static" ranges amortized over the tokens) and outlier slots (index +
+        delta). Codebooks are per-layer constants: `scheme.storage_bits` counts those."""
+        n = self.vector_size(head_dim, kv_heads)
+        meta = METADATA_BITS * (1 if self.symmetric else 2)
+        if self.granularity in ("token", "vector"):
+            total = self.bits + meta / self.channel_group(n)
+        elif self.granularity == "channel":
+            total = self.bits + meta / self.group_size
         else:
-            total += 2 * self.outliers_per_side(group) * OUTLIER_BITS / group
-        return total
+            total = self.bits + meta / max(tokens, 1)
+        index_bits = torch.empty((), dtype=slot_index_dtype(n)).element_size() * 8
+        return total + self.slots(n) * (index_bits + METADATA_BITS) / n
 
 
 @dataclass
 class QTensor:
     """A quantized [..., T, D] tensor in reference (unpacked) form.
 
-    codes:   uint8 [..., T, D], values < 2**bits
-    scale:   x.dtype, group-shaped: [..., T, D/g, 1] ("token"), [..., ceil(T/g), D, 1]
-             ("channel"), or broadcastable to [..., 1, D] ("static")
-    offset:  like scale, or None when symmetric
-    exact:   bool [..., T, D] marking outliers kept exactly, or None
-    values:  x.dtype [..., T, D], the exact values where `exact` (zero elsewhere), or None
+    codes:       uint8 [..., T, D], values < 2**bits ("vector": [..., 1, T, H * D])
+    scale:       x.dtype, group-shaped: [..., T, D/g, 1] ("token", "vector"),
+                 [..., ceil(T/g), D, 1] ("channel"), or broadcastable to [..., 1, D] ("static")
+    offset:      like scale, or None when symmetric
+    slot_index:  [..., T, K] channel of each exact slot (see the module docstring), or None
+    slot_delta:  x.dtype [..., T, K] what the slot adds back, or None
+    heads:       H for "vector" (codes hold the heads joined), else None
     """
 
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor | None
-    exact: torch.Tensor | None
-    values: torch.Tensor | None
+    slot_index: torch.Tensor | None = None
+    slot_delta: torch.Tensor | None = None
+    heads: int | None = None
+
+
+def to_vector(x: torch.Tensor) -> torch.Tensor:
+    """[..., H, T, D] -> [..., 1, T, H * D]: every head of a token as one vector."""
+    h, t, d = x.shape[-3:]
+    return x.transpose(-3, -2).reshape(*x.shape[:-3], 1, t, h * d)
+
+
+def from_vector(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Inverse of `to_vector`: [..., 1, T, H * D] -> [..., H, T, D]."""
+    t, n = x.shape[-2:]
+    return x.reshape(*x.shape[:-3], t, heads, n // heads).transpose(-3, -2)
 
 
 def _group(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """View x [..., T, D] as its groups, elements last: [..., T, D/g, g] ("token") or
+    """View x [..., T, D] as its groups, elements last: [..., T, D/g, g] ("token", "vector") or
     [..., ceil(T/g), D, g] ("channel", T zero-padded to a multiple of g)."""
     t, d = x.shape[-2:]
-    if spec.granularity == "token":
+    if spec.granularity != "channel":
         g = spec.channel_group(d)
         return x.reshape(*x.shape[:-1], d // g, g)
     g = spec.group_size
@@ -146,7 +222,7 @@ def _group(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
 def _ungroup(y: torch.Tensor, spec: QuantSpec, shape: torch.Size) -> torch.Tensor:
     """Inverse of `_group` for a full group-shaped tensor (padding dropped)."""
     t, d = shape[-2:]
-    if spec.granularity == "token":
+    if spec.granularity != "channel":
         return y.reshape(shape)
     return y.transpose(-1, -2).reshape(*shape[:-2], -1, d)[..., :t, :]
 
@@ -155,7 +231,7 @@ def _expand(param: torch.Tensor, spec: QuantSpec, shape: torch.Size) -> torch.Te
     """Broadcast a group-shaped parameter back to the element shape [..., T, D]."""
     if spec.granularity == "static":
         return param.expand(shape)
-    g = spec.channel_group(shape[-1]) if spec.granularity == "token" else spec.group_size
+    g = spec.group_size if spec.granularity == "channel" else spec.channel_group(shape[-1])
     return _ungroup(param.expand(*param.shape[:-1], g), spec, shape)
 
 
@@ -170,33 +246,25 @@ def _lookup(codebook: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
 
 
 def _group_range(x: torch.Tensor, spec: QuantSpec, exclude: torch.Tensor | None):
-    """Per-group (lo, hi) in group shape, and the outlier mask in element shape (or None).
-
-    "channel" groups take their range over kept tokens only: excluded (kept-exact sinks) and
-    padded tokens neither widen it nor count as outliers."""
+    """Per-group (lo, hi) in group shape: min and max, or with k = outliers_per_side the
+    (k+1)-th smallest and largest. "channel" groups take their range over kept tokens only:
+    excluded (kept-exact sinks) and padded tokens never widen it."""
     g = _group(x, spec)
-    k = spec.outliers_per_side(g.shape[-1])
     if spec.granularity != "channel":
+        k = spec.outliers_per_side(g.shape[-1])
         if k == 0:
-            return g.amin(-1, keepdim=True), g.amax(-1, keepdim=True), None
+            return g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
         lo = g.kthvalue(k + 1, dim=-1, keepdim=True).values
         hi = g.kthvalue(g.shape[-1] - k, dim=-1, keepdim=True).values
-        return lo, hi, _ungroup((g < lo) | (g > hi), spec, x.shape)
+        return lo, hi
     keep = torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
     if exclude is not None:
         keep = keep & ~exclude
     keep = _group(keep.unsqueeze(-1).expand(x.shape).to(x.dtype), spec).bool()  # padding: False
-    up, down = torch.where(keep, g, torch.inf), torch.where(keep, g, -torch.inf)
-    lo, hi = up.amin(-1, keepdim=True), down.amax(-1, keepdim=True)
-    exact = None
-    if k > 0:  # the (k+1)-th smallest and largest kept values, where enough tokens are kept
-        lo_k = up.topk(k + 1, -1, largest=False).values[..., -1:]
-        hi_k = down.topk(k + 1, -1).values[..., -1:]
-        lo = torch.where(lo_k.isfinite(), lo_k, lo)
-        hi = torch.where(hi_k.isfinite(), hi_k, hi)
-        exact = _ungroup(keep & ((g < lo) | (g > hi)), spec, x.shape)
+    lo = torch.where(keep, g, torch.inf).amin(-1, keepdim=True)
+    hi = torch.where(keep, g, -torch.inf).amax(-1, keepdim=True)
     empty = ~keep.any(-1, keepdim=True)
-    return lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0), exact
+    return lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
 
 
 def range_metadata(spec: QuantSpec, lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype):
@@ -211,6 +279,34 @@ def range_metadata(spec: QuantSpec, lo: torch.Tensor, hi: torch.Tensor, dtype: t
     return scale.to(dtype), lo.to(dtype)
 
 
+def _levels(spec: QuantSpec, codes: torch.Tensor, codebook) -> torch.Tensor:
+    """level[code] in fp32."""
+    if spec.codebook:
+        return _lookup(codebook.float(), codes)
+    if spec.symmetric:
+        return codes.float() - (2 ** (spec.bits - 1) - 1)
+    return codes.float()
+
+
+def _base(spec: QuantSpec, codes, scale, offset, codebook) -> torch.Tensor:
+    """offset + scale * level[code] in fp32, element-shaped like codes."""
+    shape = codes.shape
+    x = _levels(spec, codes, codebook) * _expand(scale.float(), spec, shape)
+    if offset is not None:
+        x = x + _expand(offset.float(), spec, shape)
+    return x
+
+
+def select_slots(xf: torch.Tensor, base: torch.Tensor, excess: torch.Tensor, k: int, dtype):
+    """The k elements of each vector (last dim) with the largest excess > 0, lower channel first
+    on ties -> (slot_index, slot_delta = x - base in dtype)."""
+    order = excess.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    used = excess.gather(-1, order) > 0
+    index = torch.where(used, order, 0)
+    delta = torch.where(used, (xf - base).gather(-1, order), 0.0)
+    return index.to(slot_index_dtype(xf.shape[-1])), delta.to(dtype)
+
+
 def quantize(
     x: torch.Tensor,
     spec: QuantSpec,
@@ -219,7 +315,7 @@ def quantize(
     codebook: torch.Tensor | None = None,
     exclude: torch.Tensor | None = None,
 ) -> QTensor:
-    """Quantize x [..., T, D] (float) as `spec` says.
+    """Quantize x [..., T, D] (float; "vector": [..., H, T, D]) as `spec` says.
 
     static_range: (lo, hi), each broadcastable to [..., 1, D] — required for "static".
     codebook:     float [L] or [H, L] sorted levels (heads at dim -3 of x) — required when
@@ -227,21 +323,23 @@ def quantize(
     exclude:      bool [..., T], tokens left out of "channel" ranges (kept sinks); they still get
                   codes, which the caller ignores.
     """
-    xf = x.float()
+    heads = x.shape[-3] if spec.granularity == "vector" else None
+    xf = to_vector(x.float()) if heads else x.float()
     if spec.granularity == "static":
         if static_range is None:
             raise ValueError("granularity 'static' needs calibrated ranges: pass static_range")
         lo, hi = (r.float() for r in static_range)
-        exact = ((xf < lo) | (xf > hi)) if spec.outliers > 0 else None
+        lo_e, hi_e = lo, hi
     else:
-        lo, hi, exact = _group_range(xf, spec, exclude)
+        lo, hi = _group_range(xf, spec, exclude)
+        lo_e, hi_e = (_expand(r, spec, xf.shape) for r in (lo, hi))
     if spec.codebook and codebook is None:
         raise ValueError("spec.codebook is set: pass the calibrated codebook")
     scale, offset = range_metadata(spec, lo, hi, x.dtype)
     qmax = 2 ** (spec.bits - 1) - 1
-    s = _expand(scale.float(), spec, x.shape)
+    s = _expand(scale.float(), spec, xf.shape)
     s = torch.where(s > 0, s, torch.ones_like(s))
-    t = xf - _expand(offset.float(), spec, x.shape) if offset is not None else xf
+    t = xf - _expand(offset.float(), spec, xf.shape) if offset is not None else xf
     t = t / s
     if spec.codebook:
         mids = (codebook[..., 1:] + codebook[..., :-1]).float() / 2
@@ -252,28 +350,30 @@ def quantize(
         codes = t.round().clamp(-qmax, qmax) + qmax
     else:
         codes = t.round().clamp(0, spec.levels - 1)
-    values = torch.where(exact, x, torch.zeros_like(x)) if exact is not None else None
-    return QTensor(codes.to(torch.uint8), scale, offset, exact, values)
+    codes = codes.to(torch.uint8)
+    q = QTensor(codes, scale, offset, heads=heads)
+    k = spec.slots(xf.shape[-1])
+    if k:
+        base = _base(spec, codes, scale, offset, codebook)
+        if spec.slot_rule == "error":
+            excess = (xf - base).abs()
+        else:
+            excess = (xf - torch.minimum(torch.maximum(xf, lo_e), hi_e)).abs()
+        q.slot_index, q.slot_delta = select_slots(xf, base, excess, k, x.dtype)
+    return q
 
 
 def dequantize(
     q: QTensor, spec: QuantSpec, *, codebook: torch.Tensor | None = None, dtype=None
 ) -> torch.Tensor:
-    """x_hat = offset + scale * level[code], outliers restored exactly. Returns `dtype`
-    (default: the metadata's dtype)."""
+    """x_hat = offset + scale * level[code], plus the exact slots' deltas. Returns `dtype`
+    (default: the metadata's dtype), in x's layout ([..., H, T, D] again for "vector")."""
     dtype = dtype or q.scale.dtype
-    shape = q.codes.shape
-    if spec.codebook:
-        level = _lookup(codebook.float(), q.codes)
-    elif spec.symmetric:
-        level = q.codes.float() - (2 ** (spec.bits - 1) - 1)
-    else:
-        level = q.codes.float()
-    x = level * _expand(q.scale.float(), spec, shape)
-    if q.offset is not None:
-        x = x + _expand(q.offset.float(), spec, shape)
-    if q.exact is not None:
-        x = torch.where(q.exact, q.values.float(), x)
+    x = _base(spec, q.codes, q.scale, q.offset, codebook)
+    if q.slot_index is not None:
+        x = x.scatter_add(-1, q.slot_index.long(), q.slot_delta.float())
+    if q.heads:
+        x = from_vector(x, q.heads)
     return x.to(dtype)
 
 

@@ -51,6 +51,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] along the last dim (channel i pairs with i + D/2)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
 class Rope:
     """RoPE of one model: frequencies computed once from the config, cos/sin per forward.
 
@@ -59,7 +65,8 @@ class Rope:
                supported rope type, kept so the formula reads like the reference
     """
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, head_dim: int):
+        """config: the HF config dict (its RoPE keys); head_dim: the channels of a head."""
         params = rope_parameters(config)
         rope_type = params["rope_type"]
         if rope_type not in ROPE_TYPES:
@@ -71,10 +78,7 @@ class Rope:
                 f"partial_rotary_factor = {params['partial_rotary_factor']} is not supported: "
                 "the runtime rotates whole heads"
             )
-        self.head_dim = config.get("head_dim") or (
-            config["hidden_size"] // config["num_attention_heads"]
-        )
-        dim = self.head_dim
+        self.head_dim = dim = head_dim
         exponents = torch.arange(0, dim, 2, device="cpu").float() / dim  # CPU even under meta
         inv_freq = 1.0 / (params["rope_theta"] ** exponents)
         if rope_type == "linear":
@@ -107,5 +111,4 @@ class Rope:
         cos, sin = self.cos_sin(positions)
         cos, sin = cos[:, None], sin[:, None]  # [B, 1, T, D]
         xf = x.float()
-        x1, x2 = xf.chunk(2, dim=-1)
-        return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+        return (xf * cos + rotate_half(xf) * sin).to(x.dtype)

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvcalib_runtime.quant import QuantSpec
+from kvcalib_runtime.quant import QuantSpec, slot_index_dtype
 
 KEY_POSITIONS = ("pre_rope", "post_rope")
 
@@ -140,36 +140,95 @@ def quantized_prefix_int(t: int, residual: int, flush: int) -> int:
     return min(math.ceil(max(0, t + 1 - residual) / flush) * flush, t)
 
 
-def storage_bits(
-    scheme: KVScheme, kv_heads: int, head_dim: int, context: int, outlier_fraction: float = 0.0
-) -> dict[str, float]:
-    """What a cache following `scheme` really stores for one sequence of `context` tokens.
+@dataclass(frozen=True)
+class Storage:
+    """What a QuantizedCache for `batch` sequences of `context` tokens allocates, in bits, by
+    part (`storage_bits`); `elements` counts the keys and values it represents.
 
-    Bits and element counts, summed over layers and over keys and values, of three parts:
-    "body" (codes, metadata, codebooks and outliers of the n_q(context) oldest positions — sink
-    positions keep their unused body slot), "sinks" (every pre-allocated sink slot, exact) and
-    "residual" (the exact recent tokens; all tokens of a tensor left in full precision). Exact
-    elements cost METADATA_BITS (an fp16/bf16 cache). `outlier_fraction` is the measured
-    fraction of "static" outliers. Bits per element outside the residual window is
-    (body + sinks) / body_elements.
+    body         codes, per-group metadata and outlier slots of every position's body slot, and
+                 tensors left in full precision
+    constants    per-layer calibrated tensors: static ranges with their metadata, codebooks
+    ring         the residual windows (full precision)
+    sinks        the sink slots (full precision) and the positions they hold
+    bookkeeping  lengths, body sizes and the map of which positions are sinks
     """
-    from kvcalib_runtime.quant import METADATA_BITS
 
-    per_token = kv_heads * head_dim
-    out = dict.fromkeys(("body", "sinks", "residual"), 0.0)
-    out.update(dict.fromkeys(("body_elements", "residual_elements"), 0))
+    body: float
+    constants: float
+    ring: float
+    sinks: float
+    bookkeeping: float
+    elements: int
+
+    @property
+    def total(self) -> float:
+        return self.body + self.constants + self.ring + self.sinks + self.bookkeeping
+
+    @property
+    def bits_per_element(self) -> float:
+        """The quantized body's cost per element: codes, metadata, outliers and per-layer
+        constants (the residual window and the sink slots are extra: `bits_at_context`)."""
+        return (self.body + self.constants) / self.elements
+
+    @property
+    def bits_at_context(self) -> float:
+        """Everything the cache allocates, per element at this context."""
+        return self.total / self.elements
+
+    @property
+    def bytes(self) -> float:
+        return self.total / 8
+
+
+def storage_bits(
+    scheme: KVScheme,
+    kv_heads: int,
+    head_dim: int,
+    context: int,
+    *,
+    batch: int = 1,
+    exact_bits: int = 16,
+) -> Storage:
+    """The bits a QuantizedCache following `scheme` allocates for `batch` sequences of
+    `context` tokens whose exact values take `exact_bits` (16: an fp16/bf16 cache), counted
+    from the layout's rules, not from the buffers (a test holds the two equal).
+
+    Per layer, keys and values each: a ring of max(R, 1) exact tokens; a tensor left in full
+    precision stores every position exactly; a quantized one stores, for every position, a
+    row of packed codes (one per head, or one per token for "vector"), its group metadata
+    (scale, and offset unless symmetric) and its K outlier slots (index + exact delta), plus
+    per-layer constants (a "static" range as float32 lo/hi with its metadata, float32
+    codebook levels and thresholds). Per layer, S = max(sinks_first + sink_budget, 1) exact
+    sink slots for keys and values; per sequence their int64 positions, the is-sink byte of
+    every position and int64 lengths / body sizes.
+    """
+    per_seq = batch * kv_heads * head_dim
+    body = constants = ring = 0
     for layer in scheme.layers:
-        for spec, flush in ((layer.key, layer.key_flush), (layer.value, layer.value_flush)):
-            body = quantized_prefix_int(context, scheme.residual, flush) if spec else 0
-            out["body_elements"] += body * per_token
-            out["residual_elements"] += (context - body) * per_token
-            out["residual"] += METADATA_BITS * (context - body) * per_token
-            if spec is not None:
-                out["body"] += (
-                    spec.bits_per_element(head_dim, body, outlier_fraction) * body * per_token
-                )
-                out["sinks"] += METADATA_BITS * scheme.num_sink_slots * per_token
-    return out
+        for spec in (layer.key, layer.value):
+            ring += per_seq * max(scheme.residual, 1) * exact_bits
+            if spec is None:
+                body += per_seq * context * exact_bits
+                continue
+            n = spec.vector_size(head_dim, kv_heads)
+            rows = batch * (kv_heads * head_dim // n)  # stored rows per position
+            meta = exact_bits * (1 if spec.symmetric else 2)
+            body += rows * context * math.ceil(n * spec.bits / 8) * 8
+            if spec.granularity in ("token", "vector"):
+                body += rows * context * (n // spec.channel_group(n)) * meta
+            elif spec.granularity == "channel":
+                body += rows * math.ceil(context / spec.group_size) * n * meta
+            else:
+                constants += kv_heads * head_dim * (meta + 2 * 32)
+            if spec.codebook:
+                constants += rows // batch * (2 * spec.levels - 1) * 32
+            index_bits = torch.empty((), dtype=slot_index_dtype(n)).element_size() * 8
+            body += rows * context * spec.slots(n) * (index_bits + exact_bits)
+    slots = max(scheme.num_sink_slots, 1)
+    sinks = 2 * len(scheme.layers) * per_seq * slots * exact_bits + batch * slots * 64
+    bookkeeping = batch * (context * 8 + 64 * (1 + 2 * len(scheme.layers)))
+    elements = 2 * len(scheme.layers) * per_seq * context
+    return Storage(body, constants, ring, sinks, bookkeeping, elements)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from kvcalib_runtime import format
 from kvcalib_runtime.errors import FormatError
 from kvcalib_runtime.quant import QuantSpec
 from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
+from kvcalib_runtime.transforms import FUSED, ONLINE, LayerTransforms, Transforms
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 8
 CONFIG = {
@@ -62,13 +63,19 @@ def _params() -> KVParams:
     )
 
 
+def _transforms() -> Transforms:
+    layer = LayerTransforms(value_rotation=FUSED, key_rotation=ONLINE)
+    return Transforms((layer,) * LAYERS, seed=3)
+
+
 def _manifest(path: Path) -> None:
     files = {
         p.name: {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "size": p.stat().st_size}
         for p in sorted(path.iterdir())
         if p.name != format.MANIFEST
     }
-    (path / format.MANIFEST).write_text(json.dumps({"format_version": 1, "files": files}))
+    version = format.FORMAT_VERSION
+    (path / format.MANIFEST).write_text(json.dumps({"format_version": version, "files": files}))
 
 
 def _write(path: Path, *, shards: int = 1, meta: dict | None = None) -> Path:
@@ -93,11 +100,11 @@ def _write(path: Path, *, shards: int = 1, meta: dict | None = None) -> Path:
         }
         (path / format.INDEX).write_text(json.dumps(index))
     meta = meta or {
-        "format_version": 1,
+        "format_version": 2,
         "source": {"spec": "tiny", "fingerprint": "ab" * 32},
         "recipe": {"name": "handmade", "toml": None},
         "profile": {"fingerprint": "cd" * 32, "path": "profile/"},
-        "fused": ["value_rotation"],
+        "transforms": _transforms().to_json(),
         "residual_rotation_seed": None,
         "untied_embeddings": False,
         "export": None,
@@ -117,7 +124,8 @@ def ckpt(tmp_path) -> Path:
 def test_round_trip(ckpt):
     read = format.read_checkpoint(ckpt)
     assert read.scheme == _scheme()
-    assert read.fused == frozenset({"value_rotation"}) and read.config == CONFIG
+    assert read.transforms == _transforms() and read.config == CONFIG
+    assert read.geometry.kv_heads == KV_HEADS and read.geometry.head_dim == HEAD_DIM
     expected, got = _params().tensors(), read.params.tensors()
     assert expected.keys() == got.keys()
     assert all(torch.equal(expected[k], got[k]) for k in expected)
@@ -224,8 +232,13 @@ def _edit_meta(ckpt: Path, **changes) -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"format_version": 2}, "format_version 2, but this kvcalib-runtime reads version 1"),
-        ({"fused": ["value_rotation", "magic"]}, "fused"),
+        ({"format_version": 3}, "format_version 3, but this kvcalib-runtime reads versions 1, 2"),
+        ({"transforms": {"seed": 3, "layers": []}}, "transforms cover 0 layers"),
+        ({"transforms": {"seed": 4, "layers": _transforms().to_json()["layers"]}}, "seed differs"),
+        (
+            {"transforms": Transforms.none(LAYERS).to_json() | {"seed": 3}},
+            "layer 0 places value_rotation 'none', but its scheme quantizes in that domain",
+        ),
         ({"surprise": 1}, "unknown key 'surprise'"),
         ({"untied_embeddings": 1}, "'untied_embeddings' has the wrong type"),
         ({"export": "tgi"}, "export 'tgi' is unknown"),
@@ -237,6 +250,21 @@ def _edit_meta(ckpt: Path, **changes) -> None:
 def test_bad_side_car_is_named(ckpt, changes, message):
     _edit_meta(ckpt, **changes)
     with pytest.raises(FormatError, match=rf"^kvcalib\.json: .*{message}"):
+        format.read_checkpoint(ckpt)
+
+
+def test_version_1_side_cars_are_still_read(ckpt):
+    """Version 1 listed the fused transforms; the placements follow from it and the scheme."""
+    meta = json.loads((ckpt / format.META).read_text())
+    del meta["transforms"]
+    _edit_meta(ckpt, format_version=1, fused=["value_rotation"])
+    meta = json.loads((ckpt / format.META).read_text())
+    del meta["transforms"]
+    (ckpt / format.META).write_text(json.dumps(meta))
+    _manifest(ckpt)
+    assert format.read_checkpoint(ckpt).transforms == _transforms()
+    _edit_meta(ckpt, fused=["value_rotation", "magic"])
+    with pytest.raises(FormatError, match=r"^kvcalib\.json: fused .* must be a sorted list"):
         format.read_checkpoint(ckpt)
 
 

@@ -24,6 +24,7 @@ from kvcalib_runtime.kvcache import QuantizedCache
 from kvcalib_runtime.quant import QuantSpec
 from kvcalib_runtime.rope import Rope
 from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
+from kvcalib_runtime.transforms import Transforms
 
 RTOL = 1e-5
 
@@ -182,6 +183,7 @@ def _filled_cache(case, gen):
     cache = QuantizedCache(
         scheme,
         params,
+        Transforms.online(scheme, params),
         num_layers=1,
         batch=len(lengths),
         kv_heads=kv_heads,
@@ -191,7 +193,7 @@ def _filled_cache(case, gen):
         dtype=torch.float32,
         use_kernels=True,
     )
-    rope = Rope({"hidden_size": heads * d, "num_attention_heads": heads, "head_dim": d})
+    rope = Rope({}, d)
     history = []
     for b, n in enumerate(lengths):
         view = cache.view(b)
@@ -277,9 +279,9 @@ def test_decode_attention_at_real_sizes(context, d, dtype):
     params = KVParams(key_range={0: (-torch.rand(8, d, generator=gen) * 3,
                                      torch.rand(8, d, generator=gen) * 3)})  # fmt: skip
     lengths = (context, context // 3 + 7)
-    cache = QuantizedCache(scheme, params, num_layers=1, batch=2, kv_heads=8, head_dim=d,
-                           max_len=context + 1, device="cuda", dtype=dtype)  # fmt: skip
-    rope = Rope({"hidden_size": 32 * d, "num_attention_heads": 32, "head_dim": d})
+    cache = QuantizedCache(scheme, params, Transforms.none(1), num_layers=1, batch=2, kv_heads=8,
+                           head_dim=d, max_len=context + 1, device="cuda", dtype=dtype)  # fmt: skip
+    rope = Rope({}, d)
     for b, n in enumerate(lengths):
         view = cache.view(b)
         k, v = _data((1, 8, n, d), gen).cuda(), torch.randn(1, 8, n, d, generator=gen).cuda()

@@ -13,21 +13,15 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from kvcalib.hooks import Hooks, capture_keys, key_module
-from kvcalib.simulate import Simulator
+from kvcalib.sim.hooks import Hooks, capture_keys, key_module
+from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime import kvcache
 from kvcalib_runtime.errors import CapacityError
-from kvcalib_runtime.kvcache import QuantizedCache, cache_bytes
+from kvcalib_runtime.kvcache import QuantizedCache
 from kvcalib_runtime.model import Transformer
 from kvcalib_runtime.quant import QuantSpec
-from kvcalib_runtime.scheme import (
-    KVParams,
-    KVScheme,
-    LayerScheme,
-    SinkPredictor,
-    quantized_prefix_int,
-    storage_bits,
-)
+from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
+from kvcalib_runtime.transforms import Transforms
 
 RTOL = 1e-5
 T, PROMPT = 24, 9
@@ -56,6 +50,14 @@ SCHEMES = {
         sinks_first=2,
         rotation_seed=3,
         layer=dict(key_rotation=True, key_flush=2, value_flush=2),
+    ),
+    # exact slots: the largest error of each key vector, two outliers per value group of 8
+    "outlier-slots": dict(
+        key=QuantSpec(2, "static", outliers=0.01, outlier_slots=2, slot_rule="error"),
+        value=QuantSpec(2, "token", 8, outliers=0.1),
+        residual=4,
+        sinks_first=1,
+        layer=dict(key_position="pre_rope", key_flush=2, value_flush=1),
     ),
     "predicted-sinks": dict(
         key=QuantSpec(2, "channel", 4),
@@ -103,7 +105,8 @@ def _scheme_and_params(hf, name, ids):
 
 
 def _cache(model, scheme, params, batch, max_len, kernels):
-    return model.new_cache(batch, max_len, scheme, params, use_kernels=kernels)
+    transforms = Transforms.online(scheme, params)
+    return model.new_cache(batch, max_len, scheme, params, transforms, use_kernels=kernels)
 
 
 @torch.no_grad()
@@ -171,7 +174,7 @@ def test_kernels_and_reference_store_the_same_bits(models):
             assert torch.equal(getattr(a.body, name), getattr(b.body, name))
 
 
-def test_outliers_decode_through_the_reference_path_with_one_warning(models):
+def test_outlier_slots_decode_through_the_reference_path_with_one_warning(models):
     _, model = models
     ids = _ids(1, 12)
     scheme = KVScheme(
@@ -179,7 +182,7 @@ def test_outliers_decode_through_the_reference_path_with_one_warning(models):
         residual=2,
         sinks_first=1,
     )
-    with pytest.warns(UserWarning, match="outliers") as record:
+    with pytest.warns(UserWarning, match="outlier slots") as record:
         ours = _decode(model, _cache(model, scheme, KVParams(), 1, 12, True), ids, 4)
     assert len(record) == 1
     ref = _decode(model, _cache(model, scheme, KVParams(), 1, 12, False), ids, 4)
@@ -198,92 +201,13 @@ def test_capacity_errors(models, monkeypatch):
         _cache(model, scheme, params, 4, 4096, False)
 
 
-def test_cache_bytes_is_what_is_allocated():
-    scheme = KVScheme(
-        (
-            LayerScheme(QuantSpec(2, "channel", 4), QuantSpec(3, group_size=8), key_flush=8),
-            LayerScheme(QuantSpec(4, outliers=0.05), None),
-        ),
-        residual=8,
-        sinks_first=1,
-        sink_budget=2,
-    )
-    cache = QuantizedCache(
-        scheme,
-        KVParams(),
-        num_layers=2,
-        batch=3,
-        kv_heads=2,
-        head_dim=16,
-        max_len=40,
-        device="cpu",
-        dtype=torch.float16,
-    )
-    buffers = [cache.sink_k, cache.sink_v, cache.is_sink]
-    for s in cache.keys + cache.values:
-        buffers += [s.tail, s.exact]
-        if s.body is not None:
-            buffers += [s.body.codes, s.body.scale, s.body.offset, *(s.body.outliers or ())]
-    allocated = sum(t.numel() * t.element_size() for t in buffers if t is not None)
-    assert cache_bytes(scheme, 3, 2, 16, 40, torch.float16) == allocated
-
-
-@pytest.mark.parametrize("context", [100, 4096])
-def test_bytes_per_token_is_what_the_buffers_hold(context):
-    """The storage accounting (scheme.storage_bits) against the buffers' own layout: for one
-    sequence of `context` tokens, n_q(context) body slots (codes + metadata), every sink slot,
-    and the other positions exact (2 bytes per element, fp16)."""
-    kv_heads, d = 2, 64
-    scheme = KVScheme(
-        (
-            LayerScheme(
-                QuantSpec(2, "channel", 32),
-                QuantSpec(2, group_size=32),
-                key_flush=32,
-                value_flush=32,
-            ),
-            LayerScheme(QuantSpec(3, symmetric=True), None),
-        ),
-        residual=32,
-        sinks_first=1,
-        sink_budget=3,
-    )
-    cache = QuantizedCache(
-        scheme,
-        KVParams(),
-        num_layers=2,
-        batch=1,
-        kv_heads=kv_heads,
-        head_dim=d,
-        max_len=context,
-        device="cpu",
-        dtype=torch.float16,
-    )
-    stored = 0.0
-    for s in cache.keys + cache.values:
-        body = quantized_prefix_int(context, scheme.residual, s.flush) if s.spec else 0
-        stored += (context - body) * kv_heads * d * 2
-        if s.spec is None:
-            continue
-        codes, meta = s.body.codes, s.body.scale
-        per_slot = codes.shape[1] * codes.shape[-1]
-        rows = meta.shape[2] if s.spec.granularity == "token" else meta.shape[2] * s.spec.group_size
-        per_slot += meta[0].numel() * 2 / rows * (1 if s.body.offset is None else 2)
-        stored += body * per_slot + scheme.num_sink_slots * kv_heads * d * 2
-    assert cache.bytes_per_token(context) == pytest.approx(stored / context, rel=1e-12)
-    bits = storage_bits(scheme, kv_heads, d, context)
-    assert (
-        cache.bytes_per_token(context) * 8 * context
-        == bits["body"] + bits["sinks"] + bits["residual"]
-    )
-
-
 def test_use_kernels_needs_somewhere_to_run(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     scheme = KVScheme((LayerScheme(QuantSpec(2), QuantSpec(2)),))
     shape = dict(num_layers=1, batch=1, kv_heads=1, head_dim=16, max_len=8)
     where = dict(device="cpu", dtype=torch.float32)
+    none = Transforms.none(1)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        QuantizedCache(scheme, KVParams(), **shape, **where, use_kernels=True)
-    auto = QuantizedCache(scheme, KVParams(), **shape, **where)
+        QuantizedCache(scheme, KVParams(), none, **shape, **where, use_kernels=True)
+    auto = QuantizedCache(scheme, KVParams(), none, **shape, **where)
     assert not auto.kernels

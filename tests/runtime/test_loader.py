@@ -21,10 +21,11 @@ from transformers import AutoModelForCausalLM
 
 import kvcalib_runtime
 from kvcalib import convert
-from kvcalib.simulate import Simulator
+from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.errors import CapacityError, FormatError, KvcalibRuntimeError
 from kvcalib_runtime.format import read_checkpoint, sha256_file
 from kvcalib_runtime.scheme import quantized_prefix_int
+from kvcalib_runtime.transforms import FUSED, ONLINE, LayerTransforms, Transforms
 
 RTOL = 1e-4
 VOCAB = 128
@@ -99,8 +100,7 @@ def test_rotated_checkpoint_prefill_is_exact(converted):
     prefilled in one chunk attends to itself exactly, so the logits are transformers' on the
     same folder; a rotation missing on either side would move them by far more than 1e-4."""
     rm = kvcalib_runtime.load(converted["quarot-kv4"], device="cpu")
-    assert rm.fused == {"value_rotation"}
-    assert all(layer.key_rotation for layer in rm.scheme.layers)
+    assert {(t.value_rotation, t.key_rotation) for t in rm.transforms.layers} == {(FUSED, ONLINE)}
     ids = _ids(37)
     with torch.no_grad():
         ref = _hf(converted["quarot-kv4"])(ids).logits
@@ -115,7 +115,12 @@ def _simulate(folder, rm, prompt: list[int], new: list[int]):
     ids = torch.tensor([prompt + new])
     with torch.no_grad():
         simulated = Simulator(
-            hf, rm.scheme, rm.params, mode="decode", fused=rm.fused, prefill=len(prompt)
+            hf,
+            rm.scheme,
+            rm.params,
+            mode="decode",
+            transforms=rm.transforms,
+            prefill=len(prompt),
         )(ids)
         return simulated, hf(ids).logits
 
@@ -160,19 +165,27 @@ def test_generation_stops_at_the_config_eos_token(converted):
 
 
 def test_fused_key_smoothing_is_not_applied_again(converted):
-    """A checkpoint whose key scales are in the weights ("key_smooth" fused): the cache must not
-    divide keys by them again, so the loader hands it params without key_smooth. (Converting
-    such a checkpoint needs a calibration profile; the Checkpoint is edited instead.)"""
-    rm = kvcalib_runtime.load(converted["quarot-kv4"], device="cpu")
-    ckpt = read_checkpoint(converted["quarot-kv4"])
-    smooth = {i: torch.full((2, 32), 2.0) for i in range(2)}
+    """Smoothing scales in kv_params are applied by the cache only where the side-car places
+    them online: placed "fused" (in the weights), the logits are bit for bit those of no
+    smoothing at all; placed online, the cache quantizes k / s (other logits)."""
+    folder = converted["kivi-2"]
+    rm = kvcalib_runtime.load(folder, device="cpu", use_kernels=False)
+    ckpt = read_checkpoint(folder)
+    ids = _ids(150)
+    with torch.no_grad():
+        plain = rm.model(ids, rm.new_cache(1, 150))
+    smooth = {i: torch.linspace(0.5, 2.0, 16).repeat(2).expand(2, 32) for i in range(2)}
     params = dataclasses.replace(ckpt.params, key_smooth=smooth)
-    fused = dataclasses.replace(ckpt, params=params, fused=ckpt.fused | {"key_smooth"})
-    kept = dataclasses.replace(ckpt, params=params)
-    runtime = kvcalib_runtime.RuntimeModel
-    assert runtime(rm.model, rm.tokenizer, fused, max_len=None).params.key_smooth == {}
-    assert runtime(rm.model, rm.tokenizer, kept, max_len=None).params.key_smooth == smooth
-    assert fused.params.key_smooth == smooth  # the checkpoint's own params are untouched
+    logits = {}
+    for place in (FUSED, ONLINE):
+        layers = tuple(LayerTransforms(key_smooth=place) for _ in range(2))
+        edited = dataclasses.replace(ckpt, params=params, transforms=Transforms(layers))
+        model = kvcalib_runtime.RuntimeModel(rm.model, rm.tokenizer, edited, max_len=None)
+        with torch.no_grad():
+            logits[place] = model.model(ids, model.new_cache(1, 150))
+    assert torch.equal(logits[FUSED], plain)
+    assert not torch.equal(logits[ONLINE], plain)
+    assert _rel_err(logits[ONLINE], plain) < 0.2  # the same attention, quantized differently
 
 
 def test_a_changed_or_missing_file_is_named(converted, tmp_path):
@@ -191,7 +204,7 @@ def test_a_changed_or_missing_file_is_named(converted, tmp_path):
 def test_another_format_version_is_refused(converted, tmp_path):
     folder = shutil.copytree(converted["kivi-2"], tmp_path / "copy")
     meta = json.loads((folder / "kvcalib.json").read_text())
-    meta["format_version"] = 2
+    meta["format_version"] = 3
     (folder / "kvcalib.json").write_text(json.dumps(meta))
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["files"]["kvcalib.json"] = {
@@ -199,7 +212,7 @@ def test_another_format_version_is_refused(converted, tmp_path):
         "size": (folder / "kvcalib.json").stat().st_size,
     }
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(FormatError, match=r"kvcalib\.json: format_version 2.*convert the model"):
+    with pytest.raises(FormatError, match=r"kvcalib\.json: format_version 3.*convert the model"):
         kvcalib_runtime.load(folder, device="cpu")
 
 
@@ -230,26 +243,25 @@ def test_bad_devices_and_impossible_kernel_requests_are_refused(converted, monke
 
 
 @pytest.mark.parametrize("context", [100, 4096])
-def test_kv_bytes_per_token_is_the_storage_arithmetic(converted, context):
-    """kivi-2 on the tiny model (2 layers, 2 KV heads, D = 32, residual R = 128): keys per
-    channel in groups of 32 tokens flushed 128 at a time, values per token in groups of 32
-    channels flushed one at a time; both 2-bit codes + fp16 scale and offset per group, i.e.
-    2 + 32 / 32 = 3 bits per element in the body and 16 in the residual window."""
+def test_kv_bytes_per_token_counts_every_buffer(converted, context):
+    """kivi-2 on the tiny model (2 layers, 2 KV heads, D = 32, residual R = 128), fp16, counted
+    by hand: per layer and head, 2-bit codes (8 bytes a token) for keys and values, an fp16
+    scale and offset per group (keys: 32 tokens of a channel, values: 32 channels of a token),
+    rings of 128 exact tokens, one (unused) sink slot each; per sequence its sink position,
+    is-sink bytes, length and the four body sizes."""
     rm = kvcalib_runtime.load(converted["kivi-2"], device="cpu")
-    per_token = 2 * 32  # KV heads x head_dim
-    bits = 0
-    for flush in (128, 1):  # keys, values
-        body = quantized_prefix_int(context, 128, flush)  # 4096: 4096 keys, 3969 values
-        bits += body * per_token * 3 + (context - body) * per_token * 16
-    expected = 2 * bits / 8 / context  # two layers
-    assert rm.kv_bytes_per_token(context) == pytest.approx(expected, rel=1e-12)
-    assert rm.kv_bytes_per_token(context) == rm.new_cache(1, 8).bytes_per_token(context)
-    fp16 = 2 * 2 * per_token * 2  # keys and values, 2 layers, 2 bytes
-    assert rm.fp16_bytes_per_token() == fp16
+    n, heads, d = context, 2, 32
+    keys = heads * (n * 8 + -(-n // 32) * d * 4 + 128 * d * 2)
+    values = heads * (n * 8 + n * 4 + 128 * d * 2)
+    sinks = 2 * heads * d * 2
+    total = 2 * (keys + values + sinks) + 8 + n + 8 + 4 * 8
+    assert rm.kv_bytes_per_token(context) == total / context
+    fp16 = 2 * 2 * heads * d * 2  # keys and values, 2 layers, 2 bytes
+    assert rm.fp16_bytes_per_token(context) == fp16
     if context == 4096:
         assert rm.kv_bytes_per_token(context) < 0.25 * fp16  # ~3 bits of 16
     full = kvcalib_runtime.load(converted["fp16"], device="cpu")
-    assert full.kv_bytes_per_token(context) == full.fp16_bytes_per_token()
+    assert full.kv_bytes_per_token(context) > full.fp16_bytes_per_token(context)  # + rings
 
 
 def test_real_model_greedy_tokens_equal_the_decode_simulation(tmp_path):

@@ -251,13 +251,13 @@ def test_inv_freq_equals_transformers(params):
     """Bit-exact: the same fp32 formula as transformers' ROPE_INIT_FUNCTIONS."""
     config = transformers.LlamaConfig(**{**SMALL, "rope_parameters": dict(params)})
     ref, _ = ROPE_INIT_FUNCTIONS[params["rope_type"]](config)
-    assert torch.equal(Rope(config.to_dict()).inv_freq, ref)
+    assert torch.equal(Rope(config.to_dict(), config.head_dim).inv_freq, ref)
 
 
 def test_unknown_rope_type_is_refused():
     config = {**SMALL, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}
     with pytest.raises(FormatError, match="'yarn'"):
-        Rope(config)
+        Rope(config, 16)
 
 
 def test_bytes_per_token():

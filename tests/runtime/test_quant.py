@@ -57,13 +57,8 @@ def test_excluded_tokens_never_reach_a_channel_range():
     # An excluded token (a kept sink) may hold anything, even inf: the others' range is theirs.
     x = _t([float("inf"), 7.0], [1.0, 2.0], [1.0 + 2**-20, 5.0], [3.0, 2.0])
     exclude = torch.tensor([True, False, False, False])
-    for outliers in (0.0, 0.25):
-        spec = QuantSpec(2, "channel", 4, outliers=outliers)
-        q = quantize(x, spec, exclude=exclude)
-        assert q.scale.isfinite().all() and q.offset.isfinite().all()
-        if q.exact is not None:
-            assert not q.exact[0].any()  # excluded tokens are not outliers either
     q = quantize(x, QuantSpec(2, "channel", 4), exclude=exclude)
+    assert q.scale.isfinite().all() and q.offset.isfinite().all()
     assert q.offset.flatten().tolist() == [1.0, 2.0]  # min over kept tokens, exactly
 
 
@@ -91,22 +86,55 @@ def test_dynamic_outliers_kept_exactly_by_hand():
     x = _t([-50.0, 0.0, 1.0, 2.0, 3.0, 1.5, 0.5, 90.0])
     spec = QuantSpec(2, outliers=0.25)
     q = quantize(x, spec)
-    assert q.exact.tolist() == [[True, False, False, False, False, False, False, True]]
+    assert spec.slots(8) == 2 and q.slot_index.dtype == torch.uint8
+    assert q.slot_index.tolist() == [[7, 0]]  # 90 is 87 outside [0, 3], -50 is 50 outside
+    assert q.slot_delta.tolist() == [[87.0, -50.0]]  # x - x_hat: clamped to 3 and to 0
     assert q.offset.item() == 0.0 and q.scale.item() == 1.0
     y = dequantize(q, spec)
     assert y[0, 0] == -50.0 and y[0, 7] == 90.0  # exact
     assert torch.equal(y[0, 1:5], x[0, 1:5])
 
 
-def test_static_ranges_and_outliers():
-    x = _t([0.0, 0.0], [2.0, 9.0], [-7.0, 4.0])
-    lo, hi = _t([0.0, 0.0]), _t([3.0, 6.0])
+def test_static_ranges_and_outlier_slots():
+    x = _t([0.0, 0.0, 1.0], [2.0, 9.0, -5.0], [-7.0, 4.0, 2.0])
+    lo, hi = _t([0.0, 0.0, -3.0]), _t([3.0, 6.0, 3.0])
     clamped = fake_quantize(x, QuantSpec(2, "static"), static_range=(lo, hi))
     assert clamped[2, 0] == 0.0 and clamped[1, 1] == 6.0  # clamped to the calibrated range
-    spec = QuantSpec(2, "static", outliers=0.01)
+    spec = QuantSpec(2, "static", outliers=0.01, outlier_slots=1)
     kept = fake_quantize(x, spec, static_range=(lo, hi))
-    assert kept[2, 0] == -7.0 and kept[1, 1] == 9.0  # outside the range: kept exactly
+    assert kept[2, 0] == -7.0  # the only channel outside its range: its slot holds it
+    assert kept[1, 1] == 9.0 and kept[1, 2] == -3.0  # 3 outside beats 2 outside: -5 clamped
     assert kept[1, 0] == 2.0 and kept[2, 1] == 4.0  # on the grid of steps 1 and 2
+    two = fake_quantize(
+        x, QuantSpec(2, "static", outliers=0.01, outlier_slots=2), **{"static_range": (lo, hi)}
+    )
+    assert two[1, 1] == 9.0 and two[1, 2] == -5.0  # two slots hold both
+
+
+def test_the_error_rule_spends_slots_on_the_worst_rounding_too():
+    # range [0, 3], step 1: 1.5 rounds to 2 (error 0.5), 2.25 to 2 (0.25), 4.0 clamps (1.0)
+    x = _t([1.5, 2.25, 4.0, 0.0])
+    lo, hi = _t([0.0] * 4), _t([3.0] * 4)
+    for rule, kept in (("outside", [2]), ("error", [2, 0])):
+        spec = QuantSpec(2, "static", outliers=0.01, outlier_slots=2, slot_rule=rule)
+        q = quantize(x, spec, static_range=(lo, hi))
+        used = q.slot_delta[0] != 0
+        assert q.slot_index[0][used].tolist() == kept
+        y = dequantize(q, spec)
+        assert torch.equal(y[0, kept], x[0, kept])
+
+
+def test_vector_granularity_joins_the_heads():
+    # 2 heads x 1 token x 2 channels: one group of 4 values per token
+    x = torch.tensor([[[0.0, 1.0]], [[2.0, 3.0]]])  # [H=2, T=1, D=2]
+    spec = QuantSpec(2, "vector")
+    q = quantize(x, spec)
+    assert q.heads == 2 and q.codes.shape == (1, 1, 4)
+    assert q.scale.flatten().tolist() == [1.0] and q.offset.flatten().tolist() == [0.0]
+    assert torch.equal(dequantize(q, spec), x)
+    wide = QuantSpec(2, "vector", outliers=0.01)  # 300 channels: ceil(3 / 2) = 2 per side
+    q = quantize(torch.randn(3, 5, 100), wide)
+    assert q.slot_index.shape == (1, 5, 4) and q.slot_index.dtype == torch.int16
 
 
 def test_clip_shrinks_the_range():
@@ -128,9 +156,9 @@ def test_constant_group_is_exact():
 def _step(q: QTensor, spec: QuantSpec) -> torch.Tensor:
     """Per-element grid step, read through the public API: level 1 minus level 0."""
     zero = torch.zeros_like(q.codes)
-    one = QTensor(zero + 1, q.scale, q.offset, None, None)
+    one = QTensor(zero + 1, q.scale, q.offset)
     return dequantize(one, spec, dtype=torch.float32) - dequantize(
-        QTensor(zero, q.scale, q.offset, None, None), spec, dtype=torch.float32
+        QTensor(zero, q.scale, q.offset), spec, dtype=torch.float32
     )
 
 
@@ -143,13 +171,22 @@ def _step(q: QTensor, spec: QuantSpec) -> torch.Tensor:
     head_dim=st.sampled_from([8, 64, 80]),
     scale=st.floats(1e-3, 1e3),
     seed=st.integers(0, 2**31 - 1),
+    slots=st.booleans(),
 )
-def test_error_within_half_step(bits, granularity, symmetric, tokens, head_dim, scale, seed):
+def test_error_within_half_step(bits, granularity, symmetric, tokens, head_dim, scale, seed, slots):
+    """Every element within half a step of its group's grid; with exact slots ("outside" for
+    dynamic groups, whose trimmed-off elements they hold; "error" for static ranges) too: slots
+    only ever remove error."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 3, tokens, head_dim, generator=gen) * scale
     x[..., 0, :3] *= 40  # an outlier token and channels, as sinks have
     group = {"token": 0 if seed % 2 else 8, "channel": 1 + seed % 32, "static": 0}[granularity]
-    spec = QuantSpec(bits, granularity, group, symmetric)
+    extra = {}
+    if slots and granularity == "token":
+        extra = dict(outliers=0.1)
+    elif slots and granularity == "static":
+        extra = dict(outliers=0.01, outlier_slots=3, slot_rule="error")
+    spec = QuantSpec(bits, granularity, group, symmetric, **extra)
     kwargs = {}
     if granularity == "static":  # calibrated ranges covering the data
         kwargs["static_range"] = (x.amin((0, 2), keepdim=True)[0], x.amax((0, 2), keepdim=True)[0])
@@ -165,13 +202,13 @@ def test_bits_per_element_accounting():
     assert QuantSpec(2).bits_per_element(d, 1024) == 2 + 32 / 64  # per-token: scale+offset / head
     assert QuantSpec(2, "channel", 32).bits_per_element(d, 1024) == 3.0  # KIVI: 32 bits / 32 tokens
     assert QuantSpec(4, symmetric=True).bits_per_element(d, 1024) == 4 + 16 / 64
-    static = QuantSpec(2, "static", outliers=0.01)
-    assert math.isclose(
-        static.bits_per_element(d, 1024, outlier_fraction=0.01),
-        2 + 32 / 1024 + 0.01 * 24 + 8 / 64,  # 24-bit outliers, 8-bit count per token row
-    )
-    cb = QuantSpec(3, codebook=True)
-    assert math.isclose(cb.bits_per_element(d, 1024), 3 + 32 / 64 + 8 * 16 / (1024 * 64))
+    static = QuantSpec(2, "static", outliers=0.01, outlier_slots=1)
+    # one slot per token row: an 8-bit index and a 16-bit delta, used or not
+    assert math.isclose(static.bits_per_element(d, 1024), 2 + 32 / 1024 + 24 / 64)
+    token = QuantSpec(2, group_size=32, outliers=0.01)  # 1 per side per group of 32
+    assert token.bits_per_element(d, 1024) == 2 + 32 / 32 + 4 * 24 / 64
+    vector = QuantSpec(3, "vector", outliers=0.01)  # 3 heads: 192 channels, 1 per side
+    assert math.isclose(vector.bits_per_element(d, 1024, kv_heads=3), 3 + 32 / 192 + 48 / 192)
 
 
 @pytest.mark.parametrize(
@@ -184,6 +221,12 @@ def test_bits_per_element_accounting():
         ({"bits": 2, "clip": 0.0}, "(0, 1]"),
         ({"bits": 8, "codebook": True}, "2-4 bits"),
         ({"bits": 2, "outliers": 0.7}, "fraction"),
+        ({"bits": 2, "granularity": "channel", "group_size": 4, "outliers": 0.1}, "per token"),
+        ({"bits": 2, "granularity": "static", "outliers": 0.01}, "outlier_slots >= 1"),
+        ({"bits": 2, "outliers": 0.01, "outlier_slots": 2}, "for 'static'"),
+        ({"bits": 2, "slot_rule": "loudest"}, "slot_rule"),
+        ({"bits": 2.0}, "integer"),
+        ({"bits": 2, "clip": float("nan")}, "finite"),
     ],
 )
 def test_invalid_specs_say_the_fix(kwargs, fix):

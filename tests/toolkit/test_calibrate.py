@@ -15,8 +15,8 @@ from kvcalib.calibration.codebooks import BITS, lloyd, preset_variants
 from kvcalib.calibration.massive import MassiveMeter
 from kvcalib.calibration.sinks import SinkMeter, later_sinks
 from kvcalib.calibration.stats import QUANTILE_LEVELS, ChannelStats, outlier_list, range_ratio
+from kvcalib.core.models import ModelSource
 from kvcalib.errors import DataError, NumericsError, OutputError
-from kvcalib.models import ModelSource
 
 SMALL = dict(num_samples=2, seq_len=32, progress=False)
 FAST = Settings(sensitivity_windows=1, sensitivity_tokens=16, codebook_windows=1)

@@ -21,17 +21,20 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors import safe_open
-from tiny import TINY_CONFIGS, save_with_tokenizer, tiny_model
+from tiny import TINY_CONFIGS, fused_kinds, save_with_tokenizer, tiny_model
 from transformers import AutoModelForCausalLM
 
-from kvcalib import atomic, rotate, shards
-from kvcalib import conversion as conv
+import kvcalib.conversion.convert as conv
+from kvcalib.calibration import calibrate
 from kvcalib.cli import main
+from kvcalib.conversion import rotate
 from kvcalib.errors import ModelError, OutputError, ProfileError
-from kvcalib.models import head_dim
-from kvcalib.simulate import Simulator
+from kvcalib.io import atomic, shards
+from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime import format
+from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.hadamard import orthogonal_hadamard
+from kvcalib_runtime.transforms import ONLINE
 
 FP32_BOUND = 1e-4  # relative max error of logits: fp32 forward rounding is ~1e-6
 T = 37
@@ -45,7 +48,10 @@ class FakeProfile:
     all-token absmax tensors of profile.safetensors (for the FP8 export)."""
 
     def __init__(self, model, *, uniform=False, fingerprint="fake-profile", reject=False):
-        self.kv_heads, self.d = model.config.num_key_value_heads, head_dim(model.config)
+        self.kv_heads, self.d = (
+            model.config.num_key_value_heads,
+            Geometry.from_config(model.config).head_dim,
+        )
         self.uniform, self.fingerprint, self.reject = uniform, fingerprint, reject
         self.path = None
         g = torch.Generator().manual_seed(7)
@@ -139,7 +145,7 @@ def test_converted_logits_match(tmp_path, arch, transform):
         profile=profile if "key_smooth" in fused else None,
     )
     ckpt = format.read_checkpoint(out)
-    assert ckpt.fused == fused
+    assert fused_kinds(ckpt) == fused
     converted = _load(out)
     ids = _ids()
     with torch.no_grad():
@@ -190,7 +196,8 @@ def test_qwen3_per_head_smoothing_stays_online(tmp_path):
         profile=FakeProfile(model),
     )
     ckpt = format.read_checkpoint(out)
-    assert ckpt.fused == frozenset() and len(ckpt.params.key_smooth) == 2
+    assert fused_kinds(ckpt) == set() and len(ckpt.params.key_smooth) == 2
+    assert {t.key_smooth for t in ckpt.transforms.layers} == {ONLINE}
     assert all(torch.equal(_weights(src)[k], v) for k, v in _weights(out).items())
 
 
@@ -217,7 +224,7 @@ def test_simulation_of_converted_equals_simulation_of_source(tmp_path, arch):
             ckpt.scheme,
             ckpt.params,
             mode="fake",
-            fused=ckpt.fused & {"value_rotation", "key_smooth"},
+            transforms=ckpt.transforms,
         )(ids)
         exact = model(ids).logits
     assert _rel(fused, online) < FP32_BOUND
@@ -347,8 +354,8 @@ def test_output_overlapping_the_source_is_refused(tmp_path):
 
 _KILLED = """
 import sys, time
-import kvcalib.shards as shards
-from kvcalib.conversion import convert
+import kvcalib.io.shards as shards
+from kvcalib.conversion.convert import convert
 real = shards.ShardWriter.write
 def slow(self, name, tensor):
     real(self, name, tensor)
@@ -366,7 +373,7 @@ def test_sigkilled_conversion_is_cleaned_by_the_next(tmp_path):
     out, marker = tmp_path / "out", tmp_path / "started"
     proc = subprocess.Popen(
         [sys.executable, "-c", _KILLED, str(src), str(out), str(marker)],
-        env={**os.environ, "PYTHONPATH": str(Path(conv.__file__).parents[1])},
+        env={**os.environ, "PYTHONPATH": str(Path(conv.__file__).parents[2])},
     )
     try:
         deadline = time.monotonic() + 120
@@ -464,9 +471,6 @@ def test_vllm_fp8_config_parses_with_compressed_tensors(tmp_path):
 def test_with_a_real_profile(tmp_path):
     """The calibrated Profile end to end: key smoothing from it fused, FP8 scales from its
     all-token absmax, and a profile of another model refused by its fingerprint."""
-    pytest.importorskip("kvcalib.profile")  # written concurrently: skipped until it lands
-    from kvcalib.calibration import calibrate
-
     model, src = _source(tmp_path)
     profile_dir = tmp_path / "profile"
     profile = calibrate(
@@ -475,7 +479,7 @@ def test_with_a_real_profile(tmp_path):
     recipe = _recipe(tmp_path, BOTH_TOML)
     out = conv.convert(src, recipe=recipe, output=tmp_path / "out", profile=profile_dir)
     ckpt = format.read_checkpoint(out)
-    assert ckpt.fused == {"key_smooth", "value_rotation"}
+    assert fused_kinds(ckpt) == {"key_smooth", "value_rotation"}
     assert ckpt.meta["profile"] == {"fingerprint": profile.fingerprint, "path": str(profile_dir)}
     ids = _ids()
     with torch.no_grad():
@@ -506,6 +510,6 @@ def test_cli_convert_and_inspect(tmp_path):
     assert "Traceback" not in again.output
     summary = CliRunner().invoke(main, ["inspect", str(out)]).output
     assert "quarot-kv4" in summary and "residual_rotation, value_rotation" in summary
-    assert "key rotation" in summary  # the online part
+    assert "online       key_rotation" in summary
     assert "0-1" in summary and "4-bit token asym, Hadamard (online)" in summary
-    assert "bytes/token at 4096 tokens" in summary and "x smaller" in summary
+    assert "bytes/token allocated for one sequence of 4096 tokens" in summary

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from kvcalib.data import builtin_topics, calibration_windows, eval_windows, read_text
+from kvcalib.core.data import builtin_topics, calibration_windows, eval_windows, read_text
 from kvcalib.errors import DataError
 
 

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from tiny import TINY_CONFIGS, save_with_tokenizer, tiny_model
 
 from kvcalib.calibration import calibrate
-from kvcalib.conversion import convert
+from kvcalib.conversion.convert import convert
 
 ct = pytest.importorskip("compressed_tensors.quantization", reason="pip install -e '.[test]'")
 

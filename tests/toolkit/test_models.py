@@ -6,8 +6,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from kvcalib import models
 from kvcalib.cli import main
+from kvcalib.core import models
 from kvcalib.errors import ModelError
 
 

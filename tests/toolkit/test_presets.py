@@ -10,10 +10,10 @@ from transformers import AutoModelForCausalLM
 
 import kvcalib_runtime
 from kvcalib.calibration import Settings, calibrate_model
-from kvcalib.conversion import convert
-from kvcalib.data import eval_windows
-from kvcalib.plan import plan_for_model
-from kvcalib.simulate import Simulator
+from kvcalib.conversion.convert import convert
+from kvcalib.core.data import eval_windows
+from kvcalib.core.plan import plan_for_model
+from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.format import read_checkpoint
 
 # Every phase, small: enough windows for ranges, codebooks, a sink predictor and sensitivities.
@@ -53,7 +53,9 @@ def test_converted_preset_evaluates_as_the_online_recipe(name, real_model, profi
     with torch.no_grad():
         exact = model(ids).logits
         online = Simulator(model, scheme, params, mode="decode")(ids)
-        fused = Simulator(converted, ckpt.scheme, ckpt.params, mode="decode", fused=ckpt.fused)(ids)
+        fused = Simulator(
+            converted, ckpt.scheme, ckpt.params, mode="decode", transforms=ckpt.transforms
+        )(ids)
     error = _kl(exact, online)
     # The fused rotation only reorders fp32 sums: a few codes flip at level boundaries, which
     # moves the output by far less than quantization itself does.
@@ -69,13 +71,18 @@ def test_runtime_generates_what_the_simulation_predicts_with_kvcalib_2(profile, 
     cache stores at most a fifth of fp16's bytes per token at 4K, everything included."""
     out = convert(None, recipe="kvcalib-2", output=tmp_path / "k2", profile=profile)
     rm = kvcalib_runtime.load(out, device="cpu", dtype=torch.float32, use_kernels=False)
-    assert rm.kv_bytes_per_token(4096) <= rm.fp16_bytes_per_token() / 5
+    assert rm.kv_bytes_per_token(4096) <= rm.fp16_bytes_per_token(4096) / 5
     prompt = rm.encode(topics["assert"])[:150]
     [new] = rm.generate([prompt], 32, eos_token_id=[])
     converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     ids = torch.tensor([prompt + new])
     with torch.no_grad():
         simulated = Simulator(
-            converted, rm.scheme, rm.params, mode="decode", fused=rm.fused, prefill=len(prompt)
+            converted,
+            rm.scheme,
+            rm.params,
+            mode="decode",
+            transforms=rm.transforms,
+            prefill=len(prompt),
         )(ids)
     assert simulated[0, len(prompt) - 1 : -1].argmax(-1).tolist() == new

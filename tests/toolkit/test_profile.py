@@ -10,13 +10,15 @@ import torch
 from click.testing import CliRunner
 from tiny import tiny_model
 
+from kvcalib.api import default_profile
 from kvcalib.calibration import Settings, calibrate_model
 from kvcalib.cli import main
+from kvcalib.core.models import ModelSource
+from kvcalib.core.plan import plan
+from kvcalib.core.profile import Profile
+from kvcalib.core.recipe import load_recipe, parse_recipe
 from kvcalib.errors import ProfileError
-from kvcalib.models import ModelSource
-from kvcalib.plan import plan
-from kvcalib.profile import Profile, ensure_profile, profile_summary
-from kvcalib.recipe import load_recipe, parse_recipe
+from kvcalib.inspect import profile_summary
 
 SOURCE = ModelSource("tiny", Path("tiny"), "f" * 64)
 
@@ -197,10 +199,10 @@ def test_phases_left_out_are_named(tmp_path):
         stats_only.codebook("value:token", 0, 2)
 
 
-# -- ensure_profile, summary, CLI ----------------------------------------------------------------
+# -- the default profile, summary, CLI ------------------------------------------------------
 
 
-def test_ensure_profile_calibrates_once_into_the_cache(profile, tmp_path, monkeypatch):
+def test_the_default_profile_is_announced_and_calibrated_once(profile, tmp_path, monkeypatch):
     monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path))
     calls = []
 
@@ -208,13 +210,18 @@ def test_ensure_profile_calibrates_once_into_the_cache(profile, tmp_path, monkey
         calls.append(model)
         return Profile(profile.meta, profile.tensors).save(output_dir)
 
-    monkeypatch.setattr(sys.modules["kvcalib.calibration"], "calibrate", fake_calibrate)
-    first = ensure_profile(SOURCE)
-    second = ensure_profile(SOURCE)
+    monkeypatch.setattr(sys.modules["kvcalib.api"], "calibrate", fake_calibrate)
+    lines = []
+    with pytest.raises(ProfileError, match="--no-calibrate was given"):
+        default_profile(SOURCE, calibrate_missing=False, log=lines.append)
+    assert calls == [] and lines == []
+    first = default_profile(SOURCE, log=lines.append)
+    second = default_profile(SOURCE, log=lines.append)
     assert calls == [str(SOURCE.path)] and first.path == second.path
-    assert ensure_profile(SOURCE, first.path).path == first.path
+    assert len(lines) == 1 and "no --profile given" in lines[0]  # announced once, before
+    assert default_profile(SOURCE, first.path).path == first.path
     with pytest.raises(ProfileError, match="was calibrated on model tiny"):
-        ensure_profile(ModelSource("b", Path("b"), "b" * 64), first.path)
+        default_profile(ModelSource("b", Path("b"), "b" * 64), first.path)
 
 
 def test_summary_names_the_findings(profile):

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
+from kvcalib.core.plan import plan
+from kvcalib.core.recipe import load_recipe, parse_recipe, presets
 from kvcalib.errors import RecipeError
-from kvcalib.plan import plan
-from kvcalib.recipe import load_recipe, parse_recipe, presets
 
 PEERS = [
     "fp16",

@@ -27,11 +27,12 @@ from mutate import mutated, mutated_bytes
 from safetensors.torch import save_file
 from tiny import save_with_tokenizer, tiny_model
 
-from kvcalib import atomic, models
 from kvcalib.cli import main
+from kvcalib.core import models
+from kvcalib.core.plan import plan
+from kvcalib.core.recipe import load_recipe, parse_recipe, presets
 from kvcalib.errors import KvcalibError, ModelError, RecipeError
-from kvcalib.plan import plan
-from kvcalib.recipe import load_recipe, parse_recipe, presets
+from kvcalib.io import atomic
 from kvcalib_runtime import format
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40  # ASCII: one token per character
@@ -374,8 +375,8 @@ def test_a_prompt_longer_than_the_cache_exits_2(converted):
 _HOOKED = """
 import glob, os, sys, time
 from pathlib import Path
-import kvcalib.conversion as conversion
-import kvcalib.shards as shards
+import kvcalib.conversion.convert as conversion
+import kvcalib.io.shards as shards
 from kvcalib.cli import main
 
 mode, marker, *args = sys.argv[1:]

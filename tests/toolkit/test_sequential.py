@@ -19,13 +19,13 @@ from click.testing import CliRunner
 from tiny import save_with_tokenizer, tiny_model
 from transformers import AutoTokenizer
 
-from kvcalib import layerwise
 from kvcalib.calibration import Settings, calibrate, calibrate_model
 from kvcalib.cli import main
+from kvcalib.core.models import load_model, resolve
 from kvcalib.errors import ModelError, NumericsError, OutputError
-from kvcalib.hooks import decoder_layers
-from kvcalib.layerwise import ActivationStore, LayerwiseModel
-from kvcalib.models import load_model, resolve
+from kvcalib.sim import layerwise
+from kvcalib.sim.hooks import decoder_layers
+from kvcalib.sim.layerwise import ActivationStore, LayerwiseModel
 
 FAST = Settings(sensitivity_windows=1, sensitivity_tokens=16, codebook_windows=1)
 SMALL = dict(num_samples=2, seq_len=32, progress=False, settings=FAST)
@@ -177,7 +177,7 @@ def test_device_auto_spreads_over_the_gpus(tmp_path, monkeypatch):
 
 
 def test_cli_calibrate_passes_device_auto(tmp_path, monkeypatch):
-    import kvcalib.calibration
+    import kvcalib.api
 
     seen = {}
 
@@ -185,7 +185,7 @@ def test_cli_calibrate_passes_device_auto(tmp_path, monkeypatch):
         seen.update(kwargs)
         raise ModelError("stop here")
 
-    monkeypatch.setattr(kvcalib.calibration, "calibrate", fake)
+    monkeypatch.setattr(kvcalib.api, "calibrate", fake)
     args = ["calibrate", "m", "-o", str(tmp_path / "p"), "--device", "auto"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "stop here" in result.output

@@ -13,7 +13,7 @@ from tiny import save_with_tokenizer, tiny_model
 
 from kvcalib.cli import main
 from kvcalib.errors import OutputError
-from kvcalib.shards import TensorSpec, parse_size, plan_shards
+from kvcalib.io.shards import TensorSpec, parse_size, plan_shards
 from kvcalib_runtime import format
 
 

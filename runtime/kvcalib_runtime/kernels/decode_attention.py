@@ -226,7 +226,7 @@ def _combine_kernel(
 
 def supports(spec) -> bool:
     """Whether `decode_attention` reads a tensor stored with spec (None: full precision)."""
-    return spec is None or spec.outliers == 0
+    return spec is None or (spec.outliers == 0 and spec.granularity != "vector")
 
 
 def _stream_args(stored: Stored, name: str) -> tuple[list, int, dict]:

@@ -11,7 +11,13 @@ from typing import NamedTuple
 import torch
 
 from kvcalib_runtime.packing import packed_size, unpack
-from kvcalib_runtime.quant import QTensor, QuantSpec, dequantize, range_metadata
+from kvcalib_runtime.quant import (
+    QTensor,
+    QuantSpec,
+    dequantize,
+    range_metadata,
+    slot_index_dtype,
+)
 
 
 def use_triton(device: torch.device | str) -> bool:
@@ -22,41 +28,56 @@ def use_triton(device: torch.device | str) -> bool:
 
 @dataclass
 class PackedBody:
-    """The quantized body of one layer's keys or values: B sequences, Hkv heads, N slots (slot t
-    holds position t), D channels, stored in `dtype` (the cache's dtype).
+    """The quantized body of one layer's keys or values: B sequences of N slots (slot t holds
+    position t), stored in `dtype` (the cache's dtype). A stored row is one token of one head
+    (heads = Hkv, width = D), or for "vector" granularity one token of every head joined
+    (heads = 1, width = Hkv * D, quant.to_vector's layout).
 
     spec          QuantSpec
     head_dim      D
-    codes         uint8 [B, Hkv, N, ceil(D * bits / 8)]  codes of a token, packed along channels
-                  (kvcalib_runtime.packing: code j at bits [j*b, (j+1)*b) of the row)
-    scale         dtype [B, Hkv, N, D / g]        "token": one per group of g channels of a token
-                  dtype [B, Hkv, ceil(N / G), D]  "channel": one per group of G tokens of a channel
-                  dtype [Hkv, D]                  "static": range_metadata of the calibrated range
+    kv_heads      Hkv
+    codes         uint8 [B, heads, N, ceil(width * bits / 8)]  codes of a row, packed along
+                  channels (kvcalib_runtime.packing: code j at bits [j*b, (j+1)*b) of the row)
+    scale         dtype [B, heads, N, width / g]       "token", "vector": one per group of g
+                                                       channels of a row
+                  dtype [B, heads, ceil(N / G), width] "channel": one per group of G tokens
+                  dtype [Hkv, D]                       "static": range_metadata of the
+                                                       calibrated range
     offset        like scale, or None when symmetric
-    static_range  (lo, hi) float [Hkv, D], the calibrated range ("static" only), else None
-    codebook      float [L] or [Hkv, L] as calibrated (L = 2**bits), or None for uniform levels
-    levels        float32 [Hkv, L] the codebook per head (the kernels' lookup table), or None
-    mids          float32 [Hkv, L - 1] decision thresholds between levels, as quant.quantize
+    static_range  (lo, hi) float32 [Hkv, D], the calibrated range ("static" only), else None
+    levels        float32 [heads, L] the codebook per head (L = 2**bits), or None for uniform
+                  levels
+    mids          float32 [heads, L - 1] decision thresholds between levels, as quant.quantize
                   computes them, or None
-    outliers      (values dtype [B, Hkv, N, D], exact bool [B, Hkv, N, D]) kept exactly, stored
-                  densely (reference path only), or None when spec.outliers == 0
+    slot_index    [B, heads, N, K] channel of each exact slot within its row (uint8, int16 past
+                  256 channels: quant.slot_index_dtype), or None when the spec keeps no outliers
+    slot_delta    dtype [B, heads, N, K] what each slot adds back (quant's module docstring)
     """
 
     spec: QuantSpec
     head_dim: int
+    kv_heads: int
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor | None
     static_range: tuple[torch.Tensor, torch.Tensor] | None
-    codebook: torch.Tensor | None
     levels: torch.Tensor | None
     mids: torch.Tensor | None
-    outliers: tuple[torch.Tensor, torch.Tensor] | None
+    slot_index: torch.Tensor | None
+    slot_delta: torch.Tensor | None
+
+    @property
+    def vector(self) -> bool:
+        return self.spec.granularity == "vector"
+
+    @property
+    def width(self) -> int:
+        return self.spec.vector_size(self.head_dim, self.kv_heads)
 
     @classmethod
     def allocate(cls, spec, shape, device, dtype, static_range=None, codebook=None):
         """Zeroed storage for `shape` = (B, Hkv, N, D), with the calibrated tensors it needs."""
-        b, h, n, d = shape
+        b, hkv, n, d = shape
         if spec.granularity == "static" and static_range is None:
             raise ValueError(
                 "granularity 'static' needs its calibrated range: put (lo, hi) for this layer in "
@@ -67,29 +88,40 @@ class PackedBody:
                 "spec.codebook is set: put this layer's levels in KVParams.key_codebook / "
                 "value_codebook"
             )
-        codes = torch.zeros(b, h, n, packed_size(d, spec.bits), device=device, dtype=torch.uint8)
+        width = spec.vector_size(d, hkv)
+        heads = 1 if spec.granularity == "vector" else hkv
+        codes = torch.zeros(
+            b, heads, n, packed_size(width, spec.bits), device=device, dtype=torch.uint8
+        )
         if spec.granularity == "static":
-            lo, hi = (r.to(device) for r in static_range)
+            lo, hi = (r.to(device=device, dtype=torch.float32).contiguous() for r in static_range)
             static_range = (lo, hi)
             scale, offset = range_metadata(spec, lo, hi, dtype)
         else:
-            rows = (b, h, n, d // spec.channel_group(d))
+            rows = (b, heads, n, width // spec.channel_group(width))
             if spec.granularity == "channel":
-                rows = (b, h, -(-n // spec.group_size), d)
+                rows = (b, heads, -(-n // spec.group_size), width)
             scale = torch.zeros(rows, device=device, dtype=dtype)
             offset = None if spec.symmetric else torch.zeros_like(scale)
         levels = mids = None
         if spec.codebook:
-            codebook = codebook.to(device)
-            levels = codebook.float().expand(h, -1).contiguous()
-            mids = ((codebook[..., 1:] + codebook[..., :-1]).float() / 2).expand(h, -1).contiguous()
-        outliers = None
-        if spec.outliers > 0:
-            outliers = (
-                torch.zeros(shape, device=device, dtype=dtype),
-                torch.zeros(shape, device=device, dtype=torch.bool),
-            )
-        return cls(spec, d, codes, scale, offset, static_range, codebook, levels, mids, outliers)
+            book = codebook.to(device=device, dtype=torch.float32)
+            levels = book.expand(heads, -1).contiguous()
+            mids = ((levels[:, 1:] + levels[:, :-1]) / 2).contiguous()
+        slot_index = slot_delta = None
+        k = spec.slots(width)
+        if k:
+            slot_index = torch.zeros(b, heads, n, k, device=device, dtype=slot_index_dtype(width))
+            slot_delta = torch.zeros(b, heads, n, k, device=device, dtype=dtype)
+        return cls(
+            spec, d, hkv, codes, scale, offset, static_range, levels, mids, slot_index, slot_delta
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this body holds (what its memory is)."""
+        found = [self.codes, self.scale, self.offset, self.levels, self.mids]
+        found += [self.slot_index, self.slot_delta, *(self.static_range or ())]
+        return [t for t in found if t is not None]
 
     def view(self, b: int) -> "PackedBody":
         """Sequence b alone (B = 1), sharing storage."""
@@ -101,35 +133,36 @@ class PackedBody:
         return PackedBody(
             self.spec,
             self.head_dim,
+            self.kv_heads,
             one(self.codes),
             self.scale if static else one(self.scale),
             self.offset if static else one(self.offset),
             self.static_range,
-            self.codebook,
             self.levels,
             self.mids,
-            tuple(one(t) for t in self.outliers) if self.outliers is not None else None,
+            one(self.slot_index),
+            one(self.slot_delta),
         )
 
     def dequantize(self, b: int, n: int, dtype: torch.dtype) -> torch.Tensor:
         """Slots [0, n) of sequence b in plain torch (the reference read): [Hkv, n, D]."""
         spec = self.spec
-        codes = unpack(self.codes[b, :, :n], spec.bits, self.head_dim)[None]
+        codes = unpack(self.codes[b, :, :n], spec.bits, self.width)[None]
         if spec.granularity == "static":
             scale, offset = (
                 t[None, :, None, :] if t is not None else None for t in (self.scale, self.offset)
             )
         else:
-            rows = n if spec.granularity == "token" else -(-n // spec.group_size)
+            rows = -(-n // spec.group_size) if spec.granularity == "channel" else n
             scale, offset = (
                 t[b, :, :rows, :, None][None] if t is not None else None
                 for t in (self.scale, self.offset)
             )
-        exact = values = None
-        if self.outliers is not None:
-            values, exact = (t[b, :, :n][None] for t in self.outliers)
-        q = QTensor(codes, scale, offset, exact, values)
-        return dequantize(q, spec, codebook=self.codebook, dtype=dtype)[0]
+        index = delta = None
+        if self.slot_index is not None:
+            index, delta = self.slot_index[b, :, :n][None], self.slot_delta[b, :, :n][None]
+        q = QTensor(codes, scale, offset, index, delta, self.kv_heads if self.vector else None)
+        return dequantize(q, spec, codebook=self.levels, dtype=dtype)[0]
 
 
 class Stored(NamedTuple):

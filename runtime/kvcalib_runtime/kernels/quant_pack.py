@@ -152,9 +152,9 @@ def _quant_pack_kernel(
 
 
 def supports(spec: QuantSpec, head_dim: int) -> bool:
-    """Whether `quant_pack` handles spec at this head dim: no outliers, and token groups of a
-    power-of-two number of channels or the whole head."""
-    if spec.outliers > 0:
+    """Whether `quant_pack` handles spec at this head dim: no outliers, rows of one head, and
+    token groups of a power-of-two number of channels or the whole head."""
+    if spec.outliers > 0 or spec.granularity == "vector":
         return False
     g = spec.channel_group(head_dim) if spec.granularity == "token" else 1
     return g == head_dim or g & (g - 1) == 0
@@ -207,19 +207,19 @@ def quant_pack(x, body: PackedBody, seq, start, exclude=None) -> None:
 
 
 def quant_pack_reference(x, body: PackedBody, seq, start, exclude=None) -> None:
-    """`quant_pack` in plain torch (quant.quantize + packing.pack), block by block; also writes
-    the outliers that spec.outliers > 0 keeps."""
+    """`quant_pack` in plain torch (quant.quantize + packing.pack), block by block; also the
+    layouts the kernel does not take ("vector" rows, outlier slots)."""
     spec = body.spec
     n = x.shape[2]
-    kwargs = {"codebook": body.codebook}
+    kwargs = {"codebook": body.levels}
     if body.static_range is not None:
         kwargs["static_range"] = tuple(r[:, None, :] for r in body.static_range)
     for xm, b, s in zip(x, seq.tolist(), start.tolist(), strict=True):
         if exclude is not None:
             kwargs["exclude"] = exclude[b, s : s + n][None]
-        q = quantize(xm, spec, **kwargs)  # xm [Hkv, n, D]
+        q = quantize(xm, spec, **kwargs)  # xm [Hkv, n, D]; rows [heads, n, width]
         body.codes[b, :, s : s + n] = pack(q.codes, spec.bits)
-        if spec.granularity == "token":
+        if spec.granularity in ("token", "vector"):
             body.scale[b, :, s : s + n] = q.scale[..., 0]
             if body.offset is not None:
                 body.offset[b, :, s : s + n] = q.offset[..., 0]
@@ -228,6 +228,6 @@ def quant_pack_reference(x, body: PackedBody, seq, start, exclude=None) -> None:
             body.scale[b, :, g0:g1] = q.scale[..., 0]
             if body.offset is not None:
                 body.offset[b, :, g0:g1] = q.offset[..., 0]
-        if body.outliers is not None:
-            body.outliers[0][b, :, s : s + n] = q.values
-            body.outliers[1][b, :, s : s + n] = q.exact
+        if body.slot_index is not None:
+            body.slot_index[b, :, s : s + n] = q.slot_index
+            body.slot_delta[b, :, s : s + n] = q.slot_delta

@@ -20,9 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from gguf import GGUFReader
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import LocalEntryNotFoundError
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvcalib import atomic
 from kvcalib.errors import ModelError
+from kvcalib.io import atomic
 from kvcalib_runtime import archs
 from kvcalib_runtime.errors import FormatError
 from kvcalib_runtime.format import read_header, sha256_file
@@ -144,8 +148,6 @@ def _json_object(path: Path, name: str) -> dict | None:
 
 
 def _from_hub_cache(repo_id: str, trust_remote_code: bool) -> ModelSource:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
         path = Path(snapshot_download(repo_id, local_files_only=True))
@@ -192,7 +194,6 @@ def cached_sha256(path: Path) -> str:
 
 
 def _gguf_architecture(path: Path) -> str:
-    from gguf import GGUFReader
 
     try:  # gguf's reader raises what numpy raises on a cut or damaged file
         field = GGUFReader(path).fields["general.architecture"]
@@ -220,7 +221,6 @@ def _from_gguf(path: Path, spec: str) -> ModelSource:
 def _dequantize_gguf(path: Path, digest: str, folder: Path) -> None:
     """Load the GGUF through transformers and save it as a plain safetensors folder, atomically
     (a concurrent writer of the same GGUF writes the same bytes: the later one replaces it)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with atomic.staging(folder, force=True) as tmp:
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -233,11 +233,6 @@ def _dequantize_gguf(path: Path, digest: str, folder: Path) -> None:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / _SOURCE_FILE).write_text(json.dumps({"gguf": path.name, "sha256": digest}))
-
-
-def head_dim(config) -> int:
-    """Channels per attention head of a transformers config (Qwen2 configs do not store it)."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def load_model(
@@ -255,7 +250,6 @@ def load_model(
     such a folder is refused (`resolve`).
     The model carries `model.kvcalib_source` (a ModelSource) for provenance.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve(spec, trust_remote_code=trust_remote_code)
     spread = str(device) == "auto" and torch.cuda.is_available()

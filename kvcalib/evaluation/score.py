@@ -6,9 +6,12 @@ Simulator (fake or decode mode) on the same tokens, and is scored against it:
     ppl       exp(mean next-token NLL) of the recipe; ppl_fp the same for full precision
     kld       mean per-token KL(p_fp || p_recipe) in nats
     top1      fraction of positions whose argmax agrees with full precision
-    bits_per_element   storage of everything outside the residual window (codes, metadata,
-              codebooks, outliers, sink slots) per element, at the evaluated context;
-              bits_with_residual counts the exact residual window too
+    bits_per_element   what the runtime's cache allocates for the quantized body per element
+              (codes, group metadata, outlier slots — used or not —, static ranges and
+              codebooks), at the evaluated context, for an fp16 cache; measured by walking the
+              buffers of a cache built on the meta device
+    bits_at_context    everything that cache allocates per element (the residual window, sink
+              slots and bookkeeping too), at the evaluated context, 4K and 32K tokens
 """
 
 import math
@@ -17,14 +20,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
-from kvcalib import data as data_mod
+from kvcalib.core import data as data_mod
+from kvcalib.core.plan import plan_for_model
+from kvcalib.core.recipe import Recipe, load_recipe
 from kvcalib.errors import DataError, RecipeError
-from kvcalib.models import head_dim
-from kvcalib.plan import plan_for_model
-from kvcalib.recipe import Recipe, load_recipe
-from kvcalib.simulate import Simulator
-from kvcalib_runtime.scheme import KVParams, KVScheme, storage_bits
+from kvcalib.evaluation.external import evaluate_external, external_bits
+from kvcalib.evaluation.passkey import passkey_accuracy
+from kvcalib.evaluation.plots import Recorder
+from kvcalib.sim.simulate import Simulator
+from kvcalib_runtime.format import Checkpoint
+from kvcalib_runtime.geometry import Geometry
+from kvcalib_runtime.kvcache import planned_memory
+from kvcalib_runtime.scheme import KVParams, KVScheme
+from kvcalib_runtime.transforms import Transforms
 
 
 @dataclass
@@ -38,7 +48,7 @@ class Result:
     kld: float
     top1: float
     bits_per_element: float
-    bits_with_residual: float
+    bits_at_context: dict[str, float]
     residual: int
     seconds: float
     passkey: dict[str, float] | None = None
@@ -56,13 +66,14 @@ class Result:
 
 @dataclass
 class Candidate:
-    """A recipe ready to run: its scheme and tensors, and what the weights already contain."""
+    """A recipe ready to run: its scheme, its tensors and where its transforms are (None for
+    an external peer, which runs through its own cache)."""
 
     name: str
     recipe: Recipe | None
     scheme: KVScheme | None
     params: KVParams
-    fused: frozenset = frozenset()
+    transforms: Transforms | None
 
 
 class Scores:
@@ -88,76 +99,37 @@ def _nll(logp, targets) -> float:
     return -logp.gather(-1, targets[:, None]).sum().item()
 
 
-def candidates(model, recipes, profile=None, fused=frozenset()) -> list[Candidate]:
-    """Plan every recipe (names, paths or Recipe objects) for `model`."""
+def candidates(model, recipes, profile=None, weights: Checkpoint | None = None) -> list[Candidate]:
+    """Plan every recipe (names, paths or Recipe objects) for `model`. On a converted
+    checkpoint's weights (`weights`), a recipe quantizes as on the original model: the
+    transforms the weights hold and the recipe does not use are undone for it."""
     out = []
     for r in recipes:
         recipe = r if isinstance(r, Recipe) else load_recipe(r)
         if recipe.external:
-            out.append(Candidate(recipe.name, recipe, None, KVParams()))
+            if weights is not None and any(t.in_weights for t in weights.transforms.layers):
+                raise RecipeError(
+                    f"recipe {recipe.name} runs {recipe.external}'s own cache on the weights "
+                    "as given, and these hold kvcalib's fused transforms: evaluate it on the "
+                    f"source model ({weights.meta['source']['spec']})"
+                )
+            out.append(Candidate(recipe.name, recipe, None, KVParams(), None))
             continue
         scheme, params = plan_for_model(model, recipe, profile)
-        out.append(Candidate(recipe.name, recipe, scheme, params, frozenset(fused)))
+        if weights is None:
+            transforms = Transforms.online(scheme, params)
+        else:
+            try:
+                transforms, params = Transforms.for_weights(
+                    scheme, params, weights.transforms, weights.params
+                )
+            except ValueError as e:
+                raise RecipeError(
+                    f"recipe {recipe.name} on {weights.meta['recipe']['name']}'s "
+                    f"converted weights: {e}"
+                ) from None
+        out.append(Candidate(recipe.name, recipe, scheme, params, transforms))
     return out
-
-
-def evaluate(
-    model=None,
-    recipes=(),
-    *,
-    profile=None,
-    data=None,
-    seq_len: int = 1024,
-    windows: int = 4,
-    mode: str = "decode",
-    passkey: bool = False,
-    plots: str | Path | None = None,
-    device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
-    progress: bool = True,
-    trust_remote_code: bool = False,
-) -> list[Result]:
-    """Evaluate recipes (names, paths or Recipe objects) on a model spec or a converted folder.
-
-    A converted folder (one with kvcalib.json) is evaluated with its own side-car as the recipe
-    "<name> (converted)", besides any `recipes`. Recipes that need calibrated tensors use
-    `profile` (a folder); without one the model is calibrated first on the built-in
-    calibration text, once, and the profile is cached.
-    """
-    from kvcalib.models import load_model, resolve
-
-    source = resolve(model, trust_remote_code=trust_remote_code)
-    net, tokenizer = load_model(
-        model, device=device, dtype=dtype, trust_remote_code=trust_remote_code
-    )
-    cands = []
-    if (source.path / "kvcalib.json").is_file():
-        from kvcalib_runtime.format import read_checkpoint
-
-        ckpt = read_checkpoint(source.path)
-        name = f"{ckpt.meta['recipe']['name']} (converted)"
-        cands.append(Candidate(name, None, ckpt.scheme, ckpt.params, ckpt.fused))
-    elif not recipes:
-        raise RecipeError("name at least one --recipe (see `kvcalib eval --help` for presets)")
-    loaded = [r if isinstance(r, Recipe) else load_recipe(r) for r in recipes]
-    if any(r.needs_profile for r in loaded):
-        from kvcalib.profile import ensure_profile
-
-        profile = ensure_profile(source, profile, progress=progress)
-    fused = cands[0].fused if cands else frozenset()
-    cands += candidates(net, loaded, profile, fused)
-    return score(
-        net,
-        tokenizer,
-        cands,
-        data=data,
-        seq_len=seq_len,
-        windows=windows,
-        mode=mode,
-        passkey=passkey,
-        plots=plots,
-        progress=progress,
-    )
 
 
 def score(
@@ -175,7 +147,6 @@ def score(
 ) -> list[Result]:
     """Score planned candidates on `windows` windows of `seq_len` tokens of an already loaded
     model (see the module docstring)."""
-    from tqdm.auto import tqdm
 
     max_len = getattr(model.config, "max_position_embeddings", None)
     if max_len and seq_len > max_len:
@@ -188,8 +159,6 @@ def score(
     fp_nll, fp_tokens = 0.0, 0
     recorder = None
     if plots is not None:
-        from kvcalib.evalplots import Recorder
-
         recorder = Recorder(model)
     bar = tqdm(total=windows * len(cands), desc="eval", disable=not progress, leave=False)
     internal = [c for c in cands if c.scheme is not None]
@@ -206,7 +175,12 @@ def score(
                 bar.set_postfix_str(c.name)
                 observers = [recorder.observer(c.name)] if recorder is not None else []
                 sim = Simulator(
-                    model, c.scheme, c.params, mode=mode, fused=c.fused, observers=observers
+                    model,
+                    c.scheme,
+                    c.params,
+                    mode=mode,
+                    transforms=c.transforms,
+                    observers=observers,
                 )
                 start = time.perf_counter()
                 logits = sim(x)[0, :-1]
@@ -217,8 +191,6 @@ def score(
                 bar.update()
         for c in cands:
             if c.scheme is None:
-                from kvcalib.external import evaluate_external
-
                 bar.set_postfix_str(c.name)
                 evaluate_external(model, c.recipe, ids, scores[c.name], bar)
                 scores[c.name].notes.append("external peer: decode mode through its own cache")
@@ -238,15 +210,13 @@ def score(
                 kld=s.kl / s.tokens,
                 top1=s.agree / s.tokens,
                 bits_per_element=bits[0],
-                bits_with_residual=bits[1],
+                bits_at_context=bits[1],
                 residual=c.scheme.residual if c.scheme else c.recipe.residual,
                 seconds=s.seconds,
                 notes=s.notes,
             )
         )
     if passkey:
-        from kvcalib.passkey import passkey_accuracy
-
         for c, r in zip(cands, results, strict=True):
             r.passkey = passkey_accuracy(model, tokenizer, c, progress=progress)
     if recorder is not None:
@@ -254,26 +224,33 @@ def score(
     return results
 
 
-def _bits(c: Candidate, cfg, seq_len: int) -> tuple[float, float]:
-    """(bits per element outside the residual window, bits per element of the whole cache)."""
-    if c.scheme is None:
-        from kvcalib.external import external_bits
+CONTEXTS = (4096, 32768)  # where bits_at_context is also reported
 
-        return external_bits(c.recipe, cfg, seq_len)
-    hkv, d = cfg.num_key_value_heads, head_dim(cfg)
-    fraction = max(
-        (
-            t.outliers
-            for layer in c.scheme.layers
-            for t in (layer.key, layer.value)
-            if t is not None and t.granularity == "static"
-        ),
-        default=0.0,
-    )
-    b = storage_bits(c.scheme, hkv, d, seq_len, outlier_fraction=fraction)
-    total_elements = b["body_elements"] + b["residual_elements"]
-    outside = (b["body"] + b["sinks"]) / b["body_elements"] if b["body_elements"] else 16.0
-    return outside, (b["body"] + b["sinks"] + b["residual"]) / total_elements
+
+def _bits(c: Candidate, cfg, seq_len: int) -> tuple[float, dict[str, float]]:
+    """(bits_per_element, bits_at_context) as the module docstring defines them."""
+    contexts = sorted({seq_len, *CONTEXTS})
+    if c.scheme is None:
+        return external_bits(c.recipe, seq_len), {
+            str(n): external_bits(c.recipe, n, residual=True) for n in contexts
+        }
+    geo = Geometry.from_config(cfg)
+    at = {}
+    for n in contexts:
+        memory = planned_memory(
+            c.scheme,
+            c.params,
+            c.transforms,
+            num_layers=geo.layers,
+            kv_heads=geo.kv_heads,
+            head_dim=geo.head_dim,
+            context=n,
+        )
+        elements = 2 * geo.layers * geo.kv_heads * geo.head_dim * n
+        at[str(n)] = sum(memory.values()) * 8 / elements
+        if n == seq_len:
+            body = memory["body"] * 8 / elements
+    return body, at
 
 
 def format_table(results: list[Result]) -> str:

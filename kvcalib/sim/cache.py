@@ -10,16 +10,15 @@ pre-RoPE keys, one handing the sink predictor its residual stream and committing
 — and removes them on exit.
 """
 
-import dataclasses
-
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvcalib.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
-from kvcalib.models import head_dim
-from kvcalib_runtime.hadamard import hadamard_transform
+from kvcalib.core.plan import plan_for_model
+from kvcalib.sim.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
+from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.kvcache import QuantizedCache
 from kvcalib_runtime.rope import Rope
 from kvcalib_runtime.scheme import KVParams, KVScheme
+from kvcalib_runtime.transforms import Transforms
 
 
 class _Layer(CacheLayerMixin):
@@ -50,10 +49,10 @@ class _Layer(CacheLayerMixin):
 class QuantizedKVCache(Cache):
     """A transformers cache storing keys and values as a KVScheme says.
 
-    model:   the transformers model it serves (hooks are attached while the cache is open)
-    fused:   transforms the model's weights already contain ({"value_rotation", "key_smooth"});
-             the others are applied on the way in and undone on the way out
-    max_len: tokens per sequence the cache pre-allocates
+    model:      the transformers model it serves (hooks are attached while the cache is open)
+    transforms: where each layer's smoothing and rotations are (kvcalib_runtime.transforms;
+                default: all online, the model's own weights)
+    max_len:    tokens per sequence the cache pre-allocates
     """
 
     def __init__(
@@ -61,27 +60,25 @@ class QuantizedKVCache(Cache):
         model,
         scheme: KVScheme,
         params: KVParams | None = None,
+        transforms: Transforms | None = None,
         *,
         max_len: int,
-        fused=frozenset(),
         batch: int = 1,
     ):
         cfg = model.config
+        geo = Geometry.from_config(cfg)
         self.model, self.scheme, self.max_len = model, scheme, max_len
         self.params = params or KVParams()
-        self.fused = frozenset(fused)
-        self.rope = Rope(cfg.to_dict())
+        self.rope = Rope(cfg.to_dict(), geo.head_dim)
         param = next(model.parameters())
-        stored = self.params  # unfused key smoothing is the store's to apply, fused is in weights
-        if "key_smooth" in self.fused:
-            stored = dataclasses.replace(stored, key_smooth={})
         self.store = QuantizedCache(
             scheme,
-            stored,
-            num_layers=cfg.num_hidden_layers,
+            self.params,
+            transforms or Transforms.online(scheme, self.params),
+            num_layers=geo.layers,
             batch=batch,
-            kv_heads=cfg.num_key_value_heads,
-            head_dim=head_dim(cfg),
+            kv_heads=geo.kv_heads,
+            head_dim=geo.head_dim,
             max_len=max_len,
             device=param.device,
             dtype=param.dtype,
@@ -101,7 +98,6 @@ class QuantizedKVCache(Cache):
     @classmethod
     def from_recipe(cls, model, recipe, profile=None, *, max_len: int, **kwargs):
         """Build from a recipe (name, path or Recipe) and, when it needs one, a profile."""
-        from kvcalib.plan import plan_for_model
 
         scheme, params = plan_for_model(model, recipe, profile)
         return cls(model, scheme, params, max_len=max_len, **kwargs)
@@ -130,14 +126,8 @@ class QuantizedKVCache(Cache):
 
     def _update(self, i: int, key_states, value_states):
         """Stage layer i's new tokens and return all keys/values as the cache holds them."""
-        layer = self.scheme.layers[i]
         k = self._key_pre.pop(i)
-        rotate_v = layer.value_rotation and "value_rotation" not in self.fused
-        seed = self.scheme.rotation_seed
-        v = hadamard_transform(value_states, seed=seed) if rotate_v else value_states
         positions = self.store.positions(k.shape[2])
-        self.store.stage(i, k, v, self.rope, positions)
+        self.store.stage(i, k, value_states, self.rope, positions)
         keys, values, _ = self.store.materialize(i, self.rope)
-        if rotate_v:
-            values = hadamard_transform(values, seed=seed, inverse=True)
         return keys.to(key_states.dtype), values.to(value_states.dtype)

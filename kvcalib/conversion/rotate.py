@@ -27,12 +27,11 @@ of 4096 for Llama's hidden size). The factorization is checked against `hadamard
 """
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
-from kvcalib.errors import ModelError
 from kvcalib_runtime import archs
+from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.hadamard import (
     hadamard_matrix,
     hadamard_transform,
@@ -45,52 +44,6 @@ COMPUTE = torch.float32
 DENSE_MAX = 256  # up to here one dense matmul beats two small ones (memory-bound)
 MAX_B = 128
 CHUNK = 1 << 22  # elements rotated at a time: bounds the temporaries of a [vocab, hidden] matrix
-
-
-@dataclass(frozen=True)
-class Geometry:
-    """The shapes the transforms need, from config.json."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-    @classmethod
-    def from_config(cls, config: dict) -> "Geometry":
-        """ModelError when a size is missing (where required) or not a positive integer."""
-
-        def size(key, default=None):
-            v = config.get(key)
-            if v is None and default is not None:
-                return default
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ModelError(
-                    f"config.json: {key} = {v!r}, not a positive integer; the config is "
-                    "damaged - download or save the model again"
-                )
-            return v
-
-        heads, hidden = size("num_attention_heads"), size("hidden_size")
-        geo = cls(
-            layers=size("num_hidden_layers"),
-            hidden=hidden,
-            heads=heads,
-            kv_heads=size("num_key_value_heads", heads),
-            head_dim=size("head_dim", hidden // heads),
-        )
-        if geo.heads % geo.kv_heads or geo.head_dim < 1:
-            raise ModelError(
-                f"config.json: {heads} attention heads, {geo.kv_heads} KV heads and "
-                f"hidden_size {hidden} do not make whole heads; the config is damaged"
-            )
-        return geo
-
-    @property
-    def group(self) -> int:
-        """Query heads per KV head."""
-        return self.heads // self.kv_heads
 
 
 @functools.lru_cache(maxsize=8)

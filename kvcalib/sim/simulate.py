@@ -10,9 +10,10 @@ mode "decode": each query sees exactly what a decoding cache holds at its step (
                older as the body stores it. Decode mode costs two score and two value matmuls.
 
 All quantization goes through kvcalib_runtime.quant, so what this measures is what the runtime
-stores. Transforms the model's weights already contain (`fused`: "value_rotation", "key_smooth")
-are not applied again; the others are applied online and undone after dequantization, which is
-the same function.
+stores. Smoothing and rotations go through kvcalib_runtime.transforms: those the weights already
+contain are not applied again, the others are applied before quantization and undone after it
+(the same function), and a transform the weights contain but the recipe does not quantize in is
+undone first.
 """
 
 import contextlib
@@ -23,10 +24,11 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from kvcalib.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
-from kvcalib_runtime.hadamard import hadamard_transform
+from kvcalib.sim.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
 from kvcalib_runtime.quant import fake_quantize
+from kvcalib_runtime.rope import rotate_half
 from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, quantized_prefix
+from kvcalib_runtime.transforms import Transforms
 
 ATTENTION = "kvcalib"
 MODES = ("fake", "decode")
@@ -41,7 +43,9 @@ class AttentionRecord:
     query [B, H, T, D] post-RoPE; key, value [B, Hkv, T, D] exact (key post-RoPE);
     key_pre [B, Hkv, T, D] pre-RoPE; key_hat, value_hat as attention used them where quantized
     (post-RoPE, unrotated), or None; probs [B, Hkv, G, T, T] the attention weights used
-    (G = query heads per KV head); sinks bool [B, T] the positions kept exact.
+    (G = query heads per KV head); sinks bool [B, T] the positions kept exact; key_exact bool
+    [B, T] the keys the last query sees exactly (kept sinks, and in decode mode the residual
+    window).
     """
 
     layer: int
@@ -53,6 +57,7 @@ class AttentionRecord:
     value_hat: torch.Tensor | None
     probs: torch.Tensor
     sinks: torch.Tensor
+    key_exact: torch.Tensor
 
 
 class _EarlyExit(Exception):
@@ -64,7 +69,8 @@ class Simulator:
 
     scheme:    None for full precision (observers still see every layer)
     params:    the calibrated tensors the scheme refers to
-    fused:     transforms already in the weights: {"value_rotation", "key_smooth"}
+    transforms: where each layer's smoothing and rotations are (kvcalib_runtime.transforms;
+               default: all online, the model's own weights)
     prefill:   decode mode only: the first `prefill` tokens form one prompt chunk that attends
                to itself exactly (as a runtime prefill does); 0 = token-by-token from the start
     observers: callables receiving an AttentionRecord per layer per forward
@@ -77,7 +83,7 @@ class Simulator:
         params: KVParams | None = None,
         *,
         mode: str = "fake",
-        fused: frozenset[str] | set[str] = frozenset(),
+        transforms: Transforms | None = None,
         prefill: int = 0,
         observers=(),
     ):
@@ -87,7 +93,9 @@ class Simulator:
         self.scheme = scheme
         self.params = params or KVParams()
         self.mode = mode
-        self.fused = frozenset(fused)
+        if transforms is None and scheme is not None:
+            transforms = Transforms.online(scheme, self.params)
+        self.transforms = transforms
         self.prefill = prefill
         self.observers = list(observers)
         self.sink_passes = 0
@@ -243,8 +251,12 @@ class Simulator:
                 m = self._decode_mask(t, layer.value_flush, sinks, value.dtype)
                 out = out + (p * m) @ (value_hat - value)[:, :, None]
         if self.observers:
+            exact = sinks
+            if self.mode == "decode" and layer is not None and layer.key is not None:
+                last = quantized_prefix(torch.tensor(t - 1), self.scheme.residual, layer.key_flush)
+                exact = sinks | (torch.arange(t, device=sinks.device) >= last.to(sinks.device))
             record = AttentionRecord(
-                i, query, key, self._key_pre[i], value, key_hat, value_hat, probs, sinks
+                i, query, key, self._key_pre[i], value, key_hat, value_hat, probs, sinks, exact
             )
             for observe in self.observers:
                 observe(record)
@@ -264,44 +276,26 @@ class Simulator:
         return self._masks[cached]
 
     def _key_hat(self, i: int, layer: LayerScheme, key, sinks):
-        spec, p = layer.key, self.params
+        """The keys attention uses where quantized: post-RoPE, in the weights' domain."""
+        spec, p, t = layer.key, self.params, self.transforms
         kwargs = {"exclude": sinks, "codebook": p.key_codebook.get(i)}
         if i in p.key_range:
             kwargs["static_range"] = tuple(r[None, :, None, :] for r in p.key_range[i])
-        smooth = p.key_smooth.get(i) if "key_smooth" not in self.fused else None
-        if layer.key_rotation:
-            seed = self.scheme.rotation_seed
-            rotated = hadamard_transform(key, seed=seed)
-            return hadamard_transform(
-                fake_quantize(rotated, spec, **kwargs), seed=seed, inverse=True
-            )
-        x = self._key_pre[i] if layer.key_position == "pre_rope" else key
-        s = smooth[None, :, None, :] if smooth is not None else None
-        x_hat = fake_quantize(x / s if s is not None else x, spec, **kwargs)
-        if s is not None:
-            x_hat = x_hat * s
-        if layer.key_position == "pre_rope":
+        pre = layer.key_position == "pre_rope"
+        x = t.key_rotate(i, t.key_in(i, self._key_pre[i] if pre else key, p))
+        x_hat = t.key_out(i, t.key_rotate(i, fake_quantize(x, spec, **kwargs), inverse=True), p)
+        if pre:
             cos, sin = (c.unsqueeze(1) for c in self._rope[i])
-            x_hat = x_hat * cos + _rotate_half(x_hat) * sin
+            x_hat = x_hat * cos + rotate_half(x_hat) * sin
         return x_hat
 
     def _value_hat(self, i: int, layer: LayerScheme, value, sinks):
-        spec, p = layer.value, self.params
+        """The values attention uses where quantized, in the weights' domain."""
+        spec, p, t = layer.value, self.params, self.transforms
         kwargs = {"exclude": sinks, "codebook": p.value_codebook.get(i)}
         if i in p.value_range:
             kwargs["static_range"] = tuple(r[None, :, None, :] for r in p.value_range[i])
-        if layer.value_rotation and "value_rotation" not in self.fused:
-            seed = self.scheme.rotation_seed
-            rotated = hadamard_transform(value, seed=seed)
-            return hadamard_transform(
-                fake_quantize(rotated, spec, **kwargs), seed=seed, inverse=True
-            )
-        return fake_quantize(value, spec, **kwargs)
-
-
-def _rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        return t.value_out(i, fake_quantize(t.value_in(i, value), spec, **kwargs))
 
 
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -5,9 +5,10 @@ an impossible combination raises RecipeError naming the recipe, the key and the 
 live in `recipes/<name>.toml`; `load_recipe` takes a preset name or a path.
 
     name, description, residual, rotation_seed, external
-    [key]    bits granularity group_size symmetric clip codebook outliers flush position
-             rotation smooth
-    [value]  bits granularity group_size symmetric clip codebook outliers flush rotation
+    [key]    bits granularity group_size symmetric clip codebook outliers outlier_slots
+             slot_rule flush position rotation smooth
+    [value]  bits granularity group_size symmetric clip codebook outliers outlier_slots
+             slot_rule flush rotation
     [sinks]  first predicted budget
     [allocation]  budget choices            (per-layer bits from the sensitivity profile)
     [[layers]]    index key value           (per-layer overrides of [key] / [value])
@@ -16,6 +17,10 @@ bits = 16 means full precision. `rotation` is "none" or "hadamard": for values a
 head fused into v_proj/o_proj, for keys an online Hadamard on queries and keys after RoPE.
 `codebook` is "uniform" or "calibrated" (non-uniform levels from the profile). `flush` defaults
 to the residual window for "channel" granularity (KIVI flushes keys R at a time) and to 1 otherwise.
+`outliers` is the fraction left out of each range; exact slots per vector keep what the codes
+clamp: `outlier_slots` of them for "static" granularity, chosen by `slot_rule` ("outside": the
+farthest outside the range, KVQuant's; "error": the largest errors, kvcalib's) — see
+kvcalib_runtime.quant.
 """
 
 import dataclasses
@@ -29,8 +34,8 @@ from kvcalib.errors import RecipeError
 from kvcalib_runtime.quant import QuantSpec
 
 RECIPE_DIRS = (
-    Path(__file__).resolve().parent / "recipes",  # installed wheel
-    Path(__file__).resolve().parent.parent / "recipes",  # source tree / editable install
+    Path(__file__).resolve().parents[1] / "recipes",  # installed wheel: the kvcalib.recipes package
+    Path(__file__).resolve().parents[2] / "recipes",  # source tree / editable install
 )
 FULL_PRECISION = 16
 EXTERNAL = ("hf-quanto",)
@@ -47,6 +52,8 @@ class TensorRecipe:
     clip: float = 1.0
     codebook: str = "uniform"
     outliers: float = 0.0
+    outlier_slots: int = 0
+    slot_rule: str = "outside"
     flush: int = 0
     position: str = "post_rope"
     rotation: str = "none"
@@ -67,6 +74,8 @@ class TensorRecipe:
             clip=self.clip,
             codebook=self.codebook == "calibrated",
             outliers=self.outliers,
+            outlier_slots=self.outlier_slots,
+            slot_rule=self.slot_rule,
         )
 
 
@@ -140,7 +149,8 @@ _TOP_KEYS = {
 _SINK_KEYS = {"first": int, "predicted": bool, "budget": int}
 _ALLOCATION_KEYS = {"budget": float, "choices": list}
 _CHOICES = {
-    "granularity": ("token", "channel", "static"),
+    "granularity": ("token", "channel", "static", "vector"),
+    "slot_rule": ("outside", "error"),
     "codebook": ("uniform", "calibrated"),
     "position": ("pre_rope", "post_rope"),
     "rotation": ("none", "hadamard"),

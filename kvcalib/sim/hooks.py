@@ -11,6 +11,7 @@ with Hooks(model) as hooks:
 import torch
 
 from kvcalib_runtime import archs
+from kvcalib_runtime.geometry import Geometry
 
 
 class Hooks:
@@ -58,9 +59,8 @@ def hidden_of(output) -> torch.Tensor:
 def capture_keys(model, store: dict, layer: int):
     """A forward hook for `key_module(model, layer)` that puts its output, the pre-RoPE keys, in
     store[layer] as [B, Hkv, T, D]."""
-    from kvcalib.models import head_dim
 
-    d = head_dim(model.config)
+    d = Geometry.from_config(model.config).head_dim
 
     def hook(module, args, output):
         b, t = output.shape[:2]

@@ -23,15 +23,21 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kvcalib import atomic, models, rotate
-from kvcalib import export as exports
+from kvcalib.conversion import export as exports
+from kvcalib.conversion import rotate
+from kvcalib.core import models
+from kvcalib.core.plan import plan
+from kvcalib.core.profile import Profile
+from kvcalib.core.recipe import Recipe, load_recipe
 from kvcalib.errors import ModelError, OutputError, ProfileError, RecipeError
-from kvcalib.plan import plan
-from kvcalib.recipe import Recipe, load_recipe
-from kvcalib.shards import ShardWriter, SourceWeights, TensorSpec, parse_size
+from kvcalib.io import atomic
+from kvcalib.io.shards import ShardWriter, SourceWeights, TensorSpec, parse_size
 from kvcalib_runtime import archs, format
+from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.hadamard import is_supported
-from kvcalib_runtime.scheme import storage_bits
+from kvcalib_runtime.kvcache import planned_memory
+from kvcalib_runtime.transforms import FUSED, NONE, ONLINE, LayerTransforms, Transforms
+from kvcalib_runtime.transforms import KINDS as TRANSFORM_KINDS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -54,7 +60,8 @@ _KNOWN = {p + s for p in _LINEARS for s in (".weight", ".bias")} | {
 class _Job:
     """What one conversion does: the decisions, made before any byte is written."""
 
-    geo: rotate.Geometry
+    geo: Geometry
+    transforms: Transforms
     qk_norm: bool
     value_seed: int | None
     value_layers: frozenset[int]
@@ -62,18 +69,6 @@ class _Job:
     residual_seed: int | None
     tied: bool
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def fused(self) -> list[str]:
-        return sorted(
-            name
-            for name, on in (
-                ("value_rotation", self.value_layers),
-                ("key_smooth", self.smooth),
-                ("residual_rotation", self.residual_seed is not None),
-            )
-            if on
-        )
 
     @property
     def untie(self) -> bool:
@@ -125,7 +120,7 @@ def convert(
     profile_path = str(profile) if isinstance(profile, str | os.PathLike) else None
     atomic.check_output(out, force, [source.path] + ([Path(profile_path)] if profile_path else []))
     config = json.loads((source.path / format.CONFIG).read_text())
-    geo = rotate.Geometry.from_config(config)
+    geo = Geometry.from_config(config)
     profile = _load_profile(profile, source)
     if export and profile is None:
         raise ProfileError(
@@ -136,7 +131,7 @@ def convert(
     weights = SourceWeights(source.path)
     job = _decide(recipe, scheme, params, config, geo, weights, rotate_residual)
     if export:
-        scales = exports.kv_scales(profile, scheme, params, frozenset(job.fused))
+        scales = exports.kv_scales(profile, scheme, params, job.transforms)
         job = dataclasses.replace(job, extra=scales)
     groups = _groups(weights, job, DTYPES.get(dtype))
     meta = {
@@ -147,7 +142,7 @@ def convert(
             "fingerprint": profile.fingerprint,
             "path": profile_path or _str(getattr(profile, "path", None)),
         },
-        "fused": job.fused,
+        "transforms": job.transforms.to_json(),
         "residual_rotation_seed": job.residual_seed,
         "untied_embeddings": job.untie,
         "export": export,
@@ -206,12 +201,15 @@ def _decide(recipe, scheme, params, config, geo, weights, rotate_residual) -> _J
         )
     if EMBED not in weights.entries or NORM not in weights.entries:
         raise ModelError(f"model {weights.folder}: no {EMBED} or {NORM} in its weights")
+    smooth = dict(params.key_smooth) if fusable else {}
+    fused = {"value_rotation"} | ({"key_smooth"} if smooth else set())
     return _Job(
         geo=geo,
+        transforms=Transforms.online(scheme, params).fuse(fused),
         qk_norm=arch.qk_norm,
         value_seed=scheme.rotation_seed,
         value_layers=value_layers,
-        smooth=dict(params.key_smooth) if fusable else {},
+        smooth=smooth,
         residual_seed=(recipe.rotation_seed or 0) if rotate_residual else None,
         tied=bool(config.get("tie_word_embeddings")) or LM_HEAD not in weights.entries,
     )
@@ -338,8 +336,6 @@ def _load_profile(profile, source: models.ModelSource):
     if profile is None:
         return None
     if isinstance(profile, str | os.PathLike):
-        from kvcalib.profile import Profile
-
         profile = Profile.load(profile)
     profile.check_model(source)
     return profile
@@ -364,15 +360,17 @@ def _spec_text(spec) -> str:
     return " ".join(parts)
 
 
-def _layer_text(layer, fused: frozenset[str]) -> tuple[str, str]:
+def _layer_text(layer, transforms: LayerTransforms) -> tuple[str, str]:
     key = _spec_text(layer.key)
     if layer.key_position == "pre_rope":
         key += ", pre-RoPE"
-    if layer.key_rotation:
-        key += ", Hadamard (online)"
+    if transforms.key_smooth != NONE:
+        key += f", smoothed ({transforms.key_smooth})"
+    if transforms.key_rotation != NONE:
+        key += f", Hadamard ({transforms.key_rotation})"
     value = _spec_text(layer.value)
-    if layer.value_rotation:
-        value += ", Hadamard (fused)" if "value_rotation" in fused else ", Hadamard (online)"
+    if transforms.value_rotation != NONE:
+        value += f", Hadamard ({transforms.value_rotation})"
     return key, value
 
 
@@ -380,12 +378,12 @@ def checkpoint_summary(path: Path) -> str:
     """What `kvcalib inspect CONVERTED_DIR` prints (the folder is validated first)."""
     ckpt = format.read_checkpoint(path, hashes=False)
     meta, scheme, cfg = ckpt.meta, ckpt.scheme, ckpt.config
-    geo = rotate.Geometry.from_config(cfg)
     profile = meta["profile"]
-    online = [name for name, on in (
-        ("key rotation", any(layer.key_rotation for layer in scheme.layers)),
-        ("key smoothing", ckpt.params.key_smooth and "key_smooth" not in ckpt.fused),
-    ) if on]  # fmt: skip
+    places = {(kind, getattr(t, kind)) for t in ckpt.transforms.layers for kind in TRANSFORM_KINDS}
+    fused = {kind for kind, place in places if place == FUSED}
+    if meta["residual_rotation_seed"] is not None:
+        fused.add("residual_rotation")
+    online = sorted(kind for kind, place in places if place == ONLINE)
     lines = [
         f"converted    {path}  (format {meta['format_version']})",
         f"source       {meta['source']['spec']}  (sha256 {meta['source']['fingerprint'][:16]})",
@@ -397,7 +395,7 @@ def checkpoint_summary(path: Path) -> str:
             else f"{profile.get('path')}  (fingerprint {profile['fingerprint'][:16]})"
         ),
         f"weights      {cfg['model_type']}, {cfg.get('dtype', '?')}; fused: "
-        + (", ".join(meta["fused"]) or "nothing"),
+        + (", ".join(sorted(fused)) or "nothing"),
         f"online       {', '.join(online) or 'nothing'}",
     ]
     if meta["untied_embeddings"]:
@@ -411,7 +409,7 @@ def checkpoint_summary(path: Path) -> str:
         f"cache        residual window {scheme.residual} tokens; sinks {sinks}",
         f"  {'layers':<8} {'key':<40} value",
     ]
-    rows = [_layer_text(layer, ckpt.fused) for layer in scheme.layers]
+    rows = [_layer_text(*lt) for lt in zip(scheme.layers, ckpt.transforms.layers, strict=True)]
     start = 0
     for i in range(1, len(rows) + 1):
         if i == len(rows) or rows[i] != rows[start]:
@@ -419,11 +417,20 @@ def checkpoint_summary(path: Path) -> str:
             lines.append(f"  {span:<8} {rows[start][0]:<40} {rows[start][1]}")
             start = i
     n = SUMMARY_CONTEXT
-    bits = storage_bits(scheme, geo.kv_heads, geo.head_dim, n)
-    quantized = (bits["body"] + bits["sinks"] + bits["residual"]) / 8 / n
+    geo = ckpt.geometry
+    memory = planned_memory(
+        scheme,
+        ckpt.params,
+        ckpt.transforms,
+        num_layers=geo.layers,
+        kv_heads=geo.kv_heads,
+        head_dim=geo.head_dim,
+        context=n,
+    )
+    quantized = sum(memory.values()) / n
     fp16 = 2 * geo.layers * geo.kv_heads * geo.head_dim * 2
     lines.append(
-        f"KV cache     {quantized:,.0f} bytes/token at {n} tokens vs {fp16:,} in fp16 "
-        f"({fp16 / quantized:.2f}x smaller)"
+        f"KV cache     {quantized:,.0f} bytes/token allocated for one sequence of {n} tokens, "
+        f"fp16 cache {fp16:,} ({fp16 / quantized:.2f}x smaller)"
     )
     return "\n".join(lines)

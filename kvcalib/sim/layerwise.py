@@ -28,11 +28,14 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
+from accelerate import init_empty_weights
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvcalib.errors import ModelError
-from kvcalib.hooks import decoder_layers
-from kvcalib.shards import SourceWeights
+from kvcalib.io.shards import SourceWeights
+from kvcalib.sim.hooks import decoder_layers
 from kvcalib_runtime import archs
 
 HEADROOM = 1.25  # in-memory calibration needs the weights plus about this much for activations
@@ -56,8 +59,6 @@ class LayerwiseModel:
         dtype: torch.dtype = torch.float32,
         trust_remote_code: bool = False,
     ):
-        from accelerate import init_empty_weights
-        from transformers import AutoConfig, AutoModelForCausalLM
 
         self.device = torch.device(resolve_device(device))
         self.dtype = dtype
@@ -268,7 +269,6 @@ def available_bytes(device: str | torch.device) -> int:
         return sum(torch.cuda.mem_get_info(i)[0] for i in range(torch.cuda.device_count()))
     if device.startswith("cuda"):
         return torch.cuda.mem_get_info(torch.device(device))[0]
-    import psutil
 
     return psutil.virtual_memory().available
 

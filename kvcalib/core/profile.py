@@ -51,20 +51,50 @@ tokens}; massive {ratio, first_layer}; sink_predictor {layer, dims, threshold, p
 recall, f1, held_out} or null.
 """
 
-import dataclasses
-import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
-from kvcalib import atomic
 from kvcalib.errors import ProfileError
+from kvcalib.io import atomic
+from kvcalib_runtime.scheme import SinkPredictor
 
 FORMAT_VERSION = 1
 TENSORS = "profile.safetensors"
 META = "profile.json"
 KEY_POSITIONS = ("pre_rope", "post_rope")
+QUANTILE_LEVELS = (
+    0.0,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.975,
+    0.99,
+    0.995,
+    0.9975,
+    0.999,
+    0.9995,
+    1.0,
+)
+# Outlier fraction f excludes f/2 at each end: lo = quantile(f/2), hi = quantile(1 - f/2).
+OUTLIER_FRACTIONS = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
+
+
+def select_range(quantiles: torch.Tensor, fraction: float):
+    """(lo, hi) = quantiles at (f/2, 1 - f/2): quantiles [..., len(QUANTILE_LEVELS)] -> two
+    [...] tensors; None when the outlier fraction is not one of OUTLIER_FRACTIONS."""
+    for i, f in enumerate(OUTLIER_FRACTIONS):
+        if math.isclose(fraction, f, rel_tol=1e-9, abs_tol=1e-12):
+            hi = len(QUANTILE_LEVELS) - 1 - i
+            return quantiles[..., i].contiguous(), quantiles[..., hi].contiguous()
+    return None
 
 
 class Profile:
@@ -81,8 +111,6 @@ class Profile:
 
     @classmethod
     def load(cls, path) -> "Profile":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
 
         path = Path(path)
         fix = f"create it with kvcalib calibrate [MODEL] -o {path}"
@@ -129,7 +157,6 @@ class Profile:
 
     def write(self, folder: Path) -> None:
         """The two profile files into an existing folder (see `save` for the atomic write)."""
-        from safetensors.torch import save_file
 
         tensors = {k: v.contiguous() for k, v in sorted(self.tensors.items())}
         save_file(tensors, folder / TENSORS, metadata={"format": "pt"})
@@ -167,8 +194,6 @@ class Profile:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(lo, hi), each float32 [Hkv, D], over non-sink tokens, with the fraction `outliers`
         left out (half at each end); "value" ignores `position`."""
-        from kvcalib.calibration.stats import OUTLIER_FRACTIONS, select_range
-
         q = self._get(f"{self._kind(tensor, position)}.nonsink.quantiles")[self._layer(layer)]
         found = select_range(q, outliers)
         if found is None:
@@ -210,7 +235,6 @@ class Profile:
 
     def sink_predictor(self):
         """The calibrated kvcalib_runtime.scheme.SinkPredictor."""
-        from kvcalib_runtime.scheme import SinkPredictor
 
         p = self.meta.get("sink_predictor")
         if p is None:
@@ -264,46 +288,3 @@ class Profile:
         if position not in KEY_POSITIONS:
             raise ProfileError(f"key position {position!r}: use one of {', '.join(KEY_POSITIONS)}")
         return f"key_{position}"
-
-
-def ensure_profile(source, profile=None, *, progress: bool = True) -> Profile:
-    """`profile` (a folder or a Profile) checked against `source` (a ModelSource); without one,
-    the default calibration of `source`, computed once and kept under the kvcalib cache."""
-    from kvcalib.models import cache_dir
-
-    if isinstance(profile, Profile):
-        profile.check_model(source)
-        return profile
-    if profile is not None:
-        loaded = Profile.load(profile)
-        loaded.check_model(source)
-        return loaded
-    path = cache_dir() / "profiles" / f"{source.fingerprint[:16]}-{_default_calibration_key()}"
-    if not path.is_dir():
-        from kvcalib.calibration import calibrate
-
-        calibrate(str(source.path), path, progress=progress)
-    loaded = Profile.load(path)
-    loaded.check_model(source)
-    return loaded
-
-
-def _default_calibration_key() -> str:
-    """The format version and a digest of what a default calibration computes (its settings and
-    the codebook variants the presets ask for): a cached profile from an older kvcalib, or from
-    before a preset was added, is not reused."""
-    from kvcalib.calibration import Settings
-    from kvcalib.calibration.codebooks import preset_variants
-
-    what = json.dumps([dataclasses.asdict(Settings()), preset_variants()], sort_keys=True)
-    return f"v{FORMAT_VERSION}-{hashlib.sha256(what.encode()).hexdigest()[:8]}"
-
-
-def profile_summary(path) -> str:
-    """What `kvcalib inspect PROFILE_DIR` prints."""
-    from kvcalib.calibration.report import summary_lines
-
-    profile = Profile.load(path)
-    return "\n".join(
-        [f"profile      {profile.path}  (format {FORMAT_VERSION})", *summary_lines(profile)]
-    )

@@ -7,13 +7,13 @@ batch), exactly as `model.generate` would use it.
 import time
 
 import torch
+from transformers.cache_utils import QuantizedCache
 
 from kvcalib.errors import RecipeError
 
 
 def external_cache(model, recipe):
     """A fresh transformers QuantizedCache for an external recipe."""
-    from transformers.cache_utils import QuantizedCache
 
     try:
         import optimum.quanto  # noqa: F401
@@ -47,9 +47,13 @@ def evaluate_external(model, recipe, ids: torch.Tensor, scores, bar=None) -> Non
             bar.update()
 
 
-def external_bits(recipe, config, seq_len: int) -> tuple[float, float]:
-    """quanto stores b-bit codes with a scale and a shift per group of `group_size` elements;
-    the last seq_len mod R tokens stay exact."""
+def external_bits(recipe, context: int, *, residual: bool = False) -> float:
+    """quanto stores b-bit codes with a scale and a shift (16 bits each) per group of
+    `group_size` elements: that is bits_per_element. With `residual`, per element of a
+    sequence of `context` tokens when its last context mod R tokens are still exact (quanto
+    quantizes the residual window whole once it fills)."""
     body = recipe.key.bits + 32 / recipe.key.group_size
-    exact = seq_len % recipe.residual if recipe.residual else 0
-    return body, (body * (seq_len - exact) + 16 * exact) / seq_len
+    if not residual:
+        return body
+    exact = context % recipe.residual if recipe.residual else 0
+    return (body * (context - exact) + 16 * exact) / context

@@ -9,6 +9,10 @@ quantized body unless it is within the residual window.
 import random
 
 import torch
+from tqdm.auto import tqdm
+
+from kvcalib.evaluation.external import external_cache
+from kvcalib.sim.cache import QuantizedKVCache
 
 LENGTHS = (1024, 2048, 4096)
 DEPTHS = (0.1, 0.5, 0.9)
@@ -46,9 +50,6 @@ def passkey_accuracy(
     model, tokenizer, candidate, *, lengths=LENGTHS, depths=DEPTHS, progress=False, seed=0
 ) -> dict[str, float]:
     """{"1024": accuracy, ...}: fraction of depths at which the key is in the greedy answer."""
-    from tqdm.auto import tqdm
-
-    from kvcalib.cache import QuantizedKVCache
 
     rng = random.Random(seed)
     device = next(model.parameters()).device
@@ -62,8 +63,6 @@ def passkey_accuracy(
             ids = torch.tensor([prompt(tokenizer, n, d, key)], device=device)
             max_len = ids.shape[1] + ANSWER_TOKENS
             if candidate.scheme is None:
-                from kvcalib.external import external_cache
-
                 answer = _generate(model, ids, external_cache(model, candidate.recipe))
             else:
                 with QuantizedKVCache(
@@ -71,7 +70,7 @@ def passkey_accuracy(
                     candidate.scheme,
                     candidate.params,
                     max_len=max_len,
-                    fused=candidate.fused,
+                    transforms=candidate.transforms,
                 ) as cache:
                     answer = _generate(model, ids, cache)
             found = str(key) in tokenizer.decode(answer)

@@ -22,6 +22,7 @@ import torch
 
 from kvcalib.errors import ProfileError
 from kvcalib_runtime.scheme import KVParams, KVScheme
+from kvcalib_runtime.transforms import FUSED, Transforms
 
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 KV_CACHE_SCHEME = {
@@ -61,16 +62,16 @@ def _absmax(profile, name: str, layer: int) -> torch.Tensor:
 
 
 def kv_scales(
-    profile, scheme: KVScheme, params: KVParams, fused: frozenset[str]
+    profile, scheme: KVScheme, params: KVParams, transforms: Transforms
 ) -> dict[str, torch.Tensor]:
     """vLLM's per-layer k_scale / v_scale, each float32 [1], from the profile's ranges."""
     out = {}
-    for i, layer in enumerate(scheme.layers):
+    for i in range(len(scheme.layers)):
         key = _absmax(profile, "key", i)
-        if "key_smooth" in fused and i in params.key_smooth:
+        if transforms.layers[i].key_smooth == FUSED:
             key = key / params.key_smooth[i].double()
         value = _absmax(profile, "value", i)
-        if "value_rotation" in fused and layer.value_rotation:
+        if transforms.layers[i].value_rotation == FUSED:
             value = value.sum(-1, keepdim=True) / math.sqrt(value.shape[-1])
         for name, absmax in zip(SCALE_NAMES, (key, value), strict=True):
             scale = absmax.max().clamp_min(1e-12) / FP8_E4M3_MAX

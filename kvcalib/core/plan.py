@@ -6,9 +6,9 @@ codebooks, smoothing scales, the sink predictor, per-layer sensitivities for bit
 
 import dataclasses
 
+from kvcalib.core.recipe import Recipe, TensorRecipe, load_recipe
 from kvcalib.errors import ProfileError, RecipeError
-from kvcalib.models import head_dim
-from kvcalib.recipe import Recipe, TensorRecipe, load_recipe
+from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme
 
 
@@ -140,4 +140,9 @@ def plan_for_model(model, recipe, profile=None) -> tuple[KVScheme, KVParams]:
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
     cfg = model.config
-    return plan(recipe, num_layers=cfg.num_hidden_layers, head_dim=head_dim(cfg), profile=profile)
+    return plan(
+        recipe,
+        num_layers=cfg.num_hidden_layers,
+        head_dim=Geometry.from_config(cfg).head_dim,
+        profile=profile,
+    )

@@ -26,6 +26,7 @@ import hashlib
 import json
 import sys
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import torch
 
@@ -42,7 +43,6 @@ CHAT_ANSWER_CHARS = 2000
 
 @functools.cache
 def _builtin_split() -> dict[str, tuple[str, ...]]:
-    from pydoc_data.topics import topics
 
     total = sum(len(v) for v in topics.values())
     by_hash = sorted(topics, key=lambda k: hashlib.sha256(k.encode()).hexdigest())
@@ -66,7 +66,6 @@ def builtin_topics(split: str) -> tuple[str, ...]:
 
 @functools.cache
 def _builtin_text(split: str) -> str:
-    from pydoc_data.topics import topics
 
     evaluation = "\n\n".join(topics[k].strip() for k in builtin_topics("evaluation"))
     if split == "evaluation":
@@ -88,7 +87,6 @@ def _licenses() -> str:
 
 def _chat(tokenizer, split: str) -> str:
     """The split's topics as multi-turn conversations in the tokenizer's chat template."""
-    from pydoc_data.topics import topics
 
     if getattr(tokenizer, "chat_template", None) is None:
         raise DataError("--data builtin:chat needs a tokenizer with a chat template")

@@ -1,0 +1,159 @@
+"""The public pipeline: `calibrate`, `convert` and `evaluate`, and the default profile that
+connects them.
+
+The stages (kvcalib.calibration, kvcalib.conversion, kvcalib.evaluation) never import each other:
+a recipe that needs calibrated tensors gets them from here. Given no profile, `convert` and
+`evaluate` announce that they use the default calibration of the model (computed once, cached
+under the kvcalib cache folder) before they start it, or refuse with `calibrate=False`.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from kvcalib.calibration import PHASES, Settings, calibrate
+from kvcalib.calibration.codebooks import preset_variants
+from kvcalib.conversion.convert import convert as convert_checkpoint
+from kvcalib.core.models import ModelSource, cache_dir, load_model, resolve
+from kvcalib.core.profile import FORMAT_VERSION, Profile
+from kvcalib.core.recipe import Recipe, load_recipe
+from kvcalib.errors import ProfileError, RecipeError
+from kvcalib.evaluation.score import Candidate, Result, candidates, score
+from kvcalib_runtime.format import META, read_checkpoint
+
+__all__ = ["PHASES", "Settings", "calibrate", "convert", "default_profile", "evaluate"]
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def default_profile_path(source: ModelSource) -> Path:
+    """Where the default calibration of `source` is cached: keyed by the model's fingerprint,
+    the profile format and a digest of what a default calibration computes (its settings and
+    the codebook variants the presets ask for), so a stale profile is never reused."""
+    what = json.dumps([dataclasses.asdict(Settings()), preset_variants()], sort_keys=True)
+    key = f"v{FORMAT_VERSION}-{hashlib.sha256(what.encode()).hexdigest()[:8]}"
+    return cache_dir() / "profiles" / f"{source.fingerprint[:16]}-{key}"
+
+
+def default_profile(
+    source: ModelSource,
+    profile=None,
+    *,
+    calibrate_missing: bool = True,
+    progress: bool = True,
+    log: Callable[[str], None] = _stderr,
+) -> Profile:
+    """`profile` (a folder or a Profile) checked against `source`; without one, the default
+    calibration of `source`, computed once and cached (announced through `log` first, or
+    refused with a ProfileError when `calibrate_missing` is False)."""
+    if isinstance(profile, Profile):
+        profile.check_model(source)
+        return profile
+    if profile is not None:
+        loaded = Profile.load(profile)
+        loaded.check_model(source)
+        return loaded
+    path = default_profile_path(source)
+    if not path.is_dir():
+        what = (
+            f"no --profile given: the recipe needs calibrated tensors, so {source.spec} gets "
+            f"its default calibration (`kvcalib calibrate`), cached in {path}"
+        )
+        if not calibrate_missing:
+            raise ProfileError(
+                f"{what} - but --no-calibrate was given: run kvcalib calibrate "
+                f"{source.spec} -o DIR and pass --profile DIR"
+            )
+        log(f"note: {what}; this runs once")
+        calibrate(str(source.path), path, progress=progress)
+    loaded = Profile.load(path)
+    loaded.check_model(source)
+    return loaded
+
+
+def convert(
+    model: str | os.PathLike | None = None,
+    *,
+    recipe: str | os.PathLike | Recipe,
+    output: str | os.PathLike,
+    profile=None,
+    calibrate_missing: bool = True,
+    trust_remote_code: bool = False,
+    **options,
+) -> Path:
+    """`kvcalib.conversion.convert.convert` with the default profile when the recipe needs one
+    and none is given (see `default_profile`); `options` as that function takes them."""
+    recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
+    if profile is None and recipe.needs_profile:
+        source = resolve(model, trust_remote_code=trust_remote_code)
+        profile = default_profile(source, calibrate_missing=calibrate_missing)
+    return convert_checkpoint(
+        model,
+        recipe=recipe,
+        output=output,
+        profile=profile,
+        trust_remote_code=trust_remote_code,
+        **options,
+    )
+
+
+def evaluate(
+    model=None,
+    recipes=(),
+    *,
+    profile=None,
+    data=None,
+    seq_len: int = 1024,
+    windows: int = 4,
+    mode: str = "decode",
+    passkey: bool = False,
+    plots: str | Path | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    calibrate_missing: bool = True,
+    trust_remote_code: bool = False,
+) -> list[Result]:
+    """Evaluate recipes (names, paths or Recipe objects) on a model spec or a converted folder.
+
+    A converted folder (one with kvcalib.json) is evaluated with its own side-car as the recipe
+    "<name> (converted)", besides any `recipes`. Recipes that need calibrated tensors use
+    `profile` (a folder or a Profile), else the default profile (`default_profile`).
+    """
+    source = resolve(model, trust_remote_code=trust_remote_code)
+    net, tokenizer = load_model(
+        model, device=device, dtype=dtype, trust_remote_code=trust_remote_code
+    )
+    cands, ckpt = [], None
+    if (source.path / META).is_file():
+        ckpt = read_checkpoint(source.path)
+        name = f"{ckpt.meta['recipe']['name']} (converted)"
+        cands.append(Candidate(name, None, ckpt.scheme, ckpt.params, ckpt.transforms))
+    elif not recipes:
+        raise RecipeError("name at least one --recipe (see `kvcalib eval --help` for presets)")
+    loaded = [r if isinstance(r, Recipe) else load_recipe(r) for r in recipes]
+    if any(r.needs_profile for r in loaded):
+        profile = default_profile(
+            source, profile, calibrate_missing=calibrate_missing, progress=progress
+        )
+    cands += candidates(net, loaded, profile, ckpt)
+    return score(
+        net,
+        tokenizer,
+        cands,
+        data=data,
+        seq_len=seq_len,
+        windows=windows,
+        mode=mode,
+        passkey=passkey,
+        plots=plots,
+        progress=progress,
+    )

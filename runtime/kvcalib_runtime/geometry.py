@@ -1,0 +1,143 @@
+"""The one parser of a model config's shapes: every other module asks `Geometry`.
+
+    geo = Geometry.from_config(config)        # an HF config.json dict, or a transformers config
+    geo.layers, geo.kv_heads, geo.head_dim, geo.group, geo.windows[i], geo.arch
+
+Sizes must be positive integers (JSON `true` is not an integer), whole KV-head groups, an even
+head_dim (RoPE rotates channel pairs); anything else is a FormatError naming the key. Sliding
+windows come from `layer_types` ("sliding_attention" / "full_attention") with `sliding_window`,
+or, without `layer_types`, from Mistral's `sliding_window` on every layer and Qwen2's
+`use_sliding_window` on the layers from `max_window_layers` on.
+"""
+
+from dataclasses import dataclass
+
+from kvcalib_runtime import archs
+from kvcalib_runtime.errors import FormatError
+
+CONFIG = "config.json"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _as_dict(config) -> dict:
+    if isinstance(config, dict):
+        return config
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    raise FormatError(f"{CONFIG}: expected a JSON object, not {type(config).__name__}")
+
+
+def _size(config: dict, key: str, default: int | None = None) -> int:
+    v = config.get(key)
+    if v is None and default is not None:
+        return default
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise FormatError(f"{CONFIG}: {key} = {v!r}; expected a positive integer")
+    return v
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Shapes of a decoder-only model.
+
+    layers, hidden, heads, kv_heads, head_dim, vocab, intermediate: the config's sizes
+    max_position:  the context the model was trained for (None when the config has none)
+    windows:       per layer, the sliding-window length, or None for global attention
+    arch:          the architecture table's entry (archs.ARCHITECTURES), or None when the
+                   model_type is not one the runtime serves
+    """
+
+    model_type: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    intermediate: int
+    max_position: int | None
+    windows: tuple[int | None, ...]
+    arch: archs.Arch | None
+
+    @classmethod
+    def from_config(cls, config) -> "Geometry":
+        """FormatError when a size is missing, not a positive integer, or inconsistent."""
+        config = _as_dict(config)
+        model_type = config.get("model_type")
+        if not isinstance(model_type, str):
+            raise FormatError(f"{CONFIG}: model_type = {model_type!r}; expected a string")
+        heads, hidden = _size(config, "num_attention_heads"), _size(config, "hidden_size")
+        kv_heads = _size(config, "num_key_value_heads", heads)
+        if config.get("head_dim") is None and hidden % heads:
+            raise FormatError(
+                f"{CONFIG}: hidden_size {hidden} is not a multiple of {heads} attention heads "
+                "and there is no head_dim"
+            )
+        head_dim = _size(config, "head_dim", hidden // heads)
+        if heads % kv_heads:
+            raise FormatError(
+                f"{CONFIG}: num_attention_heads = {heads} is not a multiple of "
+                f"num_key_value_heads = {kv_heads}"
+            )
+        if head_dim % 2:
+            raise FormatError(f"{CONFIG}: head_dim = {head_dim} is odd; RoPE needs pairs")
+        layers = _size(config, "num_hidden_layers")
+        max_position = (
+            _size(config, "max_position_embeddings")
+            if config.get("max_position_embeddings") is not None
+            else None
+        )
+        return cls(
+            model_type=model_type,
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            vocab=_size(config, "vocab_size"),
+            intermediate=_size(config, "intermediate_size"),
+            max_position=max_position,
+            windows=_windows(config, layers),
+            arch=archs.lookup(model_type),
+        )
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.heads // self.kv_heads
+
+    @property
+    def sliding(self) -> bool:
+        return any(w is not None for w in self.windows)
+
+    def require_arch(self) -> archs.Arch:
+        """The architecture entry, or a FormatError listing the supported families."""
+        if self.arch is None:
+            raise FormatError(
+                f"{CONFIG}: model_type {self.model_type!r} is not supported (supported: "
+                f"{archs.supported()})"
+            )
+        return self.arch
+
+
+def _windows(config: dict, layers: int) -> tuple[int | None, ...]:
+    """Per layer: the sliding window, or None (see the module docstring)."""
+    types = config.get("layer_types")
+    window = config.get("sliding_window")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers:
+            raise FormatError(f"{CONFIG}: layer_types must list one type per layer ({layers})")
+        if any(t not in LAYER_TYPES for t in types):
+            raise FormatError(f"{CONFIG}: layer_types holds a type outside {LAYER_TYPES}")
+        if "sliding_attention" in types:
+            window = _size(config, "sliding_window")
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if window is None or config.get("use_sliding_window") is False:
+        return (None,) * layers
+    window = _size(config, "sliding_window")
+    if config.get("use_sliding_window"):  # Qwen2: layers below max_window_layers are global
+        first = config.get("max_window_layers", 0)
+        if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+            raise FormatError(f"{CONFIG}: max_window_layers = {first!r}; expected an integer")
+        return tuple(window if i >= first else None for i in range(layers))
+    return (window,) * layers

@@ -1,0 +1,145 @@
+"""Memory is measured, not derived: `QuantizedCache.memory()` walks the buffers a cache holds,
+`scheme.storage_bits` is the formula that plans them (the capacity check, the bit counts). The
+two are held equal here on every layout the cache knows, and one layout is counted by hand, so
+neither can drift without a test failing. Toolkit presets get the same check at 1K/4K/32K in
+tests/toolkit/test_memory.py; on CUDA, torch.cuda.memory_allocated agrees too."""
+
+import pytest
+import torch
+
+from kvcalib_runtime.fpcache import FullPrecisionCache
+from kvcalib_runtime.kvcache import QuantizedCache, planned_memory
+from kvcalib_runtime.quant import QuantSpec
+from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, storage_bits
+from kvcalib_runtime.transforms import Transforms
+
+HKV, D = 3, 64
+LAYOUTS = {
+    "kivi": (QuantSpec(2, "channel", 32), QuantSpec(2, group_size=32), dict(key_flush=32)),
+    "static-slots": (
+        QuantSpec(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error"),
+        QuantSpec(2, symmetric=True, codebook=True),
+        dict(key_position="pre_rope"),
+    ),
+    "vector": (QuantSpec(3, "static"), QuantSpec(3, "vector", outliers=0.01), {}),
+    "token-outliers": (QuantSpec(4, group_size=16, outliers=0.1), None, {}),
+    "exact-keys": (None, QuantSpec(8, symmetric=True), {}),
+}
+
+
+def _params(scheme: KVScheme) -> KVParams:
+    params = KVParams()
+    for i, layer in enumerate(scheme.layers):
+        for name, spec in (("key", layer.key), ("value", layer.value)):
+            if spec is not None and spec.granularity == "static":
+                getattr(params, f"{name}_range")[i] = (-torch.ones(HKV, D), torch.ones(HKV, D))
+            if spec is not None and spec.codebook:
+                book = torch.linspace(-1 if spec.symmetric else 0, 1, spec.levels)
+                getattr(params, f"{name}_codebook")[i] = book
+    return params
+
+
+def _scheme(name: str, layers: int = 2) -> KVScheme:
+    key, value, extra = LAYOUTS[name]
+    return KVScheme(
+        tuple(LayerScheme(key, value, **extra) for _ in range(layers)),
+        residual=32,
+        sinks_first=1,
+        sink_budget=3,
+    )
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("context", [1, 97, 1024, 32768])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_the_formula_is_what_the_buffers_hold(name, context, batch):
+    scheme = _scheme(name)
+    params = _params(scheme)
+    memory = planned_memory(
+        scheme,
+        params,
+        Transforms.online(scheme, params),
+        num_layers=2,
+        kv_heads=HKV,
+        head_dim=D,
+        context=context,
+        batch=batch,
+    )
+    bits = storage_bits(scheme, HKV, D, context, batch=batch)
+    assert sum(memory.values()) * 8 == bits.total
+    assert memory["body"] * 8 == bits.body + bits.constants
+    assert memory["ring"] * 8 == bits.ring
+    assert memory["sinks"] * 8 == bits.sinks
+
+
+def test_one_layout_counted_by_hand():
+    """kvcalib-2's layout at 1024 tokens, one layer, 3 KV heads of 64 channels, fp16: keys are
+    2-bit codes (16 bytes a row) + 1 slot (1-byte index + 2-byte delta) per row, with per-layer
+    constants (fp16 scale + offset and fp32 lo + hi per channel, fp32 4 levels + 3 thresholds
+    per head); values 16 bytes of codes + an fp16 scale per row, the same codebook constants;
+    a ring of 32 and 4 sink slots of fp16 for both; bookkeeping (is_sink bytes, int64 lengths,
+    body sizes, sink positions)."""
+    scheme = _scheme("static-slots", layers=1)
+    params = _params(scheme)
+    cache = QuantizedCache(
+        scheme,
+        params,
+        Transforms.online(scheme, params),
+        num_layers=1,
+        batch=1,
+        kv_heads=HKV,
+        head_dim=D,
+        max_len=1024,
+        device="cpu",
+        dtype=torch.float16,
+    )
+    rows = 1024 * HKV
+    codebook = HKV * (4 + 3) * 4
+    keys = rows * (16 + 3) + HKV * D * (2 + 2 + 4 + 4) + codebook
+    values = rows * (16 + 2) + codebook
+    ring = 2 * HKV * 32 * D * 2
+    sinks = 2 * HKV * 4 * D * 2 + 4 * 8
+    bookkeeping = 1024 + 8 + 2 * 8
+    assert cache.memory() == {
+        "body": keys + values,
+        "ring": ring,
+        "sinks": sinks,
+        "bookkeeping": bookkeeping,
+    }
+    assert cache.bytes_per_token() == (keys + values + ring + sinks + bookkeeping) / 1024
+
+
+def test_an_fp16_cache_is_its_keys_and_values():
+    cache = FullPrecisionCache(30, 2, HKV, D, 4096, "meta", torch.float16)
+    assert cache.bytes_per_token() == 2 * 30 * HKV * D * 2
+
+
+@pytest.mark.gpu
+def test_cuda_allocates_what_the_walk_counts():
+    scheme = _scheme("static-slots", layers=4)
+    params = _params(scheme)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    cache = QuantizedCache(
+        scheme,
+        params,
+        Transforms.online(scheme, params),
+        num_layers=4,
+        batch=2,
+        kv_heads=HKV,
+        head_dim=D,
+        max_len=8192,
+        device="cuda",
+        dtype=torch.float16,
+    )
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_allocated() - before
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for part in cache.parts().values()
+        for t in part
+        if t.is_cuda
+    }
+    on_gpu = sum(storages.values())
+    # the caching allocator rounds each block up to 512 bytes: at most that per tensor
+    assert on_gpu <= grown <= on_gpu + 512 * len(storages)
