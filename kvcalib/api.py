@@ -20,14 +20,17 @@ import torch
 from kvcalib.calibration import PHASES, Settings, calibrate
 from kvcalib.calibration.codebooks import preset_variants
 from kvcalib.conversion.convert import convert as convert_checkpoint
+from kvcalib.core import options, preflight
 from kvcalib.core.models import ModelSource, cache_dir, load_model, resolve
 from kvcalib.core.profile import FORMAT_VERSION, Profile
 from kvcalib.core.recipe import Recipe, load_recipe
 from kvcalib.errors import ProfileError, RecipeError
 from kvcalib.evaluation.score import Candidate, Result, candidates, score
+from kvcalib.io import atomic
 from kvcalib_runtime.format import META, read_checkpoint
 
 __all__ = ["PHASES", "Settings", "calibrate", "convert", "default_profile", "evaluate"]
+CONVERTED = "converted checkpoint"  # the kind of output convert writes (atomic.KINDS)
 
 
 def _stderr(line: str) -> None:
@@ -54,13 +57,11 @@ def default_profile(
     """`profile` (a folder or a Profile) checked against `source`; without one, the default
     calibration of `source`, computed once and cached (announced through `log` first, or
     refused with a ProfileError when `calibrate_missing` is False)."""
-    if isinstance(profile, Profile):
+    if profile is not None and not isinstance(profile, str | os.PathLike):  # a loaded Profile
         profile.check_model(source)
         return profile
     if profile is not None:
-        loaded = Profile.load(profile)
-        loaded.check_model(source)
-        return loaded
+        return Profile.load(profile, source)
     path = default_profile_path(source)
     if not path.is_dir():
         what = (
@@ -87,12 +88,15 @@ def convert(
     profile=None,
     calibrate_missing: bool = True,
     trust_remote_code: bool = False,
-    **options,
+    **kwargs,
 ) -> Path:
     """`kvcalib.conversion.convert.convert` with the default profile when the recipe needs one
-    and none is given (see `default_profile`); `options` as that function takes them."""
+    and none is given (see `default_profile`, run only once the output is known to be
+    writable); `kwargs` as that function takes them."""
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     if profile is None and recipe.needs_profile:
+        reads = preflight.inputs(model, recipes=[recipe.source])
+        atomic.check_output(Path(output), kwargs.get("force", False), reads, CONVERTED)
         source = resolve(model, trust_remote_code=trust_remote_code)
         profile = default_profile(source, calibrate_missing=calibrate_missing)
     return convert_checkpoint(
@@ -101,7 +105,7 @@ def convert(
         output=output,
         profile=profile,
         trust_remote_code=trust_remote_code,
-        **options,
+        **kwargs,
     )
 
 
@@ -117,7 +121,7 @@ def evaluate(
     passkey: bool = False,
     plots: str | Path | None = None,
     device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: str | torch.dtype = torch.float32,
     progress: bool = True,
     calibrate_missing: bool = True,
     trust_remote_code: bool = False,
@@ -127,24 +131,42 @@ def evaluate(
     A converted folder (one with kvcalib.json) is evaluated with its own side-car as the recipe
     "<name> (converted)", besides any `recipes`. Recipes that need calibrated tensors use
     `profile` (a folder or a Profile), else the default profile (`default_profile`).
+    Every option, recipe, profile and the side-car are checked before the model loads.
+    `dtype` is a name ("float32") or a torch dtype.
     """
-    source = resolve(model, trust_remote_code=trust_remote_code)
-    net, tokenizer = load_model(
-        model, device=device, dtype=dtype, trust_remote_code=trust_remote_code
+    reads = preflight.inputs(model, data=data, profile=profile, recipes=recipes)
+    preflight.evaluate_options(
+        seq_len=seq_len,
+        windows=windows,
+        mode=mode,
+        device=device,
+        dtype=dtype,
+        data=data,
+        plots=plots,
+        reads=reads,
     )
-    cands, ckpt = [], None
-    if (source.path / META).is_file():
-        ckpt = read_checkpoint(source.path)
-        name = f"{ckpt.meta['recipe']['name']} (converted)"
-        cands.append(Candidate(name, None, ckpt.scheme, ckpt.params, ckpt.transforms))
-    elif not recipes:
-        raise RecipeError("name at least one --recipe (see `kvcalib eval --help` for presets)")
     loaded = [r if isinstance(r, Recipe) else load_recipe(r) for r in recipes]
-    if any(r.needs_profile for r in loaded):
+    source = resolve(model, trust_remote_code=trust_remote_code)
+    preflight.context(source, seq_len)
+    ckpt = read_checkpoint(source.path) if (source.path / META).is_file() else None
+    if ckpt is None and not recipes:
+        raise RecipeError("name at least one --recipe (see `kvcalib eval --help` for presets)")
+    if profile is not None or any(r.needs_profile for r in loaded):
         profile = default_profile(
             source, profile, calibrate_missing=calibrate_missing, progress=progress
         )
-    cands += candidates(net, loaded, profile, ckpt)
+    cands = []
+    if ckpt is not None:
+        name = f"{ckpt.meta['recipe']['name']} (converted)"
+        cands.append(Candidate(name, None, ckpt.scheme, ckpt.params, ckpt.transforms))
+    config = json.loads((source.path / "config.json").read_text())
+    cands += candidates(config, loaded, profile, ckpt)  # every recipe planned before the load
+    net, tokenizer = load_model(
+        model,
+        device=device,
+        dtype=options.dtype("--dtype", dtype),
+        trust_remote_code=trust_remote_code,
+    )
     return score(
         net,
         tokenizer,

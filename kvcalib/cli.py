@@ -9,13 +9,19 @@ from kvcalib_runtime.errors import KvcalibRuntimeError
 
 
 class _Group(click.Group):
-    """Expected failures print one line and exit 2; anything else keeps its traceback."""
+    """Expected failures print one line and exit 2 (a bad option too, as click's own usage
+    errors do); anything else keeps its traceback."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except (KvcalibError, KvcalibRuntimeError) as e:
             click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+        except click.UsageError as e:
+            name = e.ctx.command_path if e.ctx is not None else "kvcalib"
+            message = " ".join(e.format_message().splitlines())
+            click.echo(f"error: {message} (see {name} --help)", err=True)
             sys.exit(2)
 
 
@@ -54,8 +60,8 @@ def inspect(path, trust_remote_code):
     type=click.Path(),
     help=".txt, .jsonl, builtin:licenses or builtin:chat (default: built-in text).",
 )
-@click.option("--seq-len", default=1024, show_default=True)
-@click.option("--windows", default=4, show_default=True)
+@click.option("--seq-len", default=1024, show_default=True, help="Tokens per window (>= 2).")
+@click.option("--windows", default=4, show_default=True, help="Windows of text (>= 1).")
 @click.option("--mode", type=click.Choice(["fake", "decode"]), default="decode", show_default=True)
 @click.option("--passkey", is_flag=True, help="Also measure passkey retrieval at 1K/2K/4K.")
 @click.option("--plots", type=click.Path(), help="Write key-error and token-0 plots here.")
@@ -88,15 +94,14 @@ def eval_(
     import json
     from pathlib import Path
 
-    import torch
-
     from kvcalib.api import evaluate
-    from kvcalib.errors import OutputError
+    from kvcalib.core.preflight import inputs
     from kvcalib.evaluation.score import format_table
-    from kvcalib.io.atomic import file_staging
+    from kvcalib.io.atomic import check_file_output, file_staging
 
-    if json_out and not Path(json_out).resolve().parent.is_dir():
-        raise OutputError(f"--json {json_out}: its folder does not exist; create it first")
+    if json_out:
+        reads = inputs(model, data=data, profile=profile, recipes=recipes)
+        check_file_output(Path(json_out), reads, "--json")
     results = evaluate(
         model,
         list(recipes),
@@ -108,7 +113,7 @@ def eval_(
         passkey=passkey,
         plots=plots,
         device=device,
-        dtype=getattr(torch, dtype),
+        dtype=dtype,
         trust_remote_code=trust_remote_code,
     )
     click.echo(format_table(results))
@@ -191,21 +196,9 @@ def convert(
     default=None,
     help=".txt, .jsonl, builtin:licenses or builtin:chat (default: built-in calibration text).",
 )
-@click.option(
-    "--num-samples",
-    type=click.IntRange(min=1),
-    default=16,
-    show_default=True,
-    help="Calibration windows.",
-)
-@click.option(
-    "--seq-len",
-    type=click.IntRange(min=16),
-    default=512,
-    show_default=True,
-    help="Tokens per window.",
-)
-@click.option("--seed", default=0, show_default=True, help="Seed of the window starts.")
+@click.option("--num-samples", default=16, show_default=True, help="Calibration windows (>= 1).")
+@click.option("--seq-len", default=512, show_default=True, help="Tokens per window (>= 16).")
+@click.option("--seed", default=0, show_default=True, help="Seed of the window starts (>= 0).")
 @click.option(
     "--device",
     default="cpu",
@@ -272,17 +265,14 @@ def calibrate_(
 @main.command("generate")
 @click.argument("converted_dir")
 @click.option("--prompt", required=True, help="Text to complete.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--max-new-tokens", default=128, show_default=True, help="Tokens to generate.")
 @click.option("--device", default=None, help="Torch device (default: cuda if available, else cpu).")
+@click.option("--temperature", default=0.0, show_default=True, help="0 is greedy decoding.")
 @click.option(
-    "--temperature",
-    type=click.FloatRange(min=0.0),
-    default=0.0,
-    show_default=True,
-    help="0 is greedy decoding.",
+    "--top-p", default=1.0, show_default=True, help="Nucleus mass when sampling, in (0, 1]."
 )
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the folder's chat template.")
-def generate_(converted_dir, prompt, max_new_tokens, device, temperature, chat):
+def generate_(converted_dir, prompt, max_new_tokens, device, temperature, top_p, chat):
     """Stream a converted checkpoint's completion of --prompt through its quantized KV cache,
     then print decode tokens/s and the cache's bytes per token against fp16."""
     from kvcalib.generate import format_report, generate_text
@@ -293,6 +283,7 @@ def generate_(converted_dir, prompt, max_new_tokens, device, temperature, chat):
         max_new_tokens=max_new_tokens,
         device=device,
         temperature=temperature,
+        top_p=top_p,
         chat=chat,
         on_text=lambda text: click.echo(text, nl=False),
     )

@@ -29,8 +29,13 @@ class ProfileError(KvcalibError):
 
 
 class OutputError(KvcalibError):
-    """An output folder that exists (without --force) or cannot be written."""
+    """An output folder that exists (without --force), overlaps an input or cannot be written."""
+
+
+class OptionError(KvcalibError, ValueError):
+    """An option out of its range (a count, a probability, a device, a dtype); a ValueError too,
+    as Python callers expect of a bad argument."""
 
 
 class NumericsError(KvcalibError):
-    """NaN or Inf in activations."""
+    """NaN or Inf in activations, logits or scores."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 import kvcalib_runtime
+from kvcalib.core import preflight
 from kvcalib.errors import ModelError
 
 KIB = 1024
@@ -59,15 +60,26 @@ def generate_text(
     max_new_tokens: int = 128,
     device: str | None = None,
     temperature: float = 0.0,
+    top_p: float = 1.0,
     chat: bool = False,
     on_text: Callable[[str], None] | None = None,
 ) -> GenerationReport:
     """Generate up to `max_new_tokens` after `prompt` with the converted checkpoint at `path`.
 
     device:  default "cuda" when available, else "cpu"
+    temperature, top_p: 0 is greedy; else sampling from the top_p nucleus
     chat:    wrap the prompt as one user message in the folder's chat template
     on_text: called with each new piece of text as soon as it decodes to whole characters
+    Every option and the folder's kind are checked before the checkpoint loads.
     """
+    preflight.generate(
+        path,
+        prompt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        device=device,
+    )
     model = kvcalib_runtime.load(path, device=device)
     if chat:
         ids = model.tokenizer.encode(chat_prompt(path, prompt), add_special_tokens=False).ids
@@ -82,7 +94,9 @@ def generate_text(
             stream.push(tokens[0])
 
     start = time.perf_counter()
-    [new] = model.generate([ids], max_new_tokens, temperature=temperature, callback=step)
+    [new] = model.generate(
+        [ids], max_new_tokens, temperature=temperature, top_p=top_p, callback=step
+    )
     if stream is not None:
         stream.close()
     return GenerationReport(

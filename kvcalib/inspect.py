@@ -8,27 +8,32 @@ from kvcalib.conversion.convert import checkpoint_summary
 from kvcalib.core import models
 from kvcalib.core.profile import FORMAT_VERSION, Profile
 from kvcalib.core.profile import META as PROFILE_META
+from kvcalib.errors import ProfileError
 from kvcalib_runtime.format import META
+from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.quant import QuantSpec
 
 
 def model_summary(spec: str | None, *, trust_remote_code: bool = False) -> str:
     """Architecture and KV-cache size per token of a model (its config only: no weights load)."""
-    source = models.resolve(spec, trust_remote_code=trust_remote_code)
+    source = models.resolve(spec, trust_remote_code=trust_remote_code)  # config checked
     cfg = json.loads((source.path / "config.json").read_text())
-    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", heads)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    geo = Geometry.from_config(cfg)
+    layers, heads, kv_heads, head_dim = geo.layers, geo.heads, geo.kv_heads, geo.head_dim
     rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta")}
+    rope = rope if isinstance(rope, dict) else {}
+    theta = rope.get("rope_theta")
+    theta = f"{theta:g}" if isinstance(theta, int | float) else "?"
+    classes = cfg.get("architectures") or ["?"]
     elements = 2 * layers * kv_heads * head_dim  # keys and values of one token, all layers
     lines = [
         f"model        {source.spec}  ({source.path})",
-        f"architecture {cfg['model_type']}  {cfg.get('architectures', ['?'])[0]}",
+        f"architecture {cfg['model_type']}  {classes[0]}",
         f"layers       {layers}",
         f"heads        {heads} query / {kv_heads} key-value (GQA {heads // kv_heads}:1)",
-        f"head_dim     {head_dim}   hidden {cfg['hidden_size']}",
-        f"RoPE         {rope.get('rope_type', 'default')}, theta {rope.get('rope_theta'):g}",
-        f"context      {cfg.get('max_position_embeddings')} tokens",
+        f"head_dim     {head_dim}   hidden {geo.hidden}",
+        f"RoPE         {rope.get('rope_type', 'default')}, theta {theta}",
+        f"context      {geo.max_position} tokens",
         "KV cache per token (keys + values, all layers):",
         f"  fp16       {elements * 2:>8,} bytes",
     ]
@@ -54,6 +59,11 @@ def summary(path: str | None, *, trust_remote_code: bool = False) -> str:
 def profile_summary(path) -> str:
     """What `kvcalib inspect PROFILE_DIR` prints."""
     profile = Profile.load(path)
-    return "\n".join(
-        [f"profile      {profile.path}  (format {FORMAT_VERSION})", *summary_lines(profile)]
-    )
+    try:
+        lines = summary_lines(profile)
+    except (KeyError, TypeError, IndexError, ValueError) as e:  # profile.json fields it reports
+        raise ProfileError(
+            f"profile {path}: {PROFILE_META} lacks or garbles a field the summary reports "
+            f"({type(e).__name__}: {e}); recalibrate with kvcalib calibrate"
+        ) from None
+    return "\n".join([f"profile      {profile.path}  (format {FORMAT_VERSION})", *lines])

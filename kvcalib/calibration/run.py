@@ -32,8 +32,9 @@ from kvcalib.calibration.observe import POSITION_BITS, stats_pass
 from kvcalib.calibration.report import write_report
 from kvcalib.calibration.sinks import later_sinks, local_span
 from kvcalib.calibration.stats import outlier_list, range_ratio
+from kvcalib.core import options, preflight
 from kvcalib.core.data import calibration_windows, describe
-from kvcalib.core.models import load_model, resolve
+from kvcalib.core.models import load_model
 from kvcalib.core.profile import (
     FORMAT_VERSION,
     OUTLIER_FRACTIONS,
@@ -47,7 +48,7 @@ from kvcalib.sim.layerwise import ActivationStore, LayerwiseModel, fits_in_memor
 from kvcalib_runtime.geometry import Geometry
 
 PHASES = ("stats", "sensitivity", "codebooks")
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES, DTYPE_NAMES = options.DTYPES, options.DTYPE_NAMES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,9 +122,21 @@ def calibrate(
                  in memory (implies sequential)
     """
 
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype = {dtype!r}: use one of {', '.join(DTYPES)}")
-    check_output(Path(output_dir), force, [])  # before minutes of work, not after
+    clock = time.perf_counter()
+    source = preflight.calibrate(  # every input and option, before minutes of work, not after
+        model,
+        output_dir,
+        data=data,
+        num_samples=num_samples,
+        seq_len=seq_len,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        force=force,
+        offload_dir=offload_dir,
+        trust_remote_code=trust_remote_code,
+    )
+    dtype = DTYPE_NAMES[options.dtype("--dtype", dtype)]
     if offload_dir is not None:
         if sequential is False:
             raise OutputError(
@@ -131,8 +144,6 @@ def calibrate(
                 "only a sequential calibration offloads; drop --in-memory or --offload-dir"
             )
         sequential = True
-    clock = time.perf_counter()
-    source = resolve(model, trust_remote_code=trust_remote_code)
     if sequential is None:
         sequential = not fits_in_memory(source.path, DTYPES[dtype], device, quiet=not progress)
     if sequential:
@@ -194,15 +205,16 @@ def calibrate_model(
             f"--seq-len {seq_len} exceeds the model's context ({max_len} tokens): use at most that"
         )
     out = Path(output_dir)
-    check_output(out, force, [])
+    check_output(out, force, [], kind="profile")
     timings = dict(timings or {})
     layerwise = isinstance(model, LayerwiseModel)
     if offload_dir is not None and not layerwise:
         raise ValueError("offload_dir: only a LayerwiseModel (layer by layer) offloads")
     device = model.device if layerwise else next(model.parameters()).device
     dtype = model.dtype if layerwise else next(model.parameters()).dtype
+    vocab = model.config.vocab_size
     ids = calibration_windows(
-        tokenizer, data, num_samples=num_samples, seq_len=seq_len, seed=seed
+        tokenizer, data, num_samples=num_samples, seq_len=seq_len, seed=seed, vocab=vocab
     ).to(device)
     layers = model.config.num_hidden_layers
     sens_ids = ids[: settings.sensitivity_windows, : settings.sensitivity_tokens]

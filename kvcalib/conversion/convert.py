@@ -25,21 +25,23 @@ from safetensors.torch import save_file
 
 from kvcalib.conversion import export as exports
 from kvcalib.conversion import rotate
-from kvcalib.core import models
+from kvcalib.core import models, options
 from kvcalib.core.plan import plan
 from kvcalib.core.profile import Profile
 from kvcalib.core.recipe import Recipe, load_recipe
-from kvcalib.errors import ModelError, OutputError, ProfileError, RecipeError
+from kvcalib.errors import ModelError, OptionError, ProfileError, RecipeError
 from kvcalib.io import atomic
 from kvcalib.io.shards import ShardWriter, SourceWeights, TensorSpec, parse_size
 from kvcalib_runtime import archs, format
+from kvcalib_runtime.errors import FormatError
 from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.hadamard import is_supported
 from kvcalib_runtime.kvcache import planned_memory
+from kvcalib_runtime.loader import check_servable, read_tokenizer
 from kvcalib_runtime.transforms import FUSED, NONE, ONLINE, LayerTransforms, Transforms
 from kvcalib_runtime.transforms import KINDS as TRANSFORM_KINDS
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPES = options.DTYPES
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Copied byte for byte from the source when present (tokenizer.json is required).
 COPIED = (
@@ -100,10 +102,10 @@ def convert(
                      model_type) and the output's config.json drops the auto_map
     """
     out = Path(output).expanduser()
-    if dtype is not None and dtype not in DTYPES:
-        raise OutputError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    if dtype is not None:
+        dtype = options.DTYPE_NAMES[options.dtype("--dtype", dtype)]
     if export is not None and export not in format.EXPORTS:
-        raise OutputError(f"export {export!r}: use one of {', '.join(format.EXPORTS)}")
+        raise OptionError(f"--export {export!r}: use one of {', '.join(format.EXPORTS)}")
     max_bytes = parse_size(max_shard_size)
     source = models.resolve(model, trust_remote_code=trust_remote_code)
     if (source.path / format.META).exists():
@@ -118,7 +120,9 @@ def convert(
         )
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     profile_path = str(profile) if isinstance(profile, str | os.PathLike) else None
-    atomic.check_output(out, force, [source.path] + ([Path(profile_path)] if profile_path else []))
+    inputs = [source.path] + ([Path(profile_path)] if profile_path else [])
+    inputs += [Path(recipe.source)] if Path(recipe.source).is_file() else []
+    atomic.check_output(out, force, inputs, kind="converted checkpoint")
     config = json.loads((source.path / format.CONFIG).read_text())
     geo = Geometry.from_config(config)
     profile = _load_profile(profile, source)
@@ -127,13 +131,15 @@ def convert(
             f"--export {export} takes its FP8 scales from calibrated key and "
             "value ranges: pass --profile DIR"
         )
-    scheme, params = plan(recipe, num_layers=geo.layers, head_dim=geo.head_dim, profile=profile)
+    scheme, params = plan(recipe, geometry=geo, profile=profile)
     weights = SourceWeights(source.path)
     job = _decide(recipe, scheme, params, config, geo, weights, rotate_residual)
     if export:
         scales = exports.kv_scales(profile, scheme, params, job.transforms)
         job = dataclasses.replace(job, extra=scales)
     groups = _groups(weights, job, DTYPES.get(dtype))
+    out_config = _out_config(config, job, dtype, export)
+    _check_servable(source, recipe, out_config, groups, scheme, params, job)
     meta = {
         "format_version": format.FORMAT_VERSION,
         "source": {"spec": source.spec, "fingerprint": source.fingerprint},
@@ -150,9 +156,7 @@ def convert(
     }  # fmt: skip
     with atomic.staging(out, force) as tmp:
         hashes = _write_weights(tmp, weights, groups, job, max_bytes)
-        hashes[format.CONFIG] = _write_json(
-            tmp / format.CONFIG, _out_config(config, job, dtype, export)
-        )
+        hashes[format.CONFIG] = _write_json(tmp / format.CONFIG, out_config)
         hashes[format.META] = _write_json(tmp / format.META, meta)
         for name in COPIED:
             if (source.path / name).is_file():
@@ -163,6 +167,23 @@ def convert(
         _write_json(tmp / format.MANIFEST, manifest)
         format.read_checkpoint(tmp, hashes=False)  # hashed while writing: no second read
     return out
+
+
+def _check_servable(source, recipe, config: dict, groups, scheme, params, job: _Job) -> None:
+    """Refuse, before a byte is written, what kvcalib_runtime.load or generate would refuse
+    in the output: its tokenizer, its weights against its config.json, its KV cache."""
+    try:
+        read_tokenizer(source.path, job.geo.vocab)
+    except FormatError as e:
+        raise ModelError(f"model {source.spec}: {e}") from None
+    shapes = {s.name: s.shape for g in groups for s in g.specs}
+    try:
+        check_servable(config, shapes, scheme, params, job.transforms)
+    except (FormatError, ValueError) as e:
+        raise RecipeError(
+            f"recipe {recipe.name} on model {source.spec}: the runtime could not serve the "
+            f"result ({e}); pick a recipe and model it serves"
+        ) from None
 
 
 def _out_config(config: dict, job: _Job, dtype: str | None, export: str | None) -> dict:
@@ -336,7 +357,7 @@ def _load_profile(profile, source: models.ModelSource):
     if profile is None:
         return None
     if isinstance(profile, str | os.PathLike):
-        profile = Profile.load(profile)
+        return Profile.load(profile, source)
     profile.check_model(source)
     return profile
 

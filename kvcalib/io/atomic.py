@@ -1,6 +1,8 @@
 """Atomic output folders: everything is written into a temporary sibling, then renamed.
 
-    check_output(out, force, inputs)    # early: exists without force, overlaps an input
+    check_output(out, force, inputs, kind)   # early: unwritable, exists without force, of
+                                             # another kind, overlaps an input
+    check_file_output(path, inputs, "--json")  # the same for one output file
     with staging(out, force) as tmp:    # write into tmp; on success tmp becomes out
         ...
     with file_staging(path) as tmp:     # the same for one file (replaced, never half-written)
@@ -29,19 +31,65 @@ from kvcalib.errors import OutputError
 TMP_MARK = ".kvcalib-tmp-"
 
 
-def check_output(out: Path, force: bool, inputs: list[Path]) -> None:
-    """Refuse, before any work, an output that exists (without force) or overlaps an input."""
-    if (out.exists() or out.is_symlink()) and not force:
-        raise OutputError(f"output {out} exists; pass --force to replace it")
+# What kvcalib writes, by the file that marks it: --force replaces only an output of its kind.
+KINDS = {"profile": "profile.json", "converted checkpoint": "kvcalib.json"}
+_MARKS = {**{mark: f"a {kind}" for kind, mark in KINDS.items()}, "config.json": "a model folder"}
+
+
+def check_output(out: Path, force: bool, inputs: list[Path], kind: str | None = None) -> None:
+    """Refuse, before any work, an output folder that cannot be written (a parent that is a
+    file or not writable), that is a file or a link, that holds something other than a `kind`
+    output (KINDS; even with force), that exists (without force), or that overlaps an input."""
+    out = Path(out)
+    check_writable(out)
     if out.exists() and (out.is_symlink() or not out.is_dir()):
         raise OutputError(f"output {out} is a file or a link; remove it or pick another output")
-    target = out.resolve()
+    names = {p.name for p in out.iterdir()} if kind is not None and out.is_dir() else set()
+    if names and KINDS[kind] not in names:
+        what = next((w for m, w in _MARKS.items() if m in names), "a folder of other files")
+        raise OutputError(
+            f"output {out} is {what}, not a {kind}: pick another output (kvcalib replaces "
+            f"only an earlier {kind})"
+        )
+    if (out.exists() or out.is_symlink()) and not force:
+        raise OutputError(f"output {out} exists; pass --force to replace it")
+    check_apart(out, inputs, "folder")
+
+
+def check_file_output(path: Path, inputs: list[Path], option: str) -> None:
+    """Refuse, before any work, an output file (`option` names it) whose folder is missing or
+    not writable, that is a folder, or that is an input or lies inside one."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise OutputError(f"{option} {path}: its folder does not exist; create it first")
+    check_writable(path, option)
+    if path.is_dir() or (path.exists() and not path.is_file()):
+        raise OutputError(f"{option} {path}: a folder or special file is there; name a file")
+    check_apart(path, inputs, "file", option)
+
+
+def check_writable(out: Path, option: str = "output") -> None:
+    """OutputError unless the nearest existing folder above `out` is a folder this process can
+    write in (`option` names the output in the message)."""
+    parent = out.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise OutputError(f"{option} {out}: {parent} is a file, not a folder; pick another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"{option} {out}: cannot write in {parent} (permission denied)")
+
+
+def check_apart(out: Path, inputs: list[Path], what: str, option: str = "output") -> None:
+    """OutputError when the output `what` ("file" or "folder") is an input or lies inside one
+    (or, a folder, holds one)."""
+    target = Path(out).resolve()
     for p in inputs:
-        p = p.resolve()
-        if target == p or target in p.parents or p in target.parents:
+        p = Path(p).resolve()
+        if target == p or p in target.parents or (what == "folder" and target in p.parents):
             raise OutputError(
-                f"output {out} overlaps the input {p}; pick an output folder "
-                "outside it (inputs are never modified)"
+                f"{option} {out} overlaps the input {p}; pick an output {what} outside it "
+                "(inputs are never modified)"
             )
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvcalib.errors import ModelError, OutputError
+from kvcalib.errors import ModelError, OptionError
 from kvcalib_runtime.format import DTYPE_NAMES, DTYPES, INDEX, SINGLE
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -37,9 +37,10 @@ def parse_size(size: int | str) -> int:
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         return size
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", str(size).upper())
-    if m is None or float(m.group(1)) <= 0:
-        raise OutputError(f"max_shard_size {size!r}: use a size such as 5GB, 500MB or 2GiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+    size_bytes = int(float(m.group(1)) * _UNITS[m.group(2) or ""]) if m else 0
+    if size_bytes < 1:
+        raise OptionError(f"--max-shard-size {size!r}: use a size such as 5GB, 500MB or 2GiB")
+    return size_bytes
 
 
 @dataclass(frozen=True)

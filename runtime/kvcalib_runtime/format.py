@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from kvcalib_runtime import checks
 from kvcalib_runtime.errors import FormatError
 from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.scheme import KVParams, KVScheme
@@ -34,6 +35,8 @@ SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 FUSED_V1 = ("key_smooth", "residual_rotation", "value_rotation")  # version 1 `fused`
 EXPORTS = ("vllm-fp8",)
+# Tensors an export adds beside the model's (vLLM's FP8 KV-cache scales); the runtime skips them.
+EXPORT_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.[kv]_scale")
 # safetensors dtype names -> torch dtypes (the safetensors spec's table, minus unsigned > 8 bits).
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -113,6 +116,8 @@ def read_header(
     def fail(msg):
         raise FormatError(f"{path.name}: {msg}; the file is damaged - {fix}")
 
+    if not path.is_file():  # a FIFO would block the open, a device never end
+        raise FormatError(f"{path.name}: not a regular file; {fix}")
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -166,6 +171,8 @@ def _ints(x) -> bool:
 
 
 def _json(path: Path) -> dict:
+    if path.exists() and not path.is_file():  # a FIFO would block the read
+        raise FormatError(f"{path.name}: not a regular file; pass the folder kvcalib convert wrote")
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -214,7 +221,7 @@ def verify_manifest(path: Path, *, hashes: bool = True) -> dict[str, dict]:
     for name in sorted(files):
         file, entry = path / name, files[name]
         if not file.is_file():
-            raise FormatError(f"{name}: not a regular file")
+            raise FormatError(f"{name}: not a regular file; convert the model again")
         changed = file.stat().st_size != entry["size"]
         if changed or (hashes and sha256_file(file) != entry["sha256"]):
             raise FormatError(
@@ -363,22 +370,26 @@ def _transforms(meta: dict, scheme: KVScheme, params: KVParams) -> Transforms:
 
 def _read_params(path: Path, num_layers: int, kv_heads: int, head_dim: int) -> KVParams:
     tensors, _ = read_header(path)
+
+    def fail(msg: str):
+        raise FormatError(f"{PARAMS}: {msg}; convert the model again")
+
     for name, info in tensors.items():
         m = _PARAM_NAMES.fullmatch(name)
         if m is None:
-            raise FormatError(
-                f"{PARAMS}: unknown tensor {name!r}; names are those of "
+            fail(
+                f"unknown tensor {name!r}; names are those of "
                 "KVParams.tensors() (layers.{i}.key_range_lo, ..., sink_predictor.*)"
             )
         if m.group(1) is not None and int(m.group(1)) >= num_layers:
-            raise FormatError(f"{PARAMS}: {name!r} names a layer past the model's {num_layers}")
+            fail(f"{name!r} names a layer past the model's {num_layers}")
         want, fits = _PARAM_SHAPES.get(m.group(2) or m.group(3), ("", None))
         if fits is not None and not fits(info.shape):
-            raise FormatError(f"{PARAMS}: {name!r} has shape {list(info.shape)}, expected {want}")
+            fail(f"{name!r} has shape {list(info.shape)}, expected {want}")
         integer = m.group(3) in ("dims", "layer")
         floating = info.dtype in ("F32", "F16", "BF16")
         if integer != (info.dtype == "I64") or not (integer or floating):
-            raise FormatError(f"{PARAMS}: {name!r} has dtype {info.dtype}")
+            fail(f"{name!r} has dtype {info.dtype}")
         if m.group(2) in (
             "key_smooth",
             "key_range_lo",
@@ -386,18 +397,18 @@ def _read_params(path: Path, num_layers: int, kv_heads: int, head_dim: int) -> K
             "value_range_lo",
             "value_range_hi",
         ) and info.shape != (kv_heads, head_dim):
-            raise FormatError(
-                f"{PARAMS}: {name!r} has shape {list(info.shape)}, expected "
+            fail(
+                f"{name!r} has shape {list(info.shape)}, expected "
                 f"[{kv_heads}, {head_dim}] (KV heads, head_dim)"
             )
     names = set(tensors)
     for name in names:
         pair = re.sub(r"_(lo|hi)$", lambda m: "_hi" if m.group(1) == "lo" else "_lo", name)
         if pair not in names:
-            raise FormatError(f"{PARAMS}: {name!r} without its partner {pair!r}")
+            fail(f"{name!r} without its partner {pair!r}")
     sink = {f"sink_predictor.{k}" for k in ("dims", "threshold", "layer")}
     if names & sink and not sink <= names:
-        raise FormatError(f"{PARAMS}: the sink predictor needs all of {sorted(sink)}")
+        fail(f"the sink predictor needs all of {sorted(sink)}")
     return KVParams.from_tensors(load_file(path))
 
 
@@ -440,18 +451,23 @@ def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
     try:
         scheme = KVScheme.from_json(meta["scheme"])
     except (KeyError, TypeError, ValueError) as e:
-        raise FormatError(f"{META}: scheme is malformed ({type(e).__name__}: {e})") from None
-    if len(scheme.layers) != layers:
-        raise FormatError(f"{META}: scheme has {len(scheme.layers)} layers, {CONFIG} {layers}")
-    params = _read_params(path / PARAMS, layers, kv_heads, head_dim)
-    sp = params.sink_predictor
-    if sp is not None and not (
-        0 <= sp.layer < layers and all(0 <= d < geo.hidden for d in sp.dims)
-    ):
         raise FormatError(
-            f"{PARAMS}: sink_predictor layer {sp.layer} or dims {list(sp.dims)} fall outside "
-            f"the model's {layers} layers and {geo.hidden} hidden dims"
+            f"{META}: scheme is malformed ({type(e).__name__}: {e}); convert the model again"
+        ) from None
+    if len(scheme.layers) != layers:
+        raise FormatError(
+            f"{META}: scheme has {len(scheme.layers)} layers, {CONFIG} {layers}; convert the "
+            "model again"
         )
+    try:
+        checks.check_scheme(scheme, geo)
+    except ValueError as e:
+        raise FormatError(f"{META}: scheme {e}") from None
+    params = _read_params(path / PARAMS, layers, kv_heads, head_dim)
+    try:
+        checks.check_params(scheme, params, geo)
+    except ValueError as e:
+        raise FormatError(f"{PARAMS}: {e}; convert the model again") from None
     for i, layer in enumerate(scheme.layers):
         for spec in (layer.key, layer.value):
             if spec is None or spec.granularity not in ("token", "vector"):

@@ -4,6 +4,7 @@ Each prompt is prefilled alone through `cache.view(b)`, so prompts of different 
 padding; decode then feeds one token per sequence (T = 1), each at its own position.
 """
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -34,15 +35,26 @@ def sample(
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
-def _check(prompts, max_new_tokens: int, temperature: float, top_p: float, cache) -> None:
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise KvcalibRuntimeError("every prompt needs at least one token")
+def check_options(max_new_tokens: int, temperature: float, top_p: float) -> None:
+    """KvcalibRuntimeError unless max_new_tokens is an integer >= 1, temperature a finite
+    number >= 0 and 0 < top_p <= 1 (NaN is none of these)."""
+    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
+        raise KvcalibRuntimeError(f"max_new_tokens = {max_new_tokens!r}: use an integer >= 1")
     if max_new_tokens < 1:
         raise KvcalibRuntimeError(f"max_new_tokens = {max_new_tokens}: ask for at least 1")
+    for name, v in (("temperature", temperature), ("top_p", top_p)):
+        if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):
+            raise KvcalibRuntimeError(f"{name} = {v!r}: use a finite number")
     if temperature < 0 or not 0 < top_p <= 1:
         raise KvcalibRuntimeError(
             f"temperature = {temperature}, top_p = {top_p}: use temperature >= 0, 0 < top_p <= 1"
         )
+
+
+def _check(prompts, max_new_tokens: int, temperature: float, top_p: float, cache) -> None:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise KvcalibRuntimeError("every prompt needs at least one token")
+    check_options(max_new_tokens, temperature, top_p)
     if len(cache.lengths) != len(prompts):
         raise KvcalibRuntimeError(
             f"the cache holds {len(cache.lengths)} sequences for {len(prompts)} prompts: "

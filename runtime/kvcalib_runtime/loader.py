@@ -16,8 +16,10 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from kvcalib_runtime.errors import CapacityError, KvcalibRuntimeError
-from kvcalib_runtime.format import TOKENIZER, Checkpoint, read_checkpoint
+from kvcalib_runtime.checks import context_of
+from kvcalib_runtime.errors import CapacityError, FormatError, KvcalibRuntimeError
+from kvcalib_runtime.format import EXPORT_TENSOR, TOKENIZER, Checkpoint, read_checkpoint
+from kvcalib_runtime.generate import check_options
 from kvcalib_runtime.generate import generate as _generate
 from kvcalib_runtime.kernels.layout import use_triton  # plain torch: no triton import
 from kvcalib_runtime.model import Transformer
@@ -101,6 +103,7 @@ class RuntimeModel:
         Raises CapacityError before any work when the longest prompt plus max_new_tokens does
         not fit in `max_len`.
         """
+        check_options(max_new_tokens, temperature, top_p)
         batch = self._token_lists(prompts)
         longest = max(map(len, batch), default=0)
         need = longest + max_new_tokens - 1  # the last new token is never fed back
@@ -137,7 +140,7 @@ class RuntimeModel:
             else:
                 raise KvcalibRuntimeError(
                     f"prompt {str(p)[:60]!r} is neither text nor a list of token ids in "
-                    f"[0, {self.config['vocab_size']})"
+                    f"[0, {self.config['vocab_size']}): pass text, or ids the model has"
                 )
         return out
 
@@ -169,25 +172,78 @@ def load(
 
     device:      default "cuda" when available, else "cpu"
     dtype:       weights and cache dtype; None keeps the checkpoint's
-    max_len:     the longest sequence a generate call may hold (default: the config's
-                 max_position_embeddings); every cache is sized to what the call needs
+    max_len:     the longest sequence a generate call may hold, at most the model's context
+                 (the default: the config's max_position_embeddings); every cache is sized to
+                 what the call needs
     use_kernels: True / False forces the Triton kernels on or off; None uses them where they run
     Raises FormatError naming the file that is missing, changed or malformed.
     """
     device = _device(device)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise KvcalibRuntimeError(
+            f"dtype {dtype!r}: use a floating torch dtype (torch.float16, ...) or None"
+        )
     if use_kernels and not use_triton(device):
         raise KvcalibRuntimeError(
             f"use_kernels=True needs a CUDA device or TRITON_INTERPRET=1 (device is {device})"
         )
     path = Path(path)
     ckpt = read_checkpoint(path)
+    context = context_of(ckpt.geometry)
     if max_len is None:
-        max_len = ckpt.config.get("max_position_embeddings")
-    elif max_len < 1:
-        raise KvcalibRuntimeError(f"max_len = {max_len}: use a positive number of tokens")
+        max_len = context
+    elif not isinstance(max_len, int) or isinstance(max_len, bool) or not 1 <= max_len <= context:
+        raise CapacityError(
+            f"max_len = {max_len!r}: use a number of tokens in [1, {context}], the model's context"
+        )
+    tokenizer = read_tokenizer(path, ckpt.geometry.vocab)
     model = Transformer.from_folder(path, device=device, dtype=dtype)
-    tokenizer = Tokenizer.from_file(str(path / TOKENIZER))
     return RuntimeModel(model, tokenizer, ckpt, max_len=max_len, use_kernels=use_kernels)
+
+
+def check_servable(
+    config: dict, shapes: dict[str, tuple[int, ...]], scheme, params, transforms
+) -> None:
+    """FormatError for what `load` and `generate` would refuse in a checkpoint with this
+    config.json, these weight names and shapes, and this side-car — without reading a weight:
+    a converter calls it before it writes a byte. Builds the Transformer and a quantized cache
+    on the meta device."""
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    found = {n: tuple(s) for n, s in shapes.items() if not EXPORT_TENSOR.fullmatch(n)}
+    if model.tied:
+        found.pop("lm_head.weight", None)
+    for name in sorted(expected.keys() ^ found.keys()):
+        where = "lacks" if name in expected else "holds the unknown"
+        raise FormatError(f"the weights {where} tensor {name!r} of a {config['model_type']} model")
+    for name, shape in sorted(found.items()):
+        if shape != expected[name]:
+            raise FormatError(
+                f"tensor {name!r} has shape {list(shape)}, config.json implies "
+                f"{list(expected[name])}"
+            )
+    context = min(context_of(model.geometry), 64)
+    model.new_cache(1, context, scheme, params, transforms, False, "meta", torch.float16)
+
+
+def read_tokenizer(path: Path, vocab: int) -> Tokenizer:
+    """The folder's tokenizer.json, refused (FormatError) when the tokenizers library cannot read
+    it or it has more tokens than the `vocab` rows of the embedding."""
+    try:
+        tokenizer = Tokenizer.from_file(str(path / TOKENIZER))
+    except Exception as e:  # the tokenizers library raises plain Exception on a bad file
+        raise FormatError(
+            f"{TOKENIZER}: not a tokenizer the tokenizers library reads ({e}); copy the source "
+            "model's tokenizer.json and convert again"
+        ) from None
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > vocab:
+        raise FormatError(
+            f"{TOKENIZER}: {size} tokens, but config.json's vocab_size is {vocab}: ids past the "
+            "embedding; convert with the model's own tokenizer"
+        )
+    return tokenizer
 
 
 def _device(device: str | torch.device | None) -> torch.device:
@@ -195,11 +251,20 @@ def _device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(device)
-    except RuntimeError:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
         raise KvcalibRuntimeError(
-            f"device {device!r} is not a torch device: use 'cuda', 'cuda:N' or 'cpu'"
-        ) from None
+            f"device {str(device)!r} is not one the runtime serves on: use 'cuda', 'cuda:N' or "
+            "'cpu'"
+        )
+    device = parsed
     if device.type == "cuda" and not torch.cuda.is_available():
         raise KvcalibRuntimeError(f"device {device}: no CUDA device is available; use 'cpu'")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise KvcalibRuntimeError(
+            f"device {device}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+            "use cuda:0 to cuda:N-1"
+        )
     return device

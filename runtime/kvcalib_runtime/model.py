@@ -22,6 +22,7 @@ from torch import nn
 
 from kvcalib_runtime import archs
 from kvcalib_runtime.errors import FormatError
+from kvcalib_runtime.format import EXPORT_TENSOR
 from kvcalib_runtime.fpcache import FullPrecisionCache
 from kvcalib_runtime.generate import generate as _generate
 from kvcalib_runtime.geometry import Geometry
@@ -228,7 +229,12 @@ class Transformer(nn.Module):
             model = cls(config)
         files = _weight_files(folder)
         expected = dict(model.named_parameters())  # tied lm_head.weight appears once, as embed
-        found = {name: file for file in files for name in _tensor_names(file)}
+        found = {
+            name: file
+            for file in files
+            for name in _tensor_names(file)
+            if not EXPORT_TENSOR.fullmatch(name)  # vLLM's FP8 scales, beside the weights
+        }
         if model.tied:
             found.pop(f"{archs.LM_HEAD}.weight", None)  # HF ties it whether saved or not
         missing, unexpected = expected.keys() - found.keys(), found.keys() - expected.keys()

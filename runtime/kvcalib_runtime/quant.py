@@ -86,6 +86,9 @@ class QuantSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"{name} = {v!r} must be an integer")
+        for name in ("symmetric", "codebook"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} = {getattr(self, name)!r} must be true or false")
         for name in ("clip", "outliers"):
             v = getattr(self, name)
             if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v):

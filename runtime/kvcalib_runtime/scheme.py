@@ -48,6 +48,11 @@ class LayerScheme:
     value_flush: int = 1
 
     def __post_init__(self):
+        _typed(self, (("key_flush", int), ("value_flush", int)))
+        _typed(self, (("key_rotation", bool), ("value_rotation", bool)))
+        for name in ("key", "value"):
+            if not isinstance(getattr(self, name), QuantSpec | None):
+                raise ValueError(f"{name} = {getattr(self, name)!r} must be a QuantSpec or None")
         if self.key_position not in KEY_POSITIONS:
             raise ValueError(f"key_position = {self.key_position!r}: use one of {KEY_POSITIONS}")
         if self.key_rotation and self.key_position != "post_rope":
@@ -76,6 +81,10 @@ class KVScheme:
     rotation_seed: int | None = None
 
     def __post_init__(self):
+        _typed(self, (("layers", tuple), ("residual", int), ("sinks_first", int)))
+        _typed(self, (("sink_budget", int),))
+        if self.rotation_seed is not None:
+            _typed(self, (("rotation_seed", int),))
         if self.residual < 0 or self.sinks_first < 0 or self.sink_budget < 0:
             raise ValueError("residual, sinks_first and sink_budget must be >= 0")
         if self.rotation_seed is not None and not 0 <= self.rotation_seed < 2**63:
@@ -121,6 +130,14 @@ class KVScheme:
             sink_budget=obj["sink_budget"],
             rotation_seed=obj["rotation_seed"],
         )
+
+
+def _typed(obj, fields) -> None:
+    """ValueError unless each field holds its type (an int is never a bool, nor a bool an int)."""
+    for name, kind in fields:
+        v = getattr(obj, name)
+        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+            raise ValueError(f"{name} = {v!r} must be {kind.__name__}")
 
 
 def _layer_from_json(obj: dict) -> LayerScheme:

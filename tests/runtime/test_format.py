@@ -7,6 +7,7 @@ need no converter and the spec is shown to be sufficient.
 
 import hashlib
 import json
+import math
 import shutil
 import struct
 import time
@@ -19,12 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from mutate import mutated, mutated_bytes
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
 from kvcalib_runtime import format
+from kvcalib_runtime.checks import MAX_TOKENS
 from kvcalib_runtime.errors import FormatError
+from kvcalib_runtime.kvcache import planned_memory
 from kvcalib_runtime.quant import QuantSpec
 from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
 from kvcalib_runtime.transforms import FUSED, ONLINE, LayerTransforms, Transforms
@@ -38,15 +41,15 @@ CONFIG = {
 
 
 def _scheme() -> KVScheme:
-    layer = LayerScheme(
-        QuantSpec(4),
-        QuantSpec(2, "token", 4),
-        key_rotation=True,
-        value_rotation=True,
-        key_flush=4,
-        value_flush=4,
+    """Layer 0: rotated keys, codebook values; layer 1: static keys (what _params holds)."""
+    flushes = dict(value_rotation=True, key_flush=4, value_flush=4)
+    layers = (
+        LayerScheme(
+            QuantSpec(4), QuantSpec(2, "token", 4, codebook=True), key_rotation=True, **flushes
+        ),
+        LayerScheme(QuantSpec(4, "static"), QuantSpec(2, "token", 4), **flushes),
     )
-    return KVScheme((layer,) * LAYERS, residual=8, sinks_first=1, sink_budget=2, rotation_seed=3)
+    return KVScheme(layers, residual=8, sinks_first=1, sink_budget=2, rotation_seed=3)
 
 
 def _params() -> KVParams:
@@ -64,8 +67,11 @@ def _params() -> KVParams:
 
 
 def _transforms() -> Transforms:
-    layer = LayerTransforms(value_rotation=FUSED, key_rotation=ONLINE)
-    return Transforms((layer,) * LAYERS, seed=3)
+    layers = (
+        LayerTransforms(value_rotation=FUSED, key_rotation=ONLINE),
+        LayerTransforms(value_rotation=FUSED),
+    )
+    return Transforms(layers, seed=3)
 
 
 def _manifest(path: Path) -> None:
@@ -297,7 +303,7 @@ def test_config_sizes_and_predictor_shapes_are_checked(ckpt):
     tensors["sink_predictor.layer"] = torch.tensor([LAYERS])  # past the last layer
     save_file(tensors, ckpt / format.PARAMS)
     _manifest(ckpt)
-    with pytest.raises(FormatError, match="sink_predictor layer 2 or dims"):
+    with pytest.raises(FormatError, match="sink predictor layer 2: the model has 2 layers"):
         format.read_checkpoint(ckpt)
 
 
@@ -320,12 +326,51 @@ def sharded(tmp_path_factory) -> Path:
 
 
 def _read_or_format_error(path: Path) -> None:
+    """read_checkpoint raises FormatError (one line), or what it returns is sane."""
     start = time.monotonic()
     try:
-        format.read_checkpoint(path)
+        ckpt = format.read_checkpoint(path)
     except FormatError as e:
         assert "\n" not in str(e)
+    else:
+        _assert_sane(ckpt)
     assert time.monotonic() - start < 10, "validation must not hang on a damaged file"
+
+
+def _assert_sane(ckpt) -> None:
+    """What a cache may rely on, asserted independently of the validator: integer sizes
+    within the context, finite ordered ranges, sorted codebooks of 2**bits levels in their
+    domain, positive smoothing equal on RoPE pairs, a predictor of the model's dims with a
+    finite threshold — and a quantized cache builds from it (on the meta device)."""
+    geo, scheme, params = ckpt.geometry, ckpt.scheme, ckpt.params
+    context = geo.max_position or MAX_TOKENS
+    sizes = [scheme.residual, scheme.num_sink_slots]
+    sizes += [f for layer in scheme.layers for f in (layer.key_flush, layer.value_flush)]
+    assert all(type(n) is int and 0 <= n <= context for n in sizes), sizes
+    for lo, hi in (*params.key_range.values(), *params.value_range.values()):
+        assert torch.isfinite(hi - lo).all() and (lo <= hi).all()
+    for i, layer in enumerate(scheme.layers):
+        for kind in ("key", "value"):
+            book, spec = getattr(params, f"{kind}_codebook").get(i), getattr(layer, kind)
+            if book is not None:
+                assert book.shape[-1] == 2**spec.bits and torch.isfinite(book).all()
+                assert (book.diff(dim=-1) >= 0).all() and book.max() <= 1 + 1e-6
+                assert book.min() >= (-1 if spec.symmetric else 0) - 1e-6
+    for s in params.key_smooth.values():
+        half = s.shape[-1] // 2
+        assert torch.isfinite(s).all() and (s > 0).all() and torch.equal(s[:, :half], s[:, half:])
+    sp = params.sink_predictor
+    if sp is not None:
+        assert math.isfinite(sp.threshold) and all(0 <= d < geo.hidden for d in sp.dims)
+    planned_memory(
+        scheme,
+        params,
+        ckpt.transforms,
+        num_layers=geo.layers,
+        kv_heads=geo.kv_heads,
+        head_dim=geo.head_dim,
+        context=64,
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -352,6 +397,36 @@ def test_side_car_bytes_flipped_or_cut_load_or_raise_format_error(
     raw = (path / name).read_bytes()
     within = 8 + int.from_bytes(raw[:8], "little") if name == format.PARAMS else None
     (path / name).write_bytes(data.draw(mutated_bytes(raw, within=within)))
+    _manifest(path)
+    _read_or_format_error(path)
+
+
+def _damage(draw, t: torch.Tensor) -> torch.Tensor:
+    """t with one numeric edit: a NaN, an Inf, a huge value, the sign or order flipped."""
+    t = t.clone()
+    flat = t.view(-1)
+    i = draw(st.integers(0, flat.numel() - 1))
+    edit = draw(st.sampled_from(["nan", "inf", "huge", "negate", "flip", "zero"]))
+    if edit in ("nan", "inf", "huge", "zero"):
+        value = {"nan": math.nan, "inf": -math.inf, "huge": 3e38, "zero": 0.0}[edit]
+        flat[i] = value if t.is_floating_point() else -1
+    elif edit == "negate":
+        t = -t
+    else:
+        t = t.flip(-1).contiguous()
+    return t
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_kv_params_numbers_damaged_load_sane_or_raise(tmp_path_factory, sharded, data):
+    """The data section of kv_params.safetensors (not its header): a value made NaN, Inf or
+    huge, a tensor negated or reversed. read_checkpoint refuses it, or returns sane numbers."""
+    path = shutil.copytree(sharded, tmp_path_factory.mktemp("numbers") / "ckpt")
+    tensors = load_file(path / format.PARAMS)
+    name = data.draw(st.sampled_from(sorted(tensors)))
+    tensors[name] = _damage(data.draw, tensors[name])
+    save_file(tensors, path / format.PARAMS)
     _manifest(path)
     _read_or_format_error(path)
 

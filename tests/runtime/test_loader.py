@@ -232,7 +232,7 @@ def test_a_prompt_longer_than_the_cache_is_refused_before_any_work(converted, mo
 
 def test_bad_devices_and_impossible_kernel_requests_are_refused(converted, monkeypatch):
     folder = converted["kivi-2"]
-    with pytest.raises(KvcalibRuntimeError, match="'gpu' is not a torch device"):
+    with pytest.raises(KvcalibRuntimeError, match="device 'gpu' is not one the runtime serves on"):
         kvcalib_runtime.load(folder, device="gpu")
     if not torch.cuda.is_available():
         with pytest.raises(KvcalibRuntimeError, match="no CUDA device"):

@@ -28,7 +28,7 @@ import kvcalib.conversion.convert as conv
 from kvcalib.calibration import calibrate
 from kvcalib.cli import main
 from kvcalib.conversion import rotate
-from kvcalib.errors import ModelError, OutputError, ProfileError
+from kvcalib.errors import ModelError, OptionError, OutputError, ProfileError
 from kvcalib.io import atomic, shards
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime import format
@@ -36,6 +36,7 @@ from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.hadamard import orthogonal_hadamard
 from kvcalib_runtime.transforms import ONLINE
 
+REPO = Path(conv.__file__).parents[2]
 FP32_BOUND = 1e-4  # relative max error of logits: fp32 forward rounding is ~1e-6
 T = 37
 VALUE_TOML = 'name = "v-rot"\n[value]\nbits = 4\nrotation = "hadamard"\n'
@@ -346,9 +347,15 @@ def test_existing_output_needs_force(tmp_path):
 
 
 def test_output_overlapping_the_source_is_refused(tmp_path):
+    """Even with --force: the source itself (a model folder, not an earlier conversion), a
+    folder inside it, a folder holding it (and other files)."""
     _, src = _source(tmp_path)
-    for out in (src, src / "converted", tmp_path):
-        with pytest.raises(OutputError, match="overlaps the input"):
+    for out, message in (
+        (src, "is a model folder, not a converted checkpoint: pick another output"),
+        (src / "converted", "overlaps the input"),
+        (tmp_path, "is a folder of other files, not a converted checkpoint"),
+    ):
+        with pytest.raises(OutputError, match=message):
             conv.convert(src, recipe="per-token-4", output=out, force=True)
 
 
@@ -373,7 +380,7 @@ def test_sigkilled_conversion_is_cleaned_by_the_next(tmp_path):
     out, marker = tmp_path / "out", tmp_path / "started"
     proc = subprocess.Popen(
         [sys.executable, "-c", _KILLED, str(src), str(out), str(marker)],
-        env={**os.environ, "PYTHONPATH": str(Path(conv.__file__).parents[2])},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "runtime")])},
     )
     try:
         deadline = time.monotonic() + 120
@@ -406,9 +413,9 @@ def test_refusals(tmp_path):
         )
     with pytest.raises(ProfileError, match="pass --profile"):
         conv.convert(src, recipe="quarot-kv4", output=out, export="vllm-fp8")
-    with pytest.raises(OutputError, match="dtype 'int8'"):
+    with pytest.raises(OptionError, match="--dtype 'int8'"):
         conv.convert(src, recipe="per-token-4", output=out, dtype="int8")
-    with pytest.raises(OutputError, match="max_shard_size"):
+    with pytest.raises(OptionError, match="--max-shard-size 'lots'"):
         conv.convert(src, recipe="per-token-4", output=out, max_shard_size="lots")
     (src / "tokenizer.json").unlink()
     with pytest.raises(ModelError, match=r"no tokenizer\.json"):

@@ -34,6 +34,9 @@ from kvcalib.core.recipe import load_recipe, parse_recipe, presets
 from kvcalib.errors import KvcalibError, ModelError, RecipeError
 from kvcalib.io import atomic
 from kvcalib_runtime import format
+from kvcalib_runtime.geometry import Geometry
+from kvcalib_runtime.kvcache import planned_memory
+from kvcalib_runtime.transforms import Transforms
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40  # ASCII: one token per character
 REPO = Path(__file__).resolve().parents[2]
@@ -405,7 +408,7 @@ main(args, prog_name="kvcalib")
 
 
 def _hooked(mode: str, marker: Path, *args) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "runtime")])}
     cmd = [sys.executable, "-c", _HOOKED, mode, str(marker), *map(str, args)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -490,7 +493,16 @@ def test_eval_json_into_a_missing_folder_is_refused_before_any_work(tmp_path):
 PRESET_TEXTS = {name: Path(load_recipe(name).source).read_text() for name in presets()}
 
 
+GEOMETRY = Geometry.from_config(
+    {"model_type": "llama", "num_hidden_layers": 3, "hidden_size": 128, "num_attention_heads": 2,
+     "num_key_value_heads": 2, "vocab_size": 16, "intermediate_size": 8,
+     "max_position_embeddings": 256}
+)  # fmt: skip
+
+
 def _parse_or_recipe_error(doc) -> None:
+    """parse_recipe raises RecipeError (one line), or the recipe plans (or says why not, in one
+    line) into a scheme within the model's context from which a quantized cache builds."""
     start = time.monotonic()
     try:
         recipe = parse_recipe(doc)
@@ -499,9 +511,15 @@ def _parse_or_recipe_error(doc) -> None:
         return
     if recipe.external is None and not recipe.needs_profile:
         try:
-            plan(recipe, num_layers=3, head_dim=64)
+            scheme, params = plan(recipe, geometry=GEOMETRY)
         except KvcalibError as e:
             assert "\n" not in str(e)
+        else:
+            assert scheme.residual <= 256 and scheme.num_sink_slots <= 256
+            transforms = Transforms.online(scheme, params)
+            planned_memory(
+                scheme, params, transforms, num_layers=3, kv_heads=2, head_dim=64, context=64
+            )
     assert time.monotonic() - start < 5
 
 
@@ -509,7 +527,8 @@ def _parse_or_recipe_error(doc) -> None:
 @given(st.sampled_from(sorted(PRESET_TEXTS)), st.data())
 def test_a_mutated_recipe_parses_or_raises_recipe_error(name, data):
     """Keys dropped, values of any type (TOML's and None), unknown keys, in every preset: the
-    parser returns a Recipe, which then plans, or raises RecipeError - nothing else."""
+    parser returns a Recipe, which then plans into a cache that builds, or raises RecipeError -
+    nothing else."""
     import tomllib
 
     doc = tomllib.loads(PRESET_TEXTS[name])

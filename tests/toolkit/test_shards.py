@@ -12,7 +12,7 @@ from safetensors import safe_open
 from tiny import save_with_tokenizer, tiny_model
 
 from kvcalib.cli import main
-from kvcalib.errors import OutputError
+from kvcalib.errors import OptionError
 from kvcalib.io.shards import TensorSpec, parse_size, plan_shards
 from kvcalib_runtime import format
 
@@ -38,7 +38,7 @@ def test_sizes_read_as_transformers_reads_them(text, size):
 
 @pytest.mark.parametrize("text", ["0", "-1GB", "5 GBs", "lots", True])
 def test_bad_sizes_are_refused(text):
-    with pytest.raises(OutputError, match="use a size such as 5GB"):
+    with pytest.raises(OptionError, match="use a size such as 5GB"):
         parse_size(text)
 
 

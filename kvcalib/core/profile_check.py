@@ -1,0 +1,142 @@
+"""What a profile folder must mean before anything is planned from it (`Profile.load` runs it).
+
+Hashes prove a file is the one that was written; this checks that what it says makes sense:
+
+- profile.json: the model's sizes are positive integers (never booleans or floats),
+  num_samples and seq_len too; quantile_levels and outlier_fractions are the ones this kvcalib
+  computes ranges with (sorted, in [0, 1]); the sink predictor, when there is one, names a layer
+  of the model, distinct hidden dims in range and a finite threshold; probe.bits are integers;
+- profile.safetensors: every floating tensor is finite (position_error.key_groups alone may
+  hold NaN: no later sinks); the per-channel statistics are [L, Hkv, D] (quantiles
+  [L, Hkv, D, len(quantile_levels)], non-decreasing along the levels; min <= max; absmax and
+  std >= 0), attention.token0 [L, H], massive.max_abs [L, E],
+  sensitivity.{key,value} [L, len(probe.bits)], codebook.{variant}.{bits} [L, 2**bits], sorted,
+  in [0, 1] ([-1, 1] for ":symmetric" variants); windows.input_ids int64 [num_samples,
+  seq_len] with ids >= 0.
+
+Everything raises ProfileError naming the profile, the field and the fix (recalibrate).
+"""
+
+import math
+import re
+
+import torch
+
+from kvcalib.errors import ProfileError
+
+MAY_HOLD_NAN = ("position_error.key_groups",)  # NaN: a window without later sinks
+_SIZES = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size")
+_STAT = re.compile(
+    r"(key_pre_rope|key_post_rope|value)\.(all|nonsink)\.(\w+)|(key_\w+)\.range_ratio"
+)
+_CODEBOOK = re.compile(r"codebook\.(.+)\.(\d+)")
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check(
+    meta: dict,
+    tensors: dict[str, torch.Tensor],
+    where: str,
+    *,
+    quantile_levels: tuple[float, ...],
+    outlier_fractions: tuple[float, ...],
+) -> None:
+    """ProfileError unless profile.json `meta` and the `tensors` make sense together; the
+    levels and fractions are the ones this kvcalib reads ranges at (kvcalib.core.profile)."""
+
+    def fail(msg: str):
+        raise ProfileError(f"profile {where}: {msg}; recalibrate with kvcalib calibrate")
+
+    model = meta["model"]
+    for k in _SIZES:
+        if not _int(model.get(k)) or model[k] < 1:
+            fail(f"model.{k} = {model.get(k)!r} is not a positive integer")
+    for k in ("num_samples", "seq_len"):
+        if not _int(meta.get(k)) or meta[k] < 1:
+            fail(f"{k} = {meta.get(k)!r} is not a positive integer")
+    for k, want in (("quantile_levels", quantile_levels), ("outlier_fractions", outlier_fractions)):
+        got = meta.get(k)
+        numbers = isinstance(got, list) and all(_number(x) for x in got)
+        if not numbers or [float(x) for x in got] != list(want):
+            fail(f"{k} {str(got)[:60]} are not the sorted levels this kvcalib reads ranges at")
+    L, hkv, d = model["num_layers"], model["num_kv_heads"], model["head_dim"]
+    _check_predictor(meta.get("sink_predictor"), L, model["hidden_size"], fail)
+    probe, bits = meta.get("probe"), None
+    if probe is not None:
+        bits = probe.get("bits") if isinstance(probe, dict) else None
+        if not isinstance(bits, list) or not bits or not all(_int(b) and b > 0 for b in bits):
+            fail(f"probe.bits = {str(bits)[:40]} is not a list of bit widths")
+    for name, t in tensors.items():
+        if t.is_floating_point() and name not in MAY_HOLD_NAN and not bool(t.isfinite().all()):
+            fail(f"tensor {name} holds {int((~t.isfinite()).sum())} NaN or Inf value(s)")
+        m = _CODEBOOK.fullmatch(name)
+        if m and not 1 <= int(m.group(2)) <= 8:
+            fail(f"tensor {name}: a codebook of {m.group(2)} bits")
+        want = _shape(name, L, hkv, d, len(quantile_levels), model, bits)
+        if want is not None and (tuple(t.shape) != want or not t.is_floating_point()):
+            fail(f"tensor {name} is {t.dtype} {list(t.shape)}, profile.json implies {list(want)}")
+        if m:
+            _check_codebook(name, t, m.group(1), fail)
+        stat = _STAT.fullmatch(name)
+        if stat and stat.group(3) == "quantiles" and bool((t.diff(dim=-1) < 0).any()):
+            fail(f"tensor {name}: quantiles decrease along the levels")
+        if stat and stat.group(3) in ("absmax", "std") and bool((t < 0).any()):
+            fail(f"tensor {name}: negative values of a magnitude")
+        if stat and stat.group(3) == "min":
+            hi = tensors.get(name[: -len("min")] + "max")
+            if hi is not None and hi.shape == t.shape and bool((t > hi).any()):
+                fail(f"tensor {name} exceeds its max in {int((t > hi).sum())} channel(s)")
+    ids = tensors.get("windows.input_ids")
+    windows = (meta["num_samples"], meta["seq_len"])
+    if ids is not None and (ids.dtype != torch.int64 or tuple(ids.shape) != windows):
+        fail(f"windows.input_ids is not int64 {list(windows)} (num_samples, seq_len)")
+    if ids is not None and bool((ids < 0).any()):
+        fail("windows.input_ids holds negative token ids")
+    for name in ("sensitivity.key", "sensitivity.value"):
+        if name in tensors and bits is None:
+            fail(f"tensor {name} without probe.bits to index it")
+
+
+def _number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _shape(name, L, hkv, d, quantiles, model, bits) -> tuple | None:
+    """The shape profile.json implies for a tensor, or None when it implies none."""
+    if m := _STAT.fullmatch(name):
+        return (L, hkv, d, quantiles) if m.group(3) == "quantiles" else (L, hkv, d)
+    if name == "attention.token0":
+        return (L, model["num_heads"])
+    if name == "massive.max_abs":
+        return (L, model["hidden_size"])
+    if name in ("sensitivity.key", "sensitivity.value") and bits is not None:
+        return (L, len(bits))
+    if m := _CODEBOOK.fullmatch(name):
+        return (L, 2 ** int(m.group(2)))
+    return None
+
+
+def _check_codebook(name: str, t: torch.Tensor, variant: str, fail) -> None:
+    low = -1.0 if variant.endswith(":symmetric") else 0.0
+    if bool((t.diff(dim=-1) < 0).any()):
+        fail(f"tensor {name}: codebook levels are not sorted")
+    if float(t.min()) < low - 1e-6 or float(t.max()) > 1 + 1e-6:
+        fail(f"tensor {name}: codebook levels leave the normalized domain [{low:g}, 1]")
+
+
+def _check_predictor(p, layers: int, hidden: int, fail) -> None:
+    if p is None:
+        return
+    if not isinstance(p, dict):
+        fail("sink_predictor is neither null nor an object")
+    layer, dims, threshold = p.get("layer"), p.get("dims"), p.get("threshold")
+    if not _int(layer) or not 0 <= layer < layers:
+        fail(f"sink_predictor.layer = {layer!r} is not a layer of the model's {layers}")
+    ok = isinstance(dims, list) and dims and all(_int(x) and 0 <= x < hidden for x in dims)
+    if not ok or len(set(dims)) != len(dims):
+        fail(f"sink_predictor.dims {str(dims)[:40]} are not distinct dims in [0, {hidden})")
+    if not _number(threshold) or threshold < 0:
+        fail(f"sink_predictor.threshold = {threshold!r} is not a finite number >= 0")
