@@ -271,7 +271,12 @@ def calibrate_(
 
 @main.command("generate")
 @click.argument("converted_dir")
-@click.option("--prompt", required=True, help="Text to complete.")
+@click.option("--prompt", required=True, help="Text to complete (the question, with --document).")
+@click.option(
+    "--document",
+    default=None,
+    help="A text file, or pydoc:TOPIC (Python's built-in documentation), put before the prompt.",
+)
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--device", default=None, help="Torch device (default: cuda if available, else cpu).")
 @click.option(
@@ -282,9 +287,16 @@ def calibrate_(
     help="0 is greedy decoding.",
 )
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the folder's chat template.")
-def generate_(converted_dir, prompt, max_new_tokens, device, temperature, chat):
+@click.option(
+    "--compare-fp16",
+    is_flag=True,
+    help="Also answer through a full-precision cache and print both, with both caches' memory.",
+)
+def generate_(
+    converted_dir, prompt, document, max_new_tokens, device, temperature, chat, compare_fp16
+):
     """Stream a converted checkpoint's completion of --prompt through its quantized KV cache,
-    then print decode tokens/s and the cache's bytes per token against fp16."""
+    then print decode speed and the memory the cache allocated."""
     from kvcalib.generate import format_report, generate_text
 
     report = generate_text(
@@ -294,7 +306,10 @@ def generate_(converted_dir, prompt, max_new_tokens, device, temperature, chat):
         device=device,
         temperature=temperature,
         chat=chat,
+        document=document,
+        compare=compare_fp16,
         on_text=lambda text: click.echo(text, nl=False),
+        on_section=lambda title: click.echo(f"--- {title} ---"),
     )
     click.echo()
     click.echo(format_report(report))

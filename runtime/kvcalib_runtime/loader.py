@@ -22,7 +22,7 @@ from kvcalib_runtime.generate import generate as _generate
 from kvcalib_runtime.kernels.layout import use_triton  # plain torch: no triton import
 from kvcalib_runtime.model import Transformer
 
-Prompts = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
+Prompts = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]] | torch.Tensor
 
 
 class RuntimeModel:
@@ -64,9 +64,12 @@ class RuntimeModel:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
-    def new_cache(self, batch: int, max_len: int):
+    def new_cache(self, batch: int, max_len: int, *, full_precision: bool = False):
         """A QuantizedCache following the checkpoint's scheme for `batch` sequences of up to
-        `max_len` tokens, on the model's device and dtype."""
+        `max_len` tokens, on the model's device and dtype (`full_precision`: the model's
+        FullPrecisionCache instead, for comparisons)."""
+        if full_precision:
+            return self.model.new_cache(batch, max_len)
         return self.model.new_cache(
             batch, max_len, self.scheme, self.params, self.transforms, self.use_kernels
         )
@@ -89,11 +92,15 @@ class RuntimeModel:
         eos_token_id: int | Sequence[int] | None = None,
         seed: int | None = None,
         callback: Callable[[int, list[int | None]], None] | None = None,
+        cache=None,
     ) -> list[list[int]]:
         """New token ids per prompt (a list per prompt, even for a single prompt).
 
-        prompts:       a str, a list of str, a list of token ids, or a list of token-id lists;
+        prompts:       a str, a list of str, a list of token ids, a list of token-id lists, or
+                       an integer tensor [B, T] of token ids (as transformers users pass them);
                        a batch may mix lengths (each prompt is prefilled alone, no padding)
+        cache:         the cache to generate through (`new_cache`, batch = len(prompts), large
+                       enough); default: a fresh quantized cache of the size the call needs
         eos_token_id:  stop a sequence after one of these; None: config.json's eos_token_id,
                        [] for none
         temperature, top_p, seed, callback: as `kvcalib_runtime.generate.generate`
@@ -112,7 +119,12 @@ class RuntimeModel:
             )
         if eos_token_id is None:
             eos_token_id = self.config.get("eos_token_id")
-        cache = self.new_cache(len(batch), max(need, 1))
+        if cache is None:
+            cache = self.new_cache(len(batch), max(need, 1))
+        elif cache.max_len < need:
+            raise CapacityError(
+                f"the cache holds {cache.max_len} tokens per sequence; this call needs {need}"
+            )
         return _generate(
             self.model,
             batch,
@@ -126,6 +138,13 @@ class RuntimeModel:
         )
 
     def _token_lists(self, prompts: Prompts) -> list[list[int]]:
+        if isinstance(prompts, torch.Tensor):
+            if prompts.dim() != 2 or prompts.dtype.is_floating_point or prompts.is_complex():
+                raise KvcalibRuntimeError(
+                    f"a tensor of prompts must be integer token ids [batch, tokens], not "
+                    f"{prompts.dtype} {list(prompts.shape)}"
+                )
+            prompts = prompts.tolist()
         if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]  # one prompt
         out = []
