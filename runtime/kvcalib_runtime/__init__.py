@@ -10,7 +10,7 @@ The public names load on first use: `import kvcalib_runtime` imports neither tor
 (the kernels load with the first quantized cache, `kvcalib_runtime.kvcache.QuantizedCache`).
 """
 
-import importlib
+from kvcalib_runtime.exports import lazy
 
 __version__ = "0.1.0"
 
@@ -30,14 +30,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'kvcalib_runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy(__name__, _EXPORTS)
