@@ -11,6 +11,8 @@ from kvcalib.errors import ProfileError, RecipeError
 from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme
 
+MAX_CODEBOOK_BITS = 4
+
 
 def codebook_variant(name: str, t: TensorRecipe) -> str:
     """The profile's name for the normalized domain a codebook of this tensor recipe lives in:
@@ -49,8 +51,8 @@ def plan(
     for i in range(num_layers):
         key, value = recipe.tensor("key", i), recipe.tensor("value", i)
         if bits is not None:
-            key = dataclasses.replace(key, bits=bits["key"][i])
-            value = dataclasses.replace(value, bits=bits["value"][i])
+            key = _with_bits(key, bits["key"][i])
+            value = _with_bits(value, bits["value"][i])
         try:
             layers.append(
                 LayerScheme(
@@ -84,6 +86,13 @@ def plan(
     except ValueError as e:
         raise RecipeError(f"{where}: {e}") from None
     return scheme, params
+
+
+def _with_bits(t: TensorRecipe, bits: int) -> TensorRecipe:
+    """An allocated width: calibrated codebooks exist for 2-4 bits only, so a wider layer of a
+    codebook recipe takes uniform levels."""
+    codebook = t.codebook if bits <= MAX_CODEBOOK_BITS else "uniform"
+    return dataclasses.replace(t, bits=bits, codebook=codebook)
 
 
 def _calibrated(params: KVParams, profile, i: int, key: TensorRecipe, value: TensorRecipe) -> None:

@@ -9,40 +9,24 @@ tensors of the right shapes."""
 
 import pytest
 import torch
+from tiny import ShapeProfile
 
 from kvcalib.core.plan import plan
 from kvcalib.core.recipe import load_recipe, presets
 from kvcalib_runtime.fpcache import FullPrecisionCache
 from kvcalib_runtime.kvcache import planned_memory
-from kvcalib_runtime.scheme import SinkPredictor, storage_bits
+from kvcalib_runtime.scheme import storage_bits
 from kvcalib_runtime.transforms import Transforms
 
 LAYERS, KV_HEADS, HEAD_DIM, HIDDEN = 30, 3, 64, 576  # SmolLM2-135M
 CONTEXTS = (1024, 4096, 32768)
 
 
-class ShapeProfile:
-    """The Profile API plan() calls, with tensors of the right shapes and dummy values."""
-
-    def range(self, tensor, layer, *, position="post_rope", outliers=0.0):
-        return -torch.ones(KV_HEADS, HEAD_DIM), torch.ones(KV_HEADS, HEAD_DIM)
-
-    def codebook(self, variant, layer, bits):
-        return torch.linspace(-1.0 if variant.endswith(":symmetric") else 0.0, 1.0, 2**bits)
-
-    def smoothing(self, layer, alpha, *, position):
-        return torch.ones(KV_HEADS, HEAD_DIM)
-
-    def sink_predictor(self):
-        return SinkPredictor(layer=2, dims=(260,), threshold=38.0)
-
-    def sensitivity(self, tensor, layer, bits):
-        return float(2.0**-bits * (1 + layer % 3))
-
-
 def _planned(name):
     recipe = load_recipe(name)
-    scheme, params = plan(recipe, num_layers=LAYERS, head_dim=HEAD_DIM, profile=ShapeProfile())
+    scheme, params = plan(
+        recipe, num_layers=LAYERS, head_dim=HEAD_DIM, profile=ShapeProfile(KV_HEADS, HEAD_DIM)
+    )
     return scheme, params, Transforms.online(scheme, params)
 
 
