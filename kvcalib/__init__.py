@@ -6,7 +6,7 @@ The public names load on first use, so `import kvcalib` (and `kvcalib --help`) s
     kvcalib.load_model, kvcalib.load_recipe, kvcalib.Profile, kvcalib.KvcalibError, ...
 """
 
-import importlib
+from kvcalib_runtime.exports import lazy
 
 __version__ = "0.1.0"
 
@@ -25,14 +25,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'kvcalib' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy(__name__, _EXPORTS)

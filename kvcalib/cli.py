@@ -264,7 +264,12 @@ def calibrate_(
 
 @main.command("generate")
 @click.argument("converted_dir")
-@click.option("--prompt", required=True, help="Text to complete.")
+@click.option("--prompt", required=True, help="Text to complete (the question, with --document).")
+@click.option(
+    "--document",
+    default=None,
+    help="A text file, or pydoc:TOPIC (Python's built-in documentation), put before the prompt.",
+)
 @click.option("--max-new-tokens", default=128, show_default=True, help="Tokens to generate.")
 @click.option("--device", default=None, help="Torch device (default: cuda if available, else cpu).")
 @click.option("--temperature", default=0.0, show_default=True, help="0 is greedy decoding.")
@@ -272,9 +277,16 @@ def calibrate_(
     "--top-p", default=1.0, show_default=True, help="Nucleus mass when sampling, in (0, 1]."
 )
 @click.option("--chat", is_flag=True, help="Wrap the prompt in the folder's chat template.")
-def generate_(converted_dir, prompt, max_new_tokens, device, temperature, top_p, chat):
+@click.option(
+    "--compare-fp16",
+    is_flag=True,
+    help="Also answer through a full-precision cache and print both, with both caches' memory.",
+)
+def generate_(
+    converted_dir, prompt, document, max_new_tokens, device, temperature, top_p, chat, compare_fp16
+):
     """Stream a converted checkpoint's completion of --prompt through its quantized KV cache,
-    then print decode tokens/s and the cache's bytes per token against fp16."""
+    then print decode speed and the memory the cache allocated."""
     from kvcalib.generate import format_report, generate_text
 
     report = generate_text(
@@ -285,7 +297,10 @@ def generate_(converted_dir, prompt, max_new_tokens, device, temperature, top_p,
         temperature=temperature,
         top_p=top_p,
         chat=chat,
+        document=document,
+        compare=compare_fp16,
         on_text=lambda text: click.echo(text, nl=False),
+        on_section=lambda title: click.echo(f"--- {title} ---"),
     )
     click.echo()
     click.echo(format_report(report))

@@ -1,56 +1,84 @@
 """`kvcalib generate`: complete a prompt with a converted checkpoint through the runtime's
-quantized KV cache, streaming the text as it comes, then report decode speed and cache size.
+quantized KV cache, streaming the text as it comes, then report decode speed and the memory the
+cache allocated; optionally the same prompt through a full-precision cache beside it.
 
     report = generate_text("converted/", "Once upon a time", max_new_tokens=64, on_text=print)
     print(format_report(report))
 
 The model runs in `kvcalib_runtime` (what a serving box installs); kvcalib adds only the chat
-template, which transformers renders (`--chat`).
+template, which transformers renders (`--chat`), and the document a question is asked about
+(`--document`: a text file, or `pydoc:TOPIC`, a topic of Python's built-in documentation).
+Memory is what the caches' buffers hold (walked), never a formula.
 """
 
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from pydoc_data.topics import topics
 
 from transformers import AutoTokenizer
 
 import kvcalib_runtime
 from kvcalib.core import preflight
-from kvcalib.errors import ModelError
+from kvcalib.errors import DataError, ModelError
 
-KIB = 1024
-LONG_CONTEXT = 4096  # the context the memory claim is made at
+MIB = 1 << 20
+LONG_CONTEXT = 4096  # where the memory claim is also made
+
+
+@dataclass(frozen=True)
+class Run:
+    """One completion through one cache.
+
+    text:             the new text (special tokens skipped)
+    new_tokens:       tokens generated (the first comes from the prefill)
+    prefill_seconds:  from the call until the first new token
+    decode_tokens_per_s: the other new tokens per second of decoding; None with one token
+    cache_bytes:      what the cache's buffers held (allocated for prompt + new tokens)
+    """
+
+    text: str
+    new_tokens: int
+    prefill_seconds: float
+    decode_tokens_per_s: float | None
+    cache_bytes: int
 
 
 @dataclass(frozen=True)
 class GenerationReport:
-    """One generate call, measured.
+    """A generate call: the quantized run, the full-precision one when compared (each through
+    a cache sized for `context` = prompt + new tokens - 1, the last token never being fed back),
+    and the cache memory of this checkpoint's scheme at LONG_CONTEXT (walked on a meta-device
+    cache) against an fp16 cache's, per token."""
 
-    text:                  the new text (special tokens skipped)
-    prompt_tokens:         tokens of the prompt, chat template included
-    new_tokens:            tokens generated (the first comes from the prefill)
-    prefill_seconds:       from the call until the first new token
-    decode_tokens_per_s:   the other new tokens per second of decoding; None with one token
-    kv_bytes_per_token:    the quantized cache's storage per token at the final context
-                           (prompt + new tokens), sinks and residual window amortized
-    fp16_bytes_per_token:  an fp16 cache's, for the same model
-    long_bytes_per_token:  the quantized cache's storage per token at LONG_CONTEXT tokens, where
-                           the exact residual window no longer dominates
-    """
-
-    text: str
     prompt_tokens: int
-    new_tokens: int
-    prefill_seconds: float
-    decode_tokens_per_s: float | None
-    kv_bytes_per_token: float
-    fp16_bytes_per_token: int
+    context: int
+    quantized: Run
+    full_precision: Run | None
+    dtype: str
     long_bytes_per_token: float
+    long_fp16_bytes_per_token: float
 
     @property
-    def context(self) -> int:
-        return self.prompt_tokens + self.new_tokens
+    def text(self) -> str:
+        return self.quantized.text
+
+
+def document_text(spec: str) -> str:
+    """The text of `--document`: a file's, or `pydoc:TOPIC`'s."""
+    if spec.startswith("pydoc:"):
+        topic = spec.removeprefix("pydoc:")
+        if topic not in topics:
+            raise DataError(
+                f"--document {spec}: no such topic in Python's documentation; e.g. "
+                "pydoc:sequence-types, pydoc:try (pydoc_data.topics lists them all)"
+            )
+        return topics[topic].strip()
+    path = Path(spec)
+    if not path.is_file():
+        raise DataError(f"--document {spec}: no such file; pass a text file or pydoc:TOPIC")
+    return path.read_text(encoding="utf-8", errors="replace").strip()
 
 
 def generate_text(
@@ -62,15 +90,21 @@ def generate_text(
     temperature: float = 0.0,
     top_p: float = 1.0,
     chat: bool = False,
+    document: str | None = None,
+    compare: bool = False,
     on_text: Callable[[str], None] | None = None,
+    on_section: Callable[[str], None] | None = None,
 ) -> GenerationReport:
     """Generate up to `max_new_tokens` after `prompt` with the converted checkpoint at `path`.
 
-    device:  default "cuda" when available, else "cpu"
+    device:     default "cuda" when available, else "cpu"
     temperature, top_p: 0 is greedy; else sampling from the top_p nucleus
-    chat:    wrap the prompt as one user message in the folder's chat template
-    on_text: called with each new piece of text as soon as it decodes to whole characters
-    Every option and the folder's kind are checked before the checkpoint loads.
+    chat:       wrap the prompt as one user message in the folder's chat template
+    document:   put this document (`document_text`) before the prompt
+    compare:    also generate through a full-precision cache of the same model
+    on_text:    called with each new piece of text as soon as it decodes to whole characters
+    on_section: called with a title before each run's text, when comparing
+    Every option, the document and the folder's kind are checked before the checkpoint loads.
     """
     preflight.generate(
         path,
@@ -80,11 +114,32 @@ def generate_text(
         top_p=top_p,
         device=device,
     )
+    if document is not None:
+        prompt = f"{document_text(document)}\n\n{prompt}"
     model = kvcalib_runtime.load(path, device=device)
     if chat:
         ids = model.tokenizer.encode(chat_prompt(path, prompt), add_special_tokens=False).ids
     else:
         ids = model.encode(prompt)
+    need = model.slots_needed(len(ids), max_new_tokens)  # CapacityError past max_len
+    runs = []
+    for full in (False, True) if compare else (False,):
+        if compare and on_section is not None:
+            on_section("full-precision cache" if full else f"{model.meta['recipe']['name']} cache")
+        cache = model.new_cache(1, max(need, 1), full_precision=full)
+        runs.append(_run(model, ids, cache, max_new_tokens, temperature, top_p, on_text))
+    return GenerationReport(
+        prompt_tokens=len(ids),
+        context=max(need, 1),
+        quantized=runs[0],
+        full_precision=runs[1] if compare else None,
+        dtype=str(model.dtype).removeprefix("torch."),
+        long_bytes_per_token=model.kv_bytes_per_token(LONG_CONTEXT),
+        long_fp16_bytes_per_token=model.fp16_bytes_per_token(LONG_CONTEXT),
+    )
+
+
+def _run(model, ids, cache, max_new_tokens, temperature, top_p, on_text) -> Run:
     stream = TextStream(model.decode, on_text) if on_text is not None else None
     stamps: list[float] = []
 
@@ -95,19 +150,16 @@ def generate_text(
 
     start = time.perf_counter()
     [new] = model.generate(
-        [ids], max_new_tokens, temperature=temperature, top_p=top_p, callback=step
+        [ids], max_new_tokens, temperature=temperature, top_p=top_p, callback=step, cache=cache
     )
     if stream is not None:
         stream.close()
-    return GenerationReport(
+    return Run(
         text=model.decode(new),
-        prompt_tokens=len(ids),
         new_tokens=len(new),
         prefill_seconds=stamps[0] - start,
         decode_tokens_per_s=(len(new) - 1) / (stamps[-1] - stamps[0]) if len(new) > 1 else None,
-        kv_bytes_per_token=model.kv_bytes_per_token(len(ids) + len(new)),
-        fp16_bytes_per_token=model.fp16_bytes_per_token(),
-        long_bytes_per_token=model.kv_bytes_per_token(LONG_CONTEXT),
+        cache_bytes=cache.allocated_bytes(),
     )
 
 
@@ -138,7 +190,6 @@ class TextStream:
 
 def chat_prompt(path: str | Path, prompt: str) -> str:
     """`prompt` as one user message of the folder's chat template, ready for the reply."""
-
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     if not tokenizer.chat_template:
         raise ModelError(
@@ -150,19 +201,22 @@ def chat_prompt(path: str | Path, prompt: str) -> str:
 
 
 def format_report(report: GenerationReport) -> str:
-    """Two lines: prefill and decode speed, then the KV cache's size against fp16, at this
-    context and at LONG_CONTEXT tokens."""
-    speed = (
-        f"{report.decode_tokens_per_s:.1f} tokens/s"
-        if report.decode_tokens_per_s is not None
-        else "n/a tokens/s (one token)"
+    """Speed, then the caches' memory: as allocated for this call (prompt + new tokens, in the
+    model's dtype), and per token at LONG_CONTEXT against fp16."""
+    q = report.quantized
+    speed = f"{q.decode_tokens_per_s:.1f} tokens/s" if q.decode_tokens_per_s else "n/a"
+    lines = [
+        f"prefill: {report.prompt_tokens} tokens in {q.prefill_seconds:.2f} s; "
+        f"decode: {max(q.new_tokens - 1, 0)} tokens at {speed}",
+        f"KV cache allocated for {report.context} tokens ({report.dtype}): "
+        f"{q.cache_bytes / MIB:.2f} MiB quantized",
+    ]
+    if report.full_precision is not None:
+        full = report.full_precision.cache_bytes
+        lines[-1] += f" vs {full / MIB:.2f} MiB full precision (ratio {q.cache_bytes / full:.3f})"
+    ratio = report.long_bytes_per_token / report.long_fp16_bytes_per_token
+    lines.append(
+        f"at {LONG_CONTEXT} tokens (fp16): {report.long_bytes_per_token / 1024:.2f} KiB/token "
+        f"vs {report.long_fp16_bytes_per_token / 1024:.2f} KiB/token fp16 (ratio {ratio:.3f})"
     )
-    return (
-        f"prefill: {report.prompt_tokens} tokens in {report.prefill_seconds:.2f} s; "
-        f"decode: {max(report.new_tokens - 1, 0)} tokens at {speed}\n"
-        f"KV cache: {report.kv_bytes_per_token / KIB:.2f} KiB/token at {report.context} tokens "
-        f"vs {report.fp16_bytes_per_token / KIB:.2f} KiB/token fp16 "
-        f"(ratio {report.kv_bytes_per_token / report.fp16_bytes_per_token:.3f}); "
-        f"at {LONG_CONTEXT} tokens {report.long_bytes_per_token / KIB:.2f} KiB/token "
-        f"(ratio {report.long_bytes_per_token / report.fp16_bytes_per_token:.3f})"
-    )
+    return "\n".join(lines)

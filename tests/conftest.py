@@ -9,13 +9,17 @@ if not torch.cuda.is_available():  # Triton kernels run on the CPU through its i
 
 import pytest
 
+REAL_MODEL_FIXTURES = {"real_model"}  # and every fixture built on it (pytest lists the closure)
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
+    """Tests on the real model are `slow` (make test leaves them to make test-all); `gpu` tests
+    skip without CUDA."""
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip)
 
 

@@ -70,3 +70,30 @@ def fused_kinds(ckpt) -> set[str]:
     return kinds | (
         {"residual_rotation"} if ckpt.meta["residual_rotation_seed"] is not None else set()
     )
+
+
+class ShapeProfile:
+    """The Profile API kvcalib's plan() calls, with tensors of the right shapes and dummy values
+    (memory and layout tests: a profile decides values, never sizes). `sensitive` maps
+    (tensor, layer) to a factor on the default sensitivity 2^-bits."""
+
+    def __init__(self, kv_heads: int, head_dim: int, sensitive: dict | None = None):
+        self.kv_heads, self.head_dim, self.sensitive = kv_heads, head_dim, sensitive or {}
+
+    def range(self, tensor, layer, *, position="post_rope", outliers=0.0):
+        shape = (self.kv_heads, self.head_dim)
+        return -torch.ones(shape), torch.ones(shape)
+
+    def codebook(self, variant, layer, bits):
+        return torch.linspace(-1.0 if variant.endswith(":symmetric") else 0.0, 1.0, 2**bits)
+
+    def smoothing(self, layer, alpha, *, position):
+        return torch.ones(self.kv_heads, self.head_dim)
+
+    def sink_predictor(self):
+        from kvcalib_runtime.scheme import SinkPredictor
+
+        return SinkPredictor(layer=0, dims=(0,), threshold=38.0)
+
+    def sensitivity(self, tensor, layer, bits):
+        return float(2.0**-bits * self.sensitive.get((tensor, layer), 1.0))

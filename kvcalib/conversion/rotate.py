@@ -19,76 +19,30 @@ and "x @ Q" is `hadamard_transform(x, seed=seed)` along the last dim.
 Layer dicts are keyed by names relative to `model.layers.{i}.` (archs.py's names + ".weight").
 Transforms compute in float32 (COMPUTE) and leave the result there; the caller casts.
 
-Q is `orthogonal_hadamard(n, seed)`, applied by matmuls, which on CPU run several times faster
-than the butterfly of `hadamard_transform`: up to order DENSE_MAX one dense (n, n) matmul; above
-it Q = diag(signs) kron(H_A, H_B) / sqrt(n) with B a power of two <= 128, applied as
-H_A^T X H_B on x viewed as X [A, B] (A + B instead of n multiply-adds per element: 160 instead
-of 4096 for Llama's hidden size). The factorization is checked against `hadamard_transform`.
+Q is `orthogonal_hadamard(n, seed)`, applied by the runtime's `hadamard_transform` (one small
+matmul per Kronecker factor of H_n) on CHUNK elements at a time, which bounds the temporaries of
+a [vocab, hidden] matrix.
 """
-
-import functools
 
 import torch
 
 from kvcalib_runtime import archs
 from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.hadamard import (
-    hadamard_matrix,
-    hadamard_transform,
-    is_supported,
-    orthogonal_hadamard,
-    random_signs,
-)
+from kvcalib_runtime.hadamard import hadamard_transform
 
 COMPUTE = torch.float32
-DENSE_MAX = 256  # up to here one dense matmul beats two small ones (memory-bound)
-MAX_B = 128
-CHUNK = 1 << 22  # elements rotated at a time: bounds the temporaries of a [vocab, hidden] matrix
-
-
-@functools.lru_cache(maxsize=8)
-def _factors(n: int, seed: int | None) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """(scale [n] or None, H_A, H_B) with Q = diag(scale) kron(H_A, H_B); cached, never modified.
-
-    scale is None for the dense case, where H_A is Q itself and H_B is [[1]].
-    """
-    one = torch.ones(1, 1, dtype=COMPUTE)
-    if n > DENSE_MAX:
-        b = min(n & -n, MAX_B)
-        while b > 1 and not is_supported(n // b):
-            b //= 2
-        scale = torch.full((n,), n**-0.5, dtype=torch.float64)
-        if seed is not None:
-            scale *= random_signs(n, seed).double()
-        factors = (
-            scale.to(COMPUTE),
-            hadamard_matrix(n // b, dtype=COMPUTE),
-            hadamard_matrix(b, dtype=COMPUTE),
-        )
-        probe = torch.randn(2, n, generator=torch.Generator().manual_seed(0), dtype=COMPUTE)
-        if torch.allclose(_apply(probe, factors), hadamard_transform(probe, seed=seed), atol=1e-4):
-            return factors
-    return None, orthogonal_hadamard(n, seed=seed, dtype=COMPUTE), one
-
-
-def _apply(x: torch.Tensor, factors) -> torch.Tensor:
-    scale, ha, hb = factors
-    if scale is None:
-        return x @ ha
-    shaped = (x * scale).reshape(*x.shape[:-1], ha.shape[0], hb.shape[0])
-    return (ha.T @ (shaped @ hb)).reshape(x.shape)
+CHUNK = 1 << 22  # elements rotated at a time
 
 
 def _right(x: torch.Tensor, seed: int | None, pre: torch.Tensor | None = None) -> torch.Tensor:
     """(x * pre) @ Q along the last dim, in COMPUTE precision, CHUNK elements at a time."""
     n = x.shape[-1]
-    factors = _factors(n, seed)
     flat = x.reshape(-1, n)
     out = torch.empty(flat.shape, dtype=COMPUTE)
     rows = max(1, CHUNK // n)
     for i in range(0, flat.shape[0], rows):
         block = flat[i : i + rows].to(COMPUTE)
-        out[i : i + rows] = _apply(block * pre if pre is not None else block, factors)
+        out[i : i + rows] = hadamard_transform(block * pre if pre is not None else block, seed=seed)
     return out.reshape(x.shape)
 
 

@@ -4,9 +4,8 @@ The recipe says how; the profile supplies the numbers a recipe may ask for — s
 codebooks, smoothing scales, the sink predictor, per-layer sensitivities for bit allocation.
 """
 
-import dataclasses
 
-from kvcalib.core.recipe import Recipe, TensorRecipe, flush_of, load_recipe
+from kvcalib.core.recipe import Recipe, TensorRecipe, flush_of, load_recipe, with_bits
 from kvcalib.errors import ProfileError, RecipeError
 from kvcalib_runtime import checks
 from kvcalib_runtime.geometry import Geometry
@@ -59,8 +58,8 @@ def plan(
     for i in range(num_layers):
         key, value = recipe.tensor("key", i), recipe.tensor("value", i)
         if bits is not None:
-            key = dataclasses.replace(key, bits=bits["key"][i])
-            value = dataclasses.replace(value, bits=bits["value"][i])
+            key = with_bits(key, bits["key"][i])
+            value = with_bits(value, bits["value"][i])
         try:
             layers.append(
                 LayerScheme(

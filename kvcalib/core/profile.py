@@ -62,12 +62,11 @@ from safetensors.torch import load_file, save_file
 from kvcalib.core import profile_check
 from kvcalib.errors import ProfileError
 from kvcalib.io import atomic
-from kvcalib_runtime.scheme import SinkPredictor
+from kvcalib_runtime.scheme import KEY_POSITIONS, SinkPredictor
 
 FORMAT_VERSION = 1
 TENSORS = "profile.safetensors"
 META = "profile.json"
-KEY_POSITIONS = ("pre_rope", "post_rope")
 QUANTILE_LEVELS = (
     0.0,
     0.0005,

@@ -36,6 +36,7 @@ from kvcalib_runtime.quant import QuantSpec
 from kvcalib_runtime.scheme import KVScheme, LayerScheme
 
 MAX_LAYERS = 4096  # an override index beyond this is a typo, not a layer
+MAX_CODEBOOK_BITS = 4
 RECIPE_DIRS = (
     Path(__file__).resolve().parents[1] / "recipes",  # installed wheel: the kvcalib.recipes package
     Path(__file__).resolve().parents[2] / "recipes",  # source tree / editable install
@@ -409,8 +410,8 @@ def _check_layer(r: Recipe, k: TensorRecipe, v: TensorRecipe, where: str) -> Non
         fail(f"key.smooth = {k.smooth}: use an exponent alpha in [0, 1]")
     widths = r.allocation.choices if r.allocation else (None,)
     for bits in widths:
-        key = k if bits is None else dataclasses.replace(k, bits=bits)
-        value = v if bits is None else dataclasses.replace(v, bits=bits)
+        key = k if bits is None else with_bits(k, bits)
+        value = v if bits is None else with_bits(v, bits)
         try:
             layer = LayerScheme(
                 key=key.spec(),
@@ -424,6 +425,13 @@ def _check_layer(r: Recipe, k: TensorRecipe, v: TensorRecipe, where: str) -> Non
             KVScheme((layer,), r.residual, r.sinks_first, r.sink_budget, r.rotation_seed)
         except ValueError as e:
             fail(f"{'' if bits is None else f'at {bits} bits, '}{e}")
+
+
+def with_bits(t: TensorRecipe, bits: int) -> TensorRecipe:
+    """An allocated width: calibrated codebooks exist for 2-4 bits only, so a wider layer of a
+    codebook recipe takes uniform levels."""
+    codebook = t.codebook if bits <= MAX_CODEBOOK_BITS else "uniform"
+    return dataclasses.replace(t, bits=bits, codebook=codebook)
 
 
 def flush_of(t: TensorRecipe, residual: int) -> int:

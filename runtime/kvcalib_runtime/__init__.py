@@ -6,27 +6,28 @@ Depends only on torch, safetensors, triton and tokenizers. Owns the quantization
     model = kvcalib_runtime.load("converted/")       # a RuntimeModel; see `loader`
     [ids] = model.generate("Hello", max_new_tokens=16)
 
-`import kvcalib_runtime` does not import triton: the kernels load with the first quantized cache
-(`kvcalib_runtime.kvcache.QuantizedCache`).
+The public names load on first use: `import kvcalib_runtime` imports neither torch nor triton
+(the kernels load with the first quantized cache, `kvcalib_runtime.kvcache.QuantizedCache`).
 """
 
-from kvcalib_runtime.errors import CapacityError, FormatError, KvcalibRuntimeError
-from kvcalib_runtime.fpcache import FullPrecisionCache
-from kvcalib_runtime.loader import RuntimeModel, load
-from kvcalib_runtime.quant import QTensor, QuantSpec, dequantize, fake_quantize, quantize
+from kvcalib_runtime.exports import lazy
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CapacityError",
-    "FormatError",
-    "FullPrecisionCache",
-    "KvcalibRuntimeError",
-    "QTensor",
-    "QuantSpec",
-    "RuntimeModel",
-    "dequantize",
-    "fake_quantize",
-    "load",
-    "quantize",
-]
+_EXPORTS = {
+    "CapacityError": "kvcalib_runtime.errors",
+    "FormatError": "kvcalib_runtime.errors",
+    "KvcalibRuntimeError": "kvcalib_runtime.errors",
+    "FullPrecisionCache": "kvcalib_runtime.fpcache",
+    "RuntimeModel": "kvcalib_runtime.loader",
+    "load": "kvcalib_runtime.loader",
+    "QTensor": "kvcalib_runtime.quant",
+    "QuantSpec": "kvcalib_runtime.quant",
+    "dequantize": "kvcalib_runtime.quant",
+    "fake_quantize": "kvcalib_runtime.quant",
+    "quantize": "kvcalib_runtime.quant",
+}
+
+__all__ = sorted(_EXPORTS)
+
+__getattr__, __dir__ = lazy(__name__, _EXPORTS)

@@ -24,7 +24,7 @@ from kvcalib_runtime.generate import generate as _generate
 from kvcalib_runtime.kernels.layout import use_triton  # plain torch: no triton import
 from kvcalib_runtime.model import Transformer
 
-Prompts = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
+Prompts = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]] | torch.Tensor
 
 
 class RuntimeModel:
@@ -66,12 +66,29 @@ class RuntimeModel:
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
-    def new_cache(self, batch: int, max_len: int):
+    def new_cache(self, batch: int, max_len: int, *, full_precision: bool = False):
         """A QuantizedCache following the checkpoint's scheme for `batch` sequences of up to
-        `max_len` tokens, on the model's device and dtype."""
+        `max_len` tokens, on the model's device and dtype (`full_precision`: the model's
+        FullPrecisionCache instead, for comparisons)."""
+        if full_precision:
+            return self.model.new_cache(batch, max_len)
         return self.model.new_cache(
             batch, max_len, self.scheme, self.params, self.transforms, self.use_kernels
         )
+
+    def slots_needed(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """Cache slots per sequence for a prompt of `prompt_tokens` and `max_new_tokens` new
+        tokens (the last is never fed back); CapacityError, before anything is allocated, when
+        that is more than `max_len`."""
+        check_options(max_new_tokens, 0.0, 1.0)
+        need = prompt_tokens + max_new_tokens - 1
+        if self.max_len is not None and need > self.max_len:
+            raise CapacityError(
+                f"a prompt of {prompt_tokens} tokens + max_new_tokens = {max_new_tokens} "
+                f"needs {need} cache slots, more than max_len = {self.max_len}: shorten the "
+                "prompt, lower max_new_tokens, or load with a larger max_len"
+            )
+        return need
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (the tokenizer's own special-token rules apply)."""
@@ -91,11 +108,15 @@ class RuntimeModel:
         eos_token_id: int | Sequence[int] | None = None,
         seed: int | None = None,
         callback: Callable[[int, list[int | None]], None] | None = None,
+        cache=None,
     ) -> list[list[int]]:
         """New token ids per prompt (a list per prompt, even for a single prompt).
 
-        prompts:       a str, a list of str, a list of token ids, or a list of token-id lists;
+        prompts:       a str, a list of str, a list of token ids, a list of token-id lists, or
+                       an integer tensor [B, T] of token ids (as transformers users pass them);
                        a batch may mix lengths (each prompt is prefilled alone, no padding)
+        cache:         the cache to generate through (`new_cache`, batch = len(prompts), large
+                       enough); default: a fresh quantized cache of the size the call needs
         eos_token_id:  stop a sequence after one of these; None: config.json's eos_token_id,
                        [] for none
         temperature, top_p, seed, callback: as `kvcalib_runtime.generate.generate`
@@ -105,17 +126,15 @@ class RuntimeModel:
         """
         check_options(max_new_tokens, temperature, top_p)
         batch = self._token_lists(prompts)
-        longest = max(map(len, batch), default=0)
-        need = longest + max_new_tokens - 1  # the last new token is never fed back
-        if self.max_len is not None and need > self.max_len:
-            raise CapacityError(
-                f"a prompt of {longest} tokens + max_new_tokens = {max_new_tokens} "
-                f"needs {need} cache slots, more than max_len = {self.max_len}: shorten the "
-                "prompt, lower max_new_tokens, or load with a larger max_len"
-            )
+        need = self.slots_needed(max(map(len, batch), default=0), max_new_tokens)
         if eos_token_id is None:
             eos_token_id = self.config.get("eos_token_id")
-        cache = self.new_cache(len(batch), max(need, 1))
+        if cache is None:
+            cache = self.new_cache(len(batch), max(need, 1))
+        elif cache.max_len < need:
+            raise CapacityError(
+                f"the cache holds {cache.max_len} tokens per sequence; this call needs {need}"
+            )
         return _generate(
             self.model,
             batch,
@@ -129,6 +148,13 @@ class RuntimeModel:
         )
 
     def _token_lists(self, prompts: Prompts) -> list[list[int]]:
+        if isinstance(prompts, torch.Tensor):
+            if prompts.dim() != 2 or prompts.dtype.is_floating_point or prompts.is_complex():
+                raise KvcalibRuntimeError(
+                    f"a tensor of prompts must be integer token ids [batch, tokens], not "
+                    f"{prompts.dtype} {list(prompts.shape)}"
+                )
+            prompts = prompts.tolist()
         if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]  # one prompt
         out = []

@@ -182,17 +182,6 @@ class Storage:
         return self.body + self.constants + self.ring + self.sinks + self.bookkeeping
 
     @property
-    def bits_per_element(self) -> float:
-        """The quantized body's cost per element: codes, metadata, outliers and per-layer
-        constants (the residual window and the sink slots are extra: `bits_at_context`)."""
-        return (self.body + self.constants) / self.elements
-
-    @property
-    def bits_at_context(self) -> float:
-        """Everything the cache allocates, per element at this context."""
-        return self.total / self.elements
-
-    @property
     def bytes(self) -> float:
         return self.total / 8
 

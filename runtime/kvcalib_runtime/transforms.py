@@ -57,11 +57,6 @@ class LayerTransforms:
         """The transforms the weights contain."""
         return frozenset(k for k in KINDS if getattr(self, k) in (FUSED, UNDONE))
 
-    @property
-    def in_domain(self) -> frozenset[str]:
-        """The transforms the cache's domain has."""
-        return frozenset(k for k in KINDS if getattr(self, k) in (FUSED, ONLINE))
-
 
 @dataclass(frozen=True)
 class Transforms:
@@ -224,9 +219,6 @@ class Transforms:
         if place not in (ONLINE, UNDONE):
             return v
         return hadamard_transform(v, seed=self.seed, inverse=place == ONLINE)
-
-    def changes_values(self, i: int) -> bool:
-        return self.layers[i].value_rotation in (ONLINE, UNDONE)
 
 
 def domain(scheme, params) -> list[frozenset[str]]:

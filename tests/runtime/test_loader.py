@@ -151,6 +151,13 @@ def test_text_prompts_go_through_the_tokenizer(converted):
     by_text = rm.generate("Hello", 6, eos_token_id=[])
     assert by_text == rm.generate(["Hello"], 6, eos_token_id=[])
     assert by_text == rm.generate(rm.encode("Hello"), 6, eos_token_id=[])
+    as_tensor = torch.tensor([rm.encode("Hello"), rm.encode("Hi!?!")])  # [B, T], as in transformers
+    assert rm.generate(as_tensor, 6, eos_token_id=[]) == [
+        by_text[0],
+        rm.generate("Hi!?!", 6, eos_token_id=[])[0],
+    ]
+    with pytest.raises(KvcalibRuntimeError, match="integer token ids"):
+        rm.generate(torch.rand(1, 3), 2)
     assert rm.decode(by_text[0]) == "".join(map(chr, by_text[0]))
     with pytest.raises(KvcalibRuntimeError, match="token ids in"):
         rm.generate([[1, VOCAB]], 2)
@@ -264,6 +271,7 @@ def test_kv_bytes_per_token_counts_every_buffer(converted, context):
     assert full.kv_bytes_per_token(context) > full.fp16_bytes_per_token(context)  # + rings
 
 
+@pytest.mark.slow
 def test_real_model_greedy_tokens_equal_the_decode_simulation(tmp_path):
     """THE runtime contract on SmolLM2-135M with a 2-bit recipe: 40 greedy tokens from a
     150-token prompt, through the reference path (the Triton interpreter needs ~10 minutes for

@@ -39,6 +39,22 @@ def _params(scheme: KVScheme) -> KVParams:
     return params
 
 
+def _cache(scheme, layers, batch, max_len, device) -> QuantizedCache:
+    params = _params(scheme)
+    return QuantizedCache(
+        scheme,
+        params,
+        Transforms.online(scheme, params),
+        num_layers=layers,
+        batch=batch,
+        kv_heads=HKV,
+        head_dim=D,
+        max_len=max_len,
+        device=device,
+        dtype=torch.float16,
+    )
+
+
 def _scheme(name: str, layers: int = 2) -> KVScheme:
     key, value, extra = LAYOUTS[name]
     return KVScheme(
@@ -79,20 +95,7 @@ def test_one_layout_counted_by_hand():
     per head); values 16 bytes of codes + an fp16 scale per row, the same codebook constants;
     a ring of 32 and 4 sink slots of fp16 for both; bookkeeping (is_sink bytes, int64 lengths,
     body sizes, sink positions)."""
-    scheme = _scheme("static-slots", layers=1)
-    params = _params(scheme)
-    cache = QuantizedCache(
-        scheme,
-        params,
-        Transforms.online(scheme, params),
-        num_layers=1,
-        batch=1,
-        kv_heads=HKV,
-        head_dim=D,
-        max_len=1024,
-        device="cpu",
-        dtype=torch.float16,
-    )
+    cache = _cache(_scheme("static-slots", layers=1), 1, 1, 1024, "cpu")
     rows = 1024 * HKV
     codebook = HKV * (4 + 3) * 4
     keys = rows * (16 + 3) + HKV * D * (2 + 2 + 4 + 4) + codebook
@@ -117,21 +120,9 @@ def test_an_fp16_cache_is_its_keys_and_values():
 @pytest.mark.gpu
 def test_cuda_allocates_what_the_walk_counts():
     scheme = _scheme("static-slots", layers=4)
-    params = _params(scheme)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    cache = QuantizedCache(
-        scheme,
-        params,
-        Transforms.online(scheme, params),
-        num_layers=4,
-        batch=2,
-        kv_heads=HKV,
-        head_dim=D,
-        max_len=8192,
-        device="cuda",
-        dtype=torch.float16,
-    )
+    cache = _cache(scheme, 4, 2, 8192, "cuda")
     torch.cuda.synchronize()
     grown = torch.cuda.memory_allocated() - before
     storages = {

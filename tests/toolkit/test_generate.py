@@ -17,9 +17,12 @@ from kvcalib.cli import main
 from kvcalib.generate import TextStream, generate_text
 
 SPEED = re.compile(r"^prefill: 5 tokens in [\d.]+ s; decode: (\d+) tokens at [\d.]+ tokens/s$")
-SIZE = re.compile(
-    r"^KV cache: ([\d.]+) KiB/token at (\d+) tokens vs ([\d.]+) KiB/token fp16 \(ratio [\d.]+\); "
-    r"at 4096 tokens ([\d.]+) KiB/token \(ratio [\d.]+\)$"
+MEMORY = re.compile(
+    r"^KV cache allocated for (\d+) tokens \(float32\): ([\d.]+) MiB quantized"
+    r"(?: vs ([\d.]+) MiB full precision \(ratio ([\d.]+)\))?$"
+)
+LONG = re.compile(
+    r"^at 4096 tokens \(fp16\): ([\d.]+) KiB/token vs ([\d.]+) KiB/token fp16 \(ratio [\d.]+\)$"
 )
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -45,21 +48,53 @@ def test_generate_prints_the_text_then_speed_and_cache_size(folder):
                "--device", "cpu"],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    text, speed, size = result.output.rsplit("\n", 3)[:3]
+    text, speed, memory, long = result.output.rsplit("\n", 4)[:4]
     assert text == expected.decode(new)
     assert int(SPEED.match(speed).group(1)) == len(new) - 1
-    kib, context, fp16, long = SIZE.match(size).groups()
-    assert int(context) == 5 + len(new)
-    assert float(kib) == pytest.approx(expected.kv_bytes_per_token(5 + len(new)) / 1024, abs=0.01)
-    assert float(long) == pytest.approx(expected.kv_bytes_per_token(4096) / 1024, abs=0.01)
-    assert float(fp16) == expected.fp16_bytes_per_token() / 1024
+    context, mib, full, _ = MEMORY.match(memory).groups()
+    assert int(context) == 5 + 6 - 1 and full is None
+    walked = expected.new_cache(1, 10).allocated_bytes()
+    assert float(mib) == pytest.approx(walked / 2**20, abs=0.01)
+    kib, fp16 = LONG.match(long).groups()
+    assert float(kib) == pytest.approx(expected.kv_bytes_per_token(4096) / 1024, abs=0.01)
+    assert float(fp16) == expected.fp16_bytes_per_token(4096) / 1024
+
+
+def test_compare_fp16_answers_twice_and_measures_both_caches(folder, tmp_path):
+    """The document goes before the question; both answers are printed under their cache's
+    name, each what the runtime generates through that cache, and both caches' memory is what
+    their buffers hold."""
+    document = tmp_path / "doc.txt"
+    document.write_text("abc " * 20)
+    expected = kvcalib_runtime.load(folder, device="cpu")
+    ids = expected.encode(document.read_text().strip() + "\n\nQ?")
+    need = len(ids) + 4 - 1
+    answers = {}
+    for full in (False, True):
+        cache = expected.new_cache(1, need, full_precision=full)
+        [answers[full]] = expected.generate([ids], 4, cache=cache)
+        answers[full, "bytes"] = cache.allocated_bytes()
+    result = CliRunner().invoke(
+        main, ["generate", str(folder), "--prompt", "Q?", "--document", str(document),
+               "--max-new-tokens", "4", "--device", "cpu", "--compare-fp16"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    head, full_text = result.output.split("--- full-precision cache ---\n")
+    assert head == f"--- quarot-kv4 cache ---\n{expected.decode(answers[False])}"
+    assert full_text.startswith(expected.decode(answers[True]) + "\n")
+    memory = next(line for line in result.output.splitlines() if MEMORY.match(line))
+    context, mib, full_mib, ratio = MEMORY.match(memory).groups()
+    assert int(context) == need
+    assert float(mib) == pytest.approx(answers[False, "bytes"] / 2**20, abs=0.01)
+    assert float(full_mib) == pytest.approx(answers[True, "bytes"] / 2**20, abs=0.01)
+    assert float(ratio) < 1  # the 4-bit cache is smaller
 
 
 def test_streamed_pieces_are_the_text_token_by_token(folder):
     pieces = []
     report = generate_text(folder, "Hi", max_new_tokens=5, device="cpu", on_text=pieces.append)
     assert "".join(pieces) == report.text
-    assert len(pieces) == report.new_tokens  # one character per token, printed as it came
+    assert len(pieces) == report.quantized.new_tokens  # one character per token, as it came
 
 
 def test_a_partial_utf8_character_waits_for_its_other_bytes():

@@ -1,0 +1,21 @@
+"""Public names that load on first use, so importing a package stays cheap (no torch, no
+triton) until something is actually used."""
+
+import importlib
+import sys
+
+
+def lazy(package: str, table: dict[str, str]):
+    """(__getattr__, __dir__) for `package`, whose public name n lives in module table[n]."""
+
+    def __getattr__(name: str):
+        if name not in table:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(table[name]), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted([*vars(sys.modules[package]), *table])
+
+    return __getattr__, __dir__

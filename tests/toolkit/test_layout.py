@@ -1,0 +1,92 @@
+"""The toolkit's dependency rule (DESIGN.md), read from the source: shared contracts are leaves
+(errors <- io <- core), the simulator sits on them, and the stages — calibration, conversion,
+evaluation — never import each other; only the top (api, cli, inspect, generate, the package's
+lazy exports) sees everything. Library modules import at the top of the file; the CLI defers its
+imports so `kvcalib --help` answers fast, and an optional dependency may be imported where it is
+needed, with its ImportError turned into a message."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import kvcalib
+
+ROOT = Path(kvcalib.__file__).parent
+LAYERS = {
+    "errors": set(),
+    "io": {"errors"},
+    "core": {"errors", "io"},
+    "sim": {"errors", "io", "core"},
+    "calibration": {"errors", "io", "core", "sim"},
+    "conversion": {"errors", "io", "core", "sim"},
+    "evaluation": {"errors", "io", "core", "sim"},
+}
+TOP = {"api", "cli", "inspect", "generate", "__init__"}
+DEFERRED = {"cli.py": None, "evaluation/external.py": {"optimum.quanto"}}
+
+
+def _layer(path: Path) -> str:
+    part = path.relative_to(ROOT).parts[0]
+    return part.removesuffix(".py")
+
+
+def _modules():
+    return sorted(p for p in ROOT.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _imports(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            yield node, node.module
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node, alias.name
+
+
+def test_stages_never_import_each_other():
+    broken = []
+    for path in _modules():
+        layer = _layer(path)
+        if layer in TOP:
+            continue
+        allowed = LAYERS[layer] | {layer}
+        for _, name in _imports(ast.parse(path.read_text())):
+            parts = name.split(".")
+            if parts[0] == "kvcalib" and len(parts) > 1 and parts[1] not in allowed:
+                broken.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert broken == []
+
+
+def test_library_modules_import_at_the_top():
+    nested = []
+    for path in _modules():
+        rel = str(path.relative_to(ROOT))
+        tree = ast.parse(path.read_text())
+        top = {id(node) for node in tree.body}
+        allowed = DEFERRED.get(rel, set())
+        for node, name in _imports(tree):
+            if id(node) in top or allowed is None or name in allowed:
+                continue
+            nested.append(f"{rel}:{node.lineno} imports {name} inside a function")
+    assert nested == []
+
+
+HELP = """
+import sys, time
+start = time.perf_counter()
+from kvcalib.cli import main
+main(["--help"], standalone_mode=False)
+print("torch" in sys.modules, time.perf_counter() - start)
+"""
+
+
+def test_help_answers_within_a_second():
+    """`kvcalib --help` imports neither torch nor transformers (lazy package exports): it
+    answers in well under a second (measured in a fresh interpreter, its own start aside)."""
+    result = subprocess.run(
+        [sys.executable, "-c", HELP], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    torch_loaded, seconds = result.stdout.split()[-2:]
+    assert torch_loaded == "False" and float(seconds) < 1.0

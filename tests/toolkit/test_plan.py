@@ -1,0 +1,33 @@
+"""Per-layer bit allocation: the greedy spends the budget where the sensitivity says, and a
+layer given more bits than a codebook covers (2-4) falls back to uniform levels."""
+
+from tiny import ShapeProfile
+
+from kvcalib.core.plan import plan
+from kvcalib.core.recipe import load_recipe, parse_recipe
+
+ALLOCATED = {
+    "name": "allocated",
+    "key": {"bits": 3, "granularity": "static", "position": "pre_rope", "codebook": "calibrated"},
+    "value": {"bits": 3, "symmetric": True, "codebook": "calibrated"},
+    "allocation": {"budget": 3.0, "choices": [2, 3, 4, 8]},
+}
+
+
+def test_a_very_sensitive_layer_gets_eight_uniform_bits():
+    # layer 0's keys hurt 1000x more than anything else: the first upgrades go there
+    profile = ShapeProfile(2, 16, sensitive={("key", 0): 1000.0})
+    scheme, params = plan(parse_recipe(ALLOCATED), num_layers=8, head_dim=16, profile=profile)
+    first = scheme.layers[0].key
+    assert first.bits == 8 and not first.codebook and 0 not in params.key_codebook
+    codes = [b for layer in scheme.layers for b in (layer.key.bits, layer.value.bits)]
+    assert sum(codes) <= 3.0 * len(codes)  # the mean code width is within the budget
+    assert all(layer.key.codebook for layer in scheme.layers if layer.key.bits <= 4)
+
+
+def test_uniform_sensitivity_spends_the_budget_evenly():
+    scheme, _ = plan(
+        load_recipe("kvcalib-3"), num_layers=4, head_dim=16, profile=ShapeProfile(2, 16)
+    )
+    codes = [b for layer in scheme.layers for b in (layer.key.bits, layer.value.bits)]
+    assert sum(codes) == 3 * len(codes)
