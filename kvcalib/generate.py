@@ -71,11 +71,13 @@ def document_text(spec: str) -> str:
         topic = spec.removeprefix("pydoc:")
         if topic not in topics:
             raise DataError(
-                f"--document {spec}: no such topic in Python's documentation; e.g. "
+                f"--document {spec}: no such topic in Python's documentation; use one, e.g. "
                 "pydoc:sequence-types, pydoc:try (pydoc_data.topics lists them all)"
             )
         return topics[topic].strip()
     path = Path(spec)
+    if path.exists() and not path.is_file():  # a folder, or a FIFO a read would block on
+        raise DataError(f"--document {spec}: not a regular file; pass a text file or pydoc:TOPIC")
     if not path.is_file():
         raise DataError(f"--document {spec}: no such file; pass a text file or pydoc:TOPIC")
     return path.read_text(encoding="utf-8", errors="replace").strip()

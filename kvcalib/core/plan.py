@@ -4,7 +4,6 @@ The recipe says how; the profile supplies the numbers a recipe may ask for — s
 codebooks, smoothing scales, the sink predictor, per-layer sensitivities for bit allocation.
 """
 
-
 from kvcalib.core.recipe import Recipe, TensorRecipe, flush_of, load_recipe, with_bits
 from kvcalib.errors import ProfileError, RecipeError
 from kvcalib_runtime import checks

@@ -158,6 +158,8 @@ GENERATE = [
         "--prompt '': give some text",
     ),
     Case("special", "generate", gen(folder=lambda c: c.fifo("ckpt")), "a FIFO, socket or device"),
+    Case("special", "generate", gen("--document", lambda c: c.fifo("doc")), "--document"),
+    Case("options", "generate", gen("--document", "pydoc:nope"), "no such topic"),
     Case(
         "size",
         "generate",
