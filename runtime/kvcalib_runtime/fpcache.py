@@ -75,7 +75,7 @@ class FullPrecisionCache:
     def positions(self, T: int) -> torch.Tensor:
         """LongTensor[B, T] on the cache's device: lengths[:, None] + arange(T)."""
         pos = self.lengths[:, None] + torch.arange(T, device="cpu")
-        return pos.to(self.keys.device)
+        return pos.to(self.keys[0].device)
 
     def attend(
         self,
@@ -114,7 +114,7 @@ class FullPrecisionCache:
         mask, causal = None, False
         if longest == 0:  # all sequences empty before: plain causal attention over T keys
             causal = T > 1
-        elif not (B == 1 and T == 1):  # one query over its own keys needs no mask
+        elif not (T == 1 and (self.lengths == longest).all()):  # equal lengths: no mask
             slots = torch.arange(S, device=positions.device)
             mask = (slots <= positions[..., None])[:, None]  # [B, 1, T, S]
         return F.scaled_dot_product_attention(

@@ -45,9 +45,10 @@ class DecodeStep:
     live in the graph's output buffer: read them before the next call.
     """
 
-    def __init__(self, model, cache):
+    def __init__(self, model, cache, cuda_graph: bool = True):
         self.model, self.cache = model, cache
-        self.graphed = model.device.type == "cuda" and getattr(cache, "capturable", False)
+        capturable = getattr(cache, "capturable", False)
+        self.graphed = cuda_graph and model.device.type == "cuda" and capturable
         self.graph = self.tokens = self.logits = None
         self.warm = False
 
@@ -95,6 +96,7 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     seed: int | None = None,
     callback: Callable[[int, list[int | None]], None] | None = None,
+    cuda_graph: bool = True,
 ) -> list[list[int]]:
     """Up to max_new_tokens new tokens for each prompt (token ids), as a list per prompt.
 
@@ -106,6 +108,7 @@ def generate(
     seed:          seeds a torch.Generator for sampling; None uses torch's global generator
     callback:      callback(step, tokens) after every step: tokens[b] is the token sequence b got
                    at this step, None once it has stopped
+    cuda_graph:    replay the decode step from a CUDA graph where it can be (`DecodeStep`)
     """
     _check(prompts, max_new_tokens, temperature, top_p, cache)
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
@@ -121,7 +124,7 @@ def generate(
         last.append(model(ids, cache.view(b), last_only=True)[:, -1])
     tokens = sample(torch.cat(last), temperature, top_p, generator)  # [B]
 
-    step_fn = DecodeStep(model, cache)
+    step_fn = DecodeStep(model, cache, cuda_graph)
     outputs: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     for step in range(max_new_tokens):

@@ -426,3 +426,22 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert done.returncode == 0, done.stderr[-3000:]
     # quant_pack, flush, split, combine; twice
     assert done.stdout.split().count("compiled") == 8
+
+
+def test_the_decode_benchmark_runs_its_smoke_configuration():
+    """benchmarks/bench_decode.py --smoke: the GPU benchmark's code on tiny shapes through the
+    interpreter, every method and table (a broken benchmark is found here, not on a GPU)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "benchmarks/bench_decode.py", "--smoke", "--no-save"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| 4/2/64 |")]
+    assert len(rows) == 2  # pre- and post-RoPE keys
+    assert all(len(row.split("|")) == 24 for row in rows)
+    assert "### End to end" in done.stdout

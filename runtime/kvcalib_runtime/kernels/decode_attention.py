@@ -90,10 +90,10 @@ def _decode_split_kernel(
     G: tl.constexpr, D: tl.constexpr, PRE_ROPE: tl.constexpr, PRECISION: tl.constexpr,
     K_BITS: tl.constexpr, K_GRAN: tl.constexpr, K_GROUP: tl.constexpr, K_SYM: tl.constexpr,
     K_CB: tl.constexpr, K_K: tl.constexpr, K_VEC: tl.constexpr, K_UNIT: tl.constexpr,
-    K_ROW: tl.constexpr, K_WIDTH: tl.constexpr,
+    K_ROW: tl.constexpr, K_WIDTH: tl.constexpr, K_RING: tl.constexpr,
     V_BITS: tl.constexpr, V_GRAN: tl.constexpr, V_GROUP: tl.constexpr, V_SYM: tl.constexpr,
     V_CB: tl.constexpr, V_K: tl.constexpr, V_VEC: tl.constexpr, V_UNIT: tl.constexpr,
-    V_ROW: tl.constexpr, V_WIDTH: tl.constexpr,
+    V_ROW: tl.constexpr, V_WIDTH: tl.constexpr, V_RING: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
     STAGES: tl.constexpr,
 ):
@@ -109,7 +109,8 @@ def _decode_split_kernel(
     chunk = tl.cdiv(tl.cdiv(n - lo, num_splits), BLOCK_N) * BLOCK_N
     lo += split * chunk
     hi = tl.minimum(lo + chunk, n)
-    both = tl.maximum(tl.minimum(hi, tl.minimum(nbk, nbv) // BLOCK_N * BLOCK_N), lo)
+    # [lo, both): whole tiles inside both bodies, read without masks; [both, hi): the rest
+    both = lo + tl.maximum(tl.minimum(hi, tl.minimum(nbk, nbv)) - lo, 0) // BLOCK_N * BLOCK_N
     kv = b.to(tl.int64) * num_kv + hk  # this (sequence, KV head)
     k_line, v_line = kv, kv  # body rows of this (sequence, head): one per token for "vector",
     k_base, v_base = hk * 0, hk * 0  # where this head's channels start in its row
@@ -156,10 +157,20 @@ def _decode_split_kernel(
         for start in tl.range(start_at, stop_at, BLOCK_N if phase == 0 else MIXED_N,
                               num_stages=STAGES):  # fmt: skip
             pos = start + tl.arange(0, BLOCK_N if phase == 0 else MIXED_N)
-            sink = tl.load(IS_SINK + b * positions + pos, mask=pos < stop_at, other=1)
-            valid = (pos < stop_at) & (pos >= first) & (sink == 0)
-            k_in, v_in = valid & (pos < nbk), valid & (pos < nbv)
-            k_slot, v_slot = pos % k_slots, pos % v_slots
+            if phase == 0:  # every position in both bodies and in bounds: no load masks
+                sink = tl.load(IS_SINK + b * positions + pos)
+                valid = (pos >= first) & (sink == 0)
+                k_in = tl.full(pos.shape, 1, tl.int1)
+                v_in = k_in
+            else:
+                sink = tl.load(IS_SINK + b * positions + pos, mask=pos < stop_at, other=1)
+                valid = (pos < stop_at) & (pos >= first) & (sink == 0)
+                k_in, v_in = valid & (pos < nbk), valid & (pos < nbv)
+            k_slot, v_slot = pos, pos  # a ring body (sliding window): position % slots
+            if K_RING:
+                k_slot = pos % k_slots
+            if V_RING:
+                v_slot = pos % v_slots
             k_lo = _stream(KC, KS, KO, KL_H, KT, k_line, kv, k_slot, pos, start, valid, k_in,
                            k_base, ks_lo, ko_lo, k_slots, k_meta_rows, ring_size, pos.shape[0],
                            BLOCK_C, D, K_WIDTH, K_BITS, K_GRAN, K_GROUP, K_SYM, K_CB, K_UNIT,
@@ -258,13 +269,14 @@ def supports(spec, head_dim: int, kv_heads: int = 1) -> bool:
     return spec is None or tiles.readable(spec, head_dim, kv_heads)
 
 
-def _stream_args(stored: Stored, name: str, head_dim: int) -> tuple[list, list, dict]:
+def _stream_args(stored: Stored, name: str, head_dim: int, positions: int):
     """One stream's pointers (codes, scale, offset, levels, slot index, slot delta, tail;
-    unused ones repeat the codes), runtime sizes (slots, metadata rows) and constexprs."""
+    unused ones repeat the codes), runtime sizes (slots, metadata rows) and constexprs (RING:
+    fewer body slots than `positions`, a sliding window's ring)."""
     body, half = stored.body, head_dim // 2
     if not isinstance(body, PackedBody):
         flags = dict(BITS=16, GRAN=EXACT, GROUP=1, SYM=True, CB=False, K=0, VEC=False, UNIT=8,
-                     ROW=1, WIDTH=head_dim)  # fmt: skip
+                     ROW=1, WIDTH=head_dim, RING=body.shape[2] < positions)  # fmt: skip
         return [body] * 6 + [stored.tail], [max(body.shape[2], 1), 1], _prefix(name, flags)
     spec = body.spec
     unit = tiles.unit(spec.bits, half)
@@ -286,6 +298,7 @@ def _stream_args(stored: Stored, name: str, head_dim: int) -> tuple[list, list, 
         UNIT=unit,
         ROW=codes.shape[-1],
         WIDTH=body.width,
+        RING=body.codes.shape[2] < positions,
     )
     return pointers, [max(body.codes.shape[2], 1), meta_rows], _prefix(name, flags)
 
@@ -353,9 +366,9 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
         )
     G = H // hkv
     q, k_new, v_new = (t.contiguous() for t in (q, k_new, v_new))
-    k_ptrs, k_sizes, k_flags = _stream_args(keys, "K", D)
-    v_ptrs, v_sizes, v_flags = _stream_args(values, "V", D)
     positions = sinks.is_sink.shape[1]
+    k_ptrs, k_sizes, k_flags = _stream_args(keys, "K", D, positions)
+    v_ptrs, v_sizes, v_flags = _stream_args(values, "V", D, positions)
     span = min(window or positions, positions)
     num_sinks = sinks.positions.shape[1]
     out = torch.empty_like(q)
