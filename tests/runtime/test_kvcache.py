@@ -345,7 +345,7 @@ def test_a_decode_step_reads_nothing_back(models, kernels):
             for t in range(8, 12):
                 model(ids[:, t : t + 1], cache, last_only=True)
     assert cache.lengths.tolist() == [12, 12]
-    with pytest.raises(AssertionError, match="Tensor.item"), _no_reads_back():
+    with pytest.raises(AssertionError, match=r"Tensor\.item"), _no_reads_back():
         torch.ones(1).item()  # the guard itself works
 
 

@@ -137,12 +137,12 @@ def _quant_pack_kernel(
         lo = tl.reshape(tl.where(mask, x, float("inf")), [BLOCK_T, NG, BLOCK_G])
         hi = tl.reshape(tl.where(mask, x, float("-inf")), [BLOCK_T, NG, BLOCK_G])
         lo, hi = _trimmed(lo, TRIM, False, BLOCK_G), _trimmed(hi, TRIM, True, BLOCK_G)
-        lo = tl.where(rows[:, None], lo, 0.0)  # padding rows: finite, never stored
-        hi = tl.where(rows[:, None], hi, 0.0)
-        scale, offset = _range_metadata(lo, hi, clip, BITS, SYMMETRIC, CODEBOOK, DTYPE)
         gi = tl.arange(0, NG)
-        meta = body_row[:, None] * (WIDTH // GROUP) + gi[None, :]
         meta_mask = rows[:, None] & (gi < WIDTH // GROUP)[None, :]
+        lo = tl.where(meta_mask, lo, 0.0)  # padding rows and groups: finite, never stored
+        hi = tl.where(meta_mask, hi, 0.0)
+        scale, offset = _range_metadata(lo, hi, clip, BITS, SYMMETRIC, CODEBOOK, DTYPE)
+        meta = body_row[:, None] * (WIDTH // GROUP) + gi[None, :]
         tl.store(SCALE + meta, scale.to(DTYPE), mask=meta_mask)
         scale = _spread(scale, BLOCK_T, NG, BLOCK_G)
         if not SYMMETRIC:

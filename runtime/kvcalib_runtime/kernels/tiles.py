@@ -77,7 +77,8 @@ def level(code, LEVELS, BITS: tl.constexpr, CODEBOOK: tl.constexpr):
     codebook is the cubic through its 4 levels (Horner: 3 FMAs, exact to fp32 rounding); wider
     ones a chain of selects."""
     if CODEBOOK and BITS == 2:
-        l0, l1, l2, l3 = tl.load(LEVELS), tl.load(LEVELS + 1), tl.load(LEVELS + 2), tl.load(LEVELS + 3)
+        l0, l1 = tl.load(LEVELS), tl.load(LEVELS + 1)
+        l2, l3 = tl.load(LEVELS + 2), tl.load(LEVELS + 3)
         d1, d2, d3 = l1 - l0, l2 - 2 * l1 + l0, l3 - 3 * l2 + 3 * l1 - l0  # Newton differences
         c = code.to(tl.float32)
         out = l0 + c * ((d1 - d2 / 2 + d3 / 3) + c * ((d2 - d3) / 2 + c * (d3 / 6)))
