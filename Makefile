@@ -34,6 +34,11 @@ demo: setup
 leaderboard: setup
 	$(BIN)/python benchmarks/leaderboard.py
 
+# On a CUDA machine: the gpu-marked tests and the decode benchmark at 4K and 32K, appended to
+# benchmarks/RESULTS.md (under 8 minutes). Elsewhere it says so and exits 2.
+gpu-check: setup
+	$(BIN)/python benchmarks/gpu_check.py
+
 # The fast suite (no real-model test), then everything (what CI runs).
 test: setup
 	$(BIN)/ruff check .

@@ -1,29 +1,42 @@
-"""Decode speed of the quantized KV cache: the attention kernel, and tokens/s end to end.
+"""Decode speed of the quantized KV cache, in one run: is the decode kernel bandwidth-bound on
+the bytes it must read, and how far ahead of FlashAttention over an fp16 cache is it?
 
-    python benchmarks/bench_decode.py                      # GPU: the full grid, saved
-    python benchmarks/bench_decode.py --contexts 4096 --batches 1 16 --no-save
+    python benchmarks/bench_decode.py                        # GPU: the whole grid, saved
+    python benchmarks/bench_decode.py --contexts 4096 32768 --batches 1 16   # make gpu-check
+    python benchmarks/bench_decode.py --smoke                # CPU: tiny shapes, interpreted
 
-Scheme (kvcalib-2-like): keys 2-bit "static" pre-RoPE (calibrated per-channel range, RoPE in
-the kernel), values 2-bit per token in groups of 32 channels, residual window 128, token 0
-kept exact. Attention, per (context, batch), one decode step of 32 query / 8 KV heads of 128
-channels over a full cache, against two baselines:
+Layout (kvcalib-2's): keys 2-bit "static" codebook with one exact slot per (token, KV head),
+pre-RoPE (rotated in the kernel) or post-RoPE; values 2-bit symmetric codebook per token; a
+residual window of 128, token 0 and 8 predicted sinks exact. Grid: contexts x batches x shapes
+(query heads, KV heads, head_dim) x key position x dtype; each row is one decode step of one
+layer over a cache filled synthetically to the context (speed does not depend on the values).
 
-  fp16 sdpa      torch SDPA over an fp16 cache (what the quantized cache replaces)
-  dequant+sdpa   dequantize the packed cache to fp16 in torch, then SDPA (no fused kernel)
+    ours graph / eager   decode_attention replayed from a CUDA graph / launched eagerly (us)
+    flash                FlashAttention over an fp16/bf16 cache of the same shape, forced
+                         (SDPBackend.FLASH_ATTENTION only: a fallback is an error); the G query
+                         heads of a KV head are its G query rows
+    dequant+sdpa         the body dequantized in torch (codes, codebook, scales, slots, RoPE),
+                         then the same flash call: the unfused way
+    exact stream         the same kernel over a cache left in full precision (its efficiency
+                         without dequantization)
+    probe                a read-only Triton pass over the body's buffers: what this access
+                         pattern can stream on this device
 
-Bandwidth is the bytes each method must move divided by its time: the packed codes, metadata,
-ring and sink flags for the kernel; the fp16 keys and values for SDPA; the codes read plus the
-fp16 copy written and read again for dequant+sdpa. End to end: a random-weight Llama of 1B-class
-width (hidden 2048, 16 layers, 32/8 heads of 64, intermediate 8192), prefill then timed greedy
-decode steps, quantized against fp16 cache. GPU timing: CUDA events after warm-up, median.
+Bytes are what the kernel must read: codes, metadata (per-token scales, static ranges,
+codebooks, is-sink flags), exact slots (index + delta), exact rows (ring, sink slots, the new
+token) and partials (written and read back by the combine). GB/s and % of the device's peak
+(spec sheet) count those bytes; "x flash" etc. are speed-ups. L2 is flushed before every timed
+repetition (a 256 MB write). Registers and spills of every compiled decode variant follow. The
+end-to-end rows time greedy decode steps of a random-weight 8B-class Llama (32 layers, 32/8
+heads of 128) over caches filled synthetically to 32K: the fp16 runtime cache (eager: it is
+not capturable) against the quantized one, eager and replayed from a CUDA graph.
 
-Without CUDA it runs a tiny smoke configuration through Triton's interpreter (the kernels'
-CPU path) in well under 30 s and says so: the numbers then only show that the script works.
-Results are appended, with the device and setup, to benchmarks/RESULTS.md (GPU runs only,
-unless --no-save).
+--smoke runs the same code on tiny shapes through Triton's interpreter in well under a minute:
+its numbers only show that the script works.
 """
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -33,336 +46,396 @@ from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():  # the kernels' CPU path; must be set before triton loads
+SMOKE = "--smoke" in sys.argv
+if SMOKE or not torch.cuda.is_available():  # the kernels' CPU path; set before triton loads
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import torch.nn.functional as F
-import triton
+import torch.nn.functional as F  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
-from kvcalib_runtime.fpcache import FullPrecisionCache
-from kvcalib_runtime.kernels.decode_attention import decode_attention
-from kvcalib_runtime.kernels.layout import Sinks
-from kvcalib_runtime.kvcache import QuantizedCache
-from kvcalib_runtime.model import Transformer
-from kvcalib_runtime.quant import QuantSpec
-from kvcalib_runtime.rope import Rope
-from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme
+from kvcalib_runtime.generate import DecodeStep  # noqa: E402
+from kvcalib_runtime.kernels import decode_attention as dec  # noqa: E402
+from kvcalib_runtime.kernels.layout import PackedBody, Sinks  # noqa: E402
+from kvcalib_runtime.kvcache import QuantizedCache  # noqa: E402
+from kvcalib_runtime.model import Transformer  # noqa: E402
+from kvcalib_runtime.packing import unpack  # noqa: E402
+from kvcalib_runtime.quant import QuantSpec  # noqa: E402
+from kvcalib_runtime.rope import Rope  # noqa: E402
+from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme  # noqa: E402
+from kvcalib_runtime.transforms import Transforms  # noqa: E402
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
-RESIDUAL, GROUP = 128, 32
-GPU = dict(
-    heads=32,
-    kv_heads=8,
-    head_dim=128,
-    contexts=[1024, 4096, 16384, 32768, 65536, 131072],
-    batches=[1, 4, 16],
-    e2e_batches=[1, 16],
-    prompt=1024,
-    steps=64,
-    warmup=5,
-    repeats=20,
-)
-SMOKE = dict(
-    heads=4,
-    kv_heads=2,
-    head_dim=64,
-    contexts=[150],
-    batches=[2],
-    e2e_batches=[2],
-    prompt=16,
-    steps=2,
-    warmup=1,
-    repeats=1,
-)
-LLAMA_1B = dict(
-    model_type="llama",
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    vocab_size=32000,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-)
-TINY = dict(
-    LLAMA_1B,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    vocab_size=512,
-)
+RESIDUAL, SINKS_FIRST, SINK_BUDGET = 128, 1, 8
+KEY = QuantSpec(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error")
+VALUE = QuantSpec(2, symmetric=True, codebook=True)
+PEAK_GBPS = {"H200": 4800, "H100": 3350, "H800": 3350, "A100": 2039, "L40S": 864, "A10G": 600}
+GRID = dict(contexts=[4096, 32768, 131072], batches=[1, 16],
+            shapes=[(9, 3, 64), (32, 8, 128), (8, 4, 256)], dtypes=["float16", "bfloat16"],
+            reps=20, warmup=3, e2e=dict(layers=32, hidden=4096, heads=32, kv_heads=8,
+                                         intermediate=14336, vocab=128256, context=32768,
+                                         batches=[1, 16], steps=8))  # fmt: skip
+SMOKE_GRID = dict(contexts=[150], batches=[2], shapes=[(4, 2, 64)], dtypes=["float16"], reps=1,
+                  warmup=0, e2e=dict(layers=2, hidden=128, heads=4, kv_heads=2,
+                                     intermediate=256, vocab=512, context=150, batches=[2],
+                                     steps=1))  # fmt: skip
 
 
-def scheme_for(layers: int, kv_heads: int, head_dim: int, gen) -> tuple[KVScheme, KVParams]:
-    layer = LayerScheme(
-        QuantSpec(2, "static"),
-        QuantSpec(2, group_size=GROUP),
-        key_position="pre_rope",
-        key_flush=RESIDUAL,
-        value_flush=RESIDUAL,
-    )
-    ranges = {
-        i: (
-            -torch.rand(kv_heads, head_dim, generator=gen) * 4,
-            torch.rand(kv_heads, head_dim, generator=gen) * 4,
-        )
-        for i in range(layers)
-    }
-    scheme = KVScheme((layer,) * layers, residual=RESIDUAL, sinks_first=1)
-    return scheme, KVParams(key_range=ranges)
+def scheme_for(layers: int, pre_rope: bool, quantized: bool = True) -> KVScheme:
+    key, value = (KEY, VALUE) if quantized else (None, None)
+    position = "pre_rope" if pre_rope else "post_rope"
+    layer = LayerScheme(key, value, key_position=position)
+    return KVScheme((layer,) * layers, residual=RESIDUAL, sinks_first=SINKS_FIRST,
+                    sink_budget=SINK_BUDGET)  # fmt: skip
 
 
-def timer(device: torch.device, warmup: int, repeats: int):
-    """Median seconds of fn() after `warmup` calls (CUDA events on a GPU)."""
+def params_for(layers: int, kv_heads: int, head_dim: int) -> KVParams:
+    gen = torch.Generator().manual_seed(0)
+    return KVParams(
+        key_range={i: (-torch.rand(kv_heads, head_dim, generator=gen) * 4,
+                       torch.rand(kv_heads, head_dim, generator=gen) * 4) for i in range(layers)},
+        key_codebook={i: torch.rand(4, generator=gen).sort().values for i in range(layers)},
+        value_codebook={i: torch.rand(4, generator=gen).sort().values * 2 - 1
+                        for i in range(layers)},
+    )  # fmt: skip
+
+
+def fill(cache: QuantizedCache, length: int) -> None:
+    """Every sequence `length` tokens long, written straight into the buffers: random codes,
+    scales and slots, the decode rule's body sizes, the ring, token 0 and 8 later sinks (the
+    benchmark sets the host's mirror of the lengths itself, as a prefill would)."""
+    for stream in cache.keys + cache.values:
+        if stream.body is not None:
+            body = stream.body
+            body.codes.random_(0, 256)
+            if stream.spec.granularity != "static":
+                body.scale.uniform_(0.01, 0.1)
+            if body.slot_index is not None:
+                body.slot_index.random_(0, body.width)
+                body.slot_delta.normal_()
+        else:
+            stream.exact.normal_()
+        stream.tail.normal_()
+        stream.n_body.fill_(stream.host_body(length))
+    cache.lengths.fill_(length)
+    cache._filled[:] = [length] * len(cache._filled)
+    sinks = [0, *range(length // 9, length - RESIDUAL, max(length // 9, 1))][
+        : cache.sink_pos.shape[1]
+    ]
+    cache.sink_pos[:, : len(sinks)] = torch.tensor(sinks, device=cache.sink_pos.device)
+    cache.is_sink[:, sinks] = True
+    cache.sink_k.normal_()
+    cache.sink_v.normal_()
+
+
+def timer(device: torch.device, reps: int, warmup: int):
+    """Median microseconds of fn() after `warmup` calls, L2 flushed before each (on a GPU)."""
+    scrub = None
+    if device.type == "cuda":
+        scrub = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
 
     def run(fn) -> float:
         for _ in range(warmup):
             fn()
         times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                start, end = (
-                    torch.cuda.Event(enable_timing=True),
-                    torch.cuda.Event(enable_timing=True),
-                )
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
+        for _ in range(reps):
+            if scrub is None:
                 t0 = time.perf_counter()
                 fn()
-                times.append(time.perf_counter() - t0)
+                times.append((time.perf_counter() - t0) * 1e6)
+                continue
+            scrub.zero_()
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
         return statistics.median(times)
 
     return run
 
 
-def filled_cache(batch, context, cfg, device, dtype, gen) -> tuple[QuantizedCache, Rope]:
-    """A one-layer cache holding `context` tokens per sequence: random codes and metadata
-    written straight into the buffers (speed does not depend on the values), the rule's body
-    size, the residual ring and token 0 in its sink slot."""
-    h, d = cfg["kv_heads"], cfg["head_dim"]
-    scheme, params = scheme_for(1, h, d, gen)
-    cache = QuantizedCache(
-        scheme,
-        params,
-        num_layers=1,
-        batch=batch,
-        kv_heads=h,
-        head_dim=d,
-        max_len=context + 1,
-        device=device,
-        dtype=dtype,
-    )
-    for stream in cache.keys + cache.values:
-        body = stream.body
-        body.codes.random_(0, 256)
-        if stream.spec.granularity == "token":
-            body.scale.uniform_(0, 0.1)
-            body.offset.uniform_(-1, 0)
-        stream.tail.normal_()
-        stream.n_body.fill_(stream.targets(torch.tensor(context)).item())
-    cache.lengths.fill_(context)
-    cache.sink_pos[:, 0] = 0
-    cache.is_sink[:, 0] = True
-    cache.sink_k.normal_()
-    cache.sink_v.normal_()
+def graphed(fn, device):
+    """fn replayed from a CUDA graph (eager off a GPU)."""
+    if device.type != "cuda":
+        return fn
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+@triton.jit
+def _probe_kernel(X, OUT, n, BLOCK: tl.constexpr):
+    """Read n int32 words, BLOCK per program, and write one sum per program."""
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(OUT + pid, tl.sum(tl.load(X + i, mask=i < n, other=0), axis=0))
+
+
+def probe(buffers: list[torch.Tensor]):
+    """A read of every byte of `buffers` (as int32 words), the way a streaming kernel reads."""
+    words = [b.view(torch.uint8).flatten() for b in buffers]
+    words = [w[: w.numel() // 4 * 4].view(torch.int32) for w in words]
+    outs = [torch.empty(triton.cdiv(w.numel(), 4096), dtype=torch.int32, device=w.device)
+            for w in words]  # fmt: skip
+
+    def run():
+        for w, out in zip(words, outs, strict=True):
+            _probe_kernel[(out.numel(),)](w, out, w.numel(), BLOCK=4096, num_warps=8)
+
+    return run
+
+
+def dequantized(body: PackedBody, nb: int, dtype, rope: Rope | None):
+    """The unfused baseline's first half: positions [0, nb) of every sequence in dtype."""
+    codes = unpack(body.codes[:, :, :nb], body.spec.bits, body.width)
+    x = body.levels[0][codes.long()]
+    if body.spec.granularity == "static":
+        x = x * body.scale.float()[None, :, None] + body.offset.float()[None, :, None]
+    else:
+        x = x * body.scale[:, :, :nb].float()
+    if body.slot_index is not None:
+        x.scatter_add_(-1, body.slot_index[:, :, :nb].long(), body.slot_delta[:, :, :nb].float())
+    if rope is not None:
+        pos = torch.arange(nb, device=x.device).expand(x.shape[0], nb)
+        x = rope.apply(x, pos)
+    return x.to(dtype)
+
+
+def attention_row(batch, context, shape, pre_rope, dtype, device, run) -> dict:
+    heads, hkv, d = shape
+    G = heads // hkv
     rope = Rope({"rope_theta": 500000.0}, d)
-    return cache, rope
+    caches = {}
+    for name, quantized in (("ours", True), ("exact stream", False)):
+        caches[name] = cache = QuantizedCache(
+            scheme_for(1, pre_rope, quantized), params_for(1, hkv, d), Transforms.none(1),
+            num_layers=1, batch=batch, kv_heads=hkv, head_dim=d, max_len=context + 1,
+            device=device, dtype=dtype,
+        )  # fmt: skip
+        fill(cache, context)
+    q = torch.randn(batch, heads, 1, d, device=device, dtype=dtype)
+    new = torch.randn(batch, hkv, 1, d, device=device, dtype=dtype)
+    inv_freq = rope.inv_freq.to(device) if pre_rope else None
+
+    def kernel(cache):
+        sinks = Sinks(cache.sink_k[0], cache.sink_v[0], cache.sink_pos, cache.is_sink)
+        stored = cache.keys[0].stored(), cache.values[0].stored()
+        return lambda: dec.decode_attention(q, new, new, *stored, sinks, cache.lengths,
+                                            inv_freq=inv_freq)  # fmt: skip
+
+    ours = kernel(caches["ours"])
+    ours()  # tunes
+    times = {"ours eager": run(ours), "ours graph": run(graphed(ours, device))}
+    times["exact stream"] = run(graphed(kernel(caches["exact stream"]), device))
+    fp = [torch.randn(batch, hkv, context + 1, d, device=device, dtype=dtype) for _ in range(2)]
+    qg = q.view(batch, hkv, G, d)
+    if device.type == "cuda":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def flash():
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                return F.scaled_dot_product_attention(qg, *fp)
+    else:
+
+        def flash():
+            return F.scaled_dot_product_attention(qg, *fp)
+
+    times["flash"] = run(flash)
+    keys, values = caches["ours"].keys[0], caches["ours"].values[0]
+    nb = keys.host_body(context)
+
+    def unfused():
+        k = dequantized(keys.body, nb, dtype, rope if pre_rope else None)
+        v = dequantized(values.body, nb, dtype, None)
+        fp[0][:, :, :nb], fp[1][:, :, :nb] = k, v
+        return flash()
+
+    try:
+        times["dequant+sdpa"] = run(unfused)
+    except torch.OutOfMemoryError:
+        times["dequant+sdpa"] = float("nan")
+    body_buffers = [t for s in (keys, values) for t in s.tensors() if t.dim() == 4]
+    times["probe"] = run(probe(body_buffers))
+    moved = bytes_read(caches["ours"], batch, heads, d, context, nb)
+    return {"times": times, "bytes": moved}
 
 
-def unpack_levels(codes: torch.Tensor, bits: int, dtype) -> torch.Tensor:
-    """Torch unpacking of whole-byte codes (bits 2, 4, 8): [..., PB] uint8 -> [..., PB*8/bits]."""
-    shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
-    return ((codes[..., None] >> shifts) & (2**bits - 1)).flatten(-2).to(dtype)
-
-
-def dequantize_then_sdpa(cache: QuantizedCache, q, k_new, v_new, rope: Rope):
-    """The unfused baseline: the whole body dequantized to fp16 in torch, then SDPA (sinks and
-    ring overlaid exactly as the cache holds them)."""
-    kb, vb = cache.keys[0].body, cache.values[0].body
-    B, _, _, d = cache.keys[0].tail.shape
-    n, ring = int(cache.lengths[0]), cache.keys[0].tail.shape[2]
-    nb = int(cache.keys[0].n_body[0])
-    keys = unpack_levels(kb.codes[:, :, :nb], 2, q.dtype) * kb.scale[:, None] + kb.offset[:, None]
-    v = unpack_levels(vb.codes[:, :, :nb], 2, q.dtype).unflatten(-1, (d // GROUP, GROUP))
-    values = (v * vb.scale[:, :, :nb, :, None] + vb.offset[:, :, :nb, :, None]).flatten(-2)
-    ring_slots = torch.arange(nb, n, device=q.device) % ring
-    keys = torch.cat([keys, cache.keys[0].tail[:, :, ring_slots], k_new], 2)
-    values = torch.cat([values, cache.values[0].tail[:, :, ring_slots], v_new], 2)
-    keys[:, :, 0], values[:, :, 0] = cache.sink_k[0, :, :, 0], cache.sink_v[0, :, :, 0]
-    positions = torch.arange(n + 1, device=q.device).expand(B, n + 1)
-    keys = rope.apply(keys, positions)
-    return F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
-
-
-def bench_attention(batch, context, cfg, device, dtype, run) -> dict:
-    gen = torch.Generator().manual_seed(context + batch)
-    cache, rope = filled_cache(batch, context, cfg, device, dtype, gen)
-    hkv, d, H = cfg["kv_heads"], cfg["head_dim"], cfg["heads"]
-    q = torch.randn(batch, H, 1, d, device=device, dtype=dtype)
-    k_new = torch.randn(batch, hkv, 1, d, device=device, dtype=dtype)
-    v_new = torch.randn_like(k_new)
-    lengths = cache.lengths.to(device=device, dtype=torch.int32)
-    nb = cache.keys[0].n_body.to(device=device, dtype=torch.int32)
-    sinks = Sinks(
-        cache.sink_k[0], cache.sink_v[0], cache.sink_pos.to(device, torch.int32), cache.is_sink
-    )
-    inv_freq = rope.inv_freq.to(device)
-    keys, values = cache.keys[0].stored(nb), cache.values[0].stored(nb)
-
-    def ours():
-        return decode_attention(
-            q, k_new, v_new, keys, values, sinks, lengths, context, inv_freq=inv_freq
-        )
-
-    fp16_k = torch.randn(batch, hkv, context + 1, d, device=device, dtype=dtype)
-    fp16_v = torch.randn_like(fp16_k)
-    row = batch * hkv * d  # elements of one position across the batch's KV heads
-    packed = 2 * batch * hkv * cache.keys[0].body.codes.shape[-1] * int(nb[0])  # K and V codes
-    meta = cache.values[0].body.scale[:, :, : int(nb[0])].numel() * 2 * 2  # value scale, offset
-    exact = 2 * row * (context - int(nb[0]) + 2) * 2  # ring, sink slot and new token, K and V
-    moved = {
-        "ours": packed + meta + exact + batch * context,
-        "fp16 sdpa": 2 * row * (context + 1) * 2,
-        "dequant+sdpa": packed + meta + 2 * (2 * row * (context + 1) * 2),
-    }
-    out = {"ours": run(ours)}
-    out["fp16 sdpa"] = run(
-        lambda: F.scaled_dot_product_attention(q, fp16_k, fp16_v, enable_gqa=True)
-    )
-    out["dequant+sdpa"] = run(lambda: dequantize_then_sdpa(cache, q, k_new, v_new, rope))
-    err = (ours() - dequantize_then_sdpa(cache, q, k_new, v_new, rope)).abs().max().item()
-    return {"times": out, "gbps": {k: moved[k] / t / 1e9 for k, t in out.items()}, "err": err}
-
-
-def bench_end_to_end(batch, cfg, config, device, dtype, run) -> dict:
-    """Greedy decode tokens/s (all sequences) after a prefill of cfg['prompt'] tokens."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Transformer(config).to(dtype).eval()
-    attn = model.model.layers[0].self_attn
-    max_len = cfg["prompt"] + cfg["steps"] * (cfg["warmup"] + cfg["repeats"] + 1) + 1
-    gen = torch.Generator().manual_seed(1)
-    scheme, params = scheme_for(len(model.model.layers), attn.num_kv_heads, attn.head_dim, gen)
-    caches = {
-        "fp16": model.new_cache(batch, max_len),
-        "quantized": model.new_cache(batch, max_len, scheme, params),
-    }
-    ids = torch.randint(0, config["vocab_size"], (batch, cfg["prompt"]), device=device)
-    out = {}
-    for name, cache in caches.items():
-        with torch.inference_mode():
-            cache.reset()
-            logits = model(ids, cache, last_only=True)
-            tokens = logits[:, -1].argmax(-1)
-
-            def steps(cache=cache):
-                nonlocal tokens
-                for _ in range(cfg["steps"]):
-                    tokens = model(tokens[:, None], cache, last_only=True)[:, -1].argmax(-1)
-
-            out[name] = batch * cfg["steps"] / run(steps)
-    out["cache bytes/token"] = {
-        name: (
-            c.bytes_per_token()
-            if isinstance(c, FullPrecisionCache)
-            else c.bytes_per_token(cfg["prompt"])
-        )
-        for name, c in caches.items()
-    }
+def bytes_read(cache, batch, heads, d, context, nb) -> dict[str, float]:
+    """What one decode step must read (and, for partials, write): bytes by kind."""
+    keys, values = cache.keys[0], cache.values[0]
+    per_slot = {"codes": 0, "metadata": 0, "slots": 0}
+    for s in (keys, values):
+        body = s.body
+        per_slot["codes"] += body.codes[0, :, 0].numel()
+        if body.spec.granularity != "static":
+            per_slot["metadata"] += body.scale[0, :, 0].numel() * body.scale.element_size()
+        if body.slot_index is not None:
+            per_slot["slots"] += body.slot_index[0, :, 0].nbytes + body.slot_delta[0, :, 0].nbytes
+    out = {k: v * batch * nb for k, v in per_slot.items()}
+    constants = sum(t.nbytes for s in (keys, values) for t in s.tensors() if t.dim() < 4)
+    out["metadata"] += constants + batch * context  # static ranges, codebooks; is-sink flags
+    exact_rows = context - nb + cache.sink_pos.shape[1] + 1  # ring, sink slots, new token
+    out["exact"] = 2 * batch * keys.tail.shape[1] * exact_rows * d * keys.tail.element_size()
+    splits = dec.num_splits(cache.lengths.device, batch * keys.tail.shape[1], context, 64)
+    out["partials"] = 2 * batch * heads * splits * (d + 2) * 4
     return out
 
 
-def attention_table(rows) -> str:
-    lines = [
-        "| context | batch | ours ms | fp16 sdpa ms | dequant+sdpa ms | ours GB/s | "
-        "fp16 sdpa GB/s | dequant+sdpa GB/s | speed-up vs fp16 | max abs diff |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for (context, batch), r in rows:
-        t, g = r["times"], r["gbps"]
-        lines.append(
-            f"| {context} | {batch} | {t['ours'] * 1e3:.3f} | {t['fp16 sdpa'] * 1e3:.3f} | "
-            f"{t['dequant+sdpa'] * 1e3:.3f} | {g['ours']:.0f} | {g['fp16 sdpa']:.0f} | "
-            f"{g['dequant+sdpa']:.0f} | {t['fp16 sdpa'] / t['ours']:.2f}x | {r['err']:.1e} |"
+def registers() -> list[str]:
+    """n_regs / n_spills of every compiled decode variant (GPU only; Triton's kernel cache)."""
+    rows = []
+    for device_cache in dec._decode_split_kernel.device_caches.values():
+        for kernel in device_cache[0].values():
+            kernel._init_handles()
+            names = kernel.src.fn.arg_names
+            const = {names[k[0]]: v for k, v in kernel.src.constants.items() if len(k) == 1}
+            rows.append(
+                f"| {const.get('D')} | {const.get('G')} | {const.get('PRE_ROPE')} | "
+                f"{const.get('K_GRAN')}/{const.get('V_GRAN')} | {const.get('BLOCK_N')} | "
+                f"{kernel.metadata.num_warps} | {const.get('STAGES')} | {kernel.n_regs} | "
+                f"{kernel.n_spills} |"
+            )
+    return rows
+
+
+def end_to_end(cfg, device, dtype, run) -> list[str]:
+    """Greedy decode steps of a random 8B-class Llama over caches filled to the context."""
+    e = cfg["e2e"]
+    config = dict(model_type="llama", hidden_size=e["hidden"], intermediate_size=e["intermediate"],
+                  num_hidden_layers=e["layers"], num_attention_heads=e["heads"],
+                  num_key_value_heads=e["kv_heads"], head_dim=e["hidden"] // e["heads"],
+                  vocab_size=e["vocab"], rms_norm_eps=1e-5, rope_theta=500000.0)  # fmt: skip
+    with torch.device("meta"):
+        model = Transformer(config)
+    model = model.to_empty(device=device).to(dtype).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    geo, rows = model.geometry, []
+    for batch in e["batches"]:
+        max_len = e["context"] + 2 * e["steps"] * (cfg["warmup"] + cfg["reps"] + 2) + 2
+        fp16 = model.new_cache(batch, max_len)
+        for t in fp16.keys + fp16.values:
+            t.normal_()
+        fp16.lengths.fill_(e["context"])
+        ours = model.new_cache(batch, max_len, scheme_for(geo.layers, True),
+                               params_for(geo.layers, geo.kv_heads, geo.head_dim),
+                               Transforms.none(geo.layers))  # fmt: skip
+        fill(ours, e["context"])
+        tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        tok_s = {}
+        with torch.inference_mode():
+            for name, cache, graph in (("fp16", fp16, False), ("ours eager", ours, False),
+                                       ("ours graph", ours, True)):  # fmt: skip
+                step = DecodeStep(model, cache, cuda_graph=graph)
+
+                def steps(step=step, tokens=tokens):
+                    for _ in range(e["steps"]):
+                        step(tokens)
+
+                tok_s[name] = batch * e["steps"] / (run(steps) / 1e6)
+        gb = {n: c.allocated_bytes() / 1e9 for n, c in (("fp16", fp16), ("ours", ours))}
+        rows.append(
+            f"| {e['layers']}L {e['heads']}/{e['kv_heads']}x{geo.head_dim} | {e['context']} | "
+            f"{batch} | {tok_s['fp16']:.1f} | {tok_s['ours eager']:.1f} | "
+            f"{tok_s['ours graph']:.1f} | {tok_s['ours graph'] / tok_s['fp16']:.2f}x | "
+            f"{gb['fp16']:.2f} | {gb['ours']:.2f} |"
         )
-    return "\n".join(lines)
+        del fp16, ours
+    return rows
 
 
-def e2e_table(rows) -> str:
-    lines = [
-        "| batch | fp16 cache tok/s | quantized tok/s | fp16 bytes/token | quantized bytes/token |",
-        "|---:|---:|---:|---:|---:|",
-    ]
-    for batch, r in rows:
-        size = r["cache bytes/token"]
-        lines.append(
-            f"| {batch} | {r['fp16']:.1f} | {r['quantized']:.1f} | {size['fp16']:.0f} | "
-            f"{size['quantized']:.0f} |"
-        )
-    return "\n".join(lines)
+TIMES = ("ours graph", "ours eager", "flash", "dequant+sdpa", "exact stream", "probe")
+BYTES = ("codes", "metadata", "slots", "exact", "partials")
 
 
-def main(argv=None) -> None:
+def table_row(where, row, top: float | None) -> str:
+    """One attention row: times (us), bytes (MB), GB/s and speed-ups of the graph replay."""
+    shape, context, batch, pre_rope, dtype_name = where
+    t, b = row["times"], row["bytes"]
+    ours = t["ours graph"]
+    gbps = sum(b.values()) / ours / 1e3
+    probe_gbps = (b["codes"] + b["metadata"] + b["slots"]) / t["probe"] / 1e3
+    cells = ["/".join(map(str, shape)), str(context), str(batch),
+             "pre-RoPE" if pre_rope else "post-RoPE", dtype_name]  # fmt: skip
+    cells += [f"{t[k]:.1f}" for k in TIMES] + [f"{b[k] / 1e6:.2f}" for k in BYTES]
+    cells += [f"{gbps:.0f}", f"{100 * gbps / top:.0f}%" if top else "n/a",
+              f"{100 * gbps / probe_gbps:.0f}%"]  # fmt: skip
+    cells += [f"{t[k] / ours:.2f}" for k in ("flash", "dequant+sdpa", "exact stream")]
+    return "| " + " | ".join(cells) + " |"
+
+
+def peak(name: str) -> float | None:
+    return next((v for k, v in PEAK_GBPS.items() if k in name), None)
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--contexts", type=int, nargs="+")
     parser.add_argument("--batches", type=int, nargs="+")
+    parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end rows")
     parser.add_argument("--no-save", action="store_true", help="do not append to RESULTS.md")
     args = parser.parse_args(argv)
-    gpu = torch.cuda.is_available()
-    cfg = dict(GPU if gpu else SMOKE)
+    gpu = torch.cuda.is_available() and not args.smoke
+    if not gpu and not args.smoke:
+        print("no CUDA device: run with --smoke for the CPU check", file=sys.stderr)
+        return 2
+    cfg = dict(SMOKE_GRID if args.smoke else GRID)
     cfg["contexts"] = args.contexts or cfg["contexts"]
     cfg["batches"] = args.batches or cfg["batches"]
     device = torch.device("cuda" if gpu else "cpu")
-    dtype = torch.float16 if gpu else torch.float32  # the interpreter computes in fp32
     name = torch.cuda.get_device_name() if gpu else "CPU (Triton interpreter smoke run)"
-    run = timer(device, cfg["warmup"], cfg["repeats"])
-    if not gpu:
-        print(
-            "No CUDA device: a tiny smoke configuration through Triton's interpreter; the "
-            "numbers only show that the benchmark runs, they are not performance."
-        )
-    rows = []
-    for context in cfg["contexts"]:
-        for batch in cfg["batches"]:
-            try:
-                rows.append(
-                    ((context, batch), bench_attention(batch, context, cfg, device, dtype, run))
-                )
-            except torch.OutOfMemoryError:
-                print(f"context {context}, batch {batch}: out of memory, skipped")
-            torch.cuda.empty_cache() if gpu else None
-    e2e = [
-        (b, bench_end_to_end(b, cfg, LLAMA_1B if gpu else TINY, device, dtype, run))
-        for b in cfg["e2e_batches"]
+    run = timer(device, cfg["reps"], cfg["warmup"])
+    top = peak(name) if gpu else None
+    lines = [
+        "| shape H/Hkv/D | context | batch | keys | dtype | ours graph us | ours eager us | "
+        "flash us | dequant+sdpa us | exact stream us | probe us | codes MB | metadata MB | "
+        "slots MB | exact MB | partials MB | GB/s | % peak | % probe | x flash | "
+        "x dequant+sdpa | x exact stream |",
+        "|" + "---|" * 5 + "---:|" * 17,
     ]
+    grid = itertools.product(cfg["shapes"], cfg["dtypes"], (True, False), cfg["contexts"],
+                             cfg["batches"])  # fmt: skip
+    for shape, dtype_name, pre_rope, context, batch in grid:
+        where = (shape, context, batch, pre_rope, dtype_name)
+        dtype = getattr(torch, dtype_name)
+        try:
+            row = attention_row(batch, context, shape, pre_rope, dtype, device, run)
+        except torch.OutOfMemoryError:
+            print(f"{where}: out of memory, skipped", file=sys.stderr)
+            continue
+        lines.append(table_row(where, row, top))
+        print(lines[-1], flush=True)
+    e2e = [] if args.no_e2e else end_to_end(cfg, device, torch.float16 if gpu else torch.float32,
+                                             run)  # fmt: skip
     setup = (
-        f"{name}; torch {torch.__version__}, triton {triton.__version__}; {dtype}; scheme: "
-        f"2-bit static pre-RoPE keys, 2-bit values per {GROUP} channels, residual {RESIDUAL}, "
-        f"1 sink; attention {cfg['heads']} query / {cfg['kv_heads']} KV heads x "
-        f"{cfg['head_dim']}; end to end: {'Llama 1B-class' if gpu else 'tiny'} random weights, "
-        f"prompt {cfg['prompt']}, {cfg['steps']} decode steps per timing; median of "
-        f"{cfg['repeats']} after {cfg['warmup']} warm-up"
+        f"{name}; torch {torch.__version__}, triton {triton.__version__}; layout: kvcalib-2 "
+        f"(2-bit static codebook keys + 1 exact slot, 2-bit symmetric codebook values), residual "
+        f"{RESIDUAL}, {SINKS_FIRST} + {SINK_BUDGET} sinks; median of {cfg['reps']} after "
+        f"{cfg['warmup']} warm-up, L2 flushed before each; peak {top or 'unknown'} GB/s"
     )
-    report = (
-        f"## Decode, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC\n\n{setup}\n\n"
-        f"### Attention, one decode step\n\n{attention_table(rows)}\n\n"
-        f"### End to end\n\n{e2e_table(e2e)}\n"
-    )
-    print(report)
+    report = [f"## Decode, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC", "", setup, "",
+              "### Attention, one decode step of one layer", "", *lines]  # fmt: skip
+    if gpu:
+        report += ["", "### Registers per compiled decode variant", "",
+                   "| D | G | pre-RoPE | K/V gran | BLOCK_N | warps | stages | regs | spills |",
+                   "|---:|---:|---|---|---:|---:|---:|---:|---:|", *registers()]  # fmt: skip
+    if e2e:
+        report += ["", "### End to end, greedy decode over a filled cache", "",
+                   "| model | context | batch | fp16 tok/s (eager) | ours tok/s (eager) | "
+                   "ours tok/s (graph) | graph x fp16 | fp16 cache GB | ours cache GB |",
+                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|", *e2e]  # fmt: skip
+    text = "\n".join(report) + "\n"
+    print(text)
     if gpu and not args.no_save:
         with RESULTS.open("a") as f:
-            f.write("\n" + report)
+            f.write("\n" + text)
         print(f"appended to {RESULTS}", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

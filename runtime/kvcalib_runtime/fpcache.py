@@ -17,12 +17,14 @@ from kvcalib_runtime.rope import Rope
 class FullPrecisionCache:
     """Keys and values of B sequences, stored as they are (post-RoPE keys), up to max_len each.
 
-    Storage (B sequences, Hkv KV heads of D channels, L layers):
+    Storage (B sequences, Hkv KV heads of D channels, L layers), per layer l:
 
-        keys     [L, B, Hkv, max_len, D]  dtype   post-RoPE keys; slot t = absolute position t
-        values   [L, B, Hkv, max_len, D]  dtype
-        lengths  LongTensor[B] on the CPU  tokens stored per sequence (so capacity checks and
-                                           slicing never wait for the device)
+        keys[l]    dtype [B, Hkv, S_l, D]  post-RoPE keys; position t in slot t % S_l, S_l =
+                                           max_len, or for a sliding window W < max_len a ring
+                                           of W slots (`windows`, as Geometry.windows)
+        values[l]  dtype [B, Hkv, S_l, D]
+        lengths    LongTensor[B] on the CPU  tokens stored per sequence (so capacity checks and
+                                             slicing never wait for the device)
 
     The cache interface — what `Transformer.forward` calls, in this order, for T new tokens:
 
@@ -34,7 +36,8 @@ class FullPrecisionCache:
             tensor positions(T) returned. Stores k (with RoPE applied) and v at slots
             lengths[b] .. lengths[b] + T - 1 of sequence b and returns softmax(q K^T / sqrt(D)) V
             over the keys at slots <= positions[b, t] (earlier tokens and causal within the
-            new ones). H is a multiple of Hkv (GQA: query head h reads KV head h // (H / Hkv)).
+            new ones; on a sliding-window layer of W, only keys p - W < j <= p). H is a multiple
+            of Hkv (GQA: query head h reads KV head h // (H / Hkv)).
             Raises CapacityError, before storing anything, when lengths + T > max_len.
         observe_hidden(layer, hidden [B, T, hidden_size])
             the residual stream after decoder layer `layer` (for caches that predict sinks from
@@ -56,17 +59,23 @@ class FullPrecisionCache:
         max_len: int,
         device: torch.device | str,
         dtype: torch.dtype,
+        windows: tuple[int | None, ...] | None = None,
     ):
-        shape = (num_layers, batch, kv_heads, max_len, head_dim)
-        self.keys = torch.zeros(shape, device=device, dtype=dtype)
-        self.values = torch.zeros(shape, device=device, dtype=dtype)
+        self.windows = tuple(windows) if windows is not None else (None,) * num_layers
+        if len(self.windows) != num_layers:
+            raise ValueError(f"windows has {len(self.windows)} entries for {num_layers} layers")
+        sizes = [min(w or max_len, max_len) for w in self.windows]
+        self.keys = [
+            torch.zeros(batch, kv_heads, s, head_dim, device=device, dtype=dtype) for s in sizes
+        ]
+        self.values = [torch.zeros_like(k) for k in self.keys]
         self.lengths = torch.zeros(batch, dtype=torch.long, device="cpu")
         self.max_len = max_len
 
     def positions(self, T: int) -> torch.Tensor:
         """LongTensor[B, T] on the cache's device: lengths[:, None] + arange(T)."""
         pos = self.lengths[:, None] + torch.arange(T, device="cpu")
-        return pos.to(self.keys.device)
+        return pos.to(self.keys[0].device)
 
     def attend(
         self,
@@ -88,8 +97,10 @@ class FullPrecisionCache:
                 f"the KV cache holds {self.lengths.tolist()} tokens per sequence and {T} more "
                 f"do not fit in max_len = {self.max_len}: build a larger cache or shorten the input"
             )
-        keys, values = self.keys[layer], self.values[layer]  # [B, Hkv, max_len, D]
+        keys, values = self.keys[layer], self.values[layer]  # [B, Hkv, S, D]
         k = rope.apply(k, positions)
+        if keys.shape[2] < self.max_len:  # a sliding window's ring
+            return self._ring(layer, q, k, v, positions)
         if B == 1:
             start = int(self.lengths[0])
             keys[:, :, start : start + T] = k
@@ -103,12 +114,34 @@ class FullPrecisionCache:
         mask, causal = None, False
         if longest == 0:  # all sequences empty before: plain causal attention over T keys
             causal = T > 1
-        elif not (B == 1 and T == 1):  # one query over its own keys needs no mask
+        elif not (T == 1 and (self.lengths == longest).all()):  # equal lengths: no mask
             slots = torch.arange(S, device=positions.device)
             mask = (slots <= positions[..., None])[:, None]  # [B, 1, T, S]
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True
         )
+
+    def _ring(self, layer, q, k, v, positions) -> torch.Tensor:
+        """attend on a ring of W slots: the ring (each slot's newest position before this
+        forward) and the new tokens, masked to p - W < j <= p; then the newest W stored."""
+        keys, values = self.keys[layer], self.values[layer]
+        B, _, T, _ = q.shape
+        W = keys.shape[2]
+        n = self.lengths.to(q.device)[:, None]
+        held = n - 1 - torch.remainder(n - 1 - torch.arange(W, device=q.device), W)  # [B, W]
+        pos = torch.cat([held, positions], 1)  # [B, W + T]
+        p = positions[:, :, None]
+        mask = (pos[:, None, :] <= p) & (pos[:, None, :] > p - W) & (pos[:, None, :] >= 0)
+        out = F.scaled_dot_product_attention(
+            q, torch.cat([keys, k], 2), torch.cat([values, v], 2), attn_mask=mask[:, None],
+            enable_gqa=True,
+        )  # fmt: skip
+        m = min(T, W)
+        rows = torch.arange(B, device=q.device)[:, None]
+        slots = positions[:, T - m :] % W
+        keys[rows, :, slots] = k[:, :, T - m :].transpose(1, 2)
+        values[rows, :, slots] = v[:, :, T - m :].transpose(1, 2)
+        return out
 
     def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
         """hidden [B, T, hidden_size]: unused by the full-precision cache."""
@@ -120,7 +153,8 @@ class FullPrecisionCache:
     def view(self, b: int) -> "FullPrecisionCache":
         """Sequence b alone (B = 1), sharing storage and lengths with this cache."""
         view = copy.copy(self)
-        view.keys, view.values = self.keys[:, b : b + 1], self.values[:, b : b + 1]
+        view.keys = [k[b : b + 1] for k in self.keys]
+        view.values = [v[b : b + 1] for v in self.values]
         view.lengths = self.lengths[b : b + 1]
         return view
 
@@ -130,7 +164,7 @@ class FullPrecisionCache:
 
     def allocated_bytes(self) -> int:
         """The bytes of the key and value buffers, walked."""
-        return sum(t.untyped_storage().nbytes() for t in (self.keys, self.values))
+        return sum(t.untyped_storage().nbytes() for t in self.keys + self.values)
 
     def bytes_per_token(self) -> float:
         """Allocated bytes per token slot of one sequence: allocated_bytes / (B * max_len)."""

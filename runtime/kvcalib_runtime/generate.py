@@ -1,7 +1,9 @@
 """Batched generation: per-prompt prefill, then one decode step for all sequences at once.
 
 Each prompt is prefilled alone through `cache.view(b)`, so prompts of different lengths need no
-padding; decode then feeds one token per sequence (T = 1), each at its own position.
+padding; decode then feeds one token per sequence (T = 1), each at its own position. On CUDA,
+with a cache whose decode step is device work only (`capturable`: the quantized cache), the
+step is captured once in a CUDA graph and replayed (`DecodeStep`); elsewhere it runs eagerly.
 """
 
 import math
@@ -33,6 +35,38 @@ def sample(
         sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+class DecodeStep:
+    """One decode step for every sequence: tokens LongTensor[B] -> logits float32 [B, vocab].
+
+    Eager, or — on CUDA with a `capturable` cache — eager once (it compiles and tunes the
+    kernels), then captured in a CUDA graph at the second call and replayed from then on; the
+    cache's host bookkeeping follows each replay (`cache.replayed`). The logits of a replay
+    live in the graph's output buffer: read them before the next call.
+    """
+
+    def __init__(self, model, cache, cuda_graph: bool = True):
+        self.model, self.cache = model, cache
+        capturable = getattr(cache, "capturable", False)
+        self.graphed = cuda_graph and model.device.type == "cuda" and capturable
+        self.graph = self.tokens = self.logits = None
+        self.warm = False
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not self.graphed or not self.warm:
+            self.warm = True
+            return self.model(tokens[:, None], self.cache, last_only=True)[:, -1]
+        self.cache.check_capacity(1)
+        if self.graph is None:
+            self.tokens = tokens.clone()
+            self.graph = torch.cuda.CUDAGraph()
+            with self.cache.capture(), torch.cuda.graph(self.graph):
+                self.logits = self.model(self.tokens[:, None], self.cache, last_only=True)[:, -1]
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        self.cache.replayed(1)
+        return self.logits
 
 
 def check_options(max_new_tokens: int, temperature: float, top_p: float) -> None:
@@ -74,6 +108,7 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     seed: int | None = None,
     callback: Callable[[int, list[int | None]], None] | None = None,
+    cuda_graph: bool = True,
 ) -> list[list[int]]:
     """Up to max_new_tokens new tokens for each prompt (token ids), as a list per prompt.
 
@@ -85,6 +120,7 @@ def generate(
     seed:          seeds a torch.Generator for sampling; None uses torch's global generator
     callback:      callback(step, tokens) after every step: tokens[b] is the token sequence b got
                    at this step, None once it has stopped
+    cuda_graph:    replay the decode step from a CUDA graph where it can be (`DecodeStep`)
     """
     _check(prompts, max_new_tokens, temperature, top_p, cache)
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
@@ -100,6 +136,7 @@ def generate(
         last.append(model(ids, cache.view(b), last_only=True)[:, -1])
     tokens = sample(torch.cat(last), temperature, top_p, generator)  # [B]
 
+    step_fn = DecodeStep(model, cache, cuda_graph)
     outputs: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     for step in range(max_new_tokens):
@@ -112,6 +149,6 @@ def generate(
             callback(step, got)
         if all(done) or step == max_new_tokens - 1:
             break
-        logits = model(tokens[:, None], cache, last_only=True)[:, -1]  # [B, vocab]
+        logits = step_fn(tokens)  # [B, vocab]
         tokens = sample(logits, temperature, top_p, generator)
     return outputs

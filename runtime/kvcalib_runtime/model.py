@@ -4,11 +4,9 @@ Parameters carry exactly the Hugging Face names (`model.layers.{i}.self_attn.q_p
 ...), so an HF safetensors checkpoint loads 1:1 and kvcalib's converted checkpoints need no
 renaming. The model owns no K/V storage: every attention layer hands q, k, v to a cache
 object (see `FullPrecisionCache` for the interface) and gets the attention output back, which
-is how a quantized cache plugs in.
-
-Not implemented: sliding-window attention (Mistral's `sliding_window`, Qwen2's
-`use_sliding_window`) — every layer attends to the whole cache, which equals the reference for
-sequences no longer than the window.
+is how a quantized cache plugs in. Sliding windows (Mistral's `sliding_window`, Qwen2's
+`use_sliding_window`, `layer_types`) are the caches' business: `new_cache` hands them
+`Geometry.windows`, and they keep and attend to the last W positions of a windowed layer.
 """
 
 import json
@@ -189,7 +187,7 @@ class Transformer(nn.Module):
         dtype = self.dtype if dtype is None else dtype
         if scheme is None:
             return FullPrecisionCache(
-                geo.layers, batch, geo.kv_heads, geo.head_dim, max_len, device, dtype
+                geo.layers, batch, geo.kv_heads, geo.head_dim, max_len, device, dtype, geo.windows
             )
         from kvcalib_runtime.kvcache import QuantizedCache  # imports triton: only when needed
 
@@ -205,6 +203,7 @@ class Transformer(nn.Module):
             device=device,
             dtype=dtype,
             use_kernels=use_kernels,
+            windows=geo.windows,
         )
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, cache=None, **options):

@@ -157,6 +157,28 @@ def quantized_prefix_int(t: int, residual: int, flush: int) -> int:
     return min(math.ceil(max(0, t + 1 - residual) / flush) * flush, t)
 
 
+def body_slots(
+    spec: QuantSpec | None, flush: int, residual: int, window: int | None, context: int
+) -> int:
+    """Body slots of one layer's keys or values in a cache of `context` positions per sequence.
+
+    Global attention keeps every position (slot t = position t). A sliding window of W (a query
+    at p sees p - W < j <= p) keeps a ring, position t in slot t % slots: W exact slots for a
+    tensor left in full precision; none when the window never reaches the quantized body
+    (W <= R - F + 1: the residual ring always holds the last W positions); else W, at least one
+    flush block F, rounded up to whole token groups ("channel" granularity). Never more than
+    `context`.
+    """
+    if window is None:
+        return context
+    if spec is None:
+        return min(window, context)
+    if window <= residual - flush + 1:
+        return 0
+    group = spec.group_size if spec.granularity == "channel" else 1
+    return min(-(-max(window, flush) // group) * group, context)
+
+
 @dataclass(frozen=True)
 class Storage:
     """What a QuantizedCache for `batch` sequences of `context` tokens allocates, in bits, by
@@ -194,6 +216,7 @@ def storage_bits(
     *,
     batch: int = 1,
     exact_bits: int = 16,
+    windows: tuple[int | None, ...] | None = None,
 ) -> Storage:
     """The bits a QuantizedCache following `scheme` allocates for `batch` sequences of
     `context` tokens whose exact values take `exact_bits` (16: an fp16/bf16 cache), counted
@@ -206,30 +229,33 @@ def storage_bits(
     per-layer constants (a "static" range as float32 lo/hi with its metadata, float32
     codebook levels and thresholds). Per layer, S = max(sinks_first + sink_budget, 1) exact
     sink slots for keys and values; per sequence their int64 positions, the is-sink byte of
-    every position and int64 lengths / body sizes.
+    every position and int64 lengths / body sizes. `windows` (per layer, None = global): a
+    windowed layer's body is a ring of `body_slots` positions instead of `context`.
     """
     per_seq = batch * kv_heads * head_dim
     body = constants = ring = 0
-    for layer in scheme.layers:
-        for spec in (layer.key, layer.value):
+    windows = windows or (None,) * len(scheme.layers)
+    for layer, window in zip(scheme.layers, windows, strict=True):
+        for spec, flush in ((layer.key, layer.key_flush), (layer.value, layer.value_flush)):
             ring += per_seq * max(scheme.residual, 1) * exact_bits
+            slots = body_slots(spec, flush, scheme.residual, window, context)
             if spec is None:
-                body += per_seq * context * exact_bits
+                body += per_seq * slots * exact_bits
                 continue
             n = spec.vector_size(head_dim, kv_heads)
             rows = batch * (kv_heads * head_dim // n)  # stored rows per position
             meta = exact_bits * (1 if spec.symmetric else 2)
-            body += rows * context * math.ceil(n * spec.bits / 8) * 8
+            body += rows * slots * math.ceil(n * spec.bits / 8) * 8
             if spec.granularity in ("token", "vector"):
-                body += rows * context * (n // spec.channel_group(n)) * meta
+                body += rows * slots * (n // spec.channel_group(n)) * meta
             elif spec.granularity == "channel":
-                body += rows * math.ceil(context / spec.group_size) * n * meta
+                body += rows * math.ceil(slots / spec.group_size) * n * meta
             else:
                 constants += kv_heads * head_dim * (meta + 2 * 32)
             if spec.codebook:
                 constants += rows // batch * (2 * spec.levels - 1) * 32
             index_bits = torch.empty((), dtype=slot_index_dtype(n)).element_size() * 8
-            body += rows * context * spec.slots(n) * (index_bits + exact_bits)
+            body += rows * slots * spec.slots(n) * (index_bits + exact_bits)
     slots = max(scheme.num_sink_slots, 1)
     sinks = 2 * len(scheme.layers) * per_seq * slots * exact_bits + batch * slots * 64
     bookkeeping = batch * (context * 8 + 64 * (1 + 2 * len(scheme.layers)))
@@ -246,9 +272,11 @@ class SinkPredictor:
     dims: tuple[int, ...]
     threshold: float
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., T, hidden_size] -> bool [..., T]."""
-        dims = torch.tensor(self.dims, device=hidden.device)
+    def __call__(self, hidden: torch.Tensor, dims: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [..., T, hidden_size] -> bool [..., T]. dims: `self.dims` as a LongTensor on
+        hidden's device, when the caller keeps one (no host-to-device copy per call)."""
+        if dims is None:
+            dims = torch.tensor(self.dims, device=hidden.device)
         return hidden.index_select(-1, dims).abs().amax(-1) > self.threshold
 
 

@@ -1,32 +1,27 @@
 """The Triton kernels against their plain-torch references (TRITON_INTERPRET=1 on CPU).
 
-quant_pack is index and rounding math: its codes and metadata must be bit-identical to
-quant.quantize + packing.pack (torch.equal), every other byte of the body left alone.
+quant_pack and flush are index and rounding math: codes, metadata and exact slots must be
+bit-identical to quant.quantize + packing.pack (torch.equal), every other byte left alone.
 
-decode_attention is float math: it must match the cache's reference path (`_gather` +
-`_attention`) computed in fp32 from the same stored bits within 1e-5 of max |out|. The two
-differ only in summation order (split and online softmax against one softmax), exp2 against exp
-and the RoPE angle reduction (< 1 ulp of pi): each moves the output by ~1e-7 relative, while
-any real defect (a wrong code, scale, position, mask, or a sink read from the body) moves it by
-a quantization step, > 1e-3 — which the tests check is visible, so the bound is not vacuous.
+decode_attention is float math, held to flash-attention's rule: against the reference run in
+float64 on the same stored bits (the exact result), its error is at most twice that of the
+reference run in the cache's dtype (fp16: what a plain low-precision torch implementation gets).
+Each case also shows the bound can fail: corrupting the codes, dropping the exact slots or
+ignoring the window moves the exact result by more than ten times the bound.
 """
 
 import copy
-from typing import NamedTuple
 
 import pytest
 import torch
 
 from kvcalib_runtime.kernels import decode_attention as dec
-from kvcalib_runtime.kernels.layout import PackedBody
-from kvcalib_runtime.kernels.quant_pack import quant_pack, quant_pack_reference
-from kvcalib_runtime.kvcache import QuantizedCache
+from kvcalib_runtime.kernels import quant_pack as qp
+from kvcalib_runtime.kernels.layout import PackedBody, Sinks, Stored
 from kvcalib_runtime.quant import QuantSpec
-from kvcalib_runtime.rope import Rope
-from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
-from kvcalib_runtime.transforms import Transforms
 
-RTOL = 1e-5
+S = QuantSpec
+BODY = ("codes", "scale", "offset", "slot_index", "slot_delta")
 
 
 def _data(shape, gen, dtype=torch.float32):
@@ -45,278 +40,270 @@ def _codebook(spec, heads, gen):
     return lv if heads else lv[0]
 
 
-def _bodies(spec, shape, dtype, gen, per_head_codebook=False):
-    """Two identical bodies, pre-filled with the same garbage so stray writes show."""
+def _body(spec, shape, dtype, gen, per_head_codebook=False):
+    """A body of shape (B, Hkv, slots, D) filled with random bits: codes, positive scales,
+    offsets, slots at random channels with random deltas (or exact values when spec is None)."""
+    _b, h, _, d = shape
+    if spec is None:
+        return torch.randn(shape, generator=gen).to(dtype)
     static = None
     if spec.granularity == "static":
-        static = (
-            -torch.rand(shape[1], shape[3], generator=gen) * 3,
-            torch.rand(shape[1], shape[3], generator=gen) * 3,
-        )
-    cb = _codebook(spec, shape[1] if per_head_codebook else 0, gen) if spec.codebook else None
+        static = (-torch.rand(h, d, generator=gen) * 3, torch.rand(h, d, generator=gen) * 3)
+    cb = _codebook(spec, h if per_head_codebook else 0, gen) if spec.codebook else None
     body = PackedBody.allocate(spec, shape, "cpu", dtype, static, cb)
     body.codes.copy_(torch.randint(0, 256, body.codes.shape, generator=gen))
     if spec.granularity != "static":
-        for t in (body.scale, body.offset):
-            if t is not None:
-                t.copy_(torch.randn(t.shape, generator=gen))
-    return body, copy.deepcopy(body)
+        body.scale.copy_(torch.rand(body.scale.shape, generator=gen) * 0.8 + 0.2)
+        if body.offset is not None:
+            body.offset.copy_(-torch.rand(body.offset.shape, generator=gen))
+    if body.slot_index is not None:
+        body.slot_index.copy_(torch.randint(0, body.width, body.slot_index.shape, generator=gen))
+        body.slot_delta.copy_(torch.randn(body.slot_delta.shape, generator=gen) * 10)  # outliers
+    return body
 
+
+def _assert_same_body(ours: PackedBody, ref: PackedBody):
+    for name in BODY:
+        a, b = getattr(ours, name), getattr(ref, name)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+
+
+# -- quant_pack and flush: bit-exact -----------------------------------------------------------
 
 QUANT_PACK_CASES = [
     # (spec, head_dim, tokens per block, dtype)
-    (QuantSpec(2), 64, 33, torch.float32),
-    (QuantSpec(3), 128, 97, torch.float32),
-    (QuantSpec(4, group_size=32), 128, 1, torch.float16),
-    (QuantSpec(8, symmetric=True), 64, 33, torch.float32),
-    (QuantSpec(2, group_size=16, symmetric=True), 80, 33, torch.float16),
-    (QuantSpec(3, symmetric=True, clip=0.9), 64, 97, torch.float16),
-    (QuantSpec(4, group_size=16, clip=0.85), 64, 33, torch.float32),
-    (QuantSpec(2, codebook=True), 64, 33, torch.float32),
-    (QuantSpec(3, codebook=True, symmetric=True), 128, 33, torch.float16),
-    (QuantSpec(4, group_size=32, codebook=True), 64, 1, torch.float32),
-    (QuantSpec(2, "channel", 32), 128, 64, torch.float16),
-    (QuantSpec(3, "channel", 4, symmetric=True), 64, 8, torch.float32),
-    (QuantSpec(4, "channel", 8, clip=0.9), 80, 16, torch.float16),
-    (QuantSpec(8, "channel", 16), 64, 32, torch.float32),
-    (QuantSpec(2, "channel", 4, codebook=True, symmetric=True), 64, 12, torch.float32),
-    (QuantSpec(2, "static"), 128, 97, torch.float16),
-    (QuantSpec(3, "static", symmetric=True, clip=0.9), 64, 33, torch.float32),
-    (QuantSpec(4, "static", codebook=True), 64, 1, torch.float32),
-    (QuantSpec(8, "static"), 80, 33, torch.float16),
-]
+    (S(2), 64, 33, torch.float32),
+    (S(3), 128, 97, torch.float32),
+    (S(4, group_size=32), 128, 1, torch.float16),
+    (S(8, symmetric=True), 64, 33, torch.float32),
+    (S(2, group_size=16, symmetric=True), 80, 33, torch.float16),
+    (S(3, symmetric=True, clip=0.9), 64, 97, torch.float16),
+    (S(4, group_size=16, clip=0.85), 64, 33, torch.float32),
+    (S(2, codebook=True), 64, 33, torch.float32),
+    (S(3, codebook=True, symmetric=True), 128, 33, torch.float16),
+    (S(4, group_size=32, codebook=True), 64, 1, torch.float32),
+    (S(2, "channel", 32), 128, 64, torch.float16),
+    (S(3, "channel", 4, symmetric=True), 64, 8, torch.float32),
+    (S(4, "channel", 8, clip=0.9), 80, 16, torch.float16),
+    (S(8, "channel", 16), 64, 32, torch.float32),
+    (S(2, "channel", 4, codebook=True, symmetric=True), 64, 12, torch.float32),
+    (S(2, "static"), 128, 97, torch.float16),
+    (S(3, "static", symmetric=True, clip=0.9), 64, 33, torch.float32),
+    (S(4, "static", codebook=True), 64, 1, torch.float32),
+    (S(8, "static"), 80, 33, torch.float16),
+    # exact slots: kvcalib's keys (largest error), KVQuant's (outside the range), dynamic groups
+    (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error"), 128, 33,
+     torch.float16),
+    (S(3, "static", outliers=0.01, outlier_slots=2), 64, 33, torch.float32),
+    (S(3, codebook=True, outliers=0.05), 128, 33, torch.float16),
+    (S(2, group_size=16, outliers=0.1, slot_rule="error"), 64, 17, torch.float32),
+    # rows of every head joined (KVQuant's values), odd bit widths
+    (S(3, "vector"), 64, 33, torch.float16),
+    (S(2, "vector", group_size=64, outliers=0.01), 64, 17, torch.float32),
+    (S(5, symmetric=True), 64, 33, torch.float32),
+    (S(6, "static"), 64, 17, torch.float16),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("spec", "d", "n", "dtype"), QUANT_PACK_CASES, ids=str)
 def test_quant_pack_is_bit_exact(spec, d, n, dtype):
     gen = torch.Generator().manual_seed(n * d + spec.bits)
     heads, batch, slots = 3, 2, 128
-    ours, ref = _bodies(spec, (batch, heads, slots, d), dtype, gen, per_head_codebook=d == 128)
+    ours = _body(
+        spec, (batch, heads, slots, d), dtype, gen, d == 128 and spec.granularity != "vector"
+    )
+    ref = copy.deepcopy(ours)
     x = _data((2, heads, n, d), gen, dtype)
     g = spec.group_size if spec.granularity == "channel" else 1
     seq, start = torch.tensor([1, 0]), torch.tensor([g * 2, 0])  # two blocks, two sequences
     exclude = torch.rand(batch, slots, generator=gen) < 0.15  # kept sinks
     exclude[0, :4] = True  # a whole channel group excluded
-    quant_pack(x, ours, seq, start, exclude)
-    quant_pack_reference(x, ref, seq, start, exclude)
-    assert torch.equal(ours.codes, ref.codes)
-    if spec.granularity != "static":
-        assert torch.equal(ours.scale, ref.scale)
-        assert ours.offset is None or torch.equal(ours.offset, ref.offset)
-    # not vacuous: the written codes use the whole grid
+    qp.quant_pack(x, ours, seq, start, exclude)
+    qp.quant_pack_reference(x, ref, seq, start, exclude)
+    _assert_same_body(ours, ref)
+    # not vacuous: the written codes use the whole grid, the slots hold something
     assert len(ours.codes[1, :, g * 2 : g * 2 + n].unique()) > spec.levels // 2
+    if ours.slot_delta is not None:
+        assert ours.slot_delta[1, :, g * 2 : g * 2 + n].abs().max() > 0
 
 
-def test_quant_pack_rounds_half_to_even_and_handles_flat_groups():
-    # 2 bits over [0, 3]: scale 1, so x itself is the code before rounding; ties go to even
-    x = torch.tensor([[0.0, 0.5, 1.5, 2.5, 3.0, 1.0, 2.0, 0.0], [4.0] * 8]).view(1, 1, 2, 8)
-    ours, ref = _bodies(QuantSpec(2), (1, 1, 4, 8), torch.float32, torch.Generator())
-    where = (torch.tensor([0]), torch.tensor([1]))
-    quant_pack(x, ours, *where)
-    quant_pack_reference(x, ref, *where)
-    assert torch.equal(ours.codes, ref.codes) and torch.equal(ours.scale, ref.scale)
-    from kvcalib_runtime.packing import unpack
+@pytest.mark.parametrize("spec", [S(2, "channel", 8), S(3, "static", outliers=0.02,
+                                  outlier_slots=1), S(4, group_size=16)], ids=str)  # fmt: skip
+def test_quant_pack_wraps_a_ring_body(spec):
+    """A sliding window's body: position p in slot p % slots, blocks that wrap around."""
+    gen = torch.Generator().manual_seed(spec.bits)
+    ours = _body(spec, (2, 2, 48, 64), torch.float32, gen)
+    ref, before = copy.deepcopy(ours), copy.deepcopy(ours)
+    x = _data((2, 2, 16, 64), gen)
+    seq, start = torch.tensor([0, 1]), torch.tensor([40, 96])  # slots 40..55 % 48, 96..111
+    exclude = torch.rand(2, 128, generator=gen) < 0.1
+    qp.quant_pack(x, ours, seq, start, exclude)
+    qp.quant_pack_reference(x, ref, seq, start, exclude)
+    _assert_same_body(ours, ref)
+    assert not torch.equal(ours.codes[0, :, :8], before.codes[0, :, :8])  # 48..55 wrapped to 0..7
+    assert torch.equal(ours.codes[0, :, 8:40], before.codes[0, :, 8:40])  # the rest untouched
 
-    assert unpack(ours.codes[0, 0, 1], 2, 8).tolist() == [0, 0, 2, 2, 3, 1, 2, 0]
-    assert unpack(ours.codes[0, 0, 2], 2, 8).tolist() == [0] * 8  # flat group: scale 0
+
+@pytest.mark.parametrize(("spec", "flush", "residual"), [
+    (S(2, "channel", 4), 8, 8),  # KIVI keys: a block of R at a time
+    (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error"), 1, 8),
+    (S(3, "vector", outliers=0.02), 2, 4),
+    (S(4, symmetric=True), 1, 1),
+], ids=str)  # fmt: skip
+def test_flush_reads_the_ring_in_place(spec, flush, residual):
+    """A decode step's flush: positions [start, start + flush) from the ring (below the length)
+    and the new token, only for the sequences whose block is due; the others keep every bit."""
+    gen = torch.Generator().manual_seed(flush)
+    B, H, D = 3, 3, 64
+    ours = _body(spec, (B, H, 64, D), torch.float16, gen)
+    ref, before = copy.deepcopy(ours), copy.deepcopy(ours)
+    tail = _data((B, H, residual, D), gen, torch.float16)
+    new = _data((B, H, D), gen, torch.float16)
+    lengths = torch.tensor([flush * 5 + flush - 1, flush * 3 + flush - 1, 20])
+    start = lengths + 1 - flush  # the block ending with the new token
+    end = start + torch.tensor([flush, flush, 0])  # the third sequence has nothing due
+    exclude = torch.rand(B, 64, generator=gen) < 0.1
+    qp.flush(tail, new, lengths, ours, start, end, flush, exclude)
+    qp.flush_reference(tail, new, lengths, ref, start, end, flush, exclude)
+    _assert_same_body(ours, ref)
+    for name in BODY:
+        if getattr(ours, name) is not None and getattr(ours, name).dim() == 4:
+            assert torch.equal(getattr(ours, name)[2], getattr(before, name)[2]), name
+    assert not torch.equal(ours.codes[0], before.codes[0])
 
 
 def test_quant_pack_refuses_what_it_does_not_handle():
-    outliers = QuantSpec(2, outliers=0.01)
-    body = PackedBody.allocate(outliers, (1, 1, 8, 16), "cpu", torch.float32)
+    odd_groups = S(2, group_size=12)  # 12 channels: not a power of two, not the whole row
+    body = PackedBody.allocate(odd_groups, (1, 1, 8, 48), "cpu", torch.float32)
+    assert not qp.supports(odd_groups, 48, 1)
     with pytest.raises(ValueError, match="reference"):
-        quant_pack(torch.zeros(1, 1, 1, 16), body, torch.tensor([0]), torch.tensor([0]))
-    kivi = QuantSpec(2, "channel", 4)
+        qp.quant_pack(torch.zeros(1, 1, 1, 48), body, torch.tensor([0]), torch.tensor([0]))
+    kivi = S(2, "channel", 4)
     body = PackedBody.allocate(kivi, (1, 1, 8, 16), "cpu", torch.float32)
     with pytest.raises(ValueError, match="whole groups"):
-        quant_pack(torch.zeros(1, 1, 3, 16), body, torch.tensor([0]), torch.tensor([0]))
+        qp.quant_pack(torch.zeros(1, 1, 3, 16), body, torch.tensor([0]), torch.tensor([0]))
 
 
-# -- decode attention ---------------------------------------------------------------------------
-
-
-class Case(NamedTuple):
-    key: QuantSpec | None
-    value: QuantSpec | None
-    layer: dict  # LayerScheme options
-    scheme: dict  # KVScheme options
-    lengths: tuple  # tokens stored per sequence before the decoded one
-    heads: int
-    kv_heads: int
-    d: int
-
+# -- decode attention: the kernel against its reference ----------------------------------------
 
 DECODE_CASES = {
-    # KIVI: channel keys flushed 8 at a time, sliding token values; GQA 3, ragged batch
-    "kivi": Case(QuantSpec(2, "channel", 4), QuantSpec(2, "token", 16),
-                 dict(key_flush=8, value_flush=1), dict(residual=8), (1, 33, 97), 6, 2, 64),
-    # no residual window: every token quantized at once; MHA
-    "per-token": Case(QuantSpec(3), QuantSpec(3, symmetric=True), {}, {}, (300,), 2, 2, 128),
-    # kvcalib's own: static pre-RoPE keys (RoPE in the kernel), first + predicted sinks; GQA 8
-    "pre-rope-static-sinks": Case(QuantSpec(2, "static"), QuantSpec(2, "token", 32),
-                                  dict(key_position="pre_rope", key_flush=16, value_flush=16),
-                                  dict(residual=16, sinks_first=1, sink_budget=3), (97, 300),
-                                  8, 1, 128),
-    # QuaRot: rotated post-RoPE keys, 8-bit values; a sequence shorter than the window
-    "rotated": Case(QuantSpec(4, symmetric=True), QuantSpec(8),
-                    dict(key_rotation=True, key_flush=2, value_flush=2),
-                    dict(residual=4, sinks_first=2, rotation_seed=5), (33, 2), 6, 2, 64),
-    # per-head codebook keys, values left exact; head_dim 80
-    "codebook-exact-values": Case(QuantSpec(3, codebook=True, symmetric=True), None,
-                                  dict(key_flush=4), dict(residual=4), (1, 97), 6, 2, 80),
+    # name: (key spec, value spec, query heads, KV heads, head_dim, pre-RoPE, window)
+    "kvcalib-2 G4 D128": (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1,
+                            slot_rule="error"), S(2, symmetric=True, codebook=True), 8, 2, 128,
+                          True, None),
+    "kvcalib-3 G3 D64": (S(3, "static", codebook=True, outliers=0.01, outlier_slots=2,
+                           slot_rule="error"), S(3, symmetric=True, codebook=True), 9, 3, 64,
+                         True, None),
+    "kvcalib-4 G8 D256 one KV head": (S(4, "static", codebook=True, outliers=0.01,
+                                        outlier_slots=1), S(4, symmetric=True, codebook=True),
+                                      8, 1, 256, True, None),
+    "kivi-2 G1 D128": (S(2, "channel", 32), S(2, group_size=32), 2, 2, 128, False, None),
+    "kivi-4 G3 D64": (S(4, "channel", 16), S(4, group_size=16), 6, 2, 64, False, None),
+    "per-token-3 G4 D64": (S(3), S(3), 8, 2, 64, False, None),
+    "quarot-kv4 G8 D128": (S(4), S(4), 8, 1, 128, False, None),
+    "kvquant-3 G4 D128": (S(3, "static", codebook=True, outliers=0.01, outlier_slots=1),
+                          S(3, codebook=True, outliers=0.01), 8, 2, 128, True, None),
+    "vector values G3 D64": (S(2, "static"), S(3, "vector", outliers=0.01), 9, 3, 64, True,
+                             None),
+    "head_dim 80": (S(2), S(3, symmetric=True), 4, 2, 80, True, None),
+    "head_dim 96, groups across halves": (S(2, group_size=32), S(4, group_size=32), 4, 2, 96,
+                                          False, None),
+    "window pre-RoPE ring": (S(2, "static"), S(2, group_size=16), 8, 2, 64, True, 50),
+    "window exact keys": (None, S(4, "channel", 16), 2, 1, 64, False, 37),
+    "8-bit keys exact values D256": (S(8), None, 4, 1, 256, True, None),
+    "5/6-bit": (S(6, "static"), S(5, symmetric=True), 2, 2, 64, True, None),
 }  # fmt: skip
 
 
-def _filled_cache(case, gen):
-    key, value, layer, options, lengths, heads, kv_heads, d = DECODE_CASES[case]
-    scheme = KVScheme((LayerScheme(key, value, **layer),), **options)
-    params = KVParams()
-    if key.granularity == "static":
-        params.key_range[0] = (
-            -torch.rand(kv_heads, d, generator=gen) * 2,
-            torch.rand(kv_heads, d, generator=gen) * 2,
-        )
-    if key.codebook:
-        params.key_codebook[0] = _codebook(key, kv_heads, gen)
-    if scheme.sink_budget:
-        params.sink_predictor = SinkPredictor(layer=0, dims=(0,), threshold=0.5)
-    cache = QuantizedCache(
-        scheme,
-        params,
-        Transforms.online(scheme, params),
-        num_layers=1,
-        batch=len(lengths),
-        kv_heads=kv_heads,
-        head_dim=d,
-        max_len=max(lengths) + 1,
-        device="cpu",
-        dtype=torch.float32,
-        use_kernels=True,
-    )
-    rope = Rope({}, d)
-    history = []
-    for b, n in enumerate(lengths):
-        view = cache.view(b)
-        k, v = _data((1, kv_heads, n, d), gen), torch.randn(1, kv_heads, n, d, generator=gen)
-        view.stage(0, k, v, rope, view.positions(n))
-        flags = torch.zeros(1, n, heads * d)
-        flags[0, 5::40, 0] = 1.0  # predicted sinks (when the scheme has a budget)
-        view.observe_hidden(0, flags)
-        view.commit(n)
-        history.append((k, v))
-    return cache, rope, history
+def _decode_inputs(case, gen, dtype=torch.float16):
+    """A cache's worth of random stored bits for case: 3 sequences (lengths 150, 61, 0), a ring of
+    16 (key and value bodies end at different positions), 3 sink slots, fp16."""
+    key, value, H, hkv, D, pre_rope, window = DECODE_CASES[case]
+    B, P, R = 3, 151, 16
+    slots = P if window is None else 64  # a window's ring body: position p in slot p % 64
+    kb, vb = (_body(s, (B, hkv, slots, D), dtype, gen) for s in (key, value))
+    lengths = torch.tensor([150, 61, 0])
+    k_nb, v_nb = ((lengths - r).clamp(min=0) for r in (9, 14))
+    keys = Stored(kb, torch.randn(B, hkv, R, D, generator=gen).to(dtype), k_nb)
+    values = Stored(vb, torch.randn(B, hkv, R, D, generator=gen).to(dtype), v_nb)
+    sink_pos = torch.tensor([[0, 37, 140], [0, -1, -1], [-1, -1, -1]])
+    is_sink = torch.zeros(B, P, dtype=torch.bool)
+    for b, row in enumerate(sink_pos.tolist()):
+        is_sink[b, [p for p in row if p >= 0]] = True
+    sink_kv = (torch.randn(B, hkv, 3, D, generator=gen).to(dtype) for _ in range(2))
+    sinks = Sinks(*sink_kv, sink_pos, is_sink)
+    q = torch.randn(B, H, 1, D, generator=gen).to(dtype)
+    new = (torch.randn(B, hkv, 1, D, generator=gen).to(dtype) for _ in range(2))
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D) if pre_rope else None
+    return (q, *new, keys, values, sinks, lengths), dict(inv_freq=inv_freq, window=window)
 
 
-def _exact_attention(q, k_new, v_new, history, rope):
-    """Full-precision attention of each sequence's new token over its history and itself (a key
-    rotation, being orthogonal, changes no score)."""
-    out = []
-    for b, (k, v) in enumerate(history):
-        keys = torch.cat([k, k_new[b : b + 1]], 2)
-        keys = rope.apply(keys, torch.arange(keys.shape[2])[None])
-        values = torch.cat([v, v_new[b : b + 1]], 2)
-        out.append(
-            torch.nn.functional.scaled_dot_product_attention(
-                q[b : b + 1], keys, values, enable_gqa=True
-            )
-        )
-    return torch.cat(out)
+def _ref(args, options, **changes):
+    return dec.decode_attention_reference(*args, **{**options, **changes})
 
 
-@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize(
+    ("config", "splits"),
+    [((32, 4, 1), 1), ((16, 4, 1), 3), ((64, 4, 1), 2)],
+    ids=["32-token tiles", "16-token tiles, 3 splits", "64-token tiles, 2 splits"],
+)
 @pytest.mark.parametrize("case", list(DECODE_CASES))
-def test_decode_attention_matches_the_reference_path(case, splits, monkeypatch):
-    if splits:
-        monkeypatch.setattr(dec, "_num_splits", lambda *args: splits)
+def test_decode_attention_matches_its_reference(case, config, splits, monkeypatch):
+    if config != (32, 4, 1) and case not in (
+        "kvcalib-2 G4 D128",
+        "kivi-4 G3 D64",
+        "window pre-RoPE ring",
+        "vector values G3 D64",
+    ):
+        pytest.skip("tile and split variants run on four layouts")  # fmt: skip
+    monkeypatch.setattr(dec, "INTERPRETED", config)
+    monkeypatch.setattr(dec, "num_splits", lambda *a: splits)
     gen = torch.Generator().manual_seed(len(case))
-    cache, rope, history = _filled_cache(case, gen)
-    lengths, heads, kv_heads, d = DECODE_CASES[case][4:]
-    B = len(lengths)
-    q = torch.randn(B, heads, 1, d, generator=gen)
-    k_new = _data((B, kv_heads, 1, d), gen)
-    v_new = torch.randn(B, kv_heads, 1, d, generator=gen)
-    positions = cache.positions(1)
-    ours = cache.attend(0, q, k_new, v_new, rope, positions)
-    cache.kernels = False
-    ref = cache.attend(0, q, k_new, v_new, rope, positions)
-    scale = ref.abs().max()
-    assert (ours - ref).abs().max() <= RTOL * scale
-    if max(lengths) > 8:  # quantization is visible, so the bound above can catch defects
-        exact = _exact_attention(q, k_new, v_new, history, rope)
-        assert (exact - ref).abs().max() > 1e-3 * scale
+    args, options = _decode_inputs(case, gen)
+    ours = dec.decode_attention(*args, **options).double()
+    exact = _ref(args, options, dtype=torch.float64)
+    low = _ref(args, options).double()
+    bound = 2 * (low - exact).abs().max()
+    assert (ours - exact).abs().max() <= bound
+    # the bound can fail: what a wrong code, a dropped slot or a missed mask would do
+    keys, values = args[3], args[4]
+    for stored, i in ((keys, 3), (values, 4)):
+        if isinstance(stored.body, PackedBody):
+            body = copy.copy(stored.body)
+            body.codes = body.codes ^ 0x55
+            broken = _ref((*args[:i], stored._replace(body=body), *args[i + 1:]), options,
+                          dtype=torch.float64)  # fmt: skip
+            assert (broken - exact).abs().max() > 10 * bound
+            if body.slot_delta is not None:
+                body = copy.copy(stored.body)
+                body.slot_delta = torch.zeros_like(body.slot_delta)
+                broken = _ref((*args[:i], stored._replace(body=body), *args[i + 1:]), options,
+                              dtype=torch.float64)  # fmt: skip
+                assert (broken - exact).abs().max() > 10 * bound
+    if options["window"]:
+        assert (_ref(args, options, window=None, dtype=torch.float64) - exact).abs().max() > (
+            10 * bound
+        )
+
+
+def test_supports_every_preset_layout():
+    """Every layout kvcalib's presets and the peers the runtime serves store, at the head dims
+    of real models, is read by both kernels (no reference fallback)."""
+    layouts = [
+        S(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error"),
+        S(3, symmetric=True, codebook=True),
+        S(2, "channel", 32), S(4, group_size=32), S(3), S(4), S(3, codebook=True, outliers=0.01),
+        S(3, "vector", outliers=0.01),
+    ]  # fmt: skip
+    for d in (64, 80, 96, 128, 256):
+        for spec in layouts:
+            if spec.group_size and d % spec.group_size:
+                continue
+            assert dec.supports(spec, d, 8) and qp.supports(spec, d, 8), (spec, d)
+    assert not dec.supports(S(3), 72, 1)  # 36 3-bit codes a half: not whole bytes, reference
 
 
 # -- real sizes on a GPU, and a compile check that needs none ----------------------------------
-
-
-def _fp32_twin(cache):
-    """The same stored bits with every float buffer widened (exactly) to fp32: the reference."""
-    twin = copy.deepcopy(cache)
-    twin.dtype, twin.kernels = torch.float32, False
-    for s in twin.keys + twin.values:
-        s.tail = s.tail.float()
-        if s.exact is not None:
-            s.exact = s.exact.float()
-        if s.body is not None:
-            s.body.scale = s.body.scale.float()
-            if s.body.offset is not None:
-                s.body.offset = s.body.offset.float()
-    twin.sink_k, twin.sink_v = twin.sink_k.float(), twin.sink_v.float()
-    return twin
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize(("context", "d"), [(4096, 128), (16384, 64), (32768, 128)])
-def test_decode_attention_at_real_sizes(context, d, dtype):
-    """kvcalib-2-like: static pre-RoPE 2-bit keys, 2-bit values per group of 32 channels, a kept
-    first token; 32 query heads over 8 KV heads. Flash-attention's rule: against the fp32
-    reference, at most twice the error of the same reference path run in `dtype`."""
-    gen = torch.Generator().manual_seed(context)
-    layer = LayerScheme(QuantSpec(2, "static"), QuantSpec(2, group_size=32),
-                        key_position="pre_rope", key_flush=128, value_flush=128)  # fmt: skip
-    scheme = KVScheme((layer,), residual=128, sinks_first=1)
-    params = KVParams(key_range={0: (-torch.rand(8, d, generator=gen) * 3,
-                                     torch.rand(8, d, generator=gen) * 3)})  # fmt: skip
-    lengths = (context, context // 3 + 7)
-    cache = QuantizedCache(scheme, params, Transforms.none(1), num_layers=1, batch=2, kv_heads=8,
-                           head_dim=d, max_len=context + 1, device="cuda", dtype=dtype)  # fmt: skip
-    rope = Rope({}, d)
-    for b, n in enumerate(lengths):
-        view = cache.view(b)
-        k, v = _data((1, 8, n, d), gen).cuda(), torch.randn(1, 8, n, d, generator=gen).cuda()
-        view.stage(0, k.to(dtype), v.to(dtype), rope, view.positions(n))
-        view.commit(n)
-    q = torch.randn(2, 32, 1, d, generator=gen).cuda()
-    k_new, v_new = _data((2, 8, 1, d), gen).cuda(), torch.randn(2, 8, 1, d, generator=gen).cuda()
-    positions = cache.positions(1)
-    args = (q.to(dtype), k_new.to(dtype), v_new.to(dtype), rope, positions)
-    ours = cache.attend(0, *args).float()
-    cache.kernels = False
-    low = cache.attend(0, *args).float()
-    ref = _fp32_twin(cache).attend(0, q, *(t.to(dtype).float() for t in (k_new, v_new)), rope,
-                                   positions)  # fmt: skip
-    assert (ours - ref).abs().max() <= 2 * (low - ref).abs().max()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("spec", [QuantSpec(2, "static"), QuantSpec(3, group_size=32, clip=0.9),
-                                  QuantSpec(4, "channel", 32, symmetric=True),
-                                  QuantSpec(2, codebook=True)], ids=str)  # fmt: skip
-def test_quant_pack_is_bit_exact_on_gpu(spec, dtype):
-    """On the GPU too (IEEE division, no FMA contraction): the CPU reference's exact bits."""
-    gen = torch.Generator().manual_seed(spec.bits)
-    ours, ref = _bodies(spec, (4, 8, 4096, 128), dtype, gen)
-    ours = PackedBody(*(_cuda(getattr(ours, f)) for f in PackedBody.__dataclass_fields__))
-    x = _data((4, 8, 4096, 128), gen, dtype)
-    exclude = torch.rand(4, 4096, generator=gen) < 0.01
-    seq, start = torch.arange(4), torch.zeros(4, dtype=torch.long)
-    quant_pack(x.cuda(), ours, seq.cuda(), start.cuda(), exclude.cuda())
-    quant_pack_reference(x, ref, seq, start, exclude)
-    assert torch.equal(ours.codes.cpu(), ref.codes)
-    if spec.granularity != "static":
-        assert torch.equal(ours.scale.cpu(), ref.scale)
 
 
 def _cuda(value):
@@ -324,7 +311,48 @@ def _cuda(value):
         return value.cuda()
     if isinstance(value, tuple):
         return tuple(_cuda(v) for v in value)
+    if isinstance(value, PackedBody):
+        return PackedBody(*(_cuda(getattr(value, f)) for f in PackedBody.__dataclass_fields__))
+    if isinstance(value, Stored | Sinks):
+        return type(value)(*(_cuda(v) for v in value))
     return value
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", ["kvcalib-2 G4 D128", "kivi-2 G1 D128", "window pre-RoPE ring",
+                                  "kvquant-3 G4 D128"])  # fmt: skip
+def test_decode_attention_on_gpu(case, dtype, monkeypatch):
+    """The same rule at fp16 and bf16 on a GPU, for every tile size the tuner may pick."""
+    args, options = _decode_inputs(case, torch.Generator().manual_seed(1), dtype)
+    args, options = _cuda(args), {k: _cuda(v) for k, v in options.items()}
+    exact = _ref(args, options, dtype=torch.float64)
+    bound = 2 * (_ref(args, options).double() - exact).abs().max()
+    for config in dec.CONFIGS:
+        monkeypatch.setattr(dec, "_config", lambda key, device, launch, config=config: config)
+        ours = dec.decode_attention(*args, **options)
+        assert (ours.double() - exact).abs().max() <= bound, config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("spec", [S(2, "static"), S(3, group_size=32, clip=0.9),
+                                  S(4, "channel", 32, symmetric=True), S(2, codebook=True),
+                                  S(2, "static", codebook=True, outliers=0.01, outlier_slots=1,
+                                    slot_rule="error")], ids=str)  # fmt: skip
+def test_quant_pack_is_bit_exact_on_gpu(spec, dtype):
+    """On the GPU too (IEEE division, no FMA contraction): the CPU reference's exact bits."""
+    gen = torch.Generator().manual_seed(spec.bits)
+    ref = _body(spec, (4, 8, 4096, 128), dtype, gen)
+    ours = _cuda(copy.deepcopy(ref))
+    x = _data((4, 8, 4096, 128), gen, dtype)
+    exclude = torch.rand(4, 4096, generator=gen) < 0.01
+    seq, start = torch.arange(4), torch.zeros(4, dtype=torch.long)
+    qp.quant_pack(x.cuda(), ours, seq.cuda(), start.cuda(), exclude.cuda())
+    qp.quant_pack_reference(x, ref, seq, start, exclude)
+    for name in BODY:
+        if getattr(ref, name) is not None:
+            assert torch.equal(getattr(ours, name).cpu(), getattr(ref, name)), name
 
 
 COMPILE_SCRIPT = """
@@ -348,39 +376,43 @@ def compile_instead(self, *args, grid, warmup, **kwargs):  # compile for sm_90, 
     print("compiled", self.fn.__name__)
 
 JITFunction.run = compile_instead
-from kvcalib_runtime.kernels.decode_attention import decode_attention
+from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels.layout import PackedBody, Sinks, Stored
-from kvcalib_runtime.kernels.quant_pack import quant_pack
+from kvcalib_runtime.kernels.quant_pack import flush, quant_pack
 from kvcalib_runtime.quant import QuantSpec
 
+dec._config = lambda key, device, launch: dec.CONFIGS[3]
 B, H, N, D = 2, 8, 256, 128
+kvcalib2 = QuantSpec(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error")
 for dtype, key, value, rope in [
-    (torch.bfloat16, QuantSpec(2, "static"), QuantSpec(2, group_size=32), True),
-    (torch.float16, QuantSpec(3, "channel", 32, symmetric=True), None, False),
+    (torch.bfloat16, kvcalib2, QuantSpec(2, symmetric=True, codebook=True), True),
+    (torch.float16, QuantSpec(3, "channel", 32, symmetric=True), QuantSpec(3, "vector"), False),
 ]:
     static = (torch.zeros(H, D), torch.ones(H, D))
+    book = torch.linspace(-1, 1, 2 ** key.bits)
     def body(spec):
         if spec is None:
             return torch.zeros(B, H, N, D, dtype=dtype)
-        return PackedBody.allocate(spec, (B, H, N, D), "cpu", dtype, static)
+        return PackedBody.allocate(spec, (B, H, N, D), "cpu", dtype, static, book)
     keys, values = body(key), body(value)
+    tail, nb = torch.zeros(B, H, 8, D, dtype=dtype), torch.zeros(B, dtype=torch.long)
     quant_pack(torch.zeros(1, H, 32, D, dtype=dtype), keys, torch.zeros(1, dtype=torch.long),
                torch.zeros(1, dtype=torch.long), torch.zeros(B, N, dtype=torch.bool))
-    tail, nb = torch.zeros(B, H, 8, D, dtype=dtype), torch.zeros(B, dtype=torch.int32)
+    flush(tail, tail[:, :, 0], nb, values, nb, nb + 1, 1, torch.zeros(B, N, dtype=torch.bool))
     slots = torch.zeros(B, H, 2, D, dtype=dtype)
-    sinks = Sinks(slots, slots, torch.zeros(B, 2, dtype=torch.int32),
+    sinks = Sinks(slots, slots, torch.zeros(B, 2, dtype=torch.long),
                   torch.zeros(B, N, dtype=torch.bool))
     new = torch.zeros(B, H, 1, D, dtype=dtype)
-    decode_attention(torch.zeros(B, 4 * H, 1, D, dtype=dtype), new, new, Stored(keys, tail, nb),
-                     Stored(values, tail, nb), sinks, nb, N,
-                     inv_freq=torch.ones(D // 2) if rope else None)
+    dec.decode_attention(torch.zeros(B, 4 * H, 1, D, dtype=dtype), new, new, Stored(keys, tail, nb),
+                         Stored(values, tail, nb), sinks, nb,
+                         inv_freq=torch.ones(D // 2) if rope else None, window=64 if rope else None)
 """
 
 
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The interpreter never compiles a kernel, so code that only a GPU compile rejects (a
     non-constexpr global, an op without a lowering, a dtype mismatch in a dot) would pass every
-    test above: compile the main variants of both kernels for sm_90 in a fresh process."""
+    test above: compile the main variants of every kernel for sm_90 in a fresh process."""
     import os
     import subprocess
     import sys
@@ -390,6 +422,27 @@ def test_kernels_compile_for_hopper_without_a_gpu():
         pytest.skip("this Triton has no NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+                          text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split().count("compiled") == 6  # quant_pack, split, combine, twice
+    # quant_pack, flush, split, combine; twice
+    assert done.stdout.split().count("compiled") == 8
+
+
+def test_the_decode_benchmark_runs_its_smoke_configuration():
+    """benchmarks/bench_decode.py --smoke: the GPU benchmark's code on tiny shapes through the
+    interpreter, every method and table (a broken benchmark is found here, not on a GPU)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    command = [sys.executable, "benchmarks/bench_decode.py", "--smoke", "--no-save"]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = done.stdout[done.stdout.index("### Attention") :]
+    rows = [line for line in table.splitlines() if line.startswith("| 4/2/64 |")]
+    assert len(rows) == 2  # pre- and post-RoPE keys
+    assert all(len(row.split("|")) == 24 for row in rows)
+    assert "### End to end" in done.stdout

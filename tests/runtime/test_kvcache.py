@@ -7,7 +7,13 @@ implement the same rule. Bound 1e-5 relative, as in tests/toolkit/test_simulate.
 numerics in a different fp32 summation order move logits by ~1e-7, far below what quantization
 does (> 1e-3, checked second so the equality is not vacuous). A code flipped by a wrong
 rounding, a wrong flush boundary or a sink read from the body would move them by > 1e-3.
+Sliding windows are checked the same way on a tiny Mistral (transformers' own sliding mask).
+
+A decode step is device work only: on the CPU no tensor is read back (.item(), .tolist(),
+.cpu(), int(), bool() raise inside it), on CUDA torch's sync debug mode errors on any sync.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -17,9 +23,11 @@ from kvcalib.sim.hooks import Hooks, capture_keys, key_module
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime import kvcache
 from kvcalib_runtime.errors import CapacityError
+from kvcalib_runtime.fpcache import FullPrecisionCache
 from kvcalib_runtime.kvcache import QuantizedCache
 from kvcalib_runtime.model import Transformer
 from kvcalib_runtime.quant import QuantSpec
+from kvcalib_runtime.rope import Rope
 from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
 from kvcalib_runtime.transforms import Transforms
 
@@ -67,6 +75,26 @@ SCHEMES = {
         sink_budget=3,
         layer=dict(key_flush=8, value_flush=4),
     ),
+    # kvcalib-2's layout: static pre-RoPE codebook keys with one exact slot (largest error),
+    # symmetric codebook values, first and predicted sinks
+    "kvcalib": dict(
+        key=QuantSpec(
+            2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error"
+        ),
+        value=QuantSpec(2, symmetric=True, codebook=True),
+        residual=4,
+        sinks_first=1,
+        sink_budget=2,
+        layer=dict(key_position="pre_rope"),
+    ),
+    # KVQuant's values: every head of a token joined into one row, 5% exact slots
+    "vector": dict(
+        key=QuantSpec(3, "static", codebook=True, outliers=0.01, outlier_slots=1),
+        value=QuantSpec(3, "vector", outliers=0.05),
+        residual=0,
+        sinks_first=1,
+        layer=dict(key_position="pre_rope"),
+    ),
 }
 
 
@@ -96,6 +124,13 @@ def _scheme_and_params(hf, name, ids):
                 hooks.forward(key_module(hf, i), capture_keys(hf, keys, i))
             hf(ids)
         params.key_range = {i: (k[0].amin(1) * 0.8, k[0].amax(1) * 0.8) for i, k in keys.items()}
+    gen = torch.Generator().manual_seed(7)
+    for name, spec in (("key", key), ("value", value)):
+        if spec.codebook:  # sorted levels per layer, in [0, 1] or [-1, 1]
+            books = {i: torch.rand(spec.levels, generator=gen).sort().values for i in range(n)}
+            if spec.symmetric:
+                books = {i: b * 2 - 1 for i, b in books.items()}
+            getattr(params, f"{name}_codebook").update(books)
     if scheme.sink_budget:  # flags about 20% of tokens: channel 5 after layer 0
         with torch.no_grad():
             hidden = hf(ids, output_hidden_states=True).hidden_states[1][0]
@@ -174,19 +209,30 @@ def test_kernels_and_reference_store_the_same_bits(models):
             assert torch.equal(getattr(a.body, name), getattr(b.body, name))
 
 
-def test_outlier_slots_decode_through_the_reference_path_with_one_warning(models):
-    _, model = models
-    ids = _ids(1, 12)
-    scheme = KVScheme(
-        tuple(LayerScheme(QuantSpec(2, outliers=0.1), QuantSpec(2)) for _ in range(2)),
-        residual=2,
-        sinks_first=1,
-    )
-    with pytest.warns(UserWarning, match="outlier slots") as record:
-        ours = _decode(model, _cache(model, scheme, KVParams(), 1, 12, True), ids, 4)
+def _odd_head_steps(kernels: bool) -> torch.Tensor:
+    """A 9-token prefill and two decode steps on 72-channel heads of 3-bit codes."""
+    scheme = KVScheme((LayerScheme(QuantSpec(3), QuantSpec(3)),), residual=2, sinks_first=1)
+    cache = QuantizedCache(scheme, KVParams(), Transforms.none(1), num_layers=1, batch=1,
+                           kv_heads=1, head_dim=72, max_len=16, device="cpu",
+                           dtype=torch.float32, use_kernels=kernels)  # fmt: skip
+    gen, rope = torch.Generator().manual_seed(0), Rope({}, 72)
+    q, k, v = (torch.randn(1, h, 9, 72, generator=gen) for h in (2, 1, 1))
+    cache.attend(0, q, k, v, rope, cache.positions(9))
+    cache.commit(9)
+    outs = []
+    for _ in range(2):
+        q, k, v = (torch.randn(1, h, 1, 72, generator=gen) for h in (2, 1, 1))
+        outs.append(cache.attend(0, q, k, v, rope, cache.positions(1)))
+        cache.commit(1)
+    return torch.cat(outs, 2)
+
+
+def test_a_layout_the_kernel_does_not_read_decodes_through_the_reference_with_one_warning():
+    """3-bit codes of a 72-channel head: half a head is 108 bits, not whole bytes."""
+    with pytest.warns(UserWarning, match="torch reference") as record:
+        ours = _odd_head_steps(kernels=True)
     assert len(record) == 1
-    ref = _decode(model, _cache(model, scheme, KVParams(), 1, 12, False), ids, 4)
-    assert _rel_err(ours, ref) < RTOL
+    assert torch.equal(ours, _odd_head_steps(kernels=False))
 
 
 def test_capacity_errors(models, monkeypatch):
@@ -211,3 +257,131 @@ def test_use_kernels_needs_somewhere_to_run(monkeypatch):
         QuantizedCache(scheme, KVParams(), none, **shape, **where, use_kernels=True)
     auto = QuantizedCache(scheme, KVParams(), none, **shape, **where)
     assert not auto.kernels
+
+
+# -- sliding windows -----------------------------------------------------------------------------
+
+WINDOW = 5
+
+
+@pytest.fixture(scope="module")
+def mistral(tmp_path_factory):
+    """A tiny Mistral whose every layer slides a window of 5 over its keys."""
+    hf = tiny_model("mistral", sliding_window=WINDOW)
+    folder = tmp_path_factory.mktemp("tiny-mistral")
+    hf.save_pretrained(folder)
+    return hf, Transformer.from_folder(folder)
+
+
+def test_a_sliding_window_in_full_precision_equals_transformers(mistral):
+    """Transformers' own sliding mask is the masked full-attention reference: the runtime's
+    full-precision cache keeps a ring of 5 slots per layer and must give its logits, for a
+    batch prefilled in one chunk (longer than the window) then decoded token by token."""
+    hf, model = mistral
+    assert model.geometry.windows == (WINDOW, WINDOW)
+    ids = _ids(2, T)
+    with torch.no_grad():
+        ref = hf(ids).logits
+    cache = model.new_cache(2, T)
+    assert all(k.shape[2] == WINDOW for k in cache.keys)
+    assert _rel_err(_decode(model, cache, ids, PROMPT), ref) < RTOL
+    unwindowed = FullPrecisionCache(2, 2, 2, 16, T, "cpu", torch.float32)
+    assert _rel_err(_decode(model, unwindowed, ids, PROMPT), ref) > 1e-3  # the window matters
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "reference"])
+@pytest.mark.parametrize("name", ["kivi", "pre-rope-static", "per-token", "kvcalib"])
+def test_sliding_window_decoding_equals_the_one_pass_simulation(mistral, name, kernels):
+    """The windowed layers' bodies are rings (kivi's values never reach theirs: the residual
+    window holds the last 5 positions), and decoding still gives the Simulator's logits."""
+    hf, model = mistral
+    ids = _ids(1, T)
+    scheme, params = _scheme_and_params(hf, name, ids)
+    with torch.no_grad():
+        simulated = Simulator(hf, scheme, params, mode="decode", prefill=PROMPT)(ids)
+        full_precision = hf(ids).logits
+    cache = _cache(model, scheme, params, 1, T, kernels)
+    assert max(s.slots for s in cache.keys + cache.values) < T
+    assert _rel_err(_decode(model, cache, ids, PROMPT), simulated) < RTOL
+    assert _rel_err(simulated, full_precision) > 1e-3
+
+
+# -- a decode step is device work only -----------------------------------------------------------
+
+READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+
+@contextlib.contextmanager
+def _no_reads_back():
+    """Every way a tensor's value reaches the host raises inside the block."""
+
+    def refuse(name):
+        def read(*args, **kwargs):
+            raise AssertionError(f"the decode step called Tensor.{name}")
+
+        return read
+
+    saved = {name: getattr(torch.Tensor, name) for name in READS}
+    try:
+        for name in READS:
+            setattr(torch.Tensor, name, refuse(name))
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "reference"])
+def test_a_decode_step_reads_nothing_back(models, kernels):
+    """kvcalib-2's layout (predicted sinks decided, slots and flushes written every step) on a
+    batch of two: the steps after a prefill read no tensor back to the host."""
+    hf, model = models
+    ids = _ids(2, 12)
+    scheme, params = _scheme_and_params(hf, "kvcalib", ids)
+    cache = _cache(model, scheme, params, 2, 12, kernels)
+    with torch.no_grad():
+        model(ids[:, :8], cache)
+        with _no_reads_back():
+            for t in range(8, 12):
+                model(ids[:, t : t + 1], cache, last_only=True)
+    assert cache.lengths.tolist() == [12, 12]
+    with pytest.raises(AssertionError, match=r"Tensor\.item"), _no_reads_back():
+        torch.ones(1).item()  # the guard itself works
+
+
+def _cuda_model(tmp_path):
+    hf = tiny_model("llama")
+    hf.save_pretrained(tmp_path)
+    return hf, Transformer.from_folder(tmp_path, device="cuda")
+
+
+@pytest.mark.gpu
+def test_a_decode_step_never_synchronizes_on_cuda(tmp_path):
+    hf, model = _cuda_model(tmp_path)
+    ids = _ids(2, 12)
+    scheme, params = _scheme_and_params(hf, "kvcalib", ids)
+    cache = _cache(model, scheme, params, 2, 12, True)
+    ids = ids.cuda()
+    with torch.no_grad():
+        model(ids[:, :8], cache)
+        model(ids[:, 8:9], cache)  # compiles and tunes the kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for t in range(9, 12):
+                model(ids[:, t : t + 1], cache)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.gpu
+def test_generate_replays_a_cuda_graph_of_the_step(tmp_path):
+    """Greedy tokens through the captured step equal those of the eager one."""
+    hf, model = _cuda_model(tmp_path)
+    scheme, params = _scheme_and_params(hf, "kvcalib", _ids(1, 12))
+    prompts = [_ids(1, n, seed=n)[0].tolist() for n in (5, 11, 8)]
+    runs = {}
+    for graph in (False, True):
+        cache = _cache(model, scheme, params, 3, 40, True)
+        runs[graph] = model.generate(prompts, 24, cache=cache, cuda_graph=graph)
+    assert runs[True] == runs[False]

@@ -65,10 +65,15 @@ def _scheme(name: str, layers: int = 2) -> KVScheme:
     )
 
 
+# per layer: global, a window the body reaches (a ring), one it never reaches (R = 32 >= W)
+WINDOWS = {"global": None, "windowed": (None, 100), "short windows": (20, 48)}
+
+
+@pytest.mark.parametrize("windows", list(WINDOWS))
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("context", [1, 97, 1024, 32768])
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_the_formula_is_what_the_buffers_hold(name, context, batch):
+def test_the_formula_is_what_the_buffers_hold(name, context, batch, windows):
     scheme = _scheme(name)
     params = _params(scheme)
     memory = planned_memory(
@@ -80,8 +85,9 @@ def test_the_formula_is_what_the_buffers_hold(name, context, batch):
         head_dim=D,
         context=context,
         batch=batch,
+        windows=WINDOWS[windows],
     )
-    bits = storage_bits(scheme, HKV, D, context, batch=batch)
+    bits = storage_bits(scheme, HKV, D, context, batch=batch, windows=WINDOWS[windows])
     assert sum(memory.values()) * 8 == bits.total
     assert memory["body"] * 8 == bits.body + bits.constants
     assert memory["ring"] * 8 == bits.ring
@@ -112,9 +118,27 @@ def test_one_layout_counted_by_hand():
     assert cache.bytes_per_token() == (keys + values + ring + sinks + bookkeeping) / 1024
 
 
+def test_a_window_allocates_its_ring_not_the_context():
+    """kivi's layout at 32K, windows of 20 and 100: keys flushed 32 at a time keep a ring of
+    whole flush blocks and token groups (32, 128 slots: right after a flush the residual window
+    holds one token, so even a window of 20 reaches the body); values flushed one at a time keep
+    100 slots, or none for the window of 20 (the residual window of 32 always holds it)."""
+    scheme = _scheme("kivi")
+    params = _params(scheme)
+    cache = QuantizedCache(scheme, params, Transforms.online(scheme, params), num_layers=2,
+                           batch=1, kv_heads=HKV, head_dim=D, max_len=32768, device="meta",
+                           dtype=torch.float16, windows=(20, 100))  # fmt: skip
+    assert [s.slots for s in cache.keys + cache.values] == [32, 128, 0, 100]
+    full = planned_memory(scheme, params, Transforms.online(scheme, params), num_layers=2,
+                          kv_heads=HKV, head_dim=D, context=32768)  # fmt: skip
+    assert cache.memory()["body"] * 50 < full["body"]
+
+
 def test_an_fp16_cache_is_its_keys_and_values():
     cache = FullPrecisionCache(30, 2, HKV, D, 4096, "meta", torch.float16)
     assert cache.bytes_per_token() == 2 * 30 * HKV * D * 2
+    windowed = FullPrecisionCache(2, 1, HKV, D, 4096, "meta", torch.float16, windows=(None, 512))
+    assert windowed.allocated_bytes() == 2 * (4096 + 512) * HKV * D * 2
 
 
 @pytest.mark.gpu

@@ -160,8 +160,8 @@ def test_hidden_states_reach_the_cache(pair):
     hf, model = pair
     seen = []
     ids = _ids(2, 6)
-    num_layers, _, kv_heads, _, head_dim = model.new_cache(1, 1).keys.shape
-    cache = Recorder(num_layers, 2, kv_heads, head_dim, 8, "cpu", torch.float32)
+    geo = model.geometry
+    cache = Recorder(geo.layers, 2, geo.kv_heads, geo.head_dim, 8, "cpu", torch.float32)
     with torch.no_grad():
         model(ids, cache)
         ref = hf(ids, output_hidden_states=True).hidden_states

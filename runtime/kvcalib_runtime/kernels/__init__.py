@@ -1,7 +1,11 @@
 """Triton kernels of the quantized KV cache, each beside its plain-torch reference.
 
-    layout            the buffers they share: PackedBody (codes, scale, offset), Stored, Sinks
-    quant_pack        quantize a block of tokens and pack it into the body (the cache's flush)
+    layout            the buffers they share: PackedBody (codes, scale, offset, exact slots),
+                      Stored, Sinks
+    quant_pack        quantize blocks of tokens and pack them into the body: a prefill's
+                      blocks, or a decode step's flush straight from the residual ring
+    tiles             how the decode kernel reads a tile of keys or values (unpack, levels,
+                      metadata, exact slots, RoPE)
     decode_attention  attention of one new token per sequence over the quantized cache
 
 `layout.use_triton(device)` says where they run: CUDA, or anywhere under TRITON_INTERPRET=1.

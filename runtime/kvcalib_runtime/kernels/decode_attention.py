@@ -1,202 +1,240 @@
 """Decode attention over the quantized cache: one new token per sequence, dequantization fused.
 
     out = softmax(q K^T / sqrt(D)) V,   K, V = [sink slots | body | tail | new token],
-    body = offset + scale * level[code],  K rotated by RoPE in-kernel when stored pre-RoPE
+    body = offset + scale * level[code] (+ exact slots),  K rotated by RoPE when stored pre-RoPE,
+    keys at positions p - W < j <= p only, for a sliding window W
 
 Flash-decoding (Dao et al. 2023, "Flash-Decoding for long-context inference"): each program
 takes one (sequence, KV head, split) — the G query heads of a KV group share every key it
-dequantizes — keeps an online-softmax state (max, sum, acc) over its split of the positions,
-and a combine kernel merges the splits. Lengths are runtime values, so no length recompiles.
+dequantizes, and only those G rows enter the softmax — keeps an online-softmax state (max, sum,
+acc) over its split of the positions, and a combine kernel merges the splits. The split count is
+fixed by the cache's capacity and every length is read on the device, so a step launches the
+same grid whatever the lengths: no host synchronization, capturable in a CUDA graph.
 
-Keys and values are read each as its own scheme says — "token", "channel" or "static"
-groups, uniform or codebook levels, asymmetric or symmetric, 2/3/4/8 bits, or left exact — up
-to its own body boundary (key and value flushes may differ); keys pre-RoPE (rotated here, at
-their position) or post-RoPE (and Hadamard-rotated: the caller rotates q). Kept outliers are
-not read: `supports` says no, and the cache takes its reference path.
+Keys and values are each read as their own scheme says (kernels.tiles): "token", "vector",
+"channel" or "static" groups, uniform or codebook levels, asymmetric or symmetric, 2-8 bits, exact
+slots (keys: a score correction q . rope(delta e_c); values: added into the tile), or left
+exact; each up to its own body boundary (key and value flushes may differ), then from the
+residual ring. Keys pre-RoPE (rotated in registers) or post-RoPE (and maybe Hadamard-rotated:
+the caller rotates q).
 
-The reference is the cache's own reference path (`QuantizedCache._gather` + `_attention`),
-which is also the CPU fallback; the tests compare the two.
+`decode_attention_reference` is the spec in plain torch and the cache's CPU fallback; the tests
+hold the kernel to it.
 """
 
 import functools
-import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kvcalib_runtime.kernels import tiles
 from kvcalib_runtime.kernels.layout import PackedBody, Sinks, Stored
-from kvcalib_runtime.kernels.quant_pack import GRANULARITY, ROUNDING
+from kvcalib_runtime.rope import rotate_half
 
-# GRAN of a stream left in full precision: its "codes" are the values themselves
-EXACT = tl.constexpr(3)
+GRAN = {"token": 0, "vector": 0, "channel": 1, "static": 2}
+EXACT = 3
+MIXED_N = tl.constexpr(16)  # rows of a tile that mixes body and ring (a few per sequence)
 LOG2E = 1.4426950408889634
-INV_TWO_PI = tl.constexpr(0.5 / math.pi)
-TWO_PI_HI = tl.constexpr(float(torch.tensor(2 * math.pi, dtype=torch.float32)))  # + LO = 2 pi
-TWO_PI_LO = tl.constexpr(float(torch.tensor(2 * math.pi - TWO_PI_HI.value, dtype=torch.float32)))
+# (BLOCK_N, num_warps, num_stages): what `tune` times on a GPU, per (D, G, schemes, dtype)
+CONFIGS = ((32, 4, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3), (128, 8, 2))
+INTERPRETED = (32, 4, 1)
 
 
 # fmt: off
 @triton.jit
-def _load(BODY, SCALE, OFFSET, LEVELS, TAIL, row, h, pos, ch, live, nb, N, meta_rows, ring,
-          D: tl.constexpr, BITS: tl.constexpr, GRAN: tl.constexpr, GROUP: tl.constexpr,
-          SYMMETRIC: tl.constexpr, CODEBOOK: tl.constexpr, MIXED: tl.constexpr):
+def _stream(C_, S_, O_, L_, T_, line, kv, slot, pos, pos0, live, in_body, c0, s_st, o_st,
+            num_slots, meta_rows, ring_size, BN: tl.constexpr, BLOCK_C: tl.constexpr,
+            D: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr, GRAN: tl.constexpr,
+            GROUP: tl.constexpr, SYM: tl.constexpr, CB: tl.constexpr, UNIT: tl.constexpr,
+            ROW: tl.constexpr, MIXED: tl.constexpr):
     # fmt: on
-    """Keys or values at positions pos [BN, 1], channels ch [1, BC] (where `live`): fp32.
-
-    Positions below nb come from the body, x = offset + scale * level[code]; with MIXED, the
-    others from the tail ring (slot pos % ring). Code j of a row sits at bits [j*b, (j+1)*b).
-    BODY holds the codes, or the values themselves when GRAN == EXACT.
-    """
-    in_body = live & (pos < nb)
-    if GRAN == EXACT:
-        x = tl.load(BODY + row * N * D + (pos * D + ch), mask=in_body, other=0.0).to(tl.float32)
-    else:
-        PB: tl.constexpr = (D * BITS + 7) // 8
-        codes = BODY + row * N * PB  # this (sequence, head)'s rows; int32 offsets below
-        bit = ch * BITS
-        byte = tl.load(codes + (pos * PB + bit // 8), mask=in_body, other=0).to(tl.int32)
-        if 8 % BITS != 0:  # a 3-bit code may straddle two bytes
-            after = bit // 8 + 1
-            nxt = tl.load(codes + (pos * PB + after), mask=in_body & (after < PB), other=0)
-            byte |= nxt.to(tl.int32) << 8
-        code = (byte >> (bit % 8)) & (2**BITS - 1)
-        if CODEBOOK:
-            level = tl.load(LEVELS + h * 2**BITS + code, mask=in_body, other=0.0)
-        elif SYMMETRIC:
-            level = (code - (2 ** (BITS - 1) - 1)).to(tl.float32)
-        else:
-            level = code.to(tl.float32)
-        if GRAN == 0:  # token: [.., N, D / GROUP]; one scale per row when GROUP == D
-            meta = row * N * (D // GROUP) + (pos * (D // GROUP) + (ch // GROUP if GROUP < D else 0))
-            meta_mask = in_body if GROUP < D else pos < nb
-        elif GRAN == 1:  # channel: [.., ceil(N / GROUP), D]
-            meta = row * meta_rows * D + ((pos // GROUP) * D + ch)
-            meta_mask = in_body
-        else:  # static: [Hkv, D], one per channel
-            meta = h * D + ch
-            meta_mask = ch < D
-        x = level * tl.load(SCALE + meta, mask=meta_mask, other=0.0).to(tl.float32)
-        if not SYMMETRIC:
-            x += tl.load(OFFSET + meta, mask=meta_mask, other=0.0).to(tl.float32)
+    """One half of keys or values at positions pos [BN]: the body where in_body, with MIXED the
+    residual ring elsewhere (where live). line: the body's rows (sequence, head, or sequence for
+    "vector"); kv: the ring's (sequence, head)."""
+    x = tiles.half(C_, S_, O_, L_, line, slot, pos0, in_body, c0, s_st, o_st, num_slots,
+                   meta_rows, BN, BLOCK_C, D // 2, WIDTH, BITS, GRAN, GROUP, SYM, CB, UNIT,
+                   ROW)  # fmt: skip
     if MIXED:
-        in_tail = live & (pos >= nb)
-        tail = tl.load(TAIL + row * ring * D + ((pos % ring) * D + ch), mask=in_tail, other=0.0)
-        x = tl.where(pos < nb, x, tail.to(tl.float32))
+        tail = tiles.ring(T_, kv, pos, live & ~in_body, ring_size, c0 % D, D, BLOCK_C)
+        x = tl.where(in_body[:, None], x, tail)
     return x
 
 
-# fmt: off
 @triton.jit
-def _scores(q_lo, q_hi, k_lo, k_hi, pos, valid, INV_FREQ, ch, sm_scale, D: tl.constexpr,
-            PRE_ROPE: tl.constexpr, PRECISION: tl.constexpr):
-    # fmt: on
-    """Scores [BLOCK_G, BN] (log2 units, -inf where not valid) of the G query heads against keys
-    given as channel halves k_lo, k_hi [BN, D/2] fp32 at positions pos [BN]."""
-    if PRE_ROPE:  # rope(k) = k * cos + rotate_half(k) * sin, rotate_half([a, b]) = [-b, a]
-        freq = tl.load(INV_FREQ + ch, mask=ch < D // 2, other=0.0)
-        angle = pos[:, None].to(tl.float32) * freq[None, :]  # the fp32 angle Rope computes
-        turns = (angle * INV_TWO_PI + ROUNDING) - ROUNDING  # reduced to [-pi, pi] (Cody-Waite)
-        angle = tl.fma(-turns, TWO_PI_LO, tl.fma(-turns, TWO_PI_HI, angle))
-        cos, sin = tl.cos(angle), tl.sin(angle)
-        k_lo, k_hi = k_lo * cos - k_hi * sin, k_hi * cos + k_lo * sin
-    dt = q_lo.dtype
-    s = tl.dot(q_lo, tl.trans(k_lo.to(dt)), input_precision=PRECISION)
-    s += tl.dot(q_hi, tl.trans(k_hi.to(dt)), input_precision=PRECISION)
-    return tl.where(valid[None, :], s * sm_scale, float("-inf"))
-
-
-@triton.jit
-def _softmax_update(s, v, m_i, l_i, acc, DT: tl.constexpr, PRECISION: tl.constexpr):
-    """Fold scores s [BLOCK_G, BN] and values v [BN, D] into the running max m_i, sum l_i and
-    unnormalized output acc [BLOCK_G, D] (online softmax, base 2; the dot in dtype DT)."""
+def _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold scores s [BLOCK_G, BN] (log2 units, -inf where invalid) and value halves [BN,
+    BLOCK_C] into the running max m_i, sum l_i and unnormalized halves acc (online softmax)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: keep zeros
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DT), v.to(DT), input_precision=PRECISION)
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
+    pd = p.to(DT)
+    acc_lo = acc_lo * alpha[:, None] + tl.dot(pd, v_lo.to(DT), input_precision=PRECISION)
+    acc_hi = acc_hi * alpha[:, None] + tl.dot(pd, v_hi.to(DT), input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc_lo, acc_hi
 
 
 # fmt: off
 @triton.jit
 def _decode_split_kernel(
     Q, K_NEW, V_NEW,                       # [B, H, D], [B, Hkv, D], [B, Hkv, D]
-    SINK_K, SINK_V, SINK_POS, IS_SINK,     # [B, Hkv, S, D] x 2, int32 [B, S], uint8 [B, N]
-    LENGTHS, K_NB, V_NB, INV_FREQ,         # int32 [B] x 3, float32 [D/2]
+    SINK_K, SINK_V, SINK_POS, IS_SINK,     # [B, Hkv, S, D] x 2, int64 [B, S], uint8 [B, P]
+    LENGTHS, K_NB, V_NB, INV_FREQ,         # int64 [B] x 3, float32 [D/2]
     PART, STATS,                           # float32 [B, H, splits, D], [B, H, splits, 2]
-    KC, KS, KO, KL, KT,                    # keys: body, scale, offset, levels, tail
-    VC, VS, VO, VL, VT,                    # values: the same
-    num_heads, N, k_meta_rows, v_meta_rows, ring, num_slots, chunk, num_splits, sm_scale,
-    G: tl.constexpr, D: tl.constexpr, NUM_SINKS: tl.constexpr, PRE_ROPE: tl.constexpr,
-    PRECISION: tl.constexpr,
+    KC, KS, KO, KL, KI, KD, KT,            # keys: codes, scale, offset, levels, slot index,
+    VC, VS, VO, VL, VI, VD, VT,            # slot delta, tail; values: the same
+    num_kv, positions, num_sinks, num_splits, window, sm_scale,
+    k_slots, k_meta_rows, v_slots, v_meta_rows, ring_size,
+    G: tl.constexpr, D: tl.constexpr, PRE_ROPE: tl.constexpr, PRECISION: tl.constexpr,
     K_BITS: tl.constexpr, K_GRAN: tl.constexpr, K_GROUP: tl.constexpr, K_SYM: tl.constexpr,
-    K_CB: tl.constexpr,
+    K_CB: tl.constexpr, K_K: tl.constexpr, K_VEC: tl.constexpr, K_UNIT: tl.constexpr,
+    K_ROW: tl.constexpr, K_WIDTH: tl.constexpr, K_RING: tl.constexpr,
     V_BITS: tl.constexpr, V_GRAN: tl.constexpr, V_GROUP: tl.constexpr, V_SYM: tl.constexpr,
-    V_CB: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_X: tl.constexpr,
+    V_CB: tl.constexpr, V_K: tl.constexpr, V_VEC: tl.constexpr, V_UNIT: tl.constexpr,
+    V_ROW: tl.constexpr, V_WIDTH: tl.constexpr, V_RING: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    """Program (b, KV head hk, split): positions [split * chunk, (split + 1) * chunk) of sequence
-    b (body, then the tail), plus the sink slots and the new token in split 0, for query heads
-    hk * G .. hk * G + G - 1. Writes PART [B, H, splits, D] (unnormalized) and STATS
-    [B, H, splits, 2] (running max in log2 units, sum)."""
+    """Program (b, KV head hk, split): the split-th chunk of the positions sequence b attends to
+    (body, then the ring), plus the sink slots and the new token in split 0, for query heads
+    hk * G .. hk * G + G - 1. Writes PART (unnormalized) and STATS (running max in log2 units,
+    sum)."""
     b, hk, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n, nbk, nbv = tl.load(LENGTHS + b), tl.load(K_NB + b), tl.load(V_NB + b)
-    row = b.to(tl.int64) * num_heads + hk
+    n = tl.load(LENGTHS + b).to(tl.int32)
+    nbk, nbv = tl.load(K_NB + b).to(tl.int32), tl.load(V_NB + b).to(tl.int32)
+    first = tl.where(window > 0, tl.maximum(n - window + 1, 0), 0)  # oldest visible position
+    lo = first // BLOCK_N * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(n - lo, num_splits), BLOCK_N) * BLOCK_N
+    lo += split * chunk
+    hi = tl.minimum(lo + chunk, n)
+    # [lo, both): whole tiles inside both bodies, read without masks; [both, hi): the rest
+    both = lo + tl.maximum(tl.minimum(hi, tl.minimum(nbk, nbv)) - lo, 0) // BLOCK_N * BLOCK_N
+    kv = b.to(tl.int64) * num_kv + hk  # this (sequence, KV head)
+    k_line, v_line = kv, kv  # body rows of this (sequence, head): one per token for "vector",
+    k_base, v_base = hk * 0, hk * 0  # where this head's channels start in its row
+    if K_VEC:
+        k_line, k_base = b.to(tl.int64), hk * D
+    if V_VEC:
+        v_line, v_base = b.to(tl.int64), hk * D
+    C: tl.constexpr = D // 2
     g = tl.arange(0, BLOCK_G)
-    ch = tl.arange(0, BLOCK_H)  # one half of the channels (RoPE pairs c with c + D/2)
-    cv = tl.arange(0, BLOCK_D)
-    half = (ch < D // 2)[None, :]
-    q_ptr = Q + (row * G + g)[:, None] * D + ch[None, :]
-    q_lo = tl.load(q_ptr, mask=(g < G)[:, None] & half, other=0.0)
-    q_hi = tl.load(q_ptr + D // 2, mask=(g < G)[:, None] & half, other=0.0)
+    ch = tl.arange(0, BLOCK_C)
+    j = tl.arange(0, BLOCK_N)
+    q_rows = Q + (kv * G + g) * D
+    q_mask = (g < G)[:, None] & (ch < C)[None, :]
+    q_lo = tl.load(q_rows[:, None] + ch[None, :], mask=q_mask, other=0.0)
+    q_hi = tl.load(q_rows[:, None] + C + ch[None, :], mask=q_mask, other=0.0)
+    DT: tl.constexpr = Q.dtype.element_ty
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, n)
-    both = tl.maximum(tl.minimum(hi, tl.minimum(nbk, nbv)), lo)  # [lo, both): body only
-    for phase in tl.static_range(2):
-        first = lo if phase == 0 else both
-        last = both if phase == 0 else hi
-        for start in range(first, last, BLOCK_N):
-            pos = start + tl.arange(0, BLOCK_N)
-            sink = tl.load(IS_SINK + b * N + pos, mask=pos < last, other=1)
-            valid = (pos < last) & (sink == 0)  # a sink is read from its slot, not the body
-            k_lo = _load(KC, KS, KO, KL, KT, row, hk, pos[:, None], ch[None, :],
-                         valid[:, None] & half, nbk, N, k_meta_rows, ring,
-                         D, K_BITS, K_GRAN, K_GROUP, K_SYM, K_CB, phase == 1)
-            k_hi = _load(KC, KS, KO, KL, KT, row, hk, pos[:, None], ch[None, :] + D // 2,
-                         valid[:, None] & half, nbk, N, k_meta_rows, ring,
-                         D, K_BITS, K_GRAN, K_GROUP, K_SYM, K_CB, phase == 1)
-            s = _scores(q_lo, q_hi, k_lo, k_hi, pos, valid, INV_FREQ, ch, sm_scale, D, PRE_ROPE,
-                        PRECISION)
-            v = _load(VC, VS, VO, VL, VT, row, hk, pos[:, None], cv[None, :],
-                      valid[:, None] & (cv < D)[None, :], nbv, N, v_meta_rows, ring,
-                      D, V_BITS, V_GRAN, V_GROUP, V_SYM, V_CB, phase == 1)
-            m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, Q.dtype.element_ty, PRECISION)
-    if split == 0:  # exact extras: x < NUM_SINKS are the sink slots, x == NUM_SINKS the new token
+    acc_lo = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
+    acc_hi = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
+    # hoisted out of the loop: static metadata, codebook rows, R(j) for j < BLOCK_N
+    zero = tl.zeros([BLOCK_C], tl.float32)
+    ks_lo, ko_lo, ks_hi, ko_hi, vs_lo, vo_lo, vs_hi, vo_hi = (zero,) * 8
+    if K_GRAN == 2:
+        ks_lo, ko_lo = tiles.static_meta(KS, KO, hk, 0, BLOCK_C, C, D, K_BITS, K_SYM, K_CB)
+        ks_hi, ko_hi = tiles.static_meta(KS, KO, hk, C, BLOCK_C, C, D, K_BITS, K_SYM, K_CB)
+    if V_GRAN == 2:
+        vs_lo, vo_lo = tiles.static_meta(VS, VO, hk, 0, BLOCK_C, C, D, V_BITS, V_SYM, V_CB)
+        vs_hi, vo_hi = tiles.static_meta(VS, VO, hk, C, BLOCK_C, C, D, V_BITS, V_SYM, V_CB)
+    KL_H, VL_H = KL, VL  # this head's codebook row
+    if not K_VEC:
+        KL_H = KL + hk * 2**K_BITS
+    if not V_VEC:
+        VL_H = VL + hk * 2**V_BITS
+    freq = zero
+    cos_j = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
+    sin_j = cos_j
+    if PRE_ROPE:
+        freq = tl.load(INV_FREQ + ch, mask=ch < C, other=0.0)
+        cos_j, sin_j = tiles.trig(j[:, None].to(tl.float32) * freq[None, :])
+    for phase in tl.static_range(2):  # 0: body only; 1: body and ring, in smaller tiles
+        start_at = lo if phase == 0 else both
+        stop_at = both if phase == 0 else hi
+        for start in tl.range(start_at, stop_at, BLOCK_N if phase == 0 else MIXED_N,
+                              num_stages=STAGES):  # fmt: skip
+            pos = start + tl.arange(0, BLOCK_N if phase == 0 else MIXED_N)
+            if phase == 0:  # every position in both bodies and in bounds: no load masks
+                sink = tl.load(IS_SINK + b * positions + pos)
+                valid = (pos >= first) & (sink == 0)
+                k_in = tl.full(pos.shape, 1, tl.int1)
+                v_in = k_in
+            else:
+                sink = tl.load(IS_SINK + b * positions + pos, mask=pos < stop_at, other=1)
+                valid = (pos < stop_at) & (pos >= first) & (sink == 0)
+                k_in, v_in = valid & (pos < nbk), valid & (pos < nbv)
+            k_slot, v_slot = pos, pos  # a ring body (sliding window): position % slots
+            if K_RING:
+                k_slot = pos % k_slots
+            if V_RING:
+                v_slot = pos % v_slots
+            k_lo = _stream(KC, KS, KO, KL_H, KT, k_line, kv, k_slot, pos, start, valid, k_in,
+                           k_base, ks_lo, ko_lo, k_slots, k_meta_rows, ring_size, pos.shape[0],
+                           BLOCK_C, D, K_WIDTH, K_BITS, K_GRAN, K_GROUP, K_SYM, K_CB, K_UNIT,
+                           K_ROW, phase == 1)
+            k_hi = _stream(KC, KS, KO, KL_H, KT, k_line, kv, k_slot, pos, start, valid, k_in,
+                           k_base + C, ks_hi, ko_hi, k_slots, k_meta_rows, ring_size, pos.shape[0],
+                           BLOCK_C, D, K_WIDTH, K_BITS, K_GRAN, K_GROUP, K_SYM, K_CB, K_UNIT,
+                           K_ROW, phase == 1)
+            if PRE_ROPE:
+                if phase == 0:  # R(start + j) = R(start) R(j)
+                    cos_a, sin_a = tiles.trig((start * 1.0) * freq)
+                    cos = cos_a[None, :] * cos_j - sin_a[None, :] * sin_j
+                    sin = sin_a[None, :] * cos_j + cos_a[None, :] * sin_j
+                else:
+                    cos, sin = tiles.trig(pos[:, None].to(tl.float32) * freq[None, :])
+                k_lo, k_hi = tiles.rotate(k_lo, k_hi, cos, sin)
+            s = tl.dot(q_lo, tl.trans(k_lo.to(DT)), input_precision=PRECISION)
+            s += tl.dot(q_hi, tl.trans(k_hi.to(DT)), input_precision=PRECISION)
+            if K_K > 0:
+                s += tiles.slot_scores(KI, KD, q_rows, g < G, k_line * k_slots + k_slot, k_in,
+                                       k_base, pos, INV_FREQ, K_K, D, PRE_ROPE)  # fmt: skip
+            s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
+            v_lo = _stream(VC, VS, VO, VL_H, VT, v_line, kv, v_slot, pos, start, valid, v_in,
+                           v_base, vs_lo, vo_lo, v_slots, v_meta_rows, ring_size, pos.shape[0],
+                           BLOCK_C, D, V_WIDTH, V_BITS, V_GRAN, V_GROUP, V_SYM, V_CB, V_UNIT,
+                           V_ROW, phase == 1)
+            v_hi = _stream(VC, VS, VO, VL_H, VT, v_line, kv, v_slot, pos, start, valid, v_in,
+                           v_base + C, vs_hi, vo_hi, v_slots, v_meta_rows, ring_size, pos.shape[0],
+                           BLOCK_C, D, V_WIDTH, V_BITS, V_GRAN, V_GROUP, V_SYM, V_CB, V_UNIT,
+                           V_ROW, phase == 1)
+            if V_K > 0:
+                v_lo, v_hi = tiles.slot_values(v_lo, v_hi, VI, VD, v_line * v_slots + v_slot,
+                                               v_in, v_base, V_K, D, BLOCK_C)  # fmt: skip
+            m_i, l_i, acc_lo, acc_hi = _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT,
+                                               PRECISION)  # fmt: skip
+    if split == 0:  # exact extras: x < num_sinks the sink slots, x == num_sinks the new token
         x = tl.arange(0, BLOCK_X)
-        is_new = x == NUM_SINKS
-        slot_pos = tl.load(SINK_POS + b * num_slots + x, mask=x < NUM_SINKS, other=-1)
-        pos = tl.where(is_new, n, slot_pos)
-        valid = is_new | ((slot_pos >= 0) & (slot_pos < n))
-        slot = (row * num_slots + x)[:, None] * D
-        in_slot = (valid & ~is_new)[:, None]
-        new = K_NEW + row * D + x[:, None] * 0  # every row points at the new token
-        k_lo = tl.load(SINK_K + slot + ch[None, :], mask=in_slot & half, other=0.0)
-        k_lo += tl.load(new + ch[None, :], mask=is_new[:, None] & half, other=0.0)
-        k_hi = tl.load(SINK_K + slot + D // 2 + ch[None, :], mask=in_slot & half, other=0.0)
-        k_hi += tl.load(new + D // 2 + ch[None, :], mask=is_new[:, None] & half, other=0.0)
-        s = _scores(q_lo, q_hi, k_lo.to(tl.float32), k_hi.to(tl.float32), pos, valid, INV_FREQ,
-                    ch, sm_scale, D, PRE_ROPE, PRECISION)
-        v = tl.load(SINK_V + slot + cv[None, :], mask=in_slot & (cv < D)[None, :], other=0.0)
-        new = V_NEW + row * D + x[:, None] * 0
-        v += tl.load(new + cv[None, :], mask=is_new[:, None] & (cv < D)[None, :], other=0.0)
-        m_i, l_i, acc = _softmax_update(s, v, m_i, l_i, acc, Q.dtype.element_ty, PRECISION)
-    out = (row * G + g) * num_splits + split  # [BLOCK_G] rows of PART / STATS
-    tl.store(PART + out[:, None] * D + cv[None, :], acc, mask=(g < G)[:, None] & (cv < D)[None, :])
+        is_new = x == num_sinks
+        slot_pos = tl.load(SINK_POS + b * num_sinks + x, mask=x < num_sinks, other=-1)
+        pos = tl.where(is_new, n, slot_pos.to(tl.int32))
+        valid = is_new | ((slot_pos >= 0) & (slot_pos < n) & (slot_pos >= first))
+        rows = (kv * num_sinks + x)[:, None] * D
+        in_slot = (valid & ~is_new)[:, None] & (ch < C)[None, :]
+        new = is_new[:, None] & (ch < C)[None, :]
+        k_lo = tl.load(SINK_K + rows + ch[None, :], mask=in_slot, other=0.0).to(tl.float32)
+        k_lo += tl.load(K_NEW + kv * D + ch[None, :] + x[:, None] * 0, mask=new, other=0.0)
+        k_hi = tl.load(SINK_K + rows + C + ch[None, :], mask=in_slot, other=0.0).to(tl.float32)
+        k_hi += tl.load(K_NEW + kv * D + C + ch[None, :] + x[:, None] * 0, mask=new, other=0.0)
+        if PRE_ROPE:
+            cos, sin = tiles.trig(pos[:, None].to(tl.float32) * freq[None, :])
+            k_lo, k_hi = tiles.rotate(k_lo, k_hi, cos, sin)
+        s = tl.dot(q_lo, tl.trans(k_lo.to(DT)), input_precision=PRECISION)
+        s += tl.dot(q_hi, tl.trans(k_hi.to(DT)), input_precision=PRECISION)
+        s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
+        v_lo = tl.load(SINK_V + rows + ch[None, :], mask=in_slot, other=0.0).to(tl.float32)
+        v_lo += tl.load(V_NEW + kv * D + ch[None, :] + x[:, None] * 0, mask=new, other=0.0)
+        v_hi = tl.load(SINK_V + rows + C + ch[None, :], mask=in_slot, other=0.0).to(tl.float32)
+        v_hi += tl.load(V_NEW + kv * D + C + ch[None, :] + x[:, None] * 0, mask=new, other=0.0)
+        m_i, l_i, acc_lo, acc_hi = _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT,
+                                           PRECISION)  # fmt: skip
+    out = (kv * G + g) * num_splits + split  # [BLOCK_G] rows of PART / STATS
+    part = PART + out[:, None] * D + ch[None, :]
+    tl.store(part, acc_lo, mask=q_mask)
+    tl.store(part + C, acc_hi, mask=q_mask)
     tl.store(STATS + out * 2, m_i, mask=g < G)
     tl.store(STATS + out * 2 + 1, l_i, mask=g < G)
 # fmt: on
@@ -207,7 +245,7 @@ def _combine_kernel(
     PART, STATS, OUT, num_splits, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr
 ):
     """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s, one query head
-    per program (split 0 always holds the new token, so M is finite)."""
+    per program (split 0 always holds the new token, so M is finite; empty splits weigh 0)."""
     bh = tl.program_id(0).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     c = tl.arange(0, BLOCK_D)
@@ -224,33 +262,49 @@ def _combine_kernel(
     tl.store(OUT + bh * D + c, out.to(OUT.dtype.element_ty), mask=c < D)
 
 
-def supports(spec) -> bool:
-    """Whether `decode_attention` reads a tensor stored with spec (None: full precision)."""
-    return spec is None or (spec.outliers == 0 and spec.granularity != "vector")
+def supports(spec, head_dim: int, kv_heads: int = 1) -> bool:
+    """Whether `decode_attention` reads a tensor stored with spec (None: full precision): every
+    layout kvcalib's presets and its peers use; odd head widths (a half row of codes that does
+    not start on a byte) and non-power-of-two "channel" groups go to the reference."""
+    return spec is None or tiles.readable(spec, head_dim, kv_heads)
 
 
-def _stream_args(stored: Stored, name: str) -> tuple[list, int, dict]:
-    """One stream's pointers (body, scale, offset, levels, tail; unused ones repeat the body),
-    metadata rows (channel groups) and constexprs, prefixed `name`."""
-    body = stored.body
+def _stream_args(stored: Stored, name: str, head_dim: int, positions: int):
+    """One stream's pointers (codes, scale, offset, levels, slot index, slot delta, tail;
+    unused ones repeat the codes), runtime sizes (slots, metadata rows) and constexprs (RING:
+    fewer body slots than `positions`, a sliding window's ring)."""
+    body, half = stored.body, head_dim // 2
     if not isinstance(body, PackedBody):
-        flags = dict(BITS=8, GRAN=EXACT.value, GROUP=1, SYM=True, CB=False)
-        return [body] * 4 + [stored.tail], 0, {f"{name}_{k}": v for k, v in flags.items()}
+        flags = dict(BITS=16, GRAN=EXACT, GROUP=1, SYM=True, CB=False, K=0, VEC=False, UNIT=8,
+                     ROW=1, WIDTH=head_dim, RING=body.shape[2] < positions)  # fmt: skip
+        return [body] * 6 + [stored.tail], [max(body.shape[2], 1), 1], _prefix(name, flags)
     spec = body.spec
+    unit = tiles.unit(spec.bits, half)
+    codes = body.codes.view(torch.int32) if unit == 32 else body.codes
+    pointers = [codes, body.scale, body.offset, body.levels, body.slot_index, body.slot_delta]
+    pointers = [t if t is not None else codes for t in pointers] + [stored.tail]
     group = spec.group_size if spec.granularity == "channel" else 1
-    if spec.granularity == "token":
-        group = spec.channel_group(body.head_dim)
-    pointers = [body.codes, body.scale, body.offset, body.levels, stored.tail]
-    pointers = [t if t is not None else body.codes for t in pointers]
-    meta_rows = body.scale.shape[2] if spec.granularity == "channel" else 0
+    if spec.granularity in ("token", "vector"):
+        group = spec.channel_group(body.width)
+    meta_rows = body.scale.shape[2] if spec.granularity == "channel" else 1
     flags = dict(
         BITS=spec.bits,
-        GRAN=GRANULARITY[spec.granularity],
+        GRAN=GRAN[spec.granularity],
         GROUP=group,
         SYM=spec.symmetric,
         CB=spec.codebook,
+        K=spec.slots(body.width),
+        VEC=body.vector,
+        UNIT=unit,
+        ROW=codes.shape[-1],
+        WIDTH=body.width,
+        RING=body.codes.shape[2] < positions,
     )
-    return pointers, meta_rows, {f"{name}_{k}": v for k, v in flags.items()}
+    return pointers, [max(body.codes.shape[2], 1), meta_rows], _prefix(name, flags)
+
+
+def _prefix(name: str, flags: dict) -> dict:
+    return {f"{name}_{k}": v for k, v in flags.items()}
 
 
 @functools.cache
@@ -258,33 +312,51 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _num_splits(q: torch.Tensor, longest: int, programs: int, block_n: int) -> int:
-    """Enough (sequence, head, split) programs to fill the GPU twice, each at least 4 blocks."""
-    if q.device.type != "cuda":
+def num_splits(device: torch.device, programs: int, span: int, block_n: int) -> int:
+    """Splits per (sequence, KV head): enough programs to fill the GPU twice, each at least 4
+    blocks of the longest span a sequence can reach (fixed by capacity, not by lengths)."""
+    if device.type != "cuda":
         return 1
-    wanted = max(1, 2 * _sm_count(q.device) // max(programs, 1))
-    return max(1, min(wanted, triton.cdiv(longest, 4 * block_n)))
+    wanted = max(1, 2 * _sm_count(device) // max(programs, 1))
+    return max(1, min(wanted, triton.cdiv(span, 4 * block_n)))
 
 
-def decode_attention(
-    q,
-    k_new,
-    v_new,
-    keys: Stored,
-    values: Stored,
-    sinks: Sinks,
-    lengths,
-    longest: int,
-    *,
-    inv_freq=None,
-):
+_TUNED: dict = {}
+
+
+def _config(key, device: torch.device, launch) -> tuple[int, int, int]:
+    """The (BLOCK_N, num_warps, num_stages) of `key`: timed once per key on a GPU (not while a
+    CUDA graph is being captured: the first eager step tunes), a fixed one interpreted."""
+    if device.type != "cuda":
+        return INTERPRETED
+    if key in _TUNED:
+        return _TUNED[key]
+    if torch.cuda.is_current_stream_capturing():
+        return CONFIGS[2]
+    best = None
+    for config in CONFIGS if key[0] <= 128 else [c for c in CONFIGS if c[0] <= 64]:
+        launch(config)  # compile and warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            launch(config)
+        end.record()
+        end.synchronize()
+        if best is None or start.elapsed_time(end) < best[0]:
+            best = (start.elapsed_time(end), config)
+    _TUNED[key] = best[1]
+    return best[1]
+
+
+def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks, lengths, *,
+                     inv_freq=None, window: int | None = None):  # fmt: skip
     """Attention of one new token per sequence over the cache and itself.
 
     q [B, H, 1, D] post-RoPE (rotated, when keys are), in the cache dtype; k_new, v_new
-    [B, Hkv, 1, D] the new token's key (in the key domain) and value; lengths int32 [B] on the
-    device, tokens stored before the new one; longest = max(lengths) (host int, sizes the
-    splits); inv_freq float32 [D/2] when keys are stored pre-RoPE (RoPE at the position).
-    Returns out [B, H, 1, D] in q's dtype.
+    [B, Hkv, 1, D] the new token's key (in the key domain) and value; lengths int64 [B] on the
+    device, tokens stored before the new one; inv_freq float32 [D/2] when keys are stored
+    pre-RoPE (RoPE at the position); window: the layer's sliding window, None for global.
+    Returns out [B, H, 1, D] in q's dtype. Launches a fixed grid: nothing read on the host.
     """
     B, H, T, D = q.shape
     hkv = k_new.shape[1]
@@ -293,44 +365,103 @@ def decode_attention(
             f"decode_attention takes one query per sequence and even head_dim: {q.shape}"
         )
     G = H // hkv
-    # sm_90 register budget at 8 warps: no spills with 32 positions a step, 16 with RoPE
-    block_n = 16 if inv_freq is not None or D > 128 else 32
-    splits = _num_splits(q, longest, B * hkv, block_n)
-    chunk = max(block_n, triton.cdiv(triton.cdiv(max(longest, 1), splits), block_n) * block_n)
     q, k_new, v_new = (t.contiguous() for t in (q, k_new, v_new))
-    part = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
-    stats = torch.empty(B, H, splits, 2, device=q.device, dtype=torch.float32)
-    k_ptrs, k_rows, k_flags = _stream_args(keys, "K")
-    v_ptrs, v_rows, v_flags = _stream_args(values, "V")
+    positions = sinks.is_sink.shape[1]
+    k_ptrs, k_sizes, k_flags = _stream_args(keys, "K", D, positions)
+    v_ptrs, v_sizes, v_flags = _stream_args(values, "V", D, positions)
+    span = min(window or positions, positions)
     num_sinks = sinks.positions.shape[1]
-    # fmt: off
-    _decode_split_kernel[(B, hkv, splits)](
-        q, k_new, v_new,
-        sinks.keys, sinks.values, sinks.positions, sinks.is_sink.view(torch.uint8),
-        lengths, keys.n_body, values.n_body, inv_freq if inv_freq is not None else part,
-        part, stats,
-        *k_ptrs,
-        *v_ptrs,
-        hkv, sinks.is_sink.shape[1], k_rows, v_rows, keys.tail.shape[2], num_sinks, chunk, splits,
-        D**-0.5 * LOG2E,
-        G=G, D=D, NUM_SINKS=num_sinks, PRE_ROPE=inv_freq is not None,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **k_flags,
-        **v_flags,
-        BLOCK_G=max(16, triton.next_power_of_2(G)), BLOCK_H=max(16, triton.next_power_of_2(D // 2)),
-        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_N=block_n,
-        BLOCK_X=max(16, triton.next_power_of_2(num_sinks + 1)), num_warps=8,
-    )
-    # fmt: on
     out = torch.empty_like(q)
-    _combine_kernel[(B * H,)](
-        part,
-        stats,
-        out,
-        splits,
-        D=D,
-        BLOCK_S=triton.next_power_of_2(splits),
-        BLOCK_D=triton.next_power_of_2(D),
-        num_warps=4,
-    )
+
+    def launch(config):
+        block_n, warps, stages = config
+        splits = num_splits(q.device, B * hkv, span, block_n)
+        part = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
+        stats = torch.empty(B, H, splits, 2, device=q.device, dtype=torch.float32)
+        # fmt: off
+        _decode_split_kernel[(B, hkv, splits)](
+            q, k_new, v_new,
+            sinks.keys, sinks.values, sinks.positions, sinks.is_sink.view(torch.uint8),
+            lengths, keys.n_body, values.n_body, inv_freq if inv_freq is not None else part,
+            part, stats, *k_ptrs, *v_ptrs,
+            hkv, positions, num_sinks, splits, window or 0, D**-0.5 * LOG2E,
+            k_sizes[0], k_sizes[1], v_sizes[0], v_sizes[1], keys.tail.shape[2],
+            G=G, D=D, PRE_ROPE=inv_freq is not None,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            **k_flags, **v_flags,
+            BLOCK_G=tiles.next_pow2(G), BLOCK_C=max(16, tiles.next_pow2(D // 2)),
+            BLOCK_N=block_n, BLOCK_X=max(16, tiles.next_pow2(num_sinks + 1)), STAGES=stages,
+            num_warps=warps,
+        )
+        # fmt: on
+        _combine_kernel[(B * H,)](
+            part,
+            stats,
+            out,
+            splits,
+            D=D,
+            BLOCK_S=tiles.next_pow2(splits),
+            BLOCK_D=tiles.next_pow2(D),
+            num_warps=4,
+        )  # fmt: skip
+
+    key = (D, G, inv_freq is not None, q.dtype, tuple(k_flags.items()), tuple(v_flags.items()))
+    launch(_config(key, q.device, launch))
     return out
+
+
+def _entries(stored: Stored, lengths, is_sink, dtype):
+    """Every position a stream holds, scattered by position: (x [B, Hkv, P + 1, D] in dtype,
+    held bool [B, P + 1]) with P = is_sink.shape[1]; column P collects the empty slots."""
+    body, tail = stored.body, stored.tail
+    x_body = body.dequantize(dtype) if isinstance(body, PackedBody) else body.to(dtype)
+    n, nb, P = lengths[:, None], stored.n_body[:, None], is_sink.shape[1]
+    dev = tail.device
+
+    def held(slots):  # the newest position < n in each of `slots` ring slots: [B, slots]
+        s = torch.arange(slots, device=dev)
+        return n - 1 - torch.remainder(n - 1 - s, max(slots, 1))
+
+    p_body, p_tail = held(x_body.shape[2]), held(tail.shape[2])
+    pos = torch.cat([p_body, p_tail], 1)
+    ok = torch.cat([p_body < nb, p_tail >= nb], 1) & (pos >= 0)
+    ok &= ~is_sink.gather(1, pos.clamp(0, P - 1))  # a kept sink is read from its slot
+    x = torch.cat([x_body, tail.to(dtype)], 2)
+    where = torch.where(ok, pos, P)
+    out = x.new_zeros(*x.shape[:2], P + 1, x.shape[3])
+    out.scatter_(2, where[:, None, :, None].expand_as(x), x)
+    held_at = torch.zeros(len(n), P + 1, dtype=torch.bool, device=dev)
+    held_at.scatter_(1, where, True)
+    held_at[:, P] = False
+    return out, held_at
+
+
+def decode_attention_reference(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks,
+                               lengths, *, inv_freq=None, window=None, dtype=None):  # fmt: skip
+    """`decode_attention` in plain torch, the spec: every stored position dequantized and placed
+    by position, the sink slots and the new token appended, RoPE at each position (pre-RoPE
+    keys), masked to what the token sees (held, not a kept sink's body slot, inside the
+    window), then SDPA. Everything is computed in `dtype` (default q's; RoPE angles in at least
+    fp32): float64 gives the exact result of the stored bits. No host synchronization."""
+    dtype = dtype or q.dtype
+    B, _H, _, _D = q.shape
+    P = sinks.is_sink.shape[1]
+    k_body, k_held = _entries(keys, lengths, sinks.is_sink, dtype)
+    v_body, _ = _entries(values, lengths, sinks.is_sink, dtype)
+    n = lengths[:, None]
+    pos = torch.cat([torch.arange(P + 1, device=q.device).expand(B, P + 1), sinks.positions, n], 1)
+    k = torch.cat([k_body, sinks.keys.to(dtype), k_new.to(dtype)], 2)
+    v = torch.cat([v_body, sinks.values.to(dtype), v_new.to(dtype)], 2)
+    ok_sink = (sinks.positions >= 0) & (sinks.positions < n)
+    ok = torch.cat([k_held, ok_sink, torch.ones_like(n, dtype=torch.bool)], 1)
+    if window:
+        ok &= pos > n - window
+    if inv_freq is not None:
+        wide = torch.float64 if dtype == torch.float64 else torch.float32
+        angle = pos[..., None].to(wide) * inv_freq.to(wide)
+        angle = torch.cat([angle, angle], -1)[:, None]  # [B, 1, L, D]
+        kw = k.to(wide)
+        k = (kw * angle.cos() + rotate_half(kw) * angle.sin()).to(dtype)
+    return F.scaled_dot_product_attention(
+        q.to(dtype), k, v, attn_mask=ok[:, None, None, :], enable_gqa=True
+    )

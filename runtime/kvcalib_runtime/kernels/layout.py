@@ -28,8 +28,9 @@ def use_triton(device: torch.device | str) -> bool:
 
 @dataclass
 class PackedBody:
-    """The quantized body of one layer's keys or values: B sequences of N slots (slot t holds
-    position t), stored in `dtype` (the cache's dtype). A stored row is one token of one head
+    """The quantized body of one layer's keys or values: B sequences of N slots (slot t % N holds
+    position t: every position, or a ring for a sliding window), stored in `dtype` (the
+    cache's dtype). A stored row is one token of one head
     (heads = Hkv, width = D), or for "vector" granularity one token of every head joined
     (heads = 1, width = Hkv * D, quant.to_vector's layout).
 
@@ -144,33 +145,38 @@ class PackedBody:
             one(self.slot_delta),
         )
 
-    def dequantize(self, b: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """Slots [0, n) of sequence b in plain torch (the reference read): [Hkv, n, D]."""
-        spec = self.spec
-        codes = unpack(self.codes[b, :, :n], spec.bits, self.width)[None]
+    def dequantize(self, dtype: torch.dtype, b: int | None = None, n: int | None = None):
+        """Slots [0, n) (default all) of sequence b (default every sequence, without host
+        synchronization) in plain torch, the reference read: [B, Hkv, n, D] ([Hkv, n, D] for
+        one sequence), exact slots added."""
+        spec, rows = self.spec, slice(None) if b is None else slice(b, b + 1)
+        n = self.codes.shape[2] if n is None else n
+        codes = unpack(self.codes[rows, :, :n], spec.bits, self.width)
         if spec.granularity == "static":
             scale, offset = (
                 t[None, :, None, :] if t is not None else None for t in (self.scale, self.offset)
             )
         else:
-            rows = -(-n // spec.group_size) if spec.granularity == "channel" else n
+            groups = -(-n // spec.group_size) if spec.granularity == "channel" else n
             scale, offset = (
-                t[b, :, :rows, :, None][None] if t is not None else None
+                t[rows, :, :groups, :, None] if t is not None else None
                 for t in (self.scale, self.offset)
             )
         index = delta = None
         if self.slot_index is not None:
-            index, delta = self.slot_index[b, :, :n][None], self.slot_delta[b, :, :n][None]
+            index, delta = self.slot_index[rows, :, :n], self.slot_delta[rows, :, :n]
         q = QTensor(codes, scale, offset, index, delta, self.kv_heads if self.vector else None)
-        return dequantize(q, spec, codebook=self.levels, dtype=dtype)[0]
+        out = dequantize(q, spec, codebook=self.levels, dtype=dtype)
+        return out if b is None else out[0]
 
 
 class Stored(NamedTuple):
     """One layer's keys or values as the decode kernel reads them.
 
-    body     PackedBody, or dtype [B, Hkv, N, D] exact values (a tensor left in full precision)
+    body     PackedBody, or dtype [B, Hkv, N, D] exact values (a tensor left in full precision);
+             position t at slot t % N (N < every position: a sliding-window ring)
     tail     dtype [B, Hkv, R, D]  the residual ring: position t at slot t % R
-    n_body   int32 [B] on the device: positions [0, n_body) are read from the body, the
+    n_body   int64 [B] on the device: positions [0, n_body) are read from the body, the
              others (up to the sequence's length) from the tail
     """
 
@@ -184,8 +190,9 @@ class Sinks(NamedTuple):
 
     keys       dtype [B, Hkv, S, D]  exact keys, in the key domain (as the body stores them)
     values     dtype [B, Hkv, S, D]  exact values
-    positions  int32 [B, S] on the device: the position each slot holds, -1 while empty
-    is_sink    bool [B, N]: positions held in a sink slot (their body slots are not read)
+    positions  int64 [B, S] on the device: the position each slot holds, -1 while empty
+    is_sink    bool [B, P] (P: every position a sequence can reach): positions held in a sink
+               slot (their body slots are not read)
     """
 
     keys: torch.Tensor

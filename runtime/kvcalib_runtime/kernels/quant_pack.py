@@ -1,14 +1,21 @@
-"""Quantize a block of tokens and pack the codes into the body: the cache's flush.
+"""Quantize a block of tokens and pack it into the body: the cache's flush.
 
-Per group (channels of a token, tokens of a channel, or a calibrated channel range):
+Per group (channels of a row, tokens of a channel, or a calibrated channel range):
 
     scale, offset = range_metadata(lo, hi);  code = clamp(round((x - offset) / scale)),  packed
 
-the asymmetric case being KIVI's float-offset formula (Liu et al. 2024, arXiv:2402.02750).
-The kernel computes the reference's fp32 operations in the reference's order (metadata rounded
-to the storage dtype first, IEEE division, round half to even), so its codes and metadata are
-bit-identical to `quant_pack_reference` (quant.quantize + packing.pack), which is also the CPU
-fallback and the path for outliers.
+the asymmetric case being KIVI's float-offset formula (Liu et al. 2024, arXiv:2402.02750). With
+outliers (KVQuant's dense-and-sparse split, Hooper et al. 2024), dynamic ranges leave out k
+elements at each end and each row's K exact slots keep the elements of largest excess (quant's
+module docstring). The kernel computes the reference's fp32 operations in the reference's order
+(metadata rounded to the storage dtype first, IEEE division, round half to even, no FMA
+contraction), so codes, metadata and slots are bit-identical to `quant_pack_reference`
+(quant.quantize + packing.pack), which is also the CPU fallback.
+
+Two sources, one kernel: `quant_pack` takes dense blocks (a prefill); `flush` reads the residual
+ring and the new token in place (a decode step: no copy, no host synchronization, blocks whose
+sequence has nothing to flush return at once). Position p goes to body slot p % slots (a ring
+for sliding-window layers, slot p otherwise).
 """
 
 import torch
@@ -19,7 +26,8 @@ from kvcalib_runtime.kernels.layout import PackedBody
 from kvcalib_runtime.packing import pack
 from kvcalib_runtime.quant import QuantSpec, quantize
 
-GRANULARITY = {"token": 0, "channel": 1, "static": 2}  # the kernels' GRAN switch
+GRANULARITY = {"token": 0, "vector": 0, "channel": 1, "static": 2}  # the kernels' GRAN switch
+RULES = {"outside": 0, "error": 1}
 TOKEN, CHANNEL = tl.constexpr(0), tl.constexpr(1)
 ROUNDING = tl.constexpr(12582912.0)  # 1.5 * 2**23: fp32 (v + R) - R rounds v half to even
 
@@ -43,29 +51,57 @@ def _range_metadata(lo, hi, clip, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
     return scale.to(DTYPE).to(tl.float32), lo.to(DTYPE).to(tl.float32)
 
 
+@triton.jit
+def _trimmed(v, K: tl.constexpr, LARGEST: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The (K+1)-th smallest (largest) of v [BT, NG, BLOCK_G] along its last axis, as
+    torch.kthvalue: K instances of the current extreme removed first."""
+    j = tl.arange(0, BLOCK_G)[None, None, :]
+    gone = float("-inf") if LARGEST else float("inf")
+    for _ in tl.static_range(K):
+        m = tl.max(v, axis=2) if LARGEST else tl.min(v, axis=2)
+        first = tl.min(tl.where(v == m[:, :, None], j, BLOCK_G), axis=2)
+        v = tl.where(j == first[:, :, None], gone, v)
+    return tl.max(v, axis=2) if LARGEST else tl.min(v, axis=2)
+
+
+@triton.jit
+def _spread(g, BT: tl.constexpr, NG: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Per-group values g [BT, NG] repeated over their BLOCK_G channels: [BT, NG * BLOCK_G]."""
+    return tl.reshape(tl.broadcast_to(g[:, :, None], [BT, NG, BLOCK_G]), [BT, NG * BLOCK_G])
+
+
 # fmt: off
 @triton.jit
 def _quant_pack_kernel(
-    X, SEQ, START,                  # x [M, Hkv, n, D]; int [M] sequence and first slot per block
+    X, NEW, LENGTHS,                # dense x [M, Hkv, n, D]; or (RING) tail [B, Hkv, R, D],
+                                    # new [B, Hkv, D], lengths [B]
+    SEQ, START, END,                # int [M]: sequence, first position, (RING) end position
     CODES, SCALE, OFFSET,           # the body (PackedBody layout)
-    MIDS, EXCLUDE,                  # float32 [Hkv, L - 1] thresholds; uint8 [B, N] or None
-    n, num_heads, N, meta_rows, clip,
-    D: tl.constexpr, BITS: tl.constexpr, GRAN: tl.constexpr, GROUP: tl.constexpr,
-    SYMMETRIC: tl.constexpr, CODEBOOK: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+    LEVELS, MIDS, EXCLUDE,          # float32 [heads, L], [heads, L - 1]; uint8 [B, P] or None
+    LO, HI, SLOT_INDEX, SLOT_DELTA,  # float32 [Hkv, D] static range; slots [B, heads, S, K]
+    n, num_kv, num_slots, meta_rows, ring, exclude_stride, clip,
+    D: tl.constexpr, WIDTH: tl.constexpr, HEADS: tl.constexpr, VECTOR: tl.constexpr,
+    BITS: tl.constexpr, GRAN: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr,
+    CODEBOOK: tl.constexpr, K: tl.constexpr, TRIM: tl.constexpr, ERROR_RULE: tl.constexpr,
+    RING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     # fmt: on
-    """Block m of x [M, Hkv, n, D] into slots start[m] + t of sequence seq[m]:
-    codes[seq, h, slot] = pack(clamp(round((x - offset) / scale))), plus the metadata.
+    """Block m (n tokens from position start[m] of sequence seq[m]) into body slots
+    (start[m] + t) % num_slots: codes = pack(clamp(round((x - offset) / scale))), the metadata,
+    and the K exact slots of each row.
 
-    TOKEN / STATIC: program (row block, -, m) takes BLOCK_T rows r = h * n + t of block m;
+    TOKEN / STATIC: program (row block, -, m) takes BLOCK_T rows r = h * n + t of block m (h <
+    HEADS; a VECTOR row joins the Hkv heads of token t, channel j = head j // D, channel j % D);
     TOKEN groups BLOCK_G channels (GROUP real ones), STATIC reads SCALE/OFFSET [Hkv, D].
     CHANNEL: program (token group, h, m) takes the GROUP tokens of one group
-    (start[m] % GROUP == 0); EXCLUDE [B, N] slots and padding stay out of its ranges, as in
-    quant.quantize.
+    (start[m] % GROUP == 0); EXCLUDE slots and padding stay out of its ranges, as in
+    quant.quantize. RING: x at position p is tail[seq, h, p % ring] below lengths[seq], else
+    new[seq, h]; a block with start >= end has nothing to flush.
     """
     pid, m = tl.program_id(0), tl.program_id(2)
     seq, start = tl.load(SEQ + m).to(tl.int64), tl.load(START + m).to(tl.int64)
+    if RING and start >= tl.load(END + m):
+        return
     i = tl.arange(0, BLOCK_T)
     if GRAN == CHANNEL:
         h = tl.program_id(1) + i * 0
@@ -74,40 +110,56 @@ def _quant_pack_kernel(
     else:
         r = pid * BLOCK_T + i
         h, t = r // n, r % n
-        rows = r < num_heads * n
-    c = tl.arange(0, BLOCK_D)
-    cols = c < D
+        rows = r < HEADS * n
+    c = tl.arange(0, BLOCK_W)
+    cols = c < WIDTH
     mask = rows[:, None] & cols[None, :]
-    src = X + ((m * num_heads + h).to(tl.int64) * n + t)[:, None] * D + c[None, :]
-    x = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    slot = start + t  # [BLOCK_T] absolute positions
-    body_row = (seq * num_heads + h) * N + slot
+    if VECTOR:  # source head and channel of row channel c
+        src_h, src_c = (c // D)[None, :], (c % D)[None, :]
+    else:
+        src_h, src_c = h[:, None], c[None, :]
+    pos = start + t  # [BLOCK_T] absolute positions
+    if RING:
+        length = tl.load(LENGTHS + seq)
+        old = (pos < length)[:, None]
+        line = (seq * num_kv + src_h).to(tl.int64)
+        x = tl.load(X + (line * ring + (pos % ring)[:, None]) * D + src_c, mask=mask & old,
+                    other=0.0)
+        x += tl.load(NEW + line * D + src_c, mask=mask & ~old, other=0.0)
+        x = x.to(tl.float32)
+    else:
+        src = ((m * num_kv + src_h).to(tl.int64) * n + t[:, None]) * D + src_c
+        x = tl.load(X + src, mask=mask, other=0.0).to(tl.float32)
+    body_row = (seq * HEADS + h) * num_slots + pos % num_slots  # [BLOCK_T]
     DTYPE: tl.constexpr = SCALE.dtype.element_ty
     if GRAN == TOKEN:
-        NG: tl.constexpr = BLOCK_D // BLOCK_G
-        lo = tl.min(tl.reshape(tl.where(mask, x, float("inf")), [BLOCK_T, NG, BLOCK_G]), axis=2)
-        hi = tl.max(tl.reshape(tl.where(mask, x, float("-inf")), [BLOCK_T, NG, BLOCK_G]), axis=2)
-        scale, offset = _range_metadata(lo, hi, clip, BITS, SYMMETRIC, CODEBOOK, DTYPE)
+        NG: tl.constexpr = BLOCK_W // BLOCK_G
+        lo = tl.reshape(tl.where(mask, x, float("inf")), [BLOCK_T, NG, BLOCK_G])
+        hi = tl.reshape(tl.where(mask, x, float("-inf")), [BLOCK_T, NG, BLOCK_G])
+        lo, hi = _trimmed(lo, TRIM, False, BLOCK_G), _trimmed(hi, TRIM, True, BLOCK_G)
         gi = tl.arange(0, NG)
-        meta = body_row[:, None] * (D // GROUP) + gi[None, :]
-        meta_mask = rows[:, None] & (gi < D // GROUP)[None, :]
+        meta_mask = rows[:, None] & (gi < WIDTH // GROUP)[None, :]
+        lo = tl.where(meta_mask, lo, 0.0)  # padding rows and groups: finite, never stored
+        hi = tl.where(meta_mask, hi, 0.0)
+        scale, offset = _range_metadata(lo, hi, clip, BITS, SYMMETRIC, CODEBOOK, DTYPE)
+        meta = body_row[:, None] * (WIDTH // GROUP) + gi[None, :]
         tl.store(SCALE + meta, scale.to(DTYPE), mask=meta_mask)
-        scale = tl.reshape(tl.broadcast_to(scale[:, :, None], [BLOCK_T, NG, BLOCK_G]), x.shape)
+        scale = _spread(scale, BLOCK_T, NG, BLOCK_G)
         if not SYMMETRIC:
             tl.store(OFFSET + meta, offset.to(DTYPE), mask=meta_mask)
-            offset = tl.reshape(
-                tl.broadcast_to(offset[:, :, None], [BLOCK_T, NG, BLOCK_G]), x.shape
-            )
+            offset = _spread(offset, BLOCK_T, NG, BLOCK_G)
+        lo, hi = _spread(lo, BLOCK_T, NG, BLOCK_G), _spread(hi, BLOCK_T, NG, BLOCK_G)
     elif GRAN == CHANNEL:
         keep = rows
         if EXCLUDE is not None:
-            keep = keep & (tl.load(EXCLUDE + seq * N + slot, mask=rows, other=1) == 0)
+            keep = keep & (tl.load(EXCLUDE + seq * exclude_stride + pos, mask=rows, other=1) == 0)
         kept = keep[:, None] & cols[None, :]  # ranges over kept tokens only
         any_kept = tl.sum(keep.to(tl.int32), axis=0) > 0
         lo = tl.where(any_kept, tl.min(tl.where(kept, x, float("inf")), axis=0), 0.0)
         hi = tl.where(any_kept, tl.max(tl.where(kept, x, float("-inf")), axis=0), 0.0)
         scale, offset = _range_metadata(lo, hi, clip, BITS, SYMMETRIC, CODEBOOK, DTYPE)
-        meta = ((seq * num_heads + tl.program_id(1)) * meta_rows + start // GROUP + pid) * D + c
+        group = (start // GROUP + pid) % meta_rows
+        meta = ((seq * num_kv + tl.program_id(1)) * meta_rows + group) * D + c
         tl.store(SCALE + meta, scale.to(DTYPE), mask=cols)
         scale = scale[None, :]
         if not SYMMETRIC:
@@ -118,116 +170,201 @@ def _quant_pack_kernel(
         scale = tl.load(SCALE + meta, mask=mask, other=1.0).to(tl.float32)
         if not SYMMETRIC:
             offset = tl.load(OFFSET + meta, mask=mask, other=0.0).to(tl.float32)
+        if K > 0 and not ERROR_RULE:
+            lo = tl.load(LO + meta, mask=mask, other=0.0)
+            hi = tl.load(HI + meta, mask=mask, other=0.0)
     v = x if SYMMETRIC else x - offset
     v = tl.math.div_rn(v, tl.where(scale > 0, scale, 1.0))
-    LEVELS: tl.constexpr = 2**BITS
+    LEVELS_N: tl.constexpr = 2**BITS
+    head = h if not VECTOR else h * 0
     if CODEBOOK:
         code = tl.zeros(x.shape, tl.int32)
-        for j in tl.static_range(LEVELS - 1):
-            mid = tl.load(MIDS + h * (LEVELS - 1) + j, mask=rows, other=0.0)
+        for j in tl.static_range(LEVELS_N - 1):
+            mid = tl.load(MIDS + head * (LEVELS_N - 1) + j, mask=rows, other=0.0)
             code += (v > mid[:, None]).to(tl.int32)
     else:  # clamp, then round half to even: fp32 (v + 1.5 * 2**23) - 1.5 * 2**23
-        QMAX: tl.constexpr = 2 ** (BITS - 1) - 1 if SYMMETRIC else LEVELS - 1
+        QMAX: tl.constexpr = 2 ** (BITS - 1) - 1 if SYMMETRIC else LEVELS_N - 1
         low: tl.constexpr = -QMAX if SYMMETRIC else 0
         v = tl.minimum(tl.maximum(v, low), QMAX)
         code = ((v + ROUNDING) - ROUNDING).to(tl.int32) + (QMAX if SYMMETRIC else 0)
     code = tl.where(mask, code, 0)
-    PB: tl.constexpr = (D * BITS + 7) // 8
+    if K > 0:  # quant._base, then the K largest excesses of each row, lower channel on ties
+        if CODEBOOK:
+            level = tl.load(LEVELS + head[:, None] * LEVELS_N + code, mask=mask, other=0.0)
+        elif SYMMETRIC:
+            level = (code - (2 ** (BITS - 1) - 1)).to(tl.float32)
+        else:
+            level = code.to(tl.float32)
+        base = level * scale
+        if not SYMMETRIC:
+            base = base + offset
+        error = x - base
+        excess = tl.abs(error) if ERROR_RULE else tl.abs(x - tl.minimum(tl.maximum(x, lo), hi))
+        excess = tl.where(mask, excess, -1.0)
+        slot = body_row * K
+        for k in tl.static_range(K):
+            top = tl.max(excess, axis=1)
+            index = tl.min(tl.where(excess == top[:, None], c[None, :], BLOCK_W), axis=1)
+            hit = c[None, :] == index[:, None]
+            delta = tl.sum(tl.where(hit, error, 0.0), axis=1)
+            used = top > 0
+            tl.store(SLOT_INDEX + slot + k, tl.where(used, index, 0), mask=rows)
+            tl.store(SLOT_DELTA + slot + k, tl.where(used, delta, 0.0).to(DTYPE), mask=rows)
+            excess = tl.where(hit, -1.0, excess)
+    PB: tl.constexpr = (WIDTH * BITS + 7) // 8
     dst = CODES + body_row[:, None] * PB
     if 8 % BITS == 0:  # whole codes per byte: one contiguous row of bytes
         PER_BYTE: tl.constexpr = 8 // BITS
         shift = tl.arange(0, PER_BYTE) * BITS
-        grouped = tl.reshape(code, [BLOCK_T, BLOCK_D // PER_BYTE, PER_BYTE])
+        grouped = tl.reshape(code, [BLOCK_T, BLOCK_W // PER_BYTE, PER_BYTE])
         packed = tl.sum(grouped << shift[None, None, :], axis=2)
-        j = tl.arange(0, BLOCK_D // PER_BYTE)
+        j = tl.arange(0, BLOCK_W // PER_BYTE)
         tl.store(dst + j[None, :], packed.to(tl.uint8), mask=rows[:, None] & (j < PB)[None, :])
-    else:  # 3 bits: 8 codes make a 24-bit word, stored as 3 bytes
+    else:  # 3, 5, 6 or 7 bits: 8 codes make a word of BITS bytes
         shift = tl.arange(0, 8) * BITS
-        words = tl.sum(tl.reshape(code, [BLOCK_T, BLOCK_D // 8, 8]) << shift[None, None, :], axis=2)
-        w = tl.arange(0, BLOCK_D // 8)
+        wide = tl.reshape(code, [BLOCK_T, BLOCK_W // 8, 8])
+        if BITS > 3:
+            wide = wide.to(tl.int64)
+        words = tl.sum(wide << shift[None, None, :], axis=2)
+        w = tl.arange(0, BLOCK_W // 8)
         for r in tl.static_range(BITS):
             byte = w * BITS + r
             out = ((words >> (8 * r)) & 0xFF).to(tl.uint8)
             tl.store(dst + byte[None, :], out, mask=rows[:, None] & (byte < PB)[None, :])
 
 
-def supports(spec: QuantSpec, head_dim: int) -> bool:
-    """Whether `quant_pack` handles spec at this head dim: no outliers, rows of one head, and
-    token groups of a power-of-two number of channels or the whole head."""
-    if spec.outliers > 0 or spec.granularity == "vector":
-        return False
-    g = spec.channel_group(head_dim) if spec.granularity == "token" else 1
-    return g == head_dim or g & (g - 1) == 0
+def supports(spec: QuantSpec, head_dim: int, kv_heads: int) -> bool:
+    """Whether the kernel handles spec: row groups ("token", "vector") of a power-of-two number
+    of channels or the whole row; everything else (every granularity, codebook, bit width and
+    outlier rule) it does."""
+    if spec.granularity not in ("token", "vector"):
+        return True
+    width = spec.vector_size(head_dim, kv_heads)
+    g = spec.channel_group(width)
+    return g == width or g & (g - 1) == 0
 
 
-def quant_pack(x, body: PackedBody, seq, start, exclude=None) -> None:
-    """Quantize x [M, Hkv, n, D] and write block m to slots [start[m], start[m] + n) of sequence
-    seq[m] of `body` (codes and, for "token"/"channel", scale and offset).
-
-    seq, start: integer tensors [M] on x's device; for "channel", start % group_size == 0 and
-    n % group_size == 0 (the cache flushes whole groups). exclude: bool [B, N] on x's device,
-    slots left out of "channel" ranges (kept sinks); they still get codes.
-    """
-    spec = body.spec
-    m, hkv, n, d = x.shape
-    _, _, slots, _ = body.codes.shape
-    if not supports(spec, d):
+def _launch(x, new, lengths, body: PackedBody, seq, start, end, n, exclude) -> None:
+    spec, d, hkv = body.spec, body.head_dim, body.kv_heads
+    if not supports(spec, d, hkv):
         raise ValueError(f"quant_pack does not handle {spec} at head_dim {d}: use the reference")
-    if spec.granularity == "channel" and n % spec.group_size:
-        raise ValueError(
-            f"a 'channel' block of {n} tokens is not whole groups of {spec.group_size}"
-        )
-    if m == 0 or n == 0:
-        return
-    x = x.contiguous()
-    block_d = triton.next_power_of_2(d)
-    group = spec.channel_group(d) if spec.granularity == "token" else spec.group_size
+    width = body.width
+    heads = 1 if body.vector else hkv
+    m, slots = len(seq), body.codes.shape[2]
+    block_w = max(16, triton.next_power_of_2(width))
+    group = spec.channel_group(width) if spec.granularity in ("token", "vector") else 0
     if spec.granularity == "channel":
+        group = spec.group_size
         block_t = triton.next_power_of_2(group)
         grid = (n // group, hkv, m)
     else:
-        block_t = min(triton.next_power_of_2(hkv * n), max(1, 4096 // block_d))
-        grid = (triton.cdiv(hkv * n, block_t), 1, m)
-    offset = body.offset if body.offset is not None else body.scale
-    mids = body.mids if body.mids is not None else body.scale
-    if exclude is not None:
-        exclude = exclude.view(torch.uint8)
+        block_t = min(triton.next_power_of_2(heads * n), max(1, 4096 // block_w))
+        grid = (triton.cdiv(heads * n, block_t), 1, m)
+    ring = new is not None
+    dummy = body.scale
+    trim = spec.outliers_per_side(group) if spec.granularity in ("token", "vector") else 0
+    lo, hi = body.static_range or (dummy, dummy)
     # fmt: off
     _quant_pack_kernel[grid](
-        x, seq, start,
-        body.codes, body.scale, offset,
-        mids, exclude if spec.granularity == "channel" else None,
-        n, hkv, slots, body.scale.shape[2] if spec.granularity == "channel" else 0, spec.clip,
-        D=d, BITS=spec.bits, GRAN=GRANULARITY[spec.granularity], GROUP=group,
-        SYMMETRIC=spec.symmetric, CODEBOOK=spec.codebook,
-        BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_G=block_d if group == d else group,
+        x, new if ring else dummy, lengths if ring else dummy,
+        seq, start, end if ring else seq,
+        body.codes, body.scale, body.offset if body.offset is not None else dummy,
+        *(t if t is not None else dummy for t in (body.levels, body.mids)),
+        exclude.view(torch.uint8) if spec.granularity == "channel" and exclude is not None
+        else None,
+        lo, hi, *(t if t is not None else dummy for t in (body.slot_index, body.slot_delta)),
+        n, hkv, slots, body.scale.shape[2] if spec.granularity == "channel" else 1,
+        x.shape[2] if ring else 1, exclude.shape[1] if exclude is not None else 0, spec.clip,
+        D=d, WIDTH=width, HEADS=heads, VECTOR=body.vector, BITS=spec.bits,
+        GRAN=GRANULARITY[spec.granularity], GROUP=max(group, 1), SYMMETRIC=spec.symmetric,
+        CODEBOOK=spec.codebook, K=spec.slots(width), TRIM=trim,
+        ERROR_RULE=spec.slot_rule == "error", RING=ring,
+        BLOCK_T=block_t, BLOCK_W=block_w,
+        BLOCK_G=block_w if group in (0, width) else group,
         num_warps=4, enable_fp_fusion=False,  # no FMA contraction: the reference rounds twice
     )
     # fmt: on
 
 
-def quant_pack_reference(x, body: PackedBody, seq, start, exclude=None) -> None:
-    """`quant_pack` in plain torch (quant.quantize + packing.pack), block by block; also the
-    layouts the kernel does not take ("vector" rows, outlier slots)."""
-    spec = body.spec
-    n = x.shape[2]
+def quant_pack(x, body: PackedBody, seq, start, exclude=None) -> None:
+    """Quantize x [M, Hkv, n, D] and write block m to positions [start[m], start[m] + n) of
+    sequence seq[m] of `body` (codes; scale and offset for "token"/"vector"/"channel"; slots).
+
+    seq, start: integer tensors [M] on x's device, no two blocks writing the same slot; for
+    "channel", start % group_size == 0 and n % group_size == 0 (the cache flushes whole groups).
+    exclude: bool [B, P] on x's device (P >= every position), positions left out of "channel"
+    ranges (kept sinks); they still get codes.
+    """
+    m, _, n, _ = x.shape
+    _check_groups(body.spec, n)
+    if m and n and body.codes.shape[2]:
+        _launch(x.contiguous(), None, None, body, seq, start, None, n, exclude)
+
+
+def flush(tail, new, lengths, body: PackedBody, start, end, n: int, exclude=None) -> None:
+    """One decode step's flush, for every sequence b at once: positions [start[b], start[b] +
+    n) into the body where start[b] < end[b] (nothing otherwise), read from the residual ring
+    tail [B, Hkv, R, D] (slot p % R) below lengths[b] and from new [B, Hkv, D] (the token at
+    position lengths[b]) otherwise. start, end, lengths: int64 [B] on the device."""
+    _check_groups(body.spec, n)
+    seq = torch.arange(len(start), device=start.device)
+    if body.codes.shape[2]:
+        _launch(tail, new.contiguous(), lengths, body, seq, start, end, n, exclude)
+
+
+def _check_groups(spec: QuantSpec, n: int) -> None:
+    if spec.granularity == "channel" and n % spec.group_size:
+        raise ValueError(
+            f"a 'channel' block of {n} tokens is not whole groups of {spec.group_size}"
+        )
+
+
+def quant_pack_reference(x, body: PackedBody, seq, start, exclude=None, active=None) -> None:
+    """`quant_pack` in plain torch (quant.quantize + packing.pack), every block at once and
+    without host synchronization; `active` bool [M] (default all) says which blocks write."""
+    spec, slots = body.spec, body.codes.shape[2]
+    m, _, n, _ = x.shape
+    _check_groups(spec, n)
+    if not (m and n and slots):
+        return
     kwargs = {"codebook": body.levels}
     if body.static_range is not None:
         kwargs["static_range"] = tuple(r[:, None, :] for r in body.static_range)
-    for xm, b, s in zip(x, seq.tolist(), start.tolist(), strict=True):
-        if exclude is not None:
-            kwargs["exclude"] = exclude[b, s : s + n][None]
-        q = quantize(xm, spec, **kwargs)  # xm [Hkv, n, D]; rows [heads, n, width]
-        body.codes[b, :, s : s + n] = pack(q.codes, spec.bits)
-        if spec.granularity in ("token", "vector"):
-            body.scale[b, :, s : s + n] = q.scale[..., 0]
-            if body.offset is not None:
-                body.offset[b, :, s : s + n] = q.offset[..., 0]
-        elif spec.granularity == "channel":
-            g0, g1 = s // spec.group_size, (s + n) // spec.group_size
-            body.scale[b, :, g0:g1] = q.scale[..., 0]
-            if body.offset is not None:
-                body.offset[b, :, g0:g1] = q.offset[..., 0]
-        if body.slot_index is not None:
-            body.slot_index[b, :, s : s + n] = q.slot_index
-            body.slot_delta[b, :, s : s + n] = q.slot_delta
+    pos = start[:, None] + torch.arange(n, device=x.device)  # [M, n]
+    if exclude is not None and spec.granularity == "channel":
+        kwargs["exclude"] = exclude[seq[:, None], pos.clamp(max=exclude.shape[1] - 1)][:, None]
+    q = quantize(x, spec, **kwargs)  # rows [M, heads, n, width]
+    rows = seq[:, None]
+
+    def put(buffer, value, index):  # buffer[seq, :, index] = value [M, heads, k, ...]
+        value = value.transpose(1, 2)
+        if active is not None:
+            value = torch.where(active.view(-1, *[1] * (value.dim() - 1)), value,
+                                buffer[rows, :, index])  # fmt: skip
+        buffer[rows, :, index] = value
+
+    put(body.codes, pack(q.codes, spec.bits), pos % slots)
+    if spec.granularity in ("token", "vector"):
+        put(body.scale, q.scale[..., 0], pos % slots)
+        if body.offset is not None:
+            put(body.offset, q.offset[..., 0], pos % slots)
+    elif spec.granularity == "channel":
+        g = spec.group_size
+        groups = (start[:, None] // g + torch.arange(n // g, device=x.device)) % body.scale.shape[2]
+        put(body.scale, q.scale[..., 0], groups)
+        if body.offset is not None:
+            put(body.offset, q.offset[..., 0], groups)
+    if body.slot_index is not None:
+        put(body.slot_index, q.slot_index, pos % slots)
+        put(body.slot_delta, q.slot_delta, pos % slots)
+
+
+def flush_reference(tail, new, lengths, body: PackedBody, start, end, n: int, exclude=None):
+    """`flush` in plain torch: the ring and the new token gathered, then quant_pack_reference."""
+    if not body.codes.shape[2]:
+        return
+    seq = torch.arange(len(start), device=start.device)
+    pos = start[:, None] + torch.arange(n, device=start.device)  # [B, n]
+    old = tail[seq[:, None], :, pos % tail.shape[2]]  # [B, n, Hkv, D]
+    x = torch.where((pos < lengths[:, None])[..., None, None], old, new[:, None])
+    quant_pack_reference(x.transpose(1, 2), body, seq, start, exclude, active=start < end)

@@ -1,0 +1,86 @@
+"""`make gpu-check`: everything only a GPU can confirm, in one run of under 8 minutes.
+
+    python benchmarks/gpu_check.py
+
+1. the `gpu`-marked tests (tests/runtime and tests/toolkit): the kernels at fp16/bf16 against
+   their references at real sizes, bit-exact packing on the GPU, a decode step under
+   torch.cuda.set_sync_debug_mode("error"), generation replayed from a CUDA graph, the CUDA
+   allocator against the cache's walked bytes; at most TEST_SECONDS
+2. benchmarks/bench_decode.py at 4K and 32K contexts, batch 1 and 16, every shape, key
+   position and dtype, with the end-to-end rows; at most BENCH_SECONDS (rows print as they
+   finish, so a run cut short still reports what it measured)
+
+It appends one section to benchmarks/RESULTS.md: device, versions, the test summary and the
+benchmark's tables. Without a CUDA device it says so and exits 2.
+"""
+
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+TEST_SECONDS, BENCH_SECONDS = 150, 300
+
+
+def _run(command: list[str], seconds: int) -> tuple[str, str]:
+    """(output, status) of command, cut off after `seconds`."""
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=seconds)
+        return done.stdout + done.stderr, f"exit {done.returncode}"
+    except subprocess.TimeoutExpired as cut:
+        out = (cut.stdout or b"").decode() + (cut.stderr or b"").decode()
+        return out, f"cut off after {seconds} s"
+
+
+def main() -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA device on this machine; nothing to check", file=sys.stderr)
+        return 2
+    import triton
+
+    start = time.monotonic()
+    tests, test_status = _run(
+        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+         "tests/runtime", "tests/toolkit"], TEST_SECONDS,
+    )  # fmt: skip
+    summary = [line for line in tests.splitlines() if line.strip()][-15:]
+    print("\n".join(summary))
+    bench, bench_status = _run(
+        [sys.executable, "benchmarks/bench_decode.py", "--contexts", "4096", "32768",
+         "--batches", "1", "16", "--no-save"], BENCH_SECONDS,
+    )  # fmt: skip
+    print(bench)
+    tables = bench[bench.find("## Decode") :] if "## Decode" in bench else bench
+    if "## Decode" not in bench:  # cut off: keep the rows it printed
+        tables = "\n".join(line for line in bench.splitlines() if line.startswith("|"))
+    props = torch.cuda.get_device_properties(0)
+    section = [
+        f"## gpu-check, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
+        "",
+        f"{props.name}, {props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs; "
+        f"torch {torch.__version__}, triton {triton.__version__}; "
+        f"{time.monotonic() - start:.0f} s in all",
+        "",
+        f"gpu-marked tests ({test_status}):",
+        "",
+        "```",
+        *summary,
+        "```",
+        "",
+        f"bench_decode.py --contexts 4096 32768 --batches 1 16 ({bench_status}):",
+        "",
+        tables,
+    ]
+    with RESULTS.open("a") as f:
+        f.write("\n" + "\n".join(section) + "\n")
+    print(f"appended to {RESULTS}")
+    return 0 if test_status == bench_status == "exit 0" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

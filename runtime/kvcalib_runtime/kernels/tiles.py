@@ -1,0 +1,258 @@
+"""How the decode kernel reads a tile of keys or values: [BN positions, one half of a head's
+channels], in fp32 registers, from what the cache stores (kernels.layout).
+
+    packed codes   read whole: 32-bit words (2/4/8 bits, when a half row is whole words) or
+                   bytes, split into codes by shifts in registers; 3/5/6-bit codes as words of
+                   8 codes (BITS bytes)
+    level          code itself, or a calibrated codebook entry (L scalars, read once per tile)
+    x              level * scale + offset, the metadata read once per group: per channel
+                   ("static", read once per program by the caller), per group of channels of a
+                   row ("token", "vector"), per group of tokens ("channel": one row per
+                   GROUP positions, broadcast)
+    exact slots    x_hat = base + delta at channel index: for values added into the tile, for
+                   keys added to the scores (`slot_scores`), rotated with their RoPE pair
+
+A head is read as two halves (channels [0, D/2) and [D/2, D)) because RoPE pairs channel c
+with c + D/2: keys stored before RoPE are rotated in registers, R(p0 + j) = R(p0) R(j) with
+R(j) built once per program and R(p0) once per tile.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+TOKEN, CHANNEL, STATIC, EXACT = (tl.constexpr(g) for g in range(4))
+INV_TWO_PI = tl.constexpr(0.5 / math.pi)
+TWO_PI_HI = tl.constexpr(float(torch.tensor(2 * math.pi, dtype=torch.float32)))  # + LO = 2 pi
+TWO_PI_LO = tl.constexpr(float(torch.tensor(2 * math.pi - TWO_PI_HI.value, dtype=torch.float32)))
+ROUNDING = tl.constexpr(12582912.0)  # 1.5 * 2**23: fp32 (v + R) - R rounds v half to even
+
+
+@triton.jit
+def trig(angle):
+    """(cos, sin) of fp32 angles, reduced to [-pi, pi] first (Cody-Waite)."""
+    turns = (angle * INV_TWO_PI + ROUNDING) - ROUNDING
+    angle = tl.fma(-turns, TWO_PI_LO, tl.fma(-turns, TWO_PI_HI, angle))
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def rotate(lo, hi, cos, sin):
+    """RoPE of channel pairs (lo, hi): rope(x) = x cos + rotate_half(x) sin."""
+    return lo * cos - hi * sin, hi * cos + lo * sin
+
+
+# fmt: off
+@triton.jit
+def codes(CODES, row, c0, live, BN: tl.constexpr, BLOCK_C: tl.constexpr, C: tl.constexpr,
+          BITS: tl.constexpr, UNIT: tl.constexpr, ROW: tl.constexpr):
+    # fmt: on
+    """int32 codes [BN, BLOCK_C] of channels c0 + [0, C) of body rows `row` [BN] (int64; where
+    `live`). CODES holds rows of ROW units: int32 words (UNIT 32) or bytes (UNIT 8)."""
+    if 8 % BITS == 0:
+        PER: tl.constexpr = UNIT // BITS
+        u = tl.arange(0, BLOCK_C // PER)
+        ptr = CODES + row[:, None] * ROW + (c0 * BITS // UNIT + u)[None, :]
+        word = tl.load(ptr, mask=live[:, None] & (u < C // PER)[None, :], other=0).to(tl.int32)
+    else:  # 8 codes in BITS bytes, little-endian
+        PER: tl.constexpr = 8
+        u = tl.arange(0, BLOCK_C // 8)
+        ptr = CODES + row[:, None] * ROW + (c0 * BITS // 8 + u * BITS)[None, :]
+        mask = live[:, None] & (u < C // 8)[None, :]
+        WIDE: tl.constexpr = tl.int64 if BITS > 3 else tl.int32
+        word = tl.zeros([BN, BLOCK_C // 8], WIDE)
+        for r in tl.static_range(BITS):
+            word |= tl.load(ptr + r, mask=mask, other=0).to(WIDE) << (8 * r)
+    shift = tl.arange(0, PER) * BITS
+    split = (word[:, :, None] >> shift[None, None, :]) & (2**BITS - 1)
+    return tl.reshape(split, [BN, BLOCK_C]).to(tl.int32)
+
+
+@triton.jit
+def level(code, LEVELS, BITS: tl.constexpr, CODEBOOK: tl.constexpr):
+    """fp32 level of each code: the codebook row at LEVELS (L scalars), or the code itself
+    (a symmetric grid's -(2^(b-1) - 1) is folded into the offset by the caller). A 2-bit
+    codebook is the cubic through its 4 levels (Horner: 3 FMAs, exact to fp32 rounding); wider
+    ones a chain of selects."""
+    if CODEBOOK and BITS == 2:
+        l0, l1 = tl.load(LEVELS), tl.load(LEVELS + 1)
+        l2, l3 = tl.load(LEVELS + 2), tl.load(LEVELS + 3)
+        d1, d2, d3 = l1 - l0, l2 - 2 * l1 + l0, l3 - 3 * l2 + 3 * l1 - l0  # Newton differences
+        c = code.to(tl.float32)
+        out = l0 + c * ((d1 - d2 / 2 + d3 / 3) + c * ((d2 - d3) / 2 + c * (d3 / 6)))
+    elif CODEBOOK:
+        out = tl.zeros(code.shape, tl.float32) + tl.load(LEVELS)
+        for j in tl.static_range(1, 2**BITS):
+            out = tl.where(code == j, tl.load(LEVELS + j), out)
+    else:
+        out = code.to(tl.float32)
+    return out
+
+
+@triton.jit
+def spread(meta, ROWS: tl.constexpr, REPEAT: tl.constexpr, COLS: tl.constexpr):
+    """Each entry of meta [ROWS, COLS] repeated REPEAT times along the columns:
+    [ROWS, COLS * REPEAT]."""
+    return tl.reshape(tl.broadcast_to(meta[:, :, None], [ROWS, COLS, REPEAT]),
+                      [ROWS, COLS * REPEAT])  # fmt: skip
+
+
+# fmt: off
+@triton.jit
+def half(CODES, SCALE, OFFSET, LEVELS, line, slot, pos0, live, c0, s_static, o_static,
+         num_slots, meta_rows, BN: tl.constexpr, BLOCK_C: tl.constexpr, C: tl.constexpr,
+         WIDTH: tl.constexpr, BITS: tl.constexpr, GRAN: tl.constexpr, GROUP: tl.constexpr,
+         SYMMETRIC: tl.constexpr, CODEBOOK: tl.constexpr, UNIT: tl.constexpr,
+         ROW: tl.constexpr):
+    # fmt: on
+    """One half of a head from the body, fp32 [BN, BLOCK_C]: channels c0 + [0, C) of the
+    WIDTH-channel rows `slot` [BN] of (sequence, head) line `line` (int64), where `live`.
+
+    STATIC: s_static, o_static [BLOCK_C] (offset with the symmetric shift folded in) from the
+    caller. CHANNEL: the tile's positions are pos0 + [0, BN), pos0 a multiple of BN. EXACT:
+    CODES holds the values.
+    """
+    ch = tl.arange(0, BLOCK_C)
+    row = line * num_slots + slot
+    SHIFT: tl.constexpr = 2 ** (BITS - 1) - 1 if SYMMETRIC and not CODEBOOK else 0
+    if GRAN == EXACT:
+        x = tl.load(CODES + row[:, None] * WIDTH + (c0 + ch)[None, :],
+                    mask=live[:, None] & (ch < C)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    else:
+        lv = level(codes(CODES, row, c0, live, BN, BLOCK_C, C, BITS, UNIT, ROW), LEVELS, BITS,
+                   CODEBOOK)  # fmt: skip
+        if GRAN == STATIC:
+            x = lv * s_static[None, :] + o_static[None, :]
+        elif GRAN == TOKEN:  # per row: the half in one group, C / GROUP whole groups, or any
+            ONE: tl.constexpr = GROUP % C == 0
+            WHOLE: tl.constexpr = C % GROUP == 0 and GROUP & (GROUP - 1) == 0
+            NG: tl.constexpr = 1 if ONE else (BLOCK_C // GROUP if WHOLE else BLOCK_C)
+            gi = tl.arange(0, NG)
+            if ONE or WHOLE:
+                index = (c0 // GROUP + gi)[None, :]
+                mask = live[:, None] & (gi < (C + GROUP - 1) // GROUP)[None, :]
+            else:  # groups straddle the halves: one metadata load per element (L1 hits)
+                index = ((c0 + gi) // GROUP)[None, :]
+                mask = live[:, None] & (gi < C)[None, :]
+            meta = row[:, None] * (WIDTH // GROUP) + index
+            scale = tl.load(SCALE + meta, mask=mask, other=0.0).to(tl.float32)
+            offset = -SHIFT * scale
+            if not SYMMETRIC:
+                offset += tl.load(OFFSET + meta, mask=mask, other=0.0).to(tl.float32)
+            if WHOLE and NG > 1:
+                scale = spread(scale, BN, GROUP, NG)
+                offset = spread(offset, BN, GROUP, NG)
+            x = lv * scale + offset
+        else:  # CHANNEL: one metadata row per GROUP positions (broadcast when GROUP >= BN)
+            NGB: tl.constexpr = BN // GROUP if GROUP < BN else 1
+            group = (pos0 // GROUP + tl.arange(0, NGB)) % meta_rows
+            meta = (line * meta_rows + group)[:, None] * WIDTH + (c0 + ch)[None, :]
+            scale = tl.load(SCALE + meta, mask=(ch < C)[None, :], other=0.0).to(tl.float32)
+            offset = -SHIFT * scale
+            if not SYMMETRIC:
+                offset += tl.load(OFFSET + meta, mask=(ch < C)[None, :], other=0.0).to(tl.float32)
+            if NGB > 1:
+                scale = tl.trans(spread(tl.trans(scale), BLOCK_C, GROUP, NGB))
+                offset = tl.trans(spread(tl.trans(offset), BLOCK_C, GROUP, NGB))
+            x = lv * scale + offset
+    return x
+
+
+# fmt: off
+@triton.jit
+def static_meta(SCALE, OFFSET, h, c0, BLOCK_C: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
+                BITS: tl.constexpr, SYMMETRIC: tl.constexpr, CODEBOOK: tl.constexpr):
+    # fmt: on
+    """A "static" half's scale and offset [BLOCK_C] (fp32, symmetric shift folded in), read
+    once per program: SCALE/OFFSET [Hkv, D]."""
+    ch = tl.arange(0, BLOCK_C)
+    scale = tl.load(SCALE + h * D + c0 + ch, mask=ch < C, other=0.0).to(tl.float32)
+    SHIFT: tl.constexpr = 2 ** (BITS - 1) - 1 if SYMMETRIC and not CODEBOOK else 0
+    offset = -SHIFT * scale
+    if not SYMMETRIC:
+        offset += tl.load(OFFSET + h * D + c0 + ch, mask=ch < C, other=0.0).to(tl.float32)
+    return scale, offset
+
+
+# fmt: off
+@triton.jit
+def slot(INDEX, DELTA, row, live, base, k, K: tl.constexpr, D: tl.constexpr):
+    # fmt: on
+    """Exact slot k of rows `row` [BN]: (channel within this head, fp32 delta), delta 0 where
+    not live or where the slot belongs to another head (base: this head's first channel)."""
+    index = tl.load(INDEX + row * K + k, mask=live, other=0).to(tl.int32) - base
+    delta = tl.load(DELTA + row * K + k, mask=live, other=0.0).to(tl.float32)
+    mine = live & (index >= 0) & (index < D)
+    return tl.where(mine, index, 0), tl.where(mine, delta, 0.0)
+
+
+# fmt: off
+@triton.jit
+def slot_scores(INDEX, DELTA, Q_ROWS, q_mask, row, live, base, pos, INV_FREQ,
+                K: tl.constexpr, D: tl.constexpr, PRE_ROPE: tl.constexpr):
+    # fmt: on
+    """What the keys' exact slots add to the scores, fp32 [BLOCK_G, BN]: q . rope(delta e_c)
+    for each slot (channel c), from the queries Q_ROWS [BLOCK_G] pointers (rows of D; q_mask
+    the real heads). Before RoPE, delta at channel c lands on c and its pair c +- D/2:
+    delta (q_c cos + q_pair sin) for c < D/2, delta (q_c cos - q_pair sin) otherwise."""
+    out = tl.zeros([Q_ROWS.shape[0], row.shape[0]], tl.float32)
+    for k in tl.static_range(K):
+        index, delta = slot(INDEX, DELTA, row, live, base, k, K, D)
+        q = tl.load(Q_ROWS[:, None] + index[None, :], mask=q_mask[:, None], other=0.0)
+        q = q.to(tl.float32)
+        if PRE_ROPE:
+            upper = index >= D // 2
+            pair = tl.where(upper, index - D // 2, index + D // 2)
+            q_pair = tl.load(Q_ROWS[:, None] + pair[None, :], mask=q_mask[:, None], other=0.0)
+            freq = tl.load(INV_FREQ + index % (D // 2))
+            cos, sin = trig(pos.to(tl.float32) * freq)
+            sign = tl.where(upper, -1.0, 1.0)
+            q = q * cos[None, :] + q_pair.to(tl.float32) * (sign * sin)[None, :]
+        out += q * delta[None, :]
+    return out
+
+
+# fmt: off
+@triton.jit
+def slot_values(lo, hi, INDEX, DELTA, row, live, base, K: tl.constexpr, D: tl.constexpr,
+                BLOCK_C: tl.constexpr):
+    # fmt: on
+    """Values' exact slots added into the halves lo, hi [BN, BLOCK_C] at their channels."""
+    ch = tl.arange(0, BLOCK_C)[None, :]
+    for k in tl.static_range(K):
+        index, delta = slot(INDEX, DELTA, row, live, base, k, K, D)
+        lo = tl.where(ch == index[:, None], lo + delta[:, None], lo)
+        hi = tl.where(ch == index[:, None] - D // 2, hi + delta[:, None], hi)
+    return lo, hi
+
+
+@triton.jit
+def ring(TAIL, line, pos, live, ring_size, c0, D: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One half from the residual ring TAIL [B, Hkv, R, D] (slot pos % R), fp32 [BN, BLOCK_C]."""
+    ch = tl.arange(0, BLOCK_C)
+    ptr = TAIL + (line * ring_size + pos % ring_size)[:, None] * D + (c0 + ch)[None, :]
+    x = tl.load(ptr, mask=live[:, None] & (ch < D // 2)[None, :], other=0.0)
+    return x.to(tl.float32)
+
+
+def unit(bits: int, half: int) -> int:
+    """Bits a code load reads at once: 32 (an int32 word) when a half row of codes is whole
+    words, else 8."""
+    return 32 if 8 % bits == 0 and half * bits % 32 == 0 else 8
+
+
+def readable(spec, head_dim: int, kv_heads: int) -> bool:
+    """Whether `half` reads a body stored with spec: halves that start on a byte (whole 8-code
+    words for 3/5/6 bits) and, for "channel", power-of-two token groups."""
+    c = head_dim // 2
+    if head_dim % 2 or c * spec.bits % 8 or (8 % spec.bits and c % 8):
+        return False
+    if spec.granularity == "channel":
+        return spec.group_size & (spec.group_size - 1) == 0
+    return True
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(n)

@@ -1,0 +1,123 @@
+"""One layer's keys or values in the quantized cache: body + residual ring, and how tokens move
+between them (`kvcalib_runtime.kvcache` owns one per layer and tensor).
+
+    body     kernels.layout.PackedBody [B, heads, S, ...] (or exact dtype [B, Hkv, S, D] for a
+             tensor left in full precision), S = scheme.body_slots: position t in slot t % S
+             (every position, or a ring for a sliding-window layer)
+    tail     dtype [B, Hkv, max(R, 1), D]  the residual ring, position t in slot t % R
+    n_body   int64 [B] on the device: positions [0, n_body) are in the body; always the decode
+             rule's n_q(length), which the host knows from the length alone (`host_body`)
+
+Two ways in: `write` stores dense blocks (a prefill, per sequence); `append` is a decode
+step's store for every sequence at once, on the device only (no host synchronization): the
+flush of the positions the next token must see quantized, then the new token into the ring.
+"""
+
+import copy
+
+import torch
+
+from kvcalib_runtime.kernels import quant_pack as qp
+from kvcalib_runtime.kernels.layout import PackedBody, Stored
+from kvcalib_runtime.scheme import (
+    KVParams,
+    KVScheme,
+    body_slots,
+    quantized_prefix,
+    quantized_prefix_int,
+)
+
+
+class Stream:
+    """Layer i's keys or values (kind "key" / "value") for shape (B, Hkv, max_len, D)."""
+
+    def __init__(self, kind: str, i: int, scheme: KVScheme, params: KVParams, shape, device,
+                 dtype, window: int | None, n_body: torch.Tensor):  # fmt: skip
+        b, h, max_len, d = shape
+        spec = self.spec = getattr(scheme.layers[i], kind)
+        self.flush, self.residual = getattr(scheme.layers[i], f"{kind}_flush"), scheme.residual
+        self.window = window
+        self.slots = body_slots(spec, self.flush, self.residual, window, max_len)
+        self.n_body = n_body
+        self.tail = torch.zeros(b, h, max(self.residual, 1), d, device=device, dtype=dtype)
+        self.exact = self.body = None
+        if spec is None:
+            self.exact = torch.zeros(b, h, self.slots, d, device=device, dtype=dtype)
+        else:
+            static_range = getattr(params, f"{kind}_range").get(i)
+            codebook = getattr(params, f"{kind}_codebook").get(i)
+            self.body = PackedBody.allocate(
+                spec, (b, h, self.slots, d), device, dtype, static_range, codebook
+            )
+        self.packs = spec is not None and qp.supports(spec, d, h)  # quant_pack handles spec
+
+    def host_body(self, stored: int) -> int:
+        """Body size once `stored` tokens are in: what the next token must see quantized
+        (everything, for a tensor left in full precision)."""
+        if self.spec is None:
+            return stored
+        return quantized_prefix_int(stored, self.residual, self.flush)
+
+    def targets(self, stored: torch.Tensor) -> torch.Tensor:
+        """`host_body` on the device: LongTensor [B]."""
+        if self.spec is None:
+            return stored
+        return quantized_prefix(stored, self.residual, self.flush)
+
+    def write(self, seq, start, x: torch.Tensor, is_sink: torch.Tensor, kernel: bool) -> None:
+        """Move x [M, Hkv, n, D] to positions [start[m], start[m] + n) of sequence seq[m] (seq,
+        start: LongTensor[M] on x's device); is_sink bool [B, P] masks kept sinks; through the
+        quant_pack kernel when `kernel` and it handles the spec."""
+        if not self.slots:
+            return
+        if self.spec is None:
+            pos = start[:, None] + torch.arange(x.shape[2], device=x.device)
+            self.exact[seq[:, None], :, pos % self.slots] = x.transpose(1, 2)
+        elif kernel and self.packs:
+            qp.quant_pack(x, self.body, seq, start, is_sink)
+        else:
+            qp.quant_pack_reference(x, self.body, seq, start, is_sink)
+
+    def append(self, new: torch.Tensor, n: torch.Tensor, is_sink, kernel: bool) -> None:
+        """A decode step's store for every sequence: new [B, Hkv, D] is the token at position
+        n [B] (device); the body grows to targets(n + 1) (0 or `flush` positions, read from the
+        ring and new), new enters the ring, n_body follows. Device work only."""
+        target = torch.maximum(self.targets(n + 1), self.n_body)
+        rows = torch.arange(len(n), device=n.device)
+        if self.spec is None:
+            if self.slots:
+                self.exact[rows, :, n % self.slots] = new
+        else:
+            if self.slots:
+                flush = qp.flush if kernel and self.packs else qp.flush_reference
+                flush(self.tail, new, n, self.body, self.n_body, target, self.flush, is_sink)
+            if self.residual:
+                self.tail[rows, :, n % self.tail.shape[2]] = new
+        self.n_body.copy_(target)
+
+    def read(self, b: int, nb: int, dtype) -> tuple[int, torch.Tensor]:
+        """The body positions of sequence b that are still held, below nb: (first position,
+        [Hkv, nb - first, D] dequantized)."""
+        first = max(nb - self.slots, 0)
+        if self.spec is None:
+            x = self.exact[b]
+        elif nb <= self.slots:
+            return 0, self.body.dequantize(dtype, b, nb)
+        else:
+            x = self.body.dequantize(dtype, b)
+        return first, x[:, torch.arange(first, nb, device=x.device) % max(self.slots, 1)]
+
+    def stored(self) -> Stored:
+        return Stored(self.body if self.body is not None else self.exact, self.tail, self.n_body)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The body's buffers (codes, metadata, slots, per-layer constants) or the exact one."""
+        return self.body.tensors() if self.body is not None else [self.exact]
+
+    def view(self, b: int) -> "Stream":
+        v = copy.copy(self)
+        v.tail = self.tail[b : b + 1]
+        v.exact = self.exact[b : b + 1] if self.exact is not None else None
+        v.body = self.body.view(b) if self.body is not None else None
+        v.n_body = self.n_body[b : b + 1]  # a view: the parent sees the update
+        return v
