@@ -21,6 +21,7 @@ from kvcalib.calibration import PHASES, Settings, calibrate
 from kvcalib.calibration.codebooks import preset_variants
 from kvcalib.conversion.convert import convert as convert_checkpoint
 from kvcalib.core.models import ModelSource, cache_dir, load_model, resolve
+from kvcalib.core.plan import scheme_with_residual
 from kvcalib.core.profile import FORMAT_VERSION, Profile
 from kvcalib.core.recipe import Recipe, load_recipe
 from kvcalib.errors import ProfileError, RecipeError
@@ -114,6 +115,7 @@ def evaluate(
     seq_len: int = 1024,
     windows: int = 4,
     mode: str = "decode",
+    residual: int | None = None,
     passkey: bool = False,
     plots: str | Path | None = None,
     device: str = "cpu",
@@ -125,26 +127,33 @@ def evaluate(
     """Evaluate recipes (names, paths or Recipe objects) on a model spec or a converted folder.
 
     A converted folder (one with kvcalib.json) is evaluated with its own side-car as the recipe
-    "<name> (converted)", besides any `recipes`. Recipes that need calibrated tensors use
+    "<name> (converted)", besides any `recipes`, which run as on the original model (the
+    transforms its weights hold are undone for them). Recipes that need calibrated tensors use
     `profile` (a folder or a Profile), else the default profile (`default_profile`).
+    `residual` gives every recipe, the side-car's too, that residual window (None: each its own;
+    kvcalib.core.plan.with_residual says how flush blocks follow).
     """
     source = resolve(model, trust_remote_code=trust_remote_code)
+    converted = (source.path / META).is_file()
+    if not converted and not recipes:
+        raise RecipeError("name at least one --recipe: `kvcalib recipes` lists the presets")
     net, tokenizer = load_model(
         model, device=device, dtype=dtype, trust_remote_code=trust_remote_code
     )
     cands, ckpt = [], None
-    if (source.path / META).is_file():
+    if converted:
         ckpt = read_checkpoint(source.path)
         name = f"{ckpt.meta['recipe']['name']} (converted)"
-        cands.append(Candidate(name, None, ckpt.scheme, ckpt.params, ckpt.transforms))
-    elif not recipes:
-        raise RecipeError("name at least one --recipe (see `kvcalib eval --help` for presets)")
+        scheme = ckpt.scheme
+        if residual is not None:
+            scheme = scheme_with_residual(scheme, residual, name)
+        cands.append(Candidate(name, None, scheme, ckpt.params, ckpt.transforms))
     loaded = [r if isinstance(r, Recipe) else load_recipe(r) for r in recipes]
     if any(r.needs_profile for r in loaded):
         profile = default_profile(
             source, profile, calibrate_missing=calibrate_missing, progress=progress
         )
-    cands += candidates(net, loaded, profile, ckpt)
+    cands += candidates(net, loaded, profile, ckpt, residual=residual)
     return score(
         net,
         tokenizer,

@@ -4,7 +4,8 @@ It implements the cache interface of `FullPrecisionCache` (positions / attend / 
 commit / view / reset) and follows the decode rule of `kvcalib_runtime.scheme`. Storage, per
 layer, for B sequences of up to N tokens, Hkv KV heads of D channels:
 
-    body         kernels.layout.PackedBody: codes uint8 [B, Hkv, N, ceil(D * bits / 8)] (slot t =
+    body         kernels.layout.PackedBody (turboquant.TurboBody for "turboquant" specs):
+                 codes uint8 [B, Hkv, N, ceil(D * bits / 8)] (slot t =
                  position t) and scale/offset per group of channels of a token [B, Hkv, N, D/g],
                  per group of tokens of a channel [B, Hkv, N/G, D], or per channel ("static",
                  from the calibrated range); K outlier slots per row (index + delta) when the
@@ -45,6 +46,7 @@ from kvcalib_runtime.kernels.layout import PackedBody, Sinks, Stored, use_triton
 from kvcalib_runtime.rope import Rope
 from kvcalib_runtime.scheme import KVParams, KVScheme, quantized_prefix, storage_bits
 from kvcalib_runtime.transforms import Transforms
+from kvcalib_runtime.turboquant import TurboBody
 
 
 class _Stream:
@@ -60,11 +62,14 @@ class _Stream:
         self.exact = self.body = None
         if spec is None:
             self.exact = torch.zeros(shape, device=device, dtype=dtype)
+        elif spec.method == "turboquant":
+            split = getattr(params, f"{kind}_split").get(i)
+            self.body = TurboBody.allocate(spec, shape, device, dtype, split)
         else:
             static_range = getattr(params, f"{kind}_range").get(i)
             codebook = getattr(params, f"{kind}_codebook").get(i)
             self.body = PackedBody.allocate(spec, shape, device, dtype, static_range, codebook)
-        self.packs = spec is not None and qp.supports(spec, d)  # quant_pack handles spec
+        self.packs = spec is not None and kernel_layout(spec) and qp.supports(spec, d)
 
     def targets(self, stored: torch.Tensor) -> torch.Tensor:
         """Body sizes once `stored` tokens are in (LongTensor[B]): what the next token must see
@@ -80,6 +85,8 @@ class _Stream:
         if self.spec is None:
             pos = start[:, None] + torch.arange(x.shape[2], device=x.device)
             self.exact[seq[:, None], :, pos] = x.transpose(1, 2)
+        elif isinstance(self.body, TurboBody):
+            self.body.write(x, seq, start)
         elif kernel and self.packs:
             qp.quant_pack(x, self.body, seq, start, is_sink)
         else:
@@ -179,7 +186,7 @@ class QuantizedCache:
         self._pending_flags = None
         self._step = None  # device copies of lengths / n_body / sink_pos for this forward
         self._decodable = [
-            dec.supports(k.spec) and dec.supports(v.spec)
+            all(kernel_layout(s.spec) and dec.supports(s.spec) for s in (k, v))
             for k, v in zip(self.keys, self.values, strict=True)
         ]
         self._warned = False
@@ -200,8 +207,9 @@ class QuantizedCache:
             if q.shape[2] == 1 and self.kernels and not self._warned:
                 self._warned = True
                 warnings.warn(
-                    f"layer {layer} stores what the decode kernel does not read (outlier slots "
-                    "or joined heads): such layers decode through the slower reference path",
+                    f"layer {layer} stores what the decode kernel does not read (outlier slots, "
+                    "joined heads or a peer's own numerics): such layers decode through the "
+                    "slower reference path",
                     stacklevel=2,
                 )
             keys, values, valid = self._gather(layer, rope)
@@ -448,6 +456,13 @@ class QuantizedCache:
                 f"the KV cache holds {self.lengths.tolist()} tokens per sequence and {T} more "
                 f"do not fit in max_len = {self.max_len}: build a larger cache or shorten the input"
             )
+
+
+def kernel_layout(spec) -> bool:
+    """Whether a tensor stored with spec (None: full precision) can be given to the Triton
+    kernels at all: they implement the "affine" numerics only; `supports()` of each kernel
+    decides the rest."""
+    return spec is None or spec.method == "affine"
 
 
 def _free_bytes(device) -> int | None:

@@ -59,6 +59,7 @@ def _params() -> KVParams:
             )
         },
         value_codebook={0: torch.linspace(0, 1, 4)},
+        value_split={1: torch.tensor([[0, 5], [2, 3]])},  # a TurboQuant outlier set per head
         sink_predictor=SinkPredictor(layer=1, dims=(3, 7), threshold=50.0),
     )
 
@@ -278,6 +279,14 @@ def test_unknown_kv_params_are_refused(ckpt):
     save_file(tensors, ckpt / format.PARAMS)
     _manifest(ckpt)
     with pytest.raises(FormatError, match="names a layer past the model's 2"):
+        format.read_checkpoint(ckpt)
+
+
+def test_outlier_channels_are_integers(ckpt):
+    tensors = _params().tensors() | {"layers.0.key_split": torch.zeros(KV_HEADS, 2)}
+    save_file(tensors, ckpt / format.PARAMS)
+    _manifest(ckpt)
+    with pytest.raises(FormatError, match=r"'layers\.0\.key_split' has dtype F32"):
         format.read_checkpoint(ckpt)
 
 
