@@ -113,6 +113,8 @@ def plan(
                 for spec in (layers[-1].key, layers[-1].value):
                     if spec is not None and spec.granularity == "token":
                         spec.channel_group(head_dim)
+                    if spec is not None and spec.method == "turboquant":
+                        spec.sets(head_dim)
         except ValueError as e:
             raise RecipeError(f"{where}, layer {i}: {e}") from None
         if profile is not None:

@@ -296,7 +296,8 @@ def _bits(c: Candidate, cfg, seq_len: int) -> tuple[float, dict[str, float]]:
 
 def format_table(results: list[Result]) -> str:
     """A header line with the run's setup, then a Markdown table: recipe, mode, bits/element,
-    residual window R, kept sinks, ppl, Δppl, KLD, top-1 (and passkey); full precision first."""
+    residual window R (decode rows), kept sinks, ppl, Δppl, KLD, top-1 (and passkey); full
+    precision first."""
     with_passkey = any(r.passkey for r in results)
     head = ["recipe", "mode", "bits/elem", "R", "sinks", "ppl", "Δppl", "KLD", "top-1"]
     head += ["passkey"] if with_passkey else []
@@ -314,7 +315,7 @@ def format_table(results: list[Result]) -> str:
             r.recipe,
             r.mode,
             f"{r.bits_per_element:.2f}",
-            str(r.residual),
+            str(r.residual) if r.mode == "decode" else "-",  # fake mode quantizes everything
             r.sinks,
             f"{r.ppl:.3f}",
             f"{r.delta_ppl:+.3f}",
@@ -332,11 +333,12 @@ def format_table(results: list[Result]) -> str:
 def setup_line(setup: dict) -> str:
     """One line naming what a table measured (a Result's `setup`)."""
     residual = setup.get("residual")
-    window = (
-        f"residual window {residual} for every recipe"
-        if residual is not None
-        else "each recipe's own residual window (column R)"
-    )
+    if setup.get("mode") == "fake":
+        window = "every position quantized (external peers: decode, column R)"
+    elif residual is not None:
+        window = f"residual window {residual} for every recipe"
+    else:
+        window = "each recipe's own residual window (column R)"
     return (
         f"model {setup.get('model')} · text {setup.get('data')} · {setup.get('windows')} windows "
         f"× {setup.get('seq_len')} tokens · {setup.get('mode')} mode · {window}"

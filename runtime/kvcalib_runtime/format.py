@@ -455,7 +455,11 @@ def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
             f"the model's {layers} layers and {geo.hidden} hidden dims"
         )
     for i, layer in enumerate(scheme.layers):
-        for spec in (layer.key, layer.value):
+        for kind, spec in (("key", layer.key), ("value", layer.value)):
+            split = getattr(params, f"{kind}_split").get(i)
+            want = (kv_heads, spec.split_channels) if spec and spec.split_channels else None
+            if want and (split is None or tuple(split.shape) != want):
+                raise FormatError(f"{PARAMS}: layers.{i}.{kind}_split must have shape {want}")
             if spec is None or spec.granularity not in ("token", "vector"):
                 continue
             n = spec.vector_size(head_dim, kv_heads)

@@ -290,6 +290,14 @@ def test_outlier_channels_are_integers(ckpt):
         format.read_checkpoint(ckpt)
 
 
+def test_turboquant_needs_its_outlier_channels(tmp_path):
+    meta = json.loads((_write(tmp_path / "a") / format.META).read_text())
+    spec = QuantSpec(2, symmetric=True, method="turboquant", split_channels=2, split_bits=3)
+    meta["scheme"] = KVScheme((LayerScheme(spec, None),) * LAYERS).to_json()
+    with pytest.raises(FormatError, match=r"layers\.0\.key_split must have shape \(2, 2\)"):
+        format.read_checkpoint(_write(tmp_path / "b", meta=meta))
+
+
 def test_config_sizes_and_predictor_shapes_are_checked(ckpt):
     (ckpt / "config.json").write_text(json.dumps({**CONFIG, "num_attention_heads": "4"}))
     _manifest(ckpt)

@@ -68,6 +68,15 @@ def test_residual_gives_every_recipe_the_same_window(folder, tmp_path):
     assert rows["kivi-2"]["kld"] > 1e-4  # tokens past the window are quantized now
 
 
+def test_fake_mode_says_that_every_position_is_quantized(folder, tmp_path):
+    output, rows = _eval(folder, tmp_path, "--residual", "32", "--mode", "fake")
+    assert output.splitlines()[0].endswith(
+        "· fake mode · every position quantized (external peers: decode, column R)"
+    )
+    assert "| kivi-2 | fake | 3.00 | - | none |" in output
+    assert rows["kivi-2"]["setup"]["mode"] == "fake" and rows["kivi-2"]["kld"] > 1e-3
+
+
 def test_a_window_that_breaks_a_recipes_flush_rule_is_refused(folder):
     args = ["eval", str(folder), "--recipe", "kivi-2", "--residual", "20", "--seq-len", "64"]
     result = CliRunner().invoke(main, args)
