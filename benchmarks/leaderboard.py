@@ -1,16 +1,23 @@
-"""Regenerate the leaderboard: every preset in both modes on two texts, the sink-sensitive
-recipes on chat text, passkey retrieval, and the ablation of kvcalib-2's ingredients, on the
+"""Regenerate the leaderboard: the issue's presets on two texts and the chat text, in decode mode
+with the same 128-token residual window for every recipe, in fake mode, and in decode mode at
+each method's own window; passkey retrieval; the ablation of kvcalib-2's ingredients; on the
 default model in fp32.
 
     python benchmarks/leaderboard.py [--profile DIR] [--windows 4] [--seq-len 1024]
+        [--recipe NAME ...] [--no-extras] [--out DIR]
 
-Writes benchmarks/leaderboard.md (the tables the README quotes) and benchmarks/leaderboard.json
-(every Result, with its text and mode). Without --profile the default calibration is used
-(computed once and cached, as `kvcalib eval` does). The texts: the built-in evaluation split of
-Python's documentation, `builtin:licenses` (legal English, not calibration text) and
-`builtin:chat` (evaluation topics as multi-turn chats in the model's template, where later sinks
-appear at turn boundaries). External peers (hf-quanto) run only in decode mode, through their own
-cache. Measured: 34 minutes on 2 CPU cores.
+Writes leaderboard.md (the tables the README quotes) and leaderboard.json (every Result, with its
+table, text and setup) into --out (default: benchmarks/). Without --profile the default
+calibration is used (computed once and cached, as `kvcalib eval` does). The texts: the built-in
+evaluation split of Python's documentation, `builtin:licenses` (legal English, not calibration
+text) and `builtin:chat` (evaluation topics as multi-turn chats in the model's template, where
+later sinks appear at turn boundaries). Fake mode quantizes every position, so a residual window
+does not enter it. External peers (hf-quanto) run only in decode mode, through their own cache,
+whose own window is 128. `--recipe` restricts the tables to some presets and `--no-extras` skips
+passkey and ablation (a quick check of the script). The previous version (13 presets, fewer
+tables) took 34 minutes on 2 CPU cores; this one has not been run in full. A check with
+`--windows 1 --seq-len 256 --no-extras` on 6 presets (hf-quanto-2, which decodes token by token
+through its own cache, among them) took 28 minutes on 2 CPU cores shared with other jobs.
 """
 
 import argparse
@@ -24,14 +31,32 @@ import torch
 from kvcalib import load_model
 from kvcalib.api import default_profile
 from kvcalib.core.models import resolve
-from kvcalib.core.recipe import load_recipe, presets
+from kvcalib.core.recipe import load_recipe
+from kvcalib.evaluation.listing import DEFAULT_GEOMETRY, recipe_bits
 from kvcalib.evaluation.passkey import LENGTHS, passkey_accuracy
 from kvcalib.evaluation.score import candidates, format_table, score
 
 HERE = Path(__file__).resolve().parent
 TEXTS = {"pydoc": None, "licenses": "builtin:licenses", "chat": "builtin:chat"}
-MODES = ("decode", "fake")
-SINK_RECIPES = ("fp16", "kivi-2", "kvquant-3", "kvcalib-2")  # on the chat text
+RESIDUAL = 128  # the window every recipe gets in the headline tables (KIVI's and kvcalib's own)
+LEADERBOARD = (
+    "fp16",
+    "per-token-2",
+    "per-token-4",
+    "kivi-2",
+    "kivi-4",
+    "kvquant-2",
+    "kvquant-3",
+    "quarot-kv4",
+    "turboquant-2.5",
+    "turboquant-3.5",
+    "llamacpp-q4_0",
+    "hf-quanto-2",
+    "hf-quanto-4",
+    "kvcalib-2",
+    "kvcalib-3",
+    "kvcalib-4",
+)
 PASSKEY_RECIPES = ("fp16", "per-token-2", "kivi-2", "kvquant-3", "kvcalib-2", "kvcalib-3")
 
 
@@ -99,10 +124,18 @@ class Board:
         self.out.joinpath("leaderboard.json").write_text(json.dumps(doc, indent=1) + "\n")
         print(f"{title}: {time.time() - self.start:.0f}s", flush=True)
 
-    def scores(self, title, model, tokenizer, cands, *, text, table="leaderboard", **kw):
-        results = score(model, tokenizer, cands, data=TEXTS[text], progress=False, **kw)
+    def results(self, title, table, text, results) -> None:
         rows = [{"table": table, "text": text, **r.to_json()} for r in results]
         self.add(title, format_table(results), rows)
+
+
+def bits_table(names) -> str:
+    """Bits per element at 4K tokens of every recipe, as `kvcalib recipes` measures them."""
+    lines = ["| recipe | at 4K, everything | quantized body |", "|---|---|---|"]
+    for name in names:
+        total, body = recipe_bits(load_recipe(name), **DEFAULT_GEOMETRY)
+        lines.append(f"| {name} | {total:.2f} | {body:.2f} |")
+    return "\n".join(lines)
 
 
 def main():
@@ -110,44 +143,58 @@ def main():
     parser.add_argument("--profile", default=None, help="Profile folder (default: cached).")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--recipe", action="append", help="Only these presets (repeat).")
+    parser.add_argument("--no-extras", action="store_true", help="Skip passkey and ablation.")
     parser.add_argument("--out", default=str(HERE), help="Folder for leaderboard.md / .json.")
     args = parser.parse_args()
+    names = tuple(args.recipe or LEADERBOARD)
     torch.set_grad_enabled(False)
     model, tokenizer = load_model(None, dtype=torch.float32)
     profile = default_profile(resolve(None), args.profile)
     board = Board(
         Path(args.out),
         f"SmolLM2-135M-Instruct (GGUF, dequantized), fp32, CPU; {args.windows} windows x "
-        f"{args.seq_len} tokens per text; profile: default `kvcalib calibrate` "
-        "(16 x 512 tokens of the built-in calibration text)",
+        f"{args.seq_len} tokens per text; profile: {args.profile or 'the default calibration'}",
     )
-    size = dict(seq_len=args.seq_len, windows=args.windows)
-    everything = candidates(model, presets(), profile)
-
-    def presets_on(text: str, mode: str) -> None:
-        chosen = [c for c in everything if c.scheme is not None or mode == "decode"]
-        board.scores(f"{text}, {mode} mode", model, tokenizer, chosen, text=text, mode=mode, **size)
-
-    presets_on("pydoc", "decode")
-    presets_on("pydoc", "fake")
+    board.add("bits per element at 4K tokens (`kvcalib recipes`)", bits_table(names), [])
+    size = dict(seq_len=args.seq_len, windows=args.windows, progress=False)
+    same = candidates(model, names, profile, residual=RESIDUAL)
+    own = candidates(model, names, profile)
+    for text, data in TEXTS.items():
+        fixed = score(model, tokenizer, same, data=data, mode="decode", **size)
+        board.results(
+            f"{text}, decode mode, residual {RESIDUAL} for all", "same-window", text, fixed
+        )
+        internal = [c for c in same if c.scheme is not None]
+        fake = score(model, tokenizer, internal, data=data, mode="fake", **size)
+        board.results(f"{text}, fake mode (every position quantized)", "fake", text, fake)
+        rerun = [c for c, r in zip(own, fixed, strict=True) if r.residual != _own(c)]
+        again = iter(score(model, tokenizer, rerun, data=data, mode="decode", **size))
+        setup = {**fixed[0].setup, "residual": None}  # reused rows keep their numbers
+        mixed = [
+            dataclasses.replace(r if r.residual == _own(c) else next(again), setup=setup)
+            for c, r in zip(own, fixed, strict=True)
+        ]
+        board.results(f"{text}, decode mode, each method's own window", "own-window", text, mixed)
+    if args.no_extras:
+        return
     table = ["| recipe | " + " | ".join(f"{n} tokens" for n in LENGTHS) + " |"]
     table += ["|---" * (len(LENGTHS) + 1) + "|"]
     rows = []
-    for c in everything:
+    for c in own:
         if c.name in PASSKEY_RECIPES:
             acc = passkey_accuracy(model, tokenizer, c)
             rows.append({"table": "passkey", "recipe": c.name, "passkey": acc})
             table.append(f"| {c.name} | " + " | ".join(f"{v:.0%}" for v in acc.values()) + " |")
-    board.add("passkey retrieval (needle at depths 10/50/90%)", "\n".join(table), rows)
+    board.add("passkey retrieval, own windows (needle at depths 10/50/90%)", "\n".join(table), rows)
     abl = candidates(model, ablations(), profile)
-    board.scores(
-        "ablation, pydoc, decode mode", model, tokenizer, abl, text="pydoc", mode="decode",
-        table="ablation", **size,
-    )  # fmt: skip
-    presets_on("licenses", "decode")
-    presets_on("licenses", "fake")
-    sinks = [c for c in everything if c.name in SINK_RECIPES] + abl[1:3]
-    board.scores("chat, decode mode", model, tokenizer, sinks, text="chat", mode="decode", **size)
+    results = score(model, tokenizer, abl, data=None, mode="decode", **size)
+    board.results("ablation, pydoc, decode mode", "ablation", "pydoc", results)
+
+
+def _own(c) -> int:
+    """A candidate's own residual window."""
+    return c.scheme.residual if c.scheme is not None else c.recipe.residual
 
 
 if __name__ == "__main__":

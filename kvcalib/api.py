@@ -22,6 +22,7 @@ from kvcalib.calibration.codebooks import preset_variants
 from kvcalib.conversion.convert import convert as convert_checkpoint
 from kvcalib.core import options, preflight
 from kvcalib.core.models import ModelSource, cache_dir, load_model, resolve
+from kvcalib.core.plan import scheme_with_residual
 from kvcalib.core.profile import FORMAT_VERSION, Profile
 from kvcalib.core.recipe import Recipe, load_recipe
 from kvcalib.errors import ProfileError, RecipeError
@@ -118,6 +119,7 @@ def evaluate(
     seq_len: int = 1024,
     windows: int = 4,
     mode: str = "decode",
+    residual: int | None = None,
     passkey: bool = False,
     plots: str | Path | None = None,
     device: str = "cpu",
@@ -129,10 +131,13 @@ def evaluate(
     """Evaluate recipes (names, paths or Recipe objects) on a model spec or a converted folder.
 
     A converted folder (one with kvcalib.json) is evaluated with its own side-car as the recipe
-    "<name> (converted)", besides any `recipes`. Recipes that need calibrated tensors use
+    "<name> (converted)", besides any `recipes`, which run as on the original model (the
+    transforms its weights hold are undone for them). Recipes that need calibrated tensors use
     `profile` (a folder or a Profile), else the default profile (`default_profile`).
-    Every option, recipe, profile and the side-car are checked before the model loads.
-    `dtype` is a name ("float32") or a torch dtype.
+    `residual` gives every recipe, the side-car's too, that residual window (None: each its own;
+    kvcalib.core.plan.scheme_with_residual says how flush blocks follow). Every option, recipe,
+    profile and the side-car are checked before the model loads. `dtype` is a name ("float32")
+    or a torch dtype.
     """
     reads = preflight.inputs(model, data=data, profile=profile, recipes=recipes)
     preflight.evaluate_options(
@@ -150,7 +155,7 @@ def evaluate(
     preflight.context(source, seq_len)
     ckpt = read_checkpoint(source.path) if (source.path / META).is_file() else None
     if ckpt is None and not recipes:
-        raise RecipeError("name at least one --recipe (see `kvcalib eval --help` for presets)")
+        raise RecipeError("name at least one --recipe: `kvcalib recipes` lists the presets")
     if profile is not None or any(r.needs_profile for r in loaded):
         profile = default_profile(
             source, profile, calibrate_missing=calibrate_missing, progress=progress
@@ -158,9 +163,13 @@ def evaluate(
     cands = []
     if ckpt is not None:
         name = f"{ckpt.meta['recipe']['name']} (converted)"
-        cands.append(Candidate(name, None, ckpt.scheme, ckpt.params, ckpt.transforms))
+        scheme = ckpt.scheme
+        if residual is not None:
+            scheme = scheme_with_residual(scheme, residual, name)
+        cands.append(Candidate(name, None, scheme, ckpt.params, ckpt.transforms))
     config = json.loads((source.path / "config.json").read_text())
-    cands += candidates(config, loaded, profile, ckpt)  # every recipe planned before the load
+    # every recipe planned before the load
+    cands += candidates(config, loaded, profile, ckpt, residual=residual)
     net, tokenizer = load_model(
         model,
         device=device,

@@ -53,7 +53,12 @@ def inspect(path, trust_remote_code):
 
 @main.command("eval")
 @click.argument("model", required=False)
-@click.option("--recipe", "recipes", multiple=True, help="Preset name or TOML path (repeat).")
+@click.option(
+    "--recipe",
+    "recipes",
+    multiple=True,
+    help="Preset name (`kvcalib recipes` lists them) or TOML path (repeat).",
+)
 @click.option("--profile", type=click.Path(), help="Calibration profile folder.")
 @click.option(
     "--data",
@@ -63,6 +68,12 @@ def inspect(path, trust_remote_code):
 @click.option("--seq-len", default=1024, show_default=True, help="Tokens per window (>= 2).")
 @click.option("--windows", default=4, show_default=True, help="Windows of text (>= 1).")
 @click.option("--mode", type=click.Choice(["fake", "decode"]), default="decode", show_default=True)
+@click.option(
+    "--residual",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Give every recipe this residual window of exact tokens (default: each its own).",
+)
 @click.option("--passkey", is_flag=True, help="Also measure passkey retrieval at 1K/2K/4K.")
 @click.option("--plots", type=click.Path(), help="Write key-error and token-0 plots here.")
 @click.option("--json", "json_out", type=click.Path(), help="Write the results as JSON.")
@@ -82,6 +93,7 @@ def eval_(
     seq_len,
     windows,
     mode,
+    residual,
     passkey,
     plots,
     json_out,
@@ -90,7 +102,8 @@ def eval_(
     trust_remote_code,
 ):
     """Measure KV recipes against full precision on the same text (MODEL: default
-    smollm2-135m, or a converted folder, evaluated with its own side-car)."""
+    smollm2-135m, or a converted folder, evaluated with its own side-car). The JSON is a list
+    with one object per recipe; each carries the run's setup."""
     import json
     from pathlib import Path
 
@@ -110,6 +123,7 @@ def eval_(
         seq_len=seq_len,
         windows=windows,
         mode=mode,
+        residual=residual,
         passkey=passkey,
         plots=plots,
         device=device,
@@ -123,6 +137,15 @@ def eval_(
     if json_out:
         with file_staging(Path(json_out)) as tmp:
             tmp.write_text(json.dumps([r.to_json() for r in results], indent=2))
+
+
+@main.command("recipes")
+def recipes_():
+    """List the preset recipes: description and bits per element at 4K tokens on the default
+    model's geometry (everything the runtime cache allocates, walked from its buffers)."""
+    from kvcalib.evaluation.listing import format_recipes
+
+    click.echo(format_recipes())
 
 
 @main.command()

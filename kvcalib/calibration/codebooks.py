@@ -8,18 +8,22 @@ normalized domain u in [0, 1] a quantizer of the variant codes them in, then acc
 weighted histogram of BINS bins per layer (streaming); a weighted 1-D Lloyd k-means on the
 histogram (initialized uniform, levels sorted) gives [L, 2**bits] levels. A variant is named as
 kvcalib.plan.codebook_variant names a recipe's tensor — "tensor:granularity[group]:position
-[:hadamard][:symmetric]":
+[:hadamard][:symmetric][:outliers<f>]" — and its elements are normalized exactly as
+kvcalib_runtime.quant normalizes them (the same group ranges, kvcalib_runtime.groups):
 
-    static        u = (x - lo) / (hi - lo), [lo, hi] the non-sink range with 1% outliers left
-                  out; elements outside it are left out
-    token[g]      per token and group of g channels (the whole head without g)
-    channel[G]    per channel and group of G tokens from position 0
+    static        u = (x - lo) / (hi - lo), [lo, hi] the calibrated non-sink range with the
+                  fraction f left out (none without :outliers)
+    token[g]      per token and group of g channels (the whole head without g), the range
+                  leaving out ceil(f * g / 2) elements at each end
+    vector        per token over every KV head joined (quant.to_vector), likewise
+    channel[G]    per channel and group of G tokens from position 0, sinks left out of ranges
     hadamard      after hadamard_transform(seed=None) of the tensor (and of its gradients: the
                   rotation is orthonormal)
     symmetric     u = (x / absmax + 1) / 2; the levels are returned in [-1, 1]
 
-Sink tokens (the ground-truth flags) are left out everywhere: recipes keep them exact. The
-variants calibrated by default are those the shipped presets use (`preset_variants`).
+Elements outside their range (the outliers, which the cache keeps exactly) and sink tokens (the
+ground-truth flags: recipes keep them exact) are left out. The variants calibrated by default
+are those the shipped presets use (`preset_variants`).
 """
 
 import re
@@ -28,18 +32,19 @@ import torch
 
 from kvcalib.calibration.observe import check_finite
 from kvcalib.core.plan import codebook_variant
+from kvcalib.core.profile import select_range
 from kvcalib.core.recipe import load_recipe, presets
 from kvcalib.sim.hooks import Hooks, key_module
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.geometry import Geometry
+from kvcalib_runtime.groups import expand, group_range, to_vector
 from kvcalib_runtime.hadamard import hadamard_transform, is_supported
-from kvcalib_runtime.quant import uniform_codebook
+from kvcalib_runtime.quant import QuantSpec, uniform_codebook
 
 BITS = (2, 3, 4)
 KINDS = ("pre", "key", "value")
-STATIC_OUTLIERS = 0.01  # the static variants' range leaves out this fraction (KVQuant's 1%)
 LLOYD_ITERATIONS = 200
-_GRANULARITY = re.compile(r"(token|channel|static)(\d*)$")
+_GRANULARITY = re.compile(r"(token|channel|static|vector)(\d*)$")
 
 
 def preset_variants() -> tuple[str, ...]:
@@ -63,14 +68,15 @@ def variants(model, wanted: tuple[str, ...] | None = None) -> tuple[str, ...]:
 
 
 def codebook_pass(
-    model, ids, sinks, ranges, bins: int, step, wanted=None
+    model, ids, sinks, quantiles, bins: int, step, wanted=None
 ) -> dict[str, torch.Tensor]:
     """{f"codebook.{variant}.{bits}": float32 [L, 2**bits]} from windows ids [N, T] with sink
-    flags bool [N, T]; ranges[position] = (lo, hi) [L, Hkv, D] for "pre_rope" / "post_rope"."""
+    flags bool [N, T]; quantiles[position] = the non-sink key quantiles [L, Hkv, D, Q] at
+    kvcalib.core.profile.QUANTILE_LEVELS for "pre_rope" / "post_rope" (static ranges)."""
     books = Codebooks(variants(model, wanted), model.config.num_hidden_layers, bins)
     for w in range(ids.shape[0]):
         x, g = _fisher(model, ids[w : w + 1])
-        books.add(x, g, sinks[w], ranges)
+        books.add(x, g, sinks[w], quantiles)
         step()
     return books.result()
 
@@ -82,13 +88,13 @@ class Codebooks:
         self.names, self.bins = names, bins
         self.hist = {v: torch.zeros(num_layers, bins, dtype=torch.float64) for v in names}
 
-    def add(self, x: dict, g: dict, sinks: torch.Tensor, ranges: dict) -> None:
+    def add(self, x: dict, g: dict, sinks: torch.Tensor, quantiles: dict) -> None:
         """One window: activations x and gradients g as `stack_fisher` returns them, sink
-        flags bool [T]."""
+        flags bool [T], key quantiles as `codebook_pass` takes them."""
         check_finite({f"loss gradient of the {name} activations": grad for name, grad in g.items()})
         keep = ~sinks
         for v in self.names:
-            t, weight = _normalized(v, x, g, keep, ranges)
+            t, weight = _normalized(v, x, g, keep, quantiles)
             self.hist[v] += _histogram(t, weight, self.bins)
 
     def result(self) -> dict[str, torch.Tensor]:
@@ -166,54 +172,35 @@ def stack_fisher(layers: list[dict]) -> tuple[dict, dict]:
     )
 
 
-def _normalized(variant: str, x: dict, g: dict, keep: torch.Tensor, ranges: dict):
-    """(u, weight), both [L, Hkv, T, D], u in [0, 1]; weight 0 where the element is left out."""
+def _normalized(variant: str, x: dict, g: dict, keep: torch.Tensor, quantiles: dict):
+    """(u, weight), both [L, Hkv, T, D] ([L, 1, T, Hkv * D] for "vector"), u in [0, 1] where
+    the element is inside its range; weight 0 where it is left out."""
     tensor, granularity, *rest = variant.split(":")
     kind, group = _GRANULARITY.match(granularity).groups()
     position = "pre_rope" if "pre_rope" in rest else "post_rope"
+    outliers = next((float(p[len("outliers") :]) for p in rest if p.startswith("outliers")), 0.0)
     source = "value" if tensor == "value" else ("pre" if position == "pre_rope" else "key")
     v, grad = x[source], g[source]
     if "hadamard" in rest:
         v, grad = hadamard_transform(v), hadamard_transform(grad)
-    weight = grad.square() * keep[:, None].to(grad.dtype)
+    keep = keep.expand(v.shape[:-1])  # [T] -> [L, Hkv, T]
+    weight = grad.square() * keep[..., None].to(grad.dtype)
     if kind == "static":
-        lo, hi = (r[:, :, None, :] for r in ranges[position])
-    elif kind == "token":
-        lo, hi = _token_range(v, int(group or v.shape[-1]))
+        found = select_range(quantiles[position], outliers)
+        if found is None:
+            raise ValueError(f"variant {variant}: no calibrated range leaves {outliers} out")
+        lo, hi = (r[:, :, None, :] for r in found)
     else:
-        lo, hi = _channel_range(v, keep, int(group))
+        if kind == "vector":
+            v, weight = to_vector(v), to_vector(weight)
+        spec = QuantSpec(2, kind, int(group or 0), outliers=outliers)
+        lo, hi = (expand(r, spec, v.shape) for r in group_range(v, spec, ~keep))
     if "symmetric" in rest:
         a = torch.maximum(lo.abs(), hi.abs())
         lo, hi = -a, a
     u = (v - lo) / (hi - lo).clamp_min(torch.finfo(v.dtype).tiny)
-    inside = (u >= 0) & (u <= 1) & (hi > lo)  # static ranges leave their 1% outliers out
+    inside = (u >= 0) & (u <= 1) & (hi > lo)  # outliers (kept exactly) are left out
     return u, weight * inside
-
-
-def _token_range(v: torch.Tensor, group: int):
-    """Min and max of each group of `group` channels of a token, broadcast back to v."""
-    gv = v.unflatten(-1, (-1, group))
-    back = lambda r: r.expand(gv.shape).flatten(-2)  # noqa: E731
-    return back(gv.amin(-1, keepdim=True)), back(gv.amax(-1, keepdim=True))
-
-
-def _channel_range(v: torch.Tensor, keep: torch.Tensor, group: int):
-    """Per channel, min and max over non-sink tokens of each `group`-token group, broadcast back
-    to v [L, Hkv, T, D]; empty groups get lo = hi (left out)."""
-    t = v.shape[2]
-    pad = (-t) % group
-    mask = torch.cat((keep, keep.new_zeros(pad)))[:, None]  # [T', 1]
-    vp = torch.nn.functional.pad(v, (0, 0, 0, pad))
-    groups = (*v.shape[:2], -1, group, v.shape[3])
-    lo = torch.where(mask, vp, torch.inf).view(groups).amin(3, keepdim=True)
-    hi = torch.where(mask, vp, -torch.inf).view(groups).amax(3, keepdim=True)
-    empty = torch.isinf(lo)
-    lo, hi = torch.where(empty, 0.0, lo), torch.where(empty, 0.0, hi)
-
-    def back(r):
-        return r.expand(groups).reshape(*v.shape[:2], -1, v.shape[3])[:, :, :t]
-
-    return back(lo), back(hi)
 
 
 def _histogram(t: torch.Tensor, weight: torch.Tensor, bins: int) -> torch.Tensor:

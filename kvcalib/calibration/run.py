@@ -263,12 +263,9 @@ def calibrate_model(
                 tensors.update(passes["sensitivity"](sens_ids, key_range, bar.update))
         if "codebooks" in phases:
             with _timed(timings, "codebooks", bar):
-                ranges = {
-                    p: select_range(q, codebooks.STATIC_OUTLIERS) for p, q in quantiles.items()
-                }
                 tensors.update(
                     passes["codebooks"](
-                        code_ids, flags, ranges, settings.histogram_bins, bar.update
+                        code_ids, flags, quantiles, settings.histogram_bins, bar.update
                     )
                 )
     run = {"device": str(device), "dtype": str(dtype)[6:], "sequential": layerwise}
@@ -393,7 +390,6 @@ def _meta(
             "bits": list(codebooks.BITS),
             "windows": min(settings.codebook_windows, n),
             "bins": settings.histogram_bins,
-            "static_outliers": codebooks.STATIC_OUTLIERS,
         }
         if "codebooks" in phases
         else None,

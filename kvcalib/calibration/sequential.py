@@ -146,7 +146,7 @@ def sensitivity_pass(lm, ids: torch.Tensor, key_range, step, store) -> dict[str,
 
 
 def codebook_pass(
-    lm, ids, sinks, ranges, bins: int, step, store, wanted=None
+    lm, ids, sinks, quantiles, bins: int, step, store, wanted=None
 ) -> dict[str, torch.Tensor]:
     """codebooks.codebook_pass layer by layer, for windows ids [N, T] whose layer inputs
     stats_pass(keep=N) left in `store`; `step()` per window and layer."""
@@ -191,5 +191,5 @@ def codebook_pass(
                     step()
     for w in range(n):
         layers = [{name: store.pop((name, w, i)) for name in FISHER} for i in range(num_layers)]
-        books.add(*stack_fisher(layers), sinks[w], ranges)
+        books.add(*stack_fisher(layers), sinks[w], quantiles)
     return books.result()

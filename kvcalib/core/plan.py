@@ -4,6 +4,8 @@ The recipe says how; the profile supplies the numbers a recipe may ask for — s
 codebooks, smoothing scales, the sink predictor, per-layer sensitivities for bit allocation.
 """
 
+import dataclasses
+
 from kvcalib.core.recipe import Recipe, TensorRecipe, flush_of, load_recipe, with_bits
 from kvcalib.errors import ProfileError, RecipeError
 from kvcalib_runtime import checks
@@ -13,9 +15,11 @@ from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme
 
 def codebook_variant(name: str, t: TensorRecipe) -> str:
     """The profile's name for the normalized domain a codebook of this tensor recipe lives in:
-    tensor, granularity with its group size, key position, rotation, symmetry, e.g.
-    "key:channel64:pre_rope" or "value:token:hadamard:symmetric". (Clip ratio and outlier
-    fraction do not enter: levels are fitted to the unclipped, 1%-outlier-free domain.)"""
+    tensor, granularity with its group size, key position, rotation, symmetry and outlier
+    fraction, e.g. "key:channel64:pre_rope", "value:token:hadamard:symmetric" or
+    "value:vector:outliers0.01". Levels are fitted where the quantizer uses them: on each
+    group's range with its outliers left out (for "static", the calibrated range with that
+    fraction left out). The clip ratio does not enter."""
     parts = [name, f"{t.granularity}{t.group_size or ''}"]
     if name == "key":
         parts.append(t.position)
@@ -23,7 +27,51 @@ def codebook_variant(name: str, t: TensorRecipe) -> str:
         parts.append("hadamard")
     if t.symmetric:
         parts.append("symmetric")
+    if t.outliers:
+        parts.append(f"outliers{t.outliers:g}")
     return ":".join(parts)
+
+
+def with_residual(recipe: Recipe, residual: int) -> Recipe:
+    """`recipe` with a residual window of `residual` tokens instead of its own (`kvcalib eval
+    --residual`, which gives every recipe of a run the same window). Flush blocks follow the
+    recipe's own rule at the new window (`flush_of`): a tensor grouped over tokens ("channel",
+    KIVI's keys) flushes the whole window at once, so the window must be a positive multiple of
+    its token group; per-token tensors flush one token at a time; an explicit flush is kept and
+    must fit in the window. Kept-exact sinks stay the recipe's own."""
+    where = f"recipe {recipe.name} with --residual {residual}"
+    if residual < 0:
+        raise RecipeError(f"{where}: the residual window is a token count, use >= 0")
+    for name in ("key", "value"):  # per-layer overrides are checked when the recipe is planned
+        t = getattr(recipe, name)
+        if t.quantized and t.granularity == "channel" and (residual % t.group_size or not residual):
+            raise RecipeError(
+                f"{where}: its {name}s are grouped over {t.group_size} tokens and flushed a "
+                f"window at a time; use a positive multiple of {t.group_size}"
+            )
+        if t.quantized and t.flush and t.flush > max(residual, 1):
+            raise RecipeError(f"{where}: its {name} flush of {t.flush} tokens exceeds the window")
+    return dataclasses.replace(recipe, residual=residual)
+
+
+def scheme_with_residual(scheme: KVScheme, residual: int, name: str) -> KVScheme:
+    """A resolved scheme (a converted checkpoint's) with the residual window `residual`, by the
+    rule of `with_residual`: "channel" tensors flush the window, others keep their flush."""
+    layers = []
+    for i, layer in enumerate(scheme.layers):
+        flush = {}
+        for kind in ("key", "value"):
+            spec = getattr(layer, kind)
+            if spec is not None and spec.granularity == "channel":
+                flush[f"{kind}_flush"] = residual
+        try:
+            layers.append(dataclasses.replace(layer, **flush))
+        except ValueError as e:
+            raise RecipeError(f"{name} with --residual {residual}, layer {i}: {e}") from None
+    try:
+        return dataclasses.replace(scheme, layers=tuple(layers), residual=residual)
+    except ValueError as e:
+        raise RecipeError(f"{name} with --residual {residual}: {e}") from None
 
 
 def plan(
@@ -75,6 +123,8 @@ def plan(
                 for spec in (layers[-1].key, layers[-1].value):
                     if spec is not None and spec.granularity == "token":
                         spec.channel_group(head_dim)
+                    if spec is not None and spec.method == "turboquant":
+                        spec.sets(head_dim)
         except ValueError as e:
             raise RecipeError(f"{where}, layer {i}: {e}") from None
         if profile is not None:
@@ -112,7 +162,8 @@ def _check_runtime(where: str, scheme, params, geometry: Geometry, profile) -> N
 
 
 def _calibrated(params: KVParams, profile, i: int, key: TensorRecipe, value: TensorRecipe) -> None:
-    """Fill layer i's static ranges, codebooks and smoothing scales from the profile."""
+    """Fill layer i's static ranges, codebooks, outlier channels and smoothing scales from the
+    profile."""
     if key.quantized and key.granularity == "static":
         params.key_range[i] = profile.range("key", i, position=key.position, outliers=key.outliers)
     if value.quantized and value.granularity == "static":
@@ -121,6 +172,11 @@ def _calibrated(params: KVParams, profile, i: int, key: TensorRecipe, value: Ten
         params.key_codebook[i] = profile.codebook(codebook_variant("key", key), i, key.bits)
     if value.quantized and value.codebook == "calibrated":
         params.value_codebook[i] = profile.codebook(codebook_variant("value", value), i, value.bits)
+    if key.quantized and key.split_channels:
+        n = key.split_channels
+        params.key_split[i] = profile.outlier_channels("key", i, n, position=key.position)
+    if value.quantized and value.split_channels:
+        params.value_split[i] = profile.outlier_channels("value", i, value.split_channels)
     if key.smooth > 0:
         params.key_smooth[i] = profile.smoothing(i, key.smooth, position=key.position)
     if i in params.key_smooth and i in params.key_range:

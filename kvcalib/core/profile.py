@@ -221,10 +221,13 @@ class Profile:
         kvcalib.plan.codebook_variant)."""
         name = f"codebook.{variant}.{bits}"
         if name not in self.tensors:
-            have = sorted({n.split(".")[1] for n in self.tensors if n.startswith("codebook.")})
-            bits_have = sorted(
-                {int(n.split(".")[2]) for n in self.tensors if n.startswith("codebook.")}
-            )
+            books = [
+                n.removeprefix("codebook.").rsplit(".", 1)
+                for n in self.tensors
+                if n.startswith("codebook.")
+            ]
+            have = sorted({v for v, _ in books})
+            bits_have = sorted({int(b) for _, b in books})
             if not have:
                 what = "no codebooks (calibrated without the codebooks phase)"
             else:
@@ -234,6 +237,19 @@ class Profile:
                 f"{what}: use a uniform codebook or one of these"
             )
         return self.tensors[name][self._layer(layer)].clone()
+
+    def outlier_channels(
+        self, tensor: str, layer: int, count: int, *, position: str = "post_rope"
+    ) -> torch.Tensor:
+        """int64 [Hkv, count], sorted: per KV head the `count` channels of largest RMS over
+        every calibration token (sqrt(mean² + std²)); "value" ignores `position`."""
+        kind = self._kind(tensor, position)
+        i = self._layer(layer)
+        mean, std = self._get(f"{kind}.all.mean")[i], self._get(f"{kind}.all.std")[i]
+        if not 0 < count <= mean.shape[-1]:
+            raise ProfileError(f"{count} outlier channels of {mean.shape[-1]}: use 1 to that")
+        rms = (mean.double() ** 2 + std.double() ** 2).sqrt()
+        return rms.topk(count, dim=-1).indices.sort(-1).values
 
     def smoothing(self, layer: int, alpha: float, *, position: str) -> torch.Tensor:
         """SmoothAttention-style key scales float32 [Hkv, D]: s_j = absmax_j ** alpha over

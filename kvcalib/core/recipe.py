@@ -6,9 +6,9 @@ live in `recipes/<name>.toml`; `load_recipe` takes a preset name or a path.
 
     name, description, residual, rotation_seed, external
     [key]    bits granularity group_size symmetric clip codebook outliers outlier_slots
-             slot_rule flush position rotation smooth
+             slot_rule method split_channels split_bits flush position rotation smooth
     [value]  bits granularity group_size symmetric clip codebook outliers outlier_slots
-             slot_rule flush rotation
+             slot_rule method split_channels split_bits flush rotation
     [sinks]  first predicted budget
     [allocation]  budget choices            (per-layer bits from the sensitivity profile)
     [[layers]]    index key value           (per-layer overrides of [key] / [value])
@@ -20,7 +20,10 @@ to the residual window for "channel" granularity (KIVI flushes keys R at a time)
 `outliers` is the fraction left out of each range; exact slots per vector keep what the codes
 clamp: `outlier_slots` of them for "static" granularity, chosen by `slot_rule` ("outside": the
 farthest outside the range, KVQuant's; "error": the largest errors, kvcalib's) — see
-kvcalib_runtime.quant.
+kvcalib_runtime.quant. `method` is "affine" (all of the above), "ggml" (llama.cpp's q4_0 / q8_0
+blocks) or "turboquant" (TurboQuant: a random rotation and fixed Lloyd-Max levels per vector,
+with `split_channels` outlier channels per head at `split_bits` bits, chosen from the profile's
+channel statistics).
 """
 
 import dataclasses
@@ -58,6 +61,9 @@ class TensorRecipe:
     outliers: float = 0.0
     outlier_slots: int = 0
     slot_rule: str = "outside"
+    method: str = "affine"
+    split_channels: int = 0
+    split_bits: int = 0
     flush: int = 0
     position: str = "post_rope"
     rotation: str = "none"
@@ -80,6 +86,9 @@ class TensorRecipe:
             outliers=self.outliers,
             outlier_slots=self.outlier_slots,
             slot_rule=self.slot_rule,
+            method=self.method,
+            split_channels=self.split_channels,
+            split_bits=self.split_bits,
         )
 
 
@@ -126,6 +135,7 @@ class Recipe:
             or any(key.smooth > 0 for key, _ in pairs)
             or any(t.quantized and t.granularity == "static" for t in tensors)
             or any(t.quantized and t.codebook == "calibrated" for t in tensors)
+            or any(t.quantized and t.split_channels > 0 for t in tensors)
         )
 
     def tensor(self, name: str, layer: int) -> TensorRecipe:
@@ -168,6 +178,7 @@ _ALLOCATION_KEYS = {"budget": float, "choices": list}
 _CHOICES = {
     "granularity": ("token", "channel", "static", "vector"),
     "slot_rule": ("outside", "error"),
+    "method": ("affine", "ggml", "turboquant"),
     "codebook": ("uniform", "calibrated"),
     "position": ("pre_rope", "post_rope"),
     "rotation": ("none", "hadamard"),

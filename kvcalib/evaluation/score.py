@@ -12,6 +12,10 @@ Simulator (fake or decode mode) on the same tokens, and is scored against it:
               buffers of a cache built on the meta device
     bits_at_context    everything that cache allocates per element (the residual window, sink
               slots and bookkeeping too), at the evaluated context, 4K and 32K tokens
+
+Every Result carries the run's `setup` (model, text, windows, seq_len, mode, residual: the window
+every recipe was given, or None when each kept its own) and its own residual and kept sinks;
+`format_table` prints the setup as a header line and full precision as the first row.
 """
 
 import math
@@ -23,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvcalib.core import data as data_mod
-from kvcalib.core.plan import plan_for_model
+from kvcalib.core.plan import plan_for_model, with_residual
 from kvcalib.core.recipe import Recipe, load_recipe
 from kvcalib.errors import DataError, NumericsError, RecipeError
 from kvcalib.evaluation.external import evaluate_external, external_bits
@@ -53,6 +57,8 @@ class Result:
     seconds: float
     passkey: dict[str, float] | None = None
     notes: list[str] = field(default_factory=list)
+    sinks: str = "none"
+    setup: dict = field(default_factory=dict)
 
     @property
     def delta_ppl(self) -> float:
@@ -99,14 +105,19 @@ def _nll(logp, targets) -> float:
     return -logp.gather(-1, targets[:, None]).sum().item()
 
 
-def candidates(model, recipes, profile=None, weights: Checkpoint | None = None) -> list[Candidate]:
+def candidates(
+    model, recipes, profile=None, weights: Checkpoint | None = None, residual: int | None = None
+) -> list[Candidate]:
     """Plan every recipe (names, paths or Recipe objects) for `model` (or its config: see
     `plan_for_model`, so that recipes are judged before the weights load). On a converted
     checkpoint's weights (`weights`), a recipe quantizes as on the original model: the
-    transforms the weights hold and the recipe does not use are undone for it."""
+    transforms the weights hold and the recipe does not use are undone for it. `residual`
+    gives every recipe that residual window (`kvcalib.core.plan.with_residual`)."""
     out = []
     for r in recipes:
         recipe = r if isinstance(r, Recipe) else load_recipe(r)
+        if residual is not None:
+            recipe = with_residual(recipe, residual)
         if recipe.external:
             if weights is not None and any(t.in_weights for t in weights.transforms.layers):
                 raise RecipeError(
@@ -202,6 +213,15 @@ def score(
     ppl_fp = _ppl(fp_nll, fp_tokens, "full precision")
     results = []
     cfg = model.config
+    residuals = {_residual(c) for c in cands}
+    setup = {
+        "model": getattr(getattr(model, "kvcalib_source", None), "spec", cfg.name_or_path),
+        "data": data_label(data),
+        "windows": windows,
+        "seq_len": seq_len,
+        "mode": mode,
+        "residual": residuals.pop() if len(residuals) == 1 else None,
+    }
     for c in cands:
         s = scores[c.name]
         ppl = _ppl(s.nll, s.tokens, f"recipe {c.name}")
@@ -218,9 +238,11 @@ def score(
                 top1=s.agree / s.tokens,
                 bits_per_element=bits[0],
                 bits_at_context=bits[1],
-                residual=c.scheme.residual if c.scheme else c.recipe.residual,
+                residual=_residual(c),
                 seconds=s.seconds,
                 notes=s.notes,
+                sinks=_sinks(c),
+                setup=setup,
             )
         )
     if passkey:
@@ -256,6 +278,25 @@ def _ppl(nll: float, tokens: int, who: str) -> float:
 CONTEXTS = (4096, 32768)  # where bits_at_context is also reported
 
 
+def data_label(data) -> str:
+    """How a run's text is named in its setup: the --data value, or the built-in default."""
+    return str(data) if data is not None else "builtin (Python docs, evaluation split)"
+
+
+def _residual(c: Candidate) -> int:
+    return c.scheme.residual if c.scheme is not None else c.recipe.residual
+
+
+def _sinks(c: Candidate) -> str:
+    """The positions a candidate keeps exact besides its residual window."""
+    if c.scheme is None or not c.scheme.num_sink_slots:
+        return "none"
+    parts = [f"first {c.scheme.sinks_first}"] if c.scheme.sinks_first else []
+    if c.scheme.sink_budget:
+        parts.append(f"{c.scheme.sink_budget} predicted")
+    return " + ".join(parts)
+
+
 def _bits(c: Candidate, cfg, seq_len: int) -> tuple[float, dict[str, float]]:
     """(bits_per_element, bits_at_context) as the module docstring defines them."""
     contexts = sorted({seq_len, *CONTEXTS})
@@ -283,16 +324,28 @@ def _bits(c: Candidate, cfg, seq_len: int) -> tuple[float, dict[str, float]]:
 
 
 def format_table(results: list[Result]) -> str:
-    """A Markdown table: recipe, bits/element, ppl, Δppl, KLD, top-1 (and passkey)."""
+    """A header line with the run's setup, then a Markdown table: recipe, mode, bits/element,
+    residual window R (decode rows), kept sinks, ppl, Δppl, KLD, top-1 (and passkey); full
+    precision first."""
     with_passkey = any(r.passkey for r in results)
-    head = ["recipe", "mode", "bits/elem", "ppl", "Δppl", "KLD", "top-1"]
+    head = ["recipe", "mode", "bits/elem", "R", "sinks", "ppl", "Δppl", "KLD", "top-1"]
     head += ["passkey"] if with_passkey else []
-    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = [
+        setup_line(results[0].setup),
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    fp = results[0].ppl_fp
+    full = ["full precision", "-", "16.00", "-", "-", f"{fp:.3f}", "+0.000", "0.0000", "1.000"]
+    rows.append("| " + " | ".join(full + (["-"] if with_passkey else [])) + " |")
     for r in results:
         cells = [
             r.recipe,
             r.mode,
             f"{r.bits_per_element:.2f}",
+            str(r.residual) if r.mode == "decode" else "-",  # fake mode quantizes everything
+            r.sinks,
             f"{r.ppl:.3f}",
             f"{r.delta_ppl:+.3f}",
             f"{r.kld:.4f}",
@@ -304,3 +357,18 @@ def format_table(results: list[Result]) -> str:
             )
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def setup_line(setup: dict) -> str:
+    """One line naming what a table measured (a Result's `setup`)."""
+    residual = setup.get("residual")
+    if setup.get("mode") == "fake":
+        window = "every position quantized (external peers: decode, column R)"
+    elif residual is not None:
+        window = f"residual window {residual} for every recipe"
+    else:
+        window = "each recipe's own residual window (column R)"
+    return (
+        f"model {setup.get('model')} · text {setup.get('data')} · {setup.get('windows')} windows "
+        f"× {setup.get('seq_len')} tokens · {setup.get('mode')} mode · {window}"
+    )

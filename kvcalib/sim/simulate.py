@@ -278,7 +278,7 @@ class Simulator:
     def _key_hat(self, i: int, layer: LayerScheme, key, sinks):
         """The keys attention uses where quantized: post-RoPE, in the weights' domain."""
         spec, p, t = layer.key, self.params, self.transforms
-        kwargs = {"exclude": sinks, "codebook": p.key_codebook.get(i)}
+        kwargs = {"exclude": sinks, "codebook": p.key_codebook.get(i), "split": p.key_split.get(i)}
         if i in p.key_range:
             kwargs["static_range"] = tuple(r[None, :, None, :] for r in p.key_range[i])
         pre = layer.key_position == "pre_rope"
@@ -292,7 +292,11 @@ class Simulator:
     def _value_hat(self, i: int, layer: LayerScheme, value, sinks):
         """The values attention uses where quantized, in the weights' domain."""
         spec, p, t = layer.value, self.params, self.transforms
-        kwargs = {"exclude": sinks, "codebook": p.value_codebook.get(i)}
+        kwargs = {
+            "exclude": sinks,
+            "codebook": p.value_codebook.get(i),
+            "split": p.value_split.get(i),
+        }
         if i in p.value_range:
             kwargs["static_range"] = tuple(r[None, :, None, :] for r in p.value_range[i])
         return t.value_out(i, fake_quantize(t.value_in(i, value), spec, **kwargs))

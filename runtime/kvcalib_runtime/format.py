@@ -49,7 +49,7 @@ MAX_HEADER = 100 << 20  # the safetensors library refuses larger headers too
 # kv_params.safetensors tensor names (KVParams.tensors()) -> the dtype family they must have.
 _PARAM_NAMES = re.compile(
     r"layers\.(\d+)\.(key_range_lo|key_range_hi|value_range_lo|value_range_hi|key_codebook|"
-    r"value_codebook|key_smooth)|sink_predictor\.(dims|threshold|layer)"
+    r"value_codebook|key_smooth|key_split|value_split)|sink_predictor\.(dims|threshold|layer)"
 )
 # kv_params tensors whose shape does not depend on the model: what FORMAT.md says, and a check.
 _PARAM_SHAPES = {
@@ -58,6 +58,8 @@ _PARAM_SHAPES = {
     "layer": ("[1]", lambda shape: shape == (1,)),
     "key_codebook": ("[L] or [Hkv, L]", lambda shape: len(shape) in (1, 2)),
     "value_codebook": ("[L] or [Hkv, L]", lambda shape: len(shape) in (1, 2)),
+    "key_split": ("[Hkv, n]", lambda shape: len(shape) == 2),
+    "value_split": ("[Hkv, n]", lambda shape: len(shape) == 2),
 }
 _META_KEYS = {
     "format_version": int, "source": dict, "recipe": dict, "profile": (dict, type(None)),
@@ -386,7 +388,7 @@ def _read_params(path: Path, num_layers: int, kv_heads: int, head_dim: int) -> K
         want, fits = _PARAM_SHAPES.get(m.group(2) or m.group(3), ("", None))
         if fits is not None and not fits(info.shape):
             fail(f"{name!r} has shape {list(info.shape)}, expected {want}")
-        integer = m.group(3) in ("dims", "layer")
+        integer = m.group(3) in ("dims", "layer") or m.group(2) in ("key_split", "value_split")
         floating = info.dtype in ("F32", "F16", "BF16")
         if integer != (info.dtype == "I64") or not (integer or floating):
             fail(f"{name!r} has dtype {info.dtype}")
@@ -469,7 +471,14 @@ def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
     except ValueError as e:
         raise FormatError(f"{PARAMS}: {e}; convert the model again") from None
     for i, layer in enumerate(scheme.layers):
-        for spec in (layer.key, layer.value):
+        for kind, spec in (("key", layer.key), ("value", layer.value)):
+            split = getattr(params, f"{kind}_split").get(i)
+            want = (kv_heads, spec.split_channels) if spec and spec.split_channels else None
+            if want and (split is None or tuple(split.shape) != want):
+                raise FormatError(
+                    f"{PARAMS}: layers.{i}.{kind}_split must have shape {want}; convert the "
+                    "model again"
+                )
             if spec is None or spec.granularity not in ("token", "vector"):
                 continue
             n = spec.vector_size(head_dim, kv_heads)

@@ -4,7 +4,8 @@ It implements the cache interface of `FullPrecisionCache` (positions / attend / 
 commit / view / reset) and follows the decode rule of `kvcalib_runtime.scheme`. Storage, per
 layer, for B sequences of up to N tokens, Hkv KV heads of D channels (`kvstream.Stream`):
 
-    body         kernels.layout.PackedBody: codes uint8 [B, Hkv, S, ceil(D * bits / 8)] and
+    body         kernels.layout.PackedBody (turboquant.TurboBody for "turboquant" specs):
+                 codes uint8 [B, Hkv, S, ceil(D * bits / 8)] and
                  scale/offset per group of channels of a token [B, Hkv, S, D/g], per group of
                  tokens of a channel [B, Hkv, S/G, D], or per channel ("static", from the
                  calibrated range); K outlier slots per row (index + delta) when the scheme
@@ -45,7 +46,7 @@ import torch.nn.functional as F
 from kvcalib_runtime.errors import CapacityError, FormatError
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels.layout import Sinks, use_triton
-from kvcalib_runtime.kvstream import Stream
+from kvcalib_runtime.kvstream import Stream, kernel_layout
 from kvcalib_runtime.rope import Rope
 from kvcalib_runtime.scheme import KVParams, KVScheme, storage_bits
 from kvcalib_runtime.transforms import Transforms
@@ -129,9 +130,14 @@ class QuantizedCache:
             self._sink_dims = torch.tensor(sp.dims, device=device)
         self._pending = {}
         self._pending_flags = None
+        pairs = list(zip(self.keys, self.values, strict=True))
+        # layers whose storage the decode kernel's layout describes (its reference reads it too)
+        self._layouts = [kernel_layout(k.spec) and kernel_layout(v.spec) for k, v in pairs]
         self._decodable = [
-            dec.supports(k.spec, head_dim, kv_heads) and dec.supports(v.spec, head_dim, kv_heads)
-            for k, v in zip(self.keys, self.values, strict=True)
+            layout
+            and dec.supports(k.spec, head_dim, kv_heads)
+            and dec.supports(v.spec, head_dim, kv_heads)
+            for layout, (k, v) in zip(self._layouts, pairs, strict=True)
         ]
         self._warned = False
 
@@ -144,9 +150,17 @@ class QuantizedCache:
         """q [B, H, T, D] post-RoPE, k [B, Hkv, T, D] pre-RoPE, v -> out [B, H, T, D]."""
         self.stage(layer, k, v, rope, positions)
         q = self.transforms.query(layer, q, self.params)
-        if q.shape[2] == 1:
+        if q.shape[2] == 1 and self._layouts[layer]:
             out = self._decode(layer, q, rope)
         else:
+            if q.shape[2] == 1 and self.kernels and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"layer {layer} stores a peer's own numerics (llama.cpp's or TurboQuant's), "
+                    "which the decode kernel and its reference do not read: it decodes through "
+                    "the slower dequantize-then-attend path",
+                    stacklevel=2,
+                )
             keys, values, valid = self._gather(layer, rope)
             window = self.windows[layer]
             out = _attention(q, keys, values, valid, causal=max(self._host()) == 0, window=window)

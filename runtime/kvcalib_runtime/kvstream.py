@@ -1,8 +1,9 @@
 """One layer's keys or values in the quantized cache: body + residual ring, and how tokens move
 between them (`kvcalib_runtime.kvcache` owns one per layer and tensor).
 
-    body     kernels.layout.PackedBody [B, heads, S, ...] (or exact dtype [B, Hkv, S, D] for a
-             tensor left in full precision), S = scheme.body_slots: position t in slot t % S
+    body     kernels.layout.PackedBody [B, heads, S, ...] (turboquant.TurboBody for a
+             "turboquant" spec; exact dtype [B, Hkv, S, D] for a tensor left in full precision),
+             S = scheme.body_slots: position t in slot t % S
              (every position, or a ring for a sliding-window layer)
     tail     dtype [B, Hkv, max(R, 1), D]  the residual ring, position t in slot t % R
     n_body   int64 [B] on the device: positions [0, n_body) are in the body; always the decode
@@ -26,6 +27,14 @@ from kvcalib_runtime.scheme import (
     quantized_prefix,
     quantized_prefix_int,
 )
+from kvcalib_runtime.turboquant import TurboBody
+
+
+def kernel_layout(spec) -> bool:
+    """Whether a tensor stored with spec (None: full precision) is laid out as the kernels and
+    their references read it: the "affine" numerics in a PackedBody; `supports()` of each
+    kernel decides the rest. Peers' own numerics (llama.cpp's, TurboQuant's) are not."""
+    return spec is None or spec.method == "affine"
 
 
 class Stream:
@@ -43,13 +52,17 @@ class Stream:
         self.exact = self.body = None
         if spec is None:
             self.exact = torch.zeros(b, h, self.slots, d, device=device, dtype=dtype)
+        elif spec.method == "turboquant":
+            split = getattr(params, f"{kind}_split").get(i)
+            self.body = TurboBody.allocate(spec, (b, h, self.slots, d), device, dtype, split)
         else:
             static_range = getattr(params, f"{kind}_range").get(i)
             codebook = getattr(params, f"{kind}_codebook").get(i)
             self.body = PackedBody.allocate(
                 spec, (b, h, self.slots, d), device, dtype, static_range, codebook
             )
-        self.packs = spec is not None and qp.supports(spec, d, h)  # quant_pack handles spec
+        # quant_pack handles spec
+        self.packs = spec is not None and kernel_layout(spec) and qp.supports(spec, d, h)
 
     def host_body(self, stored: int) -> int:
         """Body size once `stored` tokens are in: what the next token must see quantized
@@ -73,6 +86,8 @@ class Stream:
         if self.spec is None:
             pos = start[:, None] + torch.arange(x.shape[2], device=x.device)
             self.exact[seq[:, None], :, pos % self.slots] = x.transpose(1, 2)
+        elif isinstance(self.body, TurboBody):
+            self.body.write(x, seq, start)
         elif kernel and self.packs:
             qp.quant_pack(x, self.body, seq, start, is_sink)
         else:
@@ -88,7 +103,9 @@ class Stream:
             if self.slots:
                 self.exact[rows, :, n % self.slots] = new
         else:
-            if self.slots:
+            if self.slots and isinstance(self.body, TurboBody):
+                self.body.flush(self.tail, new, n, self.n_body, target, self.flush)
+            elif self.slots:
                 flush = qp.flush if kernel and self.packs else qp.flush_reference
                 flush(self.tail, new, n, self.body, self.n_body, target, self.flush, is_sink)
             if self.residual:

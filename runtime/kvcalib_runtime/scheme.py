@@ -227,10 +227,12 @@ def storage_bits(
     row of packed codes (one per head, or one per token for "vector"), its group metadata
     (scale, and offset unless symmetric) and its K outlier slots (index + exact delta), plus
     per-layer constants (a "static" range as float32 lo/hi with its metadata, float32
-    codebook levels and thresholds). Per layer, S = max(sinks_first + sink_budget, 1) exact
-    sink slots for keys and values; per sequence their int64 positions, the is-sink byte of
-    every position and int64 lengths / body sizes. `windows` (per layer, None = global): a
-    windowed layer's body is a ring of `body_slots` positions instead of `context`.
+    codebook levels and thresholds); a "turboquant" row is each set's codes packed apart and
+    one norm per set, with the int64 outlier channels per head as a constant. Per layer,
+    S = max(sinks_first + sink_budget, 1) exact sink slots for keys and values; per sequence
+    their int64 positions, the is-sink byte of every position and int64 lengths / body sizes.
+    `windows` (per layer, None = global): a windowed layer's body is a ring of `body_slots`
+    positions instead of `context`.
     """
     per_seq = batch * kv_heads * head_dim
     body = constants = ring = 0
@@ -245,6 +247,12 @@ def storage_bits(
             n = spec.vector_size(head_dim, kv_heads)
             rows = batch * (kv_heads * head_dim // n)  # stored rows per position
             meta = exact_bits * (1 if spec.symmetric else 2)
+            if spec.method == "turboquant":
+                sets = spec.sets(n)
+                row = sum(math.ceil(c * bits / 8) * 8 + exact_bits for c, bits in sets)
+                body += rows * slots * row
+                constants += kv_heads * spec.split_channels * 64
+                continue
             body += rows * slots * math.ceil(n * spec.bits / 8) * 8
             if spec.granularity in ("token", "vector"):
                 body += rows * slots * (n // spec.channel_group(n)) * meta
@@ -287,6 +295,8 @@ class KVParams:
     key_range / value_range: (lo, hi), each float [Hkv, D], static per-channel ranges
     key_codebook / value_codebook: float [L] or [Hkv, L], sorted normalized levels
     key_smooth: float [Hkv, D], keys are divided by it and queries multiplied (RoPE-pair equal)
+    key_split / value_split: int64 [Hkv, n_o], the outlier set's channels per KV head of a
+        "turboquant" spec with split_channels = n_o
     """
 
     key_range: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -294,16 +304,19 @@ class KVParams:
     key_codebook: dict[int, torch.Tensor] = field(default_factory=dict)
     value_codebook: dict[int, torch.Tensor] = field(default_factory=dict)
     key_smooth: dict[int, torch.Tensor] = field(default_factory=dict)
+    key_split: dict[int, torch.Tensor] = field(default_factory=dict)
+    value_split: dict[int, torch.Tensor] = field(default_factory=dict)
     sink_predictor: SinkPredictor | None = None
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Flat safetensors names: layers.{i}.key_range_lo, ..., sink_predictor.dims."""
+        """Flat safetensors names: layers.{i}.key_range_lo, ..., layers.{i}.value_split,
+        sink_predictor.dims."""
         out = {}
         for name in ("key_range", "value_range"):
             for i, (lo, hi) in getattr(self, name).items():
                 out[f"layers.{i}.{name}_lo"] = lo
                 out[f"layers.{i}.{name}_hi"] = hi
-        for name in ("key_codebook", "value_codebook", "key_smooth"):
+        for name in ("key_codebook", "value_codebook", "key_smooth", "key_split", "value_split"):
             for i, t in getattr(self, name).items():
                 out[f"layers.{i}.{name}"] = t
         if self.sink_predictor is not None:

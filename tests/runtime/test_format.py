@@ -62,6 +62,7 @@ def _params() -> KVParams:
             )
         },
         value_codebook={0: torch.linspace(0, 1, 4)},
+        value_split={1: torch.tensor([[0, 5], [2, 3]])},  # a TurboQuant outlier set per head
         sink_predictor=SinkPredictor(layer=1, dims=(3, 7), threshold=50.0),
     )
 
@@ -285,6 +286,22 @@ def test_unknown_kv_params_are_refused(ckpt):
     _manifest(ckpt)
     with pytest.raises(FormatError, match="names a layer past the model's 2"):
         format.read_checkpoint(ckpt)
+
+
+def test_outlier_channels_are_integers(ckpt):
+    tensors = _params().tensors() | {"layers.0.key_split": torch.zeros(KV_HEADS, 2)}
+    save_file(tensors, ckpt / format.PARAMS)
+    _manifest(ckpt)
+    with pytest.raises(FormatError, match=r"'layers\.0\.key_split' has dtype F32"):
+        format.read_checkpoint(ckpt)
+
+
+def test_turboquant_needs_its_outlier_channels(tmp_path):
+    meta = json.loads((_write(tmp_path / "a") / format.META).read_text())
+    spec = QuantSpec(2, symmetric=True, method="turboquant", split_channels=2, split_bits=3)
+    meta["scheme"] = KVScheme((LayerScheme(spec, None),) * LAYERS).to_json()
+    with pytest.raises(FormatError, match=r"layers\.0\.key_split must have shape \(2, 2\)"):
+        format.read_checkpoint(_write(tmp_path / "b", meta=meta))
 
 
 def test_config_sizes_and_predictor_shapes_are_checked(ckpt):

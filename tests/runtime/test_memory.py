@@ -24,6 +24,21 @@ LAYOUTS = {
     "vector": (QuantSpec(3, "static"), QuantSpec(3, "vector", outliers=0.01), {}),
     "token-outliers": (QuantSpec(4, group_size=16, outliers=0.1), None, {}),
     "exact-keys": (None, QuantSpec(8, symmetric=True), {}),
+    "kvquant": (
+        QuantSpec(3, "static", codebook=True, outliers=0.01, outlier_slots=1),
+        QuantSpec(3, "vector", codebook=True, outliers=0.01),
+        dict(key_position="pre_rope"),
+    ),
+    "llamacpp": (
+        QuantSpec(4, group_size=32, symmetric=True, method="ggml"),
+        QuantSpec(8, group_size=32, symmetric=True, method="ggml"),
+        dict(key_rotation=True, value_rotation=True),
+    ),
+    "turboquant": (
+        QuantSpec(2, symmetric=True, method="turboquant", split_channels=16, split_bits=4),
+        QuantSpec(3, symmetric=True, method="turboquant"),
+        {},
+    ),
 }
 
 
@@ -36,6 +51,9 @@ def _params(scheme: KVScheme) -> KVParams:
             if spec is not None and spec.codebook:
                 book = torch.linspace(-1 if spec.symmetric else 0, 1, spec.levels)
                 getattr(params, f"{name}_codebook")[i] = book
+            if spec is not None and spec.split_channels:
+                split = torch.arange(spec.split_channels).expand(HKV, -1)
+                getattr(params, f"{name}_split")[i] = split
     return params
 
 
@@ -132,6 +150,27 @@ def test_a_window_allocates_its_ring_not_the_context():
     full = planned_memory(scheme, params, Transforms.online(scheme, params), num_layers=2,
                           kv_heads=HKV, head_dim=D, context=32768)  # fmt: skip
     assert cache.memory()["body"] * 50 < full["body"]
+
+
+def test_turboquant_counted_by_hand():
+    """turboquant-2.5's layout at 1024 tokens, one layer, 3 KV heads of 64 channels, fp16: a
+    key or value row is 16 codes of 4 bits (8 bytes) + 48 of 2 bits (12 bytes) + two fp16 norms
+    (4 bytes), 24 bytes for 64 elements: 3 bits each; the outlier channels are a per-layer
+    constant of 3 x 16 int64 per tensor."""
+    spec = QuantSpec(2, symmetric=True, method="turboquant", split_channels=16, split_bits=4)
+    scheme = KVScheme((LayerScheme(spec, spec),))
+    params = _params(scheme)
+    memory = planned_memory(
+        scheme,
+        params,
+        Transforms.online(scheme, params),
+        num_layers=1,
+        kv_heads=HKV,
+        head_dim=D,
+        context=1024,
+    )
+    assert memory["body"] == 2 * (1024 * HKV * (8 + 12 + 4) + HKV * 16 * 8)
+    assert spec.bits_per_element(D, 1024) == 3.0
 
 
 def test_an_fp16_cache_is_its_keys_and_values():

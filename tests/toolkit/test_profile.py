@@ -148,12 +148,12 @@ def test_smoothing_is_rotary_pair_equal_with_unit_geometric_mean(profile):
 
 
 def test_codebooks_and_sensitivity(profile):
-    levels = profile.codebook("key:static:pre_rope", 1, 3)
+    levels = profile.codebook("key:static:pre_rope:outliers0.01", 1, 3)
     assert levels.shape == (8,) and (levels.diff() >= 0).all()
     with pytest.raises(
         ProfileError,
         match=r"no 3-bit codebook for 'key:token:pre_rope'; it has "
-        r"codebooks at \[2, 3, 4\] bits for key:static:pre_rope, ",
+        r"codebooks at \[2, 3, 4\] bits for key:static:pre_rope:outliers0.01, ",
     ):
         profile.codebook("key:token:pre_rope", 1, 3)
     assert profile.sensitivity("value", 1, 2) >= profile.sensitivity("value", 1, 4) >= 0

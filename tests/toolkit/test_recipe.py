@@ -16,8 +16,13 @@ PEERS = [
     "per-token-4",
     "kivi-2",
     "kivi-4",
+    "kvquant-2",
     "kvquant-3",
     "quarot-kv4",
+    "turboquant-2.5",
+    "turboquant-3.5",
+    "llamacpp-q4_0",
+    "llamacpp-q8_0",
     "hf-quanto-2",
     "hf-quanto-4",
 ]
@@ -46,6 +51,51 @@ def test_kivi_reproduces_the_paper_setting():
     assert (layer.key.granularity, layer.key.group_size, layer.key_flush) == ("channel", 32, 128)
     assert (layer.value.granularity, layer.value.group_size, layer.value_flush) == ("token", 32, 1)
     assert not layer.key.symmetric and not layer.value.symmetric
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_kvquant_stores_as_its_code_does(bits):
+    """Keys: static pre-RoPE ranges leaving 1% out, one exact slot per token and head for the
+    element farthest outside; values: one range per token over every KV head, 1% outliers per
+    vector; Fisher codebooks for both; token 0 kept; no residual window."""
+    recipe = load_recipe(f"kvquant-{bits}")
+    k, v = recipe.key.spec(), recipe.value.spec()
+    assert (k.bits, k.granularity, k.outliers, k.outlier_slots, k.slot_rule) == (
+        bits, "static", 0.01, 1, "outside"
+    )  # fmt: skip
+    assert recipe.key.position == "pre_rope" and k.codebook and v.codebook
+    assert (v.bits, v.granularity, v.group_size, v.outliers) == (bits, "vector", 0, 0.01)
+    assert (recipe.sinks_first, recipe.residual, recipe.sinks_predicted) == (1, 0, False)
+    assert recipe.needs_profile
+
+
+@pytest.mark.parametrize("name, bits, outlier_bits", [("2.5", 2, 4), ("3.5", 3, 5)])
+def test_turboquant_splits_a_quarter_of_the_channels(name, bits, outlier_bits):
+    recipe = load_recipe(f"turboquant-{name}")
+    for t in (recipe.key, recipe.value):
+        spec = t.spec()
+        assert spec.method == "turboquant" and spec.sets(64) == ((16, outlier_bits), (48, bits))
+        assert sum(c * b for c, b in spec.sets(64)) / 64 == float(name)  # the paper's label
+        assert t.rotation == "none" and t.codebook == "uniform"  # the rotation is TurboQuant's
+    assert recipe.key.position == "post_rope" and recipe.residual == 0 and not recipe.sinks_first
+    assert recipe.needs_profile  # the outlier channels only
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_llamacpp_rotates_and_blocks_of_32(bits):
+    recipe = load_recipe(f"llamacpp-q{bits}_0")
+    scheme, _ = plan(recipe, num_layers=2, head_dim=64)
+    for layer in scheme.layers:
+        for spec in (layer.key, layer.value):
+            assert (spec.method, spec.bits, spec.group_size, spec.symmetric) == (
+                "ggml",
+                bits,
+                32,
+                True,
+            )
+        assert layer.key_rotation and layer.value_rotation and layer.key_position == "post_rope"
+    assert scheme.rotation_seed is None  # llama.cpp's Hadamard has no random signs
+    assert (scheme.residual, scheme.num_sink_slots) == (0, 0) and not recipe.needs_profile
 
 
 def test_typo_is_refused_with_the_key_named():
@@ -83,6 +133,11 @@ def test_typo_is_refused_with_the_key_named():
         ),
         ({"name": "x", "key": {"bits": 2, "flush": 4}}, r"with no residual window"),
         ({"key": {"bits": 2}}, r"missing key 'name'"),
+        ({"name": "x", "key": {"bits": 2, "method": "nf4"}}, r"use one of affine, ggml"),
+        (
+            {"name": "x", "key": {"bits": 4, "group_size": 32, "method": "ggml"}},
+            r"\[key\] method 'ggml' has its own numerics: set symmetric = true",
+        ),
     ],
 )
 def test_impossible_recipes_say_the_fix(doc, message):

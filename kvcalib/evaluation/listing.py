@@ -1,0 +1,94 @@
+"""`kvcalib recipes`: every preset with its one-line description and its bits per element.
+
+"At 4K" is the memory issue's number: the bytes a runtime QuantizedCache for one sequence of 4096
+tokens allocates (codes, group metadata, outlier slots, per-layer constants, the residual window,
+sink slots and bookkeeping), walked from the buffers of a cache built on the meta device
+(kvcalib_runtime.kvcache.planned_memory), per key or value element it holds (2 x layers x KV
+heads x head_dim x 4096). "body" is the quantized body alone (what `kvcalib eval` reports as
+bits/element). The geometry is the default model's, so no model is loaded. A recipe that needs
+calibrated tensors gets `PlaceholderProfile`'s, which have the calibrated tensors' shapes: no
+size depends on their values (a per-layer bit allocation spends its whole budget whatever the
+sensitivities). External peers (hf-quanto) are counted as kvcalib.evaluation.external counts
+them.
+"""
+
+import torch
+
+from kvcalib.core.plan import plan
+from kvcalib.core.recipe import load_recipe, presets
+from kvcalib.evaluation.external import external_bits
+from kvcalib_runtime.kvcache import planned_memory
+from kvcalib_runtime.quant import uniform_codebook
+from kvcalib_runtime.scheme import SinkPredictor
+from kvcalib_runtime.transforms import Transforms
+
+DEFAULT_GEOMETRY = {"num_layers": 30, "kv_heads": 3, "head_dim": 64}  # SmolLM2-135M
+CONTEXT = 4096
+
+
+class PlaceholderProfile:
+    """What kvcalib.core.plan asks of a profile, with the shapes of a real one and placeholder
+    values: ranges [-1, 1], uniform codebooks, unit smoothing scales, the first channels as
+    outlier channels, a sink predictor that never fires, sensitivities 2**-bits everywhere."""
+
+    def __init__(self, kv_heads: int, head_dim: int):
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+
+    def range(self, tensor, layer, *, position="post_rope", outliers=0.0):
+        ones = torch.ones(self.kv_heads, self.head_dim)
+        return -ones, ones
+
+    def codebook(self, variant, layer, bits):
+        return uniform_codebook(bits, symmetric=":symmetric" in variant)
+
+    def smoothing(self, layer, alpha, *, position):
+        return torch.ones(self.kv_heads, self.head_dim)
+
+    def outlier_channels(self, tensor, layer, count, *, position="post_rope"):
+        return torch.arange(count).expand(self.kv_heads, count).contiguous()
+
+    def sink_predictor(self):
+        return SinkPredictor(0, (0,), float("inf"))
+
+    def sensitivity(self, tensor, layer, bits):
+        return 2.0**-bits
+
+
+def recipe_bits(recipe, *, num_layers: int, kv_heads: int, head_dim: int, context: int = CONTEXT):
+    """(bits per element of everything allocated, of the quantized body alone) for one
+    sequence of `context` tokens; `recipe` is a Recipe, a preset name or a path."""
+    recipe = load_recipe(recipe) if isinstance(recipe, str) else recipe
+    if recipe.external:
+        return external_bits(recipe, context, residual=True), external_bits(recipe, context)
+    profile = PlaceholderProfile(kv_heads, head_dim) if recipe.needs_profile else None
+    scheme, params = plan(recipe, num_layers=num_layers, head_dim=head_dim, profile=profile)
+    memory = planned_memory(
+        scheme,
+        params,
+        Transforms.online(scheme, params),
+        num_layers=num_layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        context=context,
+    )
+    elements = 2 * num_layers * kv_heads * head_dim * context
+    return sum(memory.values()) * 8 / elements, memory["body"] * 8 / elements
+
+
+def format_recipes() -> str:
+    """The `kvcalib recipes` table: name, bits/element at 4K and of the body, description."""
+    g = DEFAULT_GEOMETRY
+    lines = [
+        f"Bits per element at {CONTEXT} tokens, walked from the runtime cache's buffers for the "
+        f"default model's geometry (smollm2-135m: {g['num_layers']} layers, {g['kv_heads']} KV "
+        f"heads, head_dim {g['head_dim']}); fp16 is 16. 'at 4K' counts everything the cache "
+        "allocates (residual window and kept sinks too), 'body' the quantized tokens alone.",
+        "",
+        "| recipe | at 4K | body | description |",
+        "|---|---|---|---|",
+    ]
+    for name in presets():
+        recipe = load_recipe(name)
+        total, body = recipe_bits(recipe, **g)
+        lines.append(f"| {name} | {total:.2f} | {body:.2f} | {recipe.description} |")
+    return "\n".join(lines)

@@ -1,0 +1,179 @@
+"""TurboQuant_mse (Zandieh et al., ICLR 2026, arXiv:2504.19874, Algorithm 1) as the quantizer of
+KV rows, with the paper's split of a head's channels into an outlier set and a normal set (§4.3:
+"two independent instances of TurboQuant", the outliers at more bits).
+
+A row x of one head (D channels) is cut into S sets: with `split_channels` = n_o, the outlier
+set (the channels `split[h]` names for KV head h) at `split_bits` bits and the other D - n_o
+channels at `bits`; without, one set (the whole head) at `bits`. Each set of n channels is
+quantized on its own:
+
+    r     = ||x_s||                      the set's norm, stored in fp16 (the paper keeps norms in
+                                         floating point and quantizes the unit vector)
+    y     = (x_s / r) @ R_n              R_n = codebooks.random_rotation(n): random orthogonal
+    c_j   = the level of codebooks.lloyd_max(n, bits_s) nearest to y_j (ties to the lower level)
+    x_s_hat = r * level[c] @ R_n.T
+
+so every coordinate of y follows the known density of a unit vector's coordinate, whatever the
+data: no calibration of the levels or the rotation. QTensor layout: codes uint8 [..., T, D], the
+outlier set's n_o codes first, then the rest's (codes of rotated coordinates, not of channels);
+scale [..., T, S, 1], the sets' norms rounded to x's dtype; offset None.
+
+`TurboBody` stores rows of a cache in that layout, each set's codes packed at its own width.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcalib_runtime.codebooks import lloyd_max, random_rotation
+from kvcalib_runtime.packing import pack, packed_size, unpack
+from kvcalib_runtime.spec import QTensor, QuantSpec
+
+
+def _sets(x: torch.Tensor, spec: QuantSpec, split: torch.Tensor | None) -> list[torch.Tensor]:
+    """x [..., H, T, D] -> the sets' channels [..., H, T, n_s], outlier set first."""
+    d = x.shape[-1]
+    if not spec.split_channels:
+        spec.sets(d)
+        return [x]
+    outlier = _outlier_mask(spec, split, x.shape[-3], d, x.device)
+    order = torch.argsort(~outlier, dim=-1, stable=True)[:, None, :]  # [H, 1, D]: outliers first
+    permuted = x.gather(-1, order.expand(x.shape))
+    (n_o, _), _ = spec.sets(d)
+    return [permuted[..., :n_o], permuted[..., n_o:]]
+
+
+def _outlier_mask(spec: QuantSpec, split, heads: int, d: int, device) -> torch.Tensor:
+    """bool [H, D]: the outlier set's channels of each head."""
+    if split is None:
+        raise ValueError(
+            "this turboquant spec splits channels: pass split (the outlier channels per head, "
+            "KVParams.key_split / value_split)"
+        )
+    if tuple(split.shape) != (heads, spec.split_channels):
+        raise ValueError(
+            f"split has shape {list(split.shape)}, expected [{heads}, {spec.split_channels}]"
+        )
+    mask = torch.zeros(heads, d, dtype=torch.bool, device=device)
+    mask.scatter_(1, split.to(device=device, dtype=torch.long), True)
+    if int(mask.sum()) != heads * spec.split_channels:
+        raise ValueError("split names a channel twice within a head: give distinct channels")
+    return mask
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec, split: torch.Tensor | None = None) -> QTensor:
+    """x [..., H, T, D] (float) -> QTensor (module docstring); split int64 [H, n_o]."""
+    codes, norms = [], []
+    for part, (n, bits) in zip(_sets(x.float(), spec, split), spec.sets(x.shape[-1]), strict=True):
+        scale = part.norm(dim=-1, keepdim=True).to(x.dtype)
+        s = scale.float()
+        rotation = random_rotation(n).to(device=x.device, dtype=torch.float32)
+        y = torch.where(s > 0, part / torch.where(s > 0, s, 1.0), 0.0) @ rotation
+        levels = lloyd_max(n, bits).to(x.device)
+        codes.append(torch.searchsorted((levels[1:] + levels[:-1]) / 2, y.contiguous()))
+        norms.append(scale)
+    return QTensor(torch.cat(codes, -1).to(torch.uint8), torch.stack(norms, -2), None)
+
+
+def dequantize(q: QTensor, spec: QuantSpec, split: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [..., H, T, D] from a QTensor of `quantize` (same spec and split)."""
+    d = q.codes.shape[-1]
+    parts, start = [], 0
+    for i, (n, bits) in enumerate(spec.sets(d)):
+        levels = lloyd_max(n, bits).to(q.codes.device)
+        rotation = random_rotation(n).to(device=q.codes.device, dtype=torch.float32)
+        y = levels[q.codes[..., start : start + n].long()]
+        parts.append(q.scale[..., i, :].float() * (y @ rotation.T))
+        start += n
+    x = torch.cat(parts, -1)
+    if not spec.split_channels:
+        return x
+    outlier = _outlier_mask(spec, split, x.shape[-3], d, x.device)
+    order = torch.argsort(~outlier, dim=-1, stable=True)[:, None, :]
+    return torch.empty_like(x).scatter_(-1, order.expand(x.shape), x)
+
+
+@dataclass
+class TurboBody:
+    """The quantized body of one layer's keys or values under a "turboquant" spec: B sequences
+    of N slots (slot t holds position t) of Hkv heads of D channels, stored in `dtype`.
+
+    spec       QuantSpec (method "turboquant")
+    head_dim   D
+    codes      per set s (outlier set first): uint8 [B, Hkv, N, packed_size(n_s, bits_s)]
+               (kvcalib_runtime.packing's row layout)
+    scale      dtype [B, Hkv, N, S]  the sets' norms
+    split      int64 [Hkv, n_o], the outlier channels of each head, or None without a split
+    """
+
+    spec: QuantSpec
+    head_dim: int
+    codes: tuple[torch.Tensor, ...]
+    scale: torch.Tensor
+    split: torch.Tensor | None
+
+    @classmethod
+    def allocate(cls, spec: QuantSpec, shape, device, dtype, split=None) -> "TurboBody":
+        """Zeroed storage for `shape` = (B, Hkv, N, D)."""
+        b, hkv, n, d = shape
+        sets = spec.sets(d)
+        if spec.split_channels:
+            if split is None:
+                raise ValueError(
+                    "a turboquant spec with split_channels needs this layer's outlier channels: "
+                    "put them in KVParams.key_split / value_split"
+                )
+            split = split.to(device=device, dtype=torch.int64).contiguous()
+        codes = tuple(
+            torch.zeros(b, hkv, n, packed_size(c, bits), device=device, dtype=torch.uint8)
+            for c, bits in sets
+        )
+        scale = torch.zeros(b, hkv, n, len(sets), device=device, dtype=dtype)
+        return cls(spec, d, codes, scale, split if spec.split_channels else None)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this body holds (what its memory is)."""
+        return [*self.codes, self.scale, *([self.split] if self.split is not None else [])]
+
+    def view(self, b: int) -> "TurboBody":
+        """Sequence b alone (B = 1), sharing storage."""
+        codes = tuple(c[b : b + 1] for c in self.codes)
+        return TurboBody(self.spec, self.head_dim, codes, self.scale[b : b + 1], self.split)
+
+    def write(self, x: torch.Tensor, seq: torch.Tensor, start: torch.Tensor, active=None) -> None:
+        """Quantize x [M, Hkv, n, D] into positions [start[m], start[m] + n) of sequence seq[m]
+        (slot = position % N: a ring for a sliding-window layer); `active` bool [M] (default
+        all) says which blocks write. A reference path: it reads seq/start on the host."""
+        n, slots = x.shape[2], self.scale.shape[2]
+        active = [True] * len(x) if active is None else active.tolist()
+        for xm, b, s, on in zip(x, seq.tolist(), start.tolist(), active, strict=True):
+            if not on:
+                continue
+            q = quantize(xm, self.spec, self.split)
+            where = torch.arange(s, s + n, device=x.device) % slots
+            first = 0
+            for buf, (c, bits) in zip(self.codes, self.spec.sets(self.head_dim), strict=True):
+                buf[b, :, where] = pack(q.codes[..., first : first + c], bits)
+                first += c
+            self.scale[b, :, where] = q.scale[..., 0]
+
+    def flush(self, tail, new, lengths, start, end, n: int) -> None:
+        """A decode step's flush (kernels.quant_pack.flush_reference's contract): positions
+        [start[b], start[b] + n) where start[b] < end[b], from the ring tail [B, Hkv, R, D]
+        below lengths[b] and the new token new [B, Hkv, D] otherwise."""
+        seq = torch.arange(len(start), device=start.device)
+        pos = start[:, None] + torch.arange(n, device=start.device)  # [B, n]
+        old = tail[seq[:, None], :, pos % tail.shape[2]]  # [B, n, Hkv, D]
+        x = torch.where((pos < lengths[:, None])[..., None, None], old, new[:, None])
+        self.write(x.transpose(1, 2), seq, start, active=start < end)
+
+    def dequantize(self, dtype: torch.dtype, b: int | None = None, n: int | None = None):
+        """Slots [0, n) (default all) of sequence b (default every sequence) in plain torch:
+        [B, Hkv, n, D] ([Hkv, n, D] for one sequence)."""
+        rows = slice(None) if b is None else slice(b, b + 1)
+        n = self.scale.shape[2] if n is None else n
+        sets = zip(self.codes, self.spec.sets(self.head_dim), strict=True)
+        codes = torch.cat([unpack(buf[rows, :, :n], bits, c) for buf, (c, bits) in sets], -1)
+        q = QTensor(codes, self.scale[rows, :, :n, :, None], None)
+        out = dequantize(q, self.spec, self.split).to(dtype)
+        return out if b is None else out[0]
