@@ -90,6 +90,9 @@ class ShapeProfile:
     def smoothing(self, layer, alpha, *, position):
         return torch.ones(self.kv_heads, self.head_dim)
 
+    def outlier_channels(self, tensor, layer, n, *, position="post_rope"):
+        return torch.arange(n).expand(self.kv_heads, n).contiguous()
+
     def sink_predictor(self):
         from kvcalib_runtime.scheme import SinkPredictor
 

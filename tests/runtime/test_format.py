@@ -300,8 +300,12 @@ def test_turboquant_needs_its_outlier_channels(tmp_path):
     meta = json.loads((_write(tmp_path / "a") / format.META).read_text())
     spec = QuantSpec(2, symmetric=True, method="turboquant", split_channels=2, split_bits=3)
     meta["scheme"] = KVScheme((LayerScheme(spec, None),) * LAYERS).to_json()
+    meta["transforms"] = Transforms.none(LAYERS).to_json()
+    folder = _write(tmp_path / "b", meta=meta)
+    save_file({}, folder / format.PARAMS)  # no calibrated tensor: the split is missing
+    _manifest(folder)
     with pytest.raises(FormatError, match=r"layers\.0\.key_split must have shape \(2, 2\)"):
-        format.read_checkpoint(_write(tmp_path / "b", meta=meta))
+        format.read_checkpoint(folder)
 
 
 def test_config_sizes_and_predictor_shapes_are_checked(ckpt):
