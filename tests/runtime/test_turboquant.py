@@ -101,6 +101,6 @@ def test_the_body_stores_what_the_quantizer_computes(dtype):
     body = TurboBody.allocate(spec, (1, 2, 9, 64), "cpu", dtype, split)
     assert [c.shape[-1] for c in body.codes] == [8, 12]  # 16 x 4 bits, 48 x 2 bits
     body.write(x, torch.tensor([0]), torch.tensor([2]))
-    stored = body.dequantize(0, 9, dtype)
+    stored = body.dequantize(dtype, b=0, n=9)
     assert torch.equal(stored[:, 2:], fake_quantize(x[0], spec, split=split))
     assert not stored[:, :2].any()
