@@ -20,14 +20,18 @@ import torch
 from kvcalib.calibration import PHASES, Settings, calibrate
 from kvcalib.calibration.codebooks import preset_variants
 from kvcalib.conversion.convert import convert as convert_checkpoint
+from kvcalib.core.dtypes import as_dtype
 from kvcalib.core.models import ModelSource, cache_dir, load_model, resolve
 from kvcalib.core.profile import FORMAT_VERSION, Profile
 from kvcalib.core.recipe import Recipe, load_recipe
-from kvcalib.errors import ProfileError, RecipeError
+from kvcalib.errors import ModelError, ProfileError, RecipeError
 from kvcalib.evaluation.score import Candidate, Result, candidates, score
 from kvcalib_runtime.format import META, read_checkpoint
 
 __all__ = ["PHASES", "Settings", "calibrate", "convert", "default_profile", "evaluate"]
+
+# What the default calibration costs, measured (benchmarks/RESULTS.md, bench_calibrate.py).
+DEFAULT_COST = "about TBD minutes"
 
 
 def _stderr(line: str) -> None:
@@ -65,14 +69,14 @@ def default_profile(
     if not path.is_dir():
         what = (
             f"no --profile given: the recipe needs calibrated tensors, so {source.spec} gets "
-            f"its default calibration (`kvcalib calibrate`), cached in {path}"
+            f"its default calibration (`kvcalib calibrate`; {DEFAULT_COST}), cached in {path}"
         )
         if not calibrate_missing:
             raise ProfileError(
                 f"{what} - but --no-calibrate was given: run kvcalib calibrate "
                 f"{source.spec} -o DIR and pass --profile DIR"
             )
-        log(f"note: {what}; this runs once")
+        log(f"note: {what}; this runs once (--no-calibrate stops here instead)")
         calibrate(str(source.path), path, progress=progress)
     loaded = Profile.load(path)
     loaded.check_model(source)
@@ -117,7 +121,7 @@ def evaluate(
     passkey: bool = False,
     plots: str | Path | None = None,
     device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: str | torch.dtype = "float32",
     progress: bool = True,
     calibrate_missing: bool = True,
     trust_remote_code: bool = False,
@@ -126,8 +130,10 @@ def evaluate(
 
     A converted folder (one with kvcalib.json) is evaluated with its own side-car as the recipe
     "<name> (converted)", besides any `recipes`. Recipes that need calibrated tensors use
-    `profile` (a folder or a Profile), else the default profile (`default_profile`).
+    `profile` (a folder or a Profile), else the default profile (`default_profile`). dtype:
+    "float32", "float16", "bfloat16" or the torch dtype.
     """
+    dtype = as_dtype(dtype, ModelError)
     source = resolve(model, trust_remote_code=trust_remote_code)
     net, tokenizer = load_model(
         model, device=device, dtype=dtype, trust_remote_code=trust_remote_code

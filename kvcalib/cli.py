@@ -67,6 +67,11 @@ def inspect(path, trust_remote_code):
     default="float32",
     show_default=True,
 )
+@click.option(
+    "--no-calibrate",
+    is_flag=True,
+    help="Without --profile, stop (exit 2) instead of running the default calibration.",
+)
 @TRUST_REMOTE_CODE
 def eval_(
     model,
@@ -81,14 +86,13 @@ def eval_(
     json_out,
     device,
     dtype,
+    no_calibrate,
     trust_remote_code,
 ):
     """Measure KV recipes against full precision on the same text (MODEL: default
     smollm2-135m, or a converted folder, evaluated with its own side-car)."""
     import json
     from pathlib import Path
-
-    import torch
 
     from kvcalib.api import evaluate
     from kvcalib.errors import OutputError
@@ -108,7 +112,8 @@ def eval_(
         passkey=passkey,
         plots=plots,
         device=device,
-        dtype=getattr(torch, dtype),
+        dtype=dtype,
+        calibrate_missing=not no_calibrate,
         trust_remote_code=trust_remote_code,
     )
     click.echo(format_table(results))
@@ -149,6 +154,11 @@ def eval_(
     default=None,
     help="Add compressed-tensors FP8 KV-cache scales for vLLM (needs --profile).",
 )
+@click.option(
+    "--no-calibrate",
+    is_flag=True,
+    help="Without --profile, stop (exit 2) instead of running the default calibration.",
+)
 @TRUST_REMOTE_CODE
 def convert(
     model,
@@ -160,6 +170,7 @@ def convert(
     max_shard_size,
     rotate_residual,
     export,
+    no_calibrate,
     trust_remote_code,
 ):
     """Fuse a recipe's rotations and scalings into MODEL's weights (default: smollm2-135m)."""
@@ -175,6 +186,7 @@ def convert(
         max_shard_size=max_shard_size,
         rotate_residual=rotate_residual,
         export=export,
+        calibrate_missing=not no_calibrate,
         trust_remote_code=trust_remote_code,
     )
     click.echo(f"wrote {path}")
@@ -231,6 +243,34 @@ def convert(
     default=None,
     help="With --sequential: keep activations between layers in files here, not in memory.",
 )
+@click.option(
+    "--sensitivity",
+    type=click.Choice(["fisher", "probe", "none"]),
+    default="fisher",
+    show_default=True,
+    help="Per-layer sensitivity for bit allocation: from the gradients the codebooks use "
+    "(fisher, nearly free), measured by quantizing each layer in turn (probe, slow), or none "
+    "(allocating recipes then use uniform bits).",
+)
+@click.option(
+    "--gradient-windows",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Windows with a backward pass, for the sensitivity and the codebooks alike "
+    "(default: 4 and 2).",
+)
+@click.option(
+    "--sensitivity-windows",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Windows of the sensitivity (overrides --gradient-windows; default 4).",
+)
+@click.option(
+    "--codebook-windows",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Windows of the codebooks' Fisher weights (overrides --gradient-windows; default 2).",
+)
 @TRUST_REMOTE_CODE
 def calibrate_(
     model,
@@ -244,12 +284,27 @@ def calibrate_(
     force,
     sequential,
     offload_dir,
+    sensitivity,
+    gradient_windows,
+    sensitivity_windows,
+    codebook_windows,
     trust_remote_code,
 ):
     """Profile MODEL's KV cache on calibration text (default: smollm2-135m): ranges, outlier
     channels, attention sinks, sink predictor, sensitivity and codebooks."""
-    from kvcalib.api import calibrate
+    import dataclasses
+
+    from kvcalib.api import PHASES, Settings, calibrate
     from kvcalib.inspect import profile_summary
+
+    default = Settings()
+    settings = dataclasses.replace(
+        default,
+        sensitivity="fisher" if sensitivity == "none" else sensitivity,
+        sensitivity_windows=sensitivity_windows or gradient_windows or default.sensitivity_windows,
+        codebook_windows=codebook_windows or gradient_windows or default.codebook_windows,
+    )
+    phases = tuple(p for p in PHASES if p != "sensitivity" or sensitivity != "none")
 
     profile = calibrate(
         model,
@@ -263,6 +318,8 @@ def calibrate_(
         force=force,
         sequential=sequential,
         offload_dir=offload_dir,
+        phases=phases,
+        settings=settings,
         trust_remote_code=trust_remote_code,
     )
     click.echo(profile_summary(profile.path))
