@@ -7,7 +7,16 @@ mode "fake":   every position's keys and values are quantized before attention (
                KVQuant perplexity convention); kept sinks stay exact.
 mode "decode": each query sees exactly what a decoding cache holds at its step (the rule in
                kvcalib_runtime.scheme): the residual window and kept sinks exact, everything
-               older as the body stores it. Decode mode costs two score and two value matmuls.
+               older as the body stores it. Computed as fake mode plus, per block of BLOCK
+               queries, the exact keys and values of the block's window band (the positions
+               some query of the block still sees exactly: at most BLOCK + residual + flush
+               keys), so it costs one score and one value matmul plus about (BLOCK + residual) / T
+               of another.
+
+With a sink budget, the predicted sinks are a fixed point: the predictor reads the residual
+stream of the quantized model, which depends on which tokens are kept. Each pass runs only up to
+the predictor's layer (at most MAX_SINK_PASSES, until the flags repeat); the whole model then runs
+once with the sinks the last pass decided.
 
 All quantization goes through kvcalib_runtime.quant, so what this measures is what the runtime
 stores. Smoothing and rotations go through kvcalib_runtime.transforms: those the weights already
@@ -34,6 +43,7 @@ ATTENTION = "kvcalib"
 MODES = ("fake", "decode")
 _ACTIVE: ContextVar["Simulator | None"] = ContextVar("kvcalib_simulator", default=None)
 MAX_SINK_PASSES = 3
+BLOCK = 64  # queries per band block in decode mode
 
 
 @dataclass
@@ -103,7 +113,7 @@ class Simulator:
         self._predicted = None
         self._key_pre = {}
         self._rope = {}
-        self._masks = {}
+        self._bands = {}
 
     # -- running -------------------------------------------------------------------------------
 
@@ -116,15 +126,14 @@ class Simulator:
         if predictor is None:
             self._sinks = self._first_sinks(input_ids)
             return self._forward(input_ids)
-        flags = self._predict_full_precision(input_ids, predictor.layer).to(input_ids.device)
+        flags = self._predict(input_ids, predictor.layer, quantized=False)
         for self.sink_passes in range(1, MAX_SINK_PASSES + 1):
             self._sinks = self._budget(input_ids, flags)
-            logits = self._forward(input_ids)
-            predicted = self._predicted.to(input_ids.device)  # layers may sit on other GPUs
+            predicted = self._predict(input_ids, predictor.layer, quantized=True)
             if torch.equal(predicted, flags):
                 break
             flags = predicted  # the quantized pass flags other tokens: decide again
-        return logits
+        return self._forward(input_ids)
 
     @property
     def sinks(self) -> torch.Tensor:
@@ -169,7 +178,7 @@ class Simulator:
                 _ACTIVE.reset(token)
                 self._key_pre.clear()
                 self._rope.clear()
-                self._masks.clear()
+                self._bands.clear()
 
     def _install(self, hooks: Hooks) -> None:
         hooks.attention(ATTENTION)
@@ -190,18 +199,27 @@ class Simulator:
     def _capture_flags(self, module, args, output):
         self._predicted = self.params.sink_predictor(hidden_of(output))
 
-    def _predict_full_precision(self, input_ids, layer: int) -> torch.Tensor:
-        """Predictor flags from a full-precision forward that stops after the predictor layer."""
+    def _predict(self, input_ids, layer: int, *, quantized: bool) -> torch.Tensor:
+        """Predictor flags bool [B, T] from a forward that stops after the predictor layer:
+        full precision (the model's own attention), or quantized with the current sinks (no
+        observers: they see the final forward only)."""
 
         def stop(module, args, output):
             self._capture_flags(module, args, output)
             raise _EarlyExit
 
-        with Hooks(self.model) as hooks:
-            hooks.forward(decoder_layers(self.model)[layer], stop)
-            with contextlib.suppress(_EarlyExit):
-                self.model(input_ids)
-        return self._predicted
+        observers, self.observers = self.observers, [] if quantized else self.observers
+        try:
+            with contextlib.ExitStack() as stack:
+                if quantized:
+                    stack.enter_context(self._active())
+                hooks = stack.enter_context(Hooks(self.model))
+                hooks.forward(decoder_layers(self.model)[layer], stop)
+                with contextlib.suppress(_EarlyExit):
+                    self.model(input_ids)
+        finally:
+            self.observers = observers
+        return self._predicted.to(input_ids.device)  # layers may sit on other GPUs
 
     def _first_sinks(self, input_ids) -> torch.Tensor:
         b, t = input_ids.shape
@@ -227,29 +245,21 @@ class Simulator:
         value_hat = self._value_hat(i, layer, value, sinks) if layer and layer.value else None
         q = query.view(b, hkv, g, t, d)
         mask = attention_mask.view(b, 1, 1, *attention_mask.shape[-2:])
-        k_exact, v_exact = key[:, :, None], value[:, :, None]
-        if self.mode == "fake":
-            keep = sinks[:, None, :, None]
-            k = torch.where(keep, key, key_hat)[:, :, None] if key_hat is not None else k_exact
-            v = (
-                torch.where(keep, value, value_hat)[:, :, None]
-                if value_hat is not None
-                else v_exact
-            )
-            probs = torch.softmax((q @ k.transpose(-1, -2)) * scaling + mask, -1, torch.float32)
-            out = probs.to(v.dtype) @ v
-        else:
-            scores = q @ k_exact.transpose(-1, -2)
-            if key_hat is not None:
-                m = self._decode_mask(t, layer.key_flush, sinks, key.dtype)
-                delta = q @ (key_hat - key)[:, :, None].transpose(-1, -2)
-                scores = scores + delta * m
-            probs = torch.softmax(scores * scaling + mask, -1, torch.float32)
-            p = probs.to(value.dtype)
-            out = p @ v_exact
-            if value_hat is not None:
-                m = self._decode_mask(t, layer.value_flush, sinks, value.dtype)
-                out = out + (p * m) @ (value_hat - value)[:, :, None]
+        keep = sinks[:, None, :, None]
+        k = key if key_hat is None else torch.where(keep, key, key_hat)
+        v = value if value_hat is None else torch.where(keep, value, value_hat)
+        scores = q @ k[:, :, None].transpose(-1, -2)
+        if self.mode == "decode" and key_hat is not None:
+            for a, z, lo, exact in self._band(t, layer.key_flush, sinks.device):
+                band = q[..., a:z, :] @ key[:, :, None, lo:z].transpose(-1, -2)
+                scores[..., a:z, lo:z] = torch.where(exact, band, scores[..., a:z, lo:z])
+        probs = torch.softmax(scores * scaling + mask, -1, torch.float32)
+        p = probs.to(v.dtype)
+        out = p @ v[:, :, None]
+        if self.mode == "decode" and value_hat is not None:
+            diff = (value - v)[:, :, None]  # zero where kept exact
+            for a, z, lo, exact in self._band(t, layer.value_flush, sinks.device):
+                out[..., a:z, :] += (p[..., a:z, lo:z] * exact) @ diff[..., lo:z, :]
         if self.observers:
             exact = sinks
             if self.mode == "decode" and layer is not None and layer.key is not None:
@@ -262,18 +272,25 @@ class Simulator:
                 observe(record)
         return out.reshape(b, -1, t, d).transpose(1, 2).contiguous(), None
 
-    def _decode_mask(self, t: int, flush: int, sinks, dtype) -> torch.Tensor:
-        """[B, 1, 1, T, T]: 1 where query t sees key j quantized (cached per forward)."""
-        cached = (t, flush, sinks.device)
-        if cached in self._masks:
-            return self._masks[cached]
-        pos = torch.arange(t, device=sinks.device)
-        n_q = quantized_prefix(pos, self.scheme.residual, flush)
-        if self.prefill:
-            n_q = torch.where(pos < self.prefill, 0, n_q)
-        m = (pos[None, :] < n_q[:, None]) & ~sinks[:, None, :]
-        self._masks[cached] = m[:, None, None].to(dtype)
-        return self._masks[cached]
+    def _band(self, t: int, flush: int, device) -> list:
+        """Decode mode's exact positions, block by block: (a, z, lo, exact) per block of queries
+        a ... z - 1, exact bool [z - a, z - lo] where query i sees key j (lo <= j < z) as it is
+        (j >= n_q(i), the rule's quantized prefix; keys after i are masked anyway, kept sinks
+        are exact either way). Keys before lo are quantized for every query of the block.
+        Cached per forward."""
+        cached = (t, flush, device)
+        if cached not in self._bands:
+            pos = torch.arange(t, device=device)
+            n_q = quantized_prefix(pos, self.scheme.residual, flush)
+            if self.prefill:
+                n_q = torch.where(pos < self.prefill, 0, n_q)
+            blocks = []
+            for a in range(0, t, BLOCK):
+                z = min(a + BLOCK, t)
+                lo = int(n_q[a:z].min())  # n_q(i) <= i: query i sees itself exactly
+                blocks.append((a, z, lo, pos[lo:z][None, :] >= n_q[a:z][:, None]))
+            self._bands[cached] = blocks
+        return self._bands[cached]
 
     def _key_hat(self, i: int, layer: LayerScheme, key, sinks):
         """The keys attention uses where quantized: post-RoPE, in the weights' domain."""

@@ -5,6 +5,7 @@ import pytest
 import torch
 from tiny import tiny_model
 
+from kvcalib.sim import simulate
 from kvcalib.sim.cache import QuantizedKVCache
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.quant import QuantSpec
@@ -74,7 +75,9 @@ def _incremental(model, scheme, params, ids, prefill):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("prefill", [1, 13])
-def test_decode_mode_equals_incremental_decoding(arch, case, prefill):
+@pytest.mark.parametrize("block", [simulate.BLOCK, 7])  # 7: bands of several blocks, one ragged
+def test_decode_mode_equals_incremental_decoding(arch, case, prefill, block, monkeypatch):
+    monkeypatch.setattr(simulate, "BLOCK", block)
     model = tiny_model(arch)
     ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(1))
     kw = dict(CASES[case])
@@ -92,7 +95,8 @@ def test_decode_mode_equals_incremental_decoding(arch, case, prefill):
     assert (one_pass - reference).abs().max() / reference.abs().max() > 1e-3
 
 
-def test_predicted_sinks_match_incremental_decoding():
+def test_predicted_sinks_match_incremental_decoding(monkeypatch):
+    monkeypatch.setattr(simulate, "BLOCK", 16)
     model = tiny_model("llama")
     ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -114,6 +118,25 @@ def test_predicted_sinks_match_incremental_decoding():
     assert sim.sinks.sum() == 4  # token 0 + the budget of 3 predicted sinks
     step = _incremental(model, scheme, params, ids, 1)
     assert (one_pass - step).abs().max() / step.abs().max() < 1e-5
+
+
+def test_predicted_sinks_are_decided_before_the_one_observed_forward():
+    # The sink fixed point iterates on forwards that stop after the predictor's layer; the whole
+    # model then runs once, with the sinks the last pass decided, and only that run is observed.
+    model = tiny_model("llama", num_hidden_layers=3)
+    ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states[2][0]  # after layer 1
+    threshold = float(hidden[:, 5].abs().quantile(0.8))
+    params = KVParams(sink_predictor=SinkPredictor(layer=1, dims=(5,), threshold=threshold))
+    scheme = _scheme(model, QuantSpec(2), QuantSpec(2), residual=4, sinks_first=1, sink_budget=8)
+    records = []
+    with torch.no_grad():
+        sim = Simulator(model, scheme, params, mode="decode", observers=[records.append])
+        sim(ids)
+    assert sim.sink_passes == 2  # measured: 2-bit layers 0-1 move a flag across the threshold
+    assert [r.layer for r in records] == [0, 1, 2]
+    assert all(torch.equal(r.sinks, sim.sinks) for r in records)
 
 
 def test_unfused_key_smoothing_matches_incremental_decoding():
