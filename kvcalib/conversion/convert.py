@@ -26,12 +26,13 @@ from safetensors.torch import save_file
 from kvcalib.conversion import export as exports
 from kvcalib.conversion import rotate
 from kvcalib.core import models
+from kvcalib.core.dtypes import as_dtype, name_of
 from kvcalib.core.plan import plan
 from kvcalib.core.profile import Profile
 from kvcalib.core.recipe import Recipe, load_recipe
 from kvcalib.errors import ModelError, OutputError, ProfileError, RecipeError
 from kvcalib.io import atomic
-from kvcalib.io.shards import ShardWriter, SourceWeights, TensorSpec, parse_size
+from kvcalib.io.shards import ShardWriter, SourceWeights, TensorSpec, ahead, parse_size
 from kvcalib_runtime import archs, format
 from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.hadamard import is_supported
@@ -39,7 +40,6 @@ from kvcalib_runtime.kvcache import planned_memory
 from kvcalib_runtime.transforms import FUSED, NONE, ONLINE, LayerTransforms, Transforms
 from kvcalib_runtime.transforms import KINDS as TRANSFORM_KINDS
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Copied byte for byte from the source when present (tokenizer.json is required).
 COPIED = (
@@ -48,6 +48,7 @@ COPIED = (
     "tokenizer.model", "vocab.json", "merges.txt",
 )  # fmt: skip
 SUMMARY_CONTEXT = 4096
+AHEAD = 16  # tensors the producer may hold ready: one or two decoder layers
 EMBED, NORM, LM_HEAD = (n + ".weight" for n in (archs.EMBED, archs.FINAL_NORM, archs.LM_HEAD))
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _LINEARS = (*(r for rs in archs.READS_AFTER.values() for r in rs), *archs.WRITES)
@@ -82,7 +83,7 @@ def convert(
     output: str | os.PathLike,
     profile=None,
     force: bool = False,
-    dtype: str | None = None,
+    dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
     rotate_residual: bool = False,
     export: str | None = None,
@@ -91,7 +92,8 @@ def convert(
     """Write the converted checkpoint of `model` under `recipe` to `output`; returns its path.
 
     profile:         a profile folder (or a loaded Profile) when the recipe or export needs one
-    dtype:           "float32", "float16" or "bfloat16" for the floating weights (default: keep)
+    dtype:           "float32", "float16" or "bfloat16" (or the torch dtype) for the floating
+                     weights (default: keep)
     max_shard_size:  bytes per weight file, as "5GB", "500MiB" or an int
     rotate_residual: also fuse a Hadamard rotation of the residual stream (QuaRot's R1)
     export:          "vllm-fp8" adds compressed-tensors FP8 KV-cache scales for vLLM
@@ -100,8 +102,7 @@ def convert(
                      model_type) and the output's config.json drops the auto_map
     """
     out = Path(output).expanduser()
-    if dtype is not None and dtype not in DTYPES:
-        raise OutputError(f"dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    out_dtype = None if dtype is None else as_dtype(dtype, OutputError)
     if export is not None and export not in format.EXPORTS:
         raise OutputError(f"export {export!r}: use one of {', '.join(format.EXPORTS)}")
     max_bytes = parse_size(max_shard_size)
@@ -133,7 +134,7 @@ def convert(
     if export:
         scales = exports.kv_scales(profile, scheme, params, job.transforms)
         job = dataclasses.replace(job, extra=scales)
-    groups = _groups(weights, job, DTYPES.get(dtype))
+    groups = _groups(weights, job, out_dtype)
     meta = {
         "format_version": format.FORMAT_VERSION,
         "source": {"spec": source.spec, "fingerprint": source.fingerprint},
@@ -151,7 +152,7 @@ def convert(
     with atomic.staging(out, force) as tmp:
         hashes = _write_weights(tmp, weights, groups, job, max_bytes)
         hashes[format.CONFIG] = _write_json(
-            tmp / format.CONFIG, _out_config(config, job, dtype, export)
+            tmp / format.CONFIG, _out_config(config, job, out_dtype, export)
         )
         hashes[format.META] = _write_json(tmp / format.META, meta)
         for name in COPIED:
@@ -165,15 +166,15 @@ def convert(
     return out
 
 
-def _out_config(config: dict, job: _Job, dtype: str | None, export: str | None) -> dict:
+def _out_config(config: dict, job: _Job, dtype: torch.dtype | None, export: str | None) -> dict:
     """The source's config.json, with what the conversion changed."""
     config = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
     if job.untie:
         config["tie_word_embeddings"] = False
     if dtype is not None:
-        config["dtype"] = dtype
+        config["dtype"] = name_of(dtype)
         if "torch_dtype" in config:
-            config["torch_dtype"] = dtype
+            config["torch_dtype"] = name_of(dtype)
     if export:
         config["quantization_config"] = exports.quantization_config()
     return config
@@ -306,12 +307,20 @@ def _transform(group: _Group, tensors: dict, job: _Job) -> dict[str, torch.Tenso
 
 
 def _write_weights(tmp: Path, weights, groups, job: _Job, max_bytes: int) -> dict[str, str]:
-    writer = ShardWriter(tmp, [s for g in groups for s in g.specs], max_bytes)
-    try:
+    """Every group read, transformed and cast on a producer thread (up to AHEAD tensors ahead),
+    written and hashed as it arrives: the transforms stay off the write path."""
+
+    def produce():
         for group in groups:
             out = _transform(group, weights.read(group.reads), job)
             for s in group.specs:
-                writer.write(s.name, out.pop(s.name).to(s.dtype))
+                yield s.name, out.pop(s.name).to(s.dtype)
+
+    writer = ShardWriter(tmp, [s for g in groups for s in g.specs], max_bytes)
+    try:
+        with ahead(produce(), AHEAD) as tensors:
+            for name, tensor in tensors:
+                writer.write(name, tensor)
     finally:
         writer.close()
     return writer.finish()

@@ -7,11 +7,12 @@ mode "fake":   every position's keys and values are quantized before attention (
                KVQuant perplexity convention); kept sinks stay exact.
 mode "decode": each query sees exactly what a decoding cache holds at its step (the rule in
                kvcalib_runtime.scheme): the residual window and kept sinks exact, everything
-               older as the body stores it. Computed as fake mode plus, per block of BLOCK
-               queries, the exact keys and values of the block's window band (the positions
-               some query of the block still sees exactly: at most BLOCK + residual + flush
-               keys), so it costs one score and one value matmul plus about (BLOCK + residual) / T
-               of another.
+               older as the body stores it.
+
+Both modes attend in one pass over every query (kvcalib.sim.attention): through PyTorch's fused
+attention, plus in decode mode the band of positions some query still sees exactly (the
+residual window and a flush block), a block of queries at a time; with observers, through the
+eager reference, which also yields the attention weights they see.
 
 With a sink budget, the predicted sinks are a fixed point: the predictor reads the residual
 stream of the quantized model, which depends on which tokens are kept. Each pass runs only up to
@@ -33,6 +34,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from kvcalib.sim import attention
 from kvcalib.sim.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
 from kvcalib_runtime.quant import fake_quantize
 from kvcalib_runtime.rope import rotate_half
@@ -43,7 +45,6 @@ ATTENTION = "kvcalib"
 MODES = ("fake", "decode")
 _ACTIVE: ContextVar["Simulator | None"] = ContextVar("kvcalib_simulator", default=None)
 MAX_SINK_PASSES = 3
-BLOCK = 64  # queries per band block in decode mode
 
 
 @dataclass
@@ -239,28 +240,21 @@ class Simulator:
         i = module.layer_idx
         layer = self.scheme.layers[i] if self.scheme is not None else None
         b, hkv, t, d = key.shape
-        g = query.shape[1] // hkv
         sinks = self._sinks.to(key.device)  # a model spread over GPUs (device_map "auto")
         key_hat = self._key_hat(i, layer, key, sinks) if layer and layer.key else None
         value_hat = self._value_hat(i, layer, value, sinks) if layer and layer.value else None
-        q = query.view(b, hkv, g, t, d)
-        mask = attention_mask.view(b, 1, 1, *attention_mask.shape[-2:])
         keep = sinks[:, None, :, None]
-        k = key if key_hat is None else torch.where(keep, key, key_hat)
-        v = value if value_hat is None else torch.where(keep, value, value_hat)
-        scores = q @ k[:, :, None].transpose(-1, -2)
-        if self.mode == "decode" and key_hat is not None:
-            for a, z, lo, exact in self._band(t, layer.key_flush, sinks.device):
-                band = q[..., a:z, :] @ key[:, :, None, lo:z].transpose(-1, -2)
-                scores[..., a:z, lo:z] = torch.where(exact, band, scores[..., a:z, lo:z])
-        probs = torch.softmax(scores * scaling + mask, -1, torch.float32)
-        p = probs.to(v.dtype)
-        out = p @ v[:, :, None]
-        if self.mode == "decode" and value_hat is not None:
-            diff = (value - v)[:, :, None]  # zero where kept exact
-            for a, z, lo, exact in self._band(t, layer.value_flush, sinks.device):
-                out[..., a:z, :] += (p[..., a:z, lo:z] * exact) @ diff[..., lo:z, :]
-        if self.observers:
+        key_q = key if key_hat is None else torch.where(keep, key, key_hat)
+        value_q = value if value_hat is None else torch.where(keep, value, value_hat)
+        bands = None
+        if self.mode == "decode" and (key_hat is not None or value_hat is not None):
+            bands = self._rule(t, layer, sinks.device)
+        q = query.view(b, hkv, -1, t, d)
+        args = (q, key, value, key_q, value_q, attention_mask, scaling, bands)
+        if not self.observers:
+            out = attention.fused(*args)
+        else:
+            out, probs = attention.reference(*args)
             exact = sinks
             if self.mode == "decode" and layer is not None and layer.key is not None:
                 last = quantized_prefix(torch.tensor(t - 1), self.scheme.residual, layer.key_flush)
@@ -272,24 +266,20 @@ class Simulator:
                 observe(record)
         return out.reshape(b, -1, t, d).transpose(1, 2).contiguous(), None
 
-    def _band(self, t: int, flush: int, device) -> list:
-        """Decode mode's exact positions, block by block: (a, z, lo, exact) per block of queries
-        a ... z - 1, exact bool [z - a, z - lo] where query i sees key j (lo <= j < z) as it is
-        (j >= n_q(i), the rule's quantized prefix; keys after i are masked anyway, kept sinks
-        are exact either way). Keys before lo are quantized for every query of the block.
-        Cached per forward."""
-        cached = (t, flush, device)
+    def _rule(self, t: int, layer: LayerScheme, device) -> attention.Bands:
+        """Decode mode's bands of exact positions (kvcalib.sim.attention.bands) for a layer's
+        flush blocks; cached per forward."""
+        cached = (t, layer.key and layer.key_flush, layer.value and layer.value_flush, device)
         if cached not in self._bands:
             pos = torch.arange(t, device=device)
-            n_q = quantized_prefix(pos, self.scheme.residual, flush)
-            if self.prefill:
-                n_q = torch.where(pos < self.prefill, 0, n_q)
-            blocks = []
-            for a in range(0, t, BLOCK):
-                z = min(a + BLOCK, t)
-                lo = int(n_q[a:z].min())  # n_q(i) <= i: query i sees itself exactly
-                blocks.append((a, z, lo, pos[lo:z][None, :] >= n_q[a:z][:, None]))
-            self._bands[cached] = blocks
+
+            def prefix(flush: int) -> torch.Tensor:
+                n_q = quantized_prefix(pos, self.scheme.residual, flush)
+                return torch.where(pos < self.prefill, 0, n_q) if self.prefill else n_q
+
+            n_key = prefix(layer.key_flush) if layer.key else None
+            n_value = prefix(layer.value_flush) if layer.value else None
+            self._bands[cached] = attention.bands(n_key, n_value, t)
         return self._bands[cached]
 
     def _key_hat(self, i: int, layer: LayerScheme, key, sinks):
