@@ -3,6 +3,7 @@
     python benchmarks/bench_scale.py                          # 2.0B params, bf16, ~4 GB
     python benchmarks/bench_scale.py --phases stats,codebooks --offload
     python benchmarks/bench_scale.py --layers 16 --residual   # ~0.9B params, + R1 rotation
+    python benchmarks/bench_scale.py --tasks copy,convert*     # the conversion ratio alone
 
 Builds a random Llama checkpoint (hidden 2048, GQA 16/4 heads, head_dim 128, intermediate 5632,
 vocab 49152, 40 layers, untied: 2.005B parameters) in bf16 safetensors shards of --shard-mb,
@@ -22,9 +23,9 @@ getrusage(RUSAGE_CHILDREN):
 The page cache is warmed once; before every run the dirty pages are flushed (os.sync, not
 timed), and the tasks run in rounds, interleaved, so that load from other jobs on the machine
 falls on all alike; the best wall time and the largest peak RSS of --repeats rounds are
-reported. Targets on a 2-core, 23 GiB machine: convert <= 1.5x copy's time and <= 2.5 GiB peak
-RSS; sequential calibration of 2 windows x 256 tokens (stats) <= 3 GiB peak RSS. The checkpoint
-is deleted at the end.
+reported, with the load average before each run. Targets on a 2-core, 23 GiB machine: convert
+<= 1.5x copy's time and <= 2.5 GiB peak RSS; sequential calibration of 2 windows x 256 tokens
+(stats) <= 3 GiB peak RSS. The checkpoint is deleted at the end.
 """
 
 import argparse
@@ -39,6 +40,7 @@ from pathlib import Path
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 2048, 16, 4, 128, 5632, 49152
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TASKS = ("import", "copy", "convert", "convert*", "calibrate")
 
 
 def shapes(layers: int) -> dict[str, tuple[int, ...]]:
@@ -184,6 +186,44 @@ def measure(name: str, src: Path, out: Path, opts: dict, cache: Path | None = No
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def run(names: list[str], opts: dict, *, layers: int, shard_mb: int, repeats: int, workdir):
+    """Build the checkpoint, run `names` in interleaved rounds, delete it; returns
+    {name: [{"wall", "rss", "load"}, ...]} (load: the 1-minute load average before the run)."""
+    work = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=workdir))
+    try:
+        src = work / "source"
+        t = time.perf_counter()
+        params = build(src, layers, shard_mb)
+        files = sorted(src.glob("*.safetensors"))
+        size = sum(f.stat().st_size for f in files)
+        print(
+            f"built {params / 1e9:.3f}B params, {size / 2**30:.2f} GiB bf16 in {len(files)} "
+            f"shards, {layers} layers, in {time.perf_counter() - t:.0f}s",
+            flush=True,
+        )
+        for f in src.iterdir():  # warm the page cache once for every task alike
+            f.read_bytes()
+        primed = work / "primed-cache"  # the source's sha256 computed once, untimed
+        env = {**os.environ, "KVCALIB_CACHE_DIR": str(primed)}
+        code = f"from kvcalib.core.models import resolve; resolve({str(src)!r})"
+        subprocess.run([sys.executable, "-c", code], check=True, env=env)
+        runs = {n: [] for n in names}
+        for r in range(repeats):
+            for n in names:
+                cache = primed if n in ("convert*", "+resid") else None
+                load = os.getloadavg()[0]
+                runs[n].append({**measure(n, src, work / "out", opts, cache), "load": load})
+                one = runs[n][-1]
+                print(
+                    f"  round {r + 1} {n}: {one['wall']:.1f}s, {one['rss'] / 2**30:.2f} GiB, "
+                    f"load {load:.1f}",
+                    flush=True,
+                )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=40)
@@ -193,6 +233,7 @@ def main() -> None:
     parser.add_argument("--phases", default="stats", help="calibration phases, comma-separated")
     parser.add_argument("--offload", action="store_true", help="calibrate with --offload-dir")
     parser.add_argument("--residual", action="store_true", help="also time --rotate-residual")
+    parser.add_argument("--tasks", default=",".join(TASKS), help="tasks to run, comma-separated")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--task", nargs=4, help=argparse.SUPPRESS)
@@ -200,48 +241,29 @@ def main() -> None:
     if args.task:
         return task(args.task[0], Path(args.task[1]), Path(args.task[2]), json.loads(args.task[3]))
     opts = {k: getattr(args, k) for k in ("windows", "tokens", "phases", "offload")}
-    work = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=args.workdir))
-    try:
-        src = work / "source"
-        t = time.perf_counter()
-        params = build(src, args.layers, args.shard_mb)
-        files = sorted(src.glob("*.safetensors"))
-        size = sum(f.stat().st_size for f in files)
-        print(
-            f"built {params / 1e9:.3f}B params, {size / 2**30:.2f} GiB bf16 in {len(files)} "
-            f"shards, {args.layers} layers, in {time.perf_counter() - t:.0f}s",
-            flush=True,
-        )
-        for f in src.iterdir():  # warm the page cache once for every task alike
-            f.read_bytes()
-        primed = work / "primed-cache"  # the source's sha256 computed once, untimed
-        env = {**os.environ, "KVCALIB_CACHE_DIR": str(primed)}
-        code = f"from kvcalib.core.models import resolve; resolve({str(src)!r})"
-        subprocess.run([sys.executable, "-c", code], check=True, env=env)
-        names = ["import", "copy", "convert", "convert*", "calibrate"]
-        names += ["+resid"] if args.residual else []
-        runs = {n: [] for n in names}
-        for r in range(args.repeats):
-            for n in names:
-                cache = primed if n in ("convert*", "+resid") else None
-                runs[n].append(measure(n, src, work / "out", opts, cache))
-                one = runs[n][-1]
-                wall, rss = one["wall"], one["rss"] / 2**30
-                print(f"  round {r + 1} {n}: {wall:.1f}s, {rss:.2f} GiB", flush=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    copy = min(r["wall"] for r in runs["copy"])
+    names = args.tasks.split(",") + (["+resid"] if args.residual else [])
+    runs = run(
+        names,
+        opts,
+        layers=args.layers,
+        shard_mb=args.shard_mb,
+        repeats=args.repeats,
+        workdir=args.workdir,
+    )
+    copy = min(r["wall"] for r in runs["copy"]) if "copy" in runs else None
     print(
         f"\n{os.cpu_count()} CPUs; calibrate: {args.windows} windows x {args.tokens} tokens, "
         f"phases {args.phases}{', offloaded' if args.offload else ''}; best of {args.repeats} "
-        "wall, largest peak RSS\n"
+        "wall, largest peak RSS, load average range\n"
     )
-    print(f"{'task':<11}{'wall s':>9}{'vs copy':>9}{'peak RSS GiB':>14}")
+    print(f"{'task':<11}{'wall s':>9}{'vs copy':>9}{'peak RSS GiB':>14}{'load':>11}")
     for n in names:
         wall = min(r["wall"] for r in runs[n])
         rss = max(r["rss"] for r in runs[n]) / 2**30
-        ratio = f"{wall / copy:.2f}x" if n.startswith(("copy", "convert", "+")) else ""
-        print(f"{n:<11}{wall:>9.1f}{ratio:>9}{rss:>14.2f}")
+        loads = [r["load"] for r in runs[n]]
+        ratio = f"{wall / copy:.2f}x" if copy and n.startswith(("copy", "convert", "+")) else ""
+        load = f"{min(loads):.1f}-{max(loads):.1f}"
+        print(f"{n:<11}{wall:>9.1f}{ratio:>9}{rss:>14.2f}{load:>11}")
     print("\ntargets: convert <= 1.5x copy and <= 2.5 GiB; calibrate <= 3 GiB")
     print("convert: empty kvcalib cache (hashes the source); convert*: the source's hash cached")
 

@@ -33,6 +33,9 @@ from kvcalib_runtime.format import META, read_checkpoint
 __all__ = ["PHASES", "Settings", "calibrate", "convert", "default_profile", "evaluate"]
 CONVERTED = "converted checkpoint"  # the kind of output convert writes (atomic.KINDS)
 
+# What the default calibration costs, measured (benchmarks/RESULTS.md, bench_calibrate.py).
+DEFAULT_COST = "about TBD minutes"
+
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
@@ -67,14 +70,14 @@ def default_profile(
     if not path.is_dir():
         what = (
             f"no --profile given: the recipe needs calibrated tensors, so {source.spec} gets "
-            f"its default calibration (`kvcalib calibrate`), cached in {path}"
+            f"its default calibration (`kvcalib calibrate`; {DEFAULT_COST}), cached in {path}"
         )
         if not calibrate_missing:
             raise ProfileError(
                 f"{what} - but --no-calibrate was given: run kvcalib calibrate "
                 f"{source.spec} -o DIR and pass --profile DIR"
             )
-        log(f"note: {what}; this runs once")
+        log(f"note: {what}; this runs once (--no-calibrate stops here instead)")
         calibrate(str(source.path), path, progress=progress)
     loaded = Profile.load(path)
     loaded.check_model(source)

@@ -84,6 +84,11 @@ def inspect(path, trust_remote_code):
     default="float32",
     show_default=True,
 )
+@click.option(
+    "--no-calibrate",
+    is_flag=True,
+    help="Without --profile, stop (exit 2) instead of running the default calibration.",
+)
 @TRUST_REMOTE_CODE
 def eval_(
     model,
@@ -99,6 +104,7 @@ def eval_(
     json_out,
     device,
     dtype,
+    no_calibrate,
     trust_remote_code,
 ):
     """Measure KV recipes against full precision on the same text (MODEL: default
@@ -128,6 +134,7 @@ def eval_(
         plots=plots,
         device=device,
         dtype=dtype,
+        calibrate_missing=not no_calibrate,
         trust_remote_code=trust_remote_code,
     )
     click.echo(format_table(results))
@@ -177,6 +184,11 @@ def recipes_():
     default=None,
     help="Add compressed-tensors FP8 KV-cache scales for vLLM (needs --profile).",
 )
+@click.option(
+    "--no-calibrate",
+    is_flag=True,
+    help="Without --profile, stop (exit 2) instead of running the default calibration.",
+)
 @TRUST_REMOTE_CODE
 def convert(
     model,
@@ -188,6 +200,7 @@ def convert(
     max_shard_size,
     rotate_residual,
     export,
+    no_calibrate,
     trust_remote_code,
 ):
     """Fuse a recipe's rotations and scalings into MODEL's weights (default: smollm2-135m)."""
@@ -203,6 +216,7 @@ def convert(
         max_shard_size=max_shard_size,
         rotate_residual=rotate_residual,
         export=export,
+        calibrate_missing=not no_calibrate,
         trust_remote_code=trust_remote_code,
     )
     click.echo(f"wrote {path}")
@@ -247,6 +261,34 @@ def convert(
     default=None,
     help="With --sequential: keep activations between layers in files here, not in memory.",
 )
+@click.option(
+    "--sensitivity",
+    type=click.Choice(["fisher", "probe", "none"]),
+    default="fisher",
+    show_default=True,
+    help="Per-layer sensitivity for bit allocation: from the gradients the codebooks use "
+    "(fisher, nearly free), measured by quantizing each layer in turn (probe, slow), or none "
+    "(allocating recipes then use uniform bits).",
+)
+@click.option(
+    "--gradient-windows",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Windows with a backward pass, for the sensitivity and the codebooks alike "
+    "(default: 4 and 2).",
+)
+@click.option(
+    "--sensitivity-windows",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Windows of the sensitivity (overrides --gradient-windows; default 4).",
+)
+@click.option(
+    "--codebook-windows",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Windows of the codebooks' Fisher weights (overrides --gradient-windows; default 2).",
+)
 @TRUST_REMOTE_CODE
 def calibrate_(
     model,
@@ -260,12 +302,27 @@ def calibrate_(
     force,
     sequential,
     offload_dir,
+    sensitivity,
+    gradient_windows,
+    sensitivity_windows,
+    codebook_windows,
     trust_remote_code,
 ):
     """Profile MODEL's KV cache on calibration text (default: smollm2-135m): ranges, outlier
     channels, attention sinks, sink predictor, sensitivity and codebooks."""
-    from kvcalib.api import calibrate
+    import dataclasses
+
+    from kvcalib.api import PHASES, Settings, calibrate
     from kvcalib.inspect import profile_summary
+
+    default = Settings()
+    settings = dataclasses.replace(
+        default,
+        sensitivity="fisher" if sensitivity == "none" else sensitivity,
+        sensitivity_windows=sensitivity_windows or gradient_windows or default.sensitivity_windows,
+        codebook_windows=codebook_windows or gradient_windows or default.codebook_windows,
+    )
+    phases = tuple(p for p in PHASES if p != "sensitivity" or sensitivity != "none")
 
     profile = calibrate(
         model,
@@ -279,6 +336,8 @@ def calibrate_(
         force=force,
         sequential=sequential,
         offload_dir=offload_dir,
+        phases=phases,
+        settings=settings,
         trust_remote_code=trust_remote_code,
     )
     click.echo(profile_summary(profile.path))

@@ -2,10 +2,10 @@
 Hooper et al. 2024, "nuqX": per-layer levels from Fisher-weighted k-means).
 
 Each element's weight is its Fisher information, the squared gradient of the window's LM loss
-(summed next-token cross-entropy) with respect to that key or value activation, from one
-backward pass per window through the full-precision Simulator. Elements are mapped to the
+(summed next-token cross-entropy) with respect to that key or value activation, from the
+gradient pass (gradients.py), one window and layer at a time. Elements are mapped to the
 normalized domain u in [0, 1] a quantizer of the variant codes them in, then accumulated into a
-weighted histogram of BINS bins per layer (streaming); a weighted 1-D Lloyd k-means on the
+weighted histogram of `bins` bins per layer (streaming); a weighted 1-D Lloyd k-means on the
 histogram (initialized uniform, levels sorted) gives [L, 2**bits] levels. A variant is named as
 kvcalib.plan.codebook_variant names a recipe's tensor — "tensor:granularity[group]:position
 [:hadamard][:symmetric][:outliers<f>]" — and its elements are normalized exactly as
@@ -30,19 +30,15 @@ import re
 
 import torch
 
-from kvcalib.calibration.observe import check_finite
 from kvcalib.core.plan import codebook_variant
 from kvcalib.core.profile import select_range
 from kvcalib.core.recipe import load_recipe, presets
-from kvcalib.sim.hooks import Hooks, key_module
-from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.groups import expand, group_range, to_vector
 from kvcalib_runtime.hadamard import hadamard_transform, is_supported
 from kvcalib_runtime.quant import QuantSpec, uniform_codebook
 
 BITS = (2, 3, 4)
-KINDS = ("pre", "key", "value")
 LLOYD_ITERATIONS = 200
 _GRANULARITY = re.compile(r"(token|channel|static|vector)(\d*)$")
 
@@ -67,109 +63,38 @@ def variants(model, wanted: tuple[str, ...] | None = None) -> tuple[str, ...]:
     return tuple(v for v in wanted or preset_variants() if rotatable or ":hadamard" not in v)
 
 
-def codebook_pass(
-    model, ids, sinks, quantiles, bins: int, step, wanted=None
-) -> dict[str, torch.Tensor]:
-    """{f"codebook.{variant}.{bits}": float32 [L, 2**bits]} from windows ids [N, T] with sink
-    flags bool [N, T]; quantiles[position] = the non-sink key quantiles [L, Hkv, D, Q] at
-    kvcalib.core.profile.QUANTILE_LEVELS for "pre_rope" / "post_rope" (static ranges)."""
-    books = Codebooks(variants(model, wanted), model.config.num_hidden_layers, bins)
-    for w in range(ids.shape[0]):
-        x, g = _fisher(model, ids[w : w + 1])
-        books.add(x, g, sinks[w], quantiles)
-        step()
-    return books.result()
-
-
 class Codebooks:
-    """The weighted histograms of every variant, window by window, and their k-means levels."""
+    """The weighted histograms of every variant, window by window and layer by layer (a consumer
+    of gradients.gradient_pass), and their k-means levels.
 
-    def __init__(self, names: tuple[str, ...], num_layers: int, bins: int):
-        self.names, self.bins = names, bins
-        self.hist = {v: torch.zeros(num_layers, bins, dtype=torch.float64) for v in names}
+    sinks bool [N, T]: the windows' ground-truth sink flags, left out; quantiles[position] = the
+    non-sink key quantiles [L, Hkv, D, Q] at kvcalib.core.profile.QUANTILE_LEVELS for
+    "pre_rope" / "post_rope" (the static variants' ranges)."""
 
-    def add(self, x: dict, g: dict, sinks: torch.Tensor, quantiles: dict) -> None:
-        """One window: activations x and gradients g as `stack_fisher` returns them, sink
-        flags bool [T], key quantiles as `codebook_pass` takes them."""
-        check_finite({f"loss gradient of the {name} activations": grad for name, grad in g.items()})
-        keep = ~sinks
+    def __init__(self, names, num_layers: int, bins: int, sinks, quantiles: dict, windows: int):
+        self.names, self.bins, self.windows = tuple(names), bins, windows
+        self.sinks, self.quantiles = sinks, quantiles
+        self.hist = {v: torch.zeros(num_layers, bins, dtype=torch.float64) for v in self.names}
+
+    def add(self, window: int, layer: int, x: dict, g: dict) -> None:
+        """One window and layer: x and g as gradients.fisher_layer gives them, [Hkv, T, D]."""
+        if window >= self.windows:
+            return
+        keep = ~self.sinks[window]
+        x1, g1 = ({k: v[None] for k, v in d.items()} for d in (x, g))
+        quantiles = {p: q[layer : layer + 1] for p, q in self.quantiles.items()}
         for v in self.names:
-            t, weight = _normalized(v, x, g, keep, quantiles)
-            self.hist[v] += _histogram(t, weight, self.bins)
+            t, weight = _normalized(v, x1, g1, keep, quantiles)
+            self.hist[v][layer] += _histogram(t, weight, self.bins)[0]
 
     def result(self) -> dict[str, torch.Tensor]:
+        """{f"codebook.{variant}.{bits}": float32 [L, 2**bits]}."""
         out = {}
         for v in self.names:
             for bits in BITS:
                 levels = lloyd(self.hist[v], bits)
                 out[f"codebook.{v}.{bits}"] = levels * 2 - 1 if v.endswith(":symmetric") else levels
         return out
-
-
-def _fisher(model, ids: torch.Tensor) -> tuple[dict, dict]:
-    """Activations and loss gradients of one window ids [1, T], as `stack_fisher` returns them."""
-
-    num_layers = model.config.num_hidden_layers
-    pre, key, value = [None] * num_layers, [None] * num_layers, [None] * num_layers
-
-    def observe(record) -> None:
-        key[record.layer], value[record.layer] = record.key, record.value
-
-    def keep_pre(i: int):
-        def hook(module, args, output):
-            pre[i] = output  # the tensor attention reads; a view of it would get no gradient
-
-        return hook
-
-    def track(module, args, output):  # gradients flow even when no weight requires one
-        return output.detach().requires_grad_()
-
-    with Hooks(model) as hooks, torch.enable_grad():
-        hooks.forward(model.get_input_embeddings(), track)
-        for i in range(num_layers):
-            hooks.forward(key_module(model, i), keep_pre(i))
-        logits = Simulator(model, None, observers=[observe])(ids)
-        loss = window_loss(logits, ids)
-        grads = torch.autograd.grad(loss, pre + key + value)
-    n, d = num_layers, Geometry.from_config(model.config).head_dim
-    layers = [
-        fisher_layer(d, (pre[i], key[i], value[i]), (grads[i], grads[n + i], grads[2 * n + i]))
-        for i in range(n)
-    ]
-    return stack_fisher(layers)
-
-
-def window_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The LM loss whose gradients weigh the k-means: summed next-token cross-entropy of one
-    window, logits [1, T, V], ids [1, T]."""
-    return torch.nn.functional.cross_entropy(
-        logits[0, :-1].float(), ids[0, 1:].to(logits.device), reduction="sum"
-    )
-
-
-def fisher_layer(d: int, acts: tuple, grads: tuple) -> dict[str, torch.Tensor]:
-    """One layer's activations and their loss gradients on the CPU in float32, each [Hkv, T, D]:
-    acts and grads are (pre, key, value) as attention saw them (pre [1, T, Hkv * D] or
-    [1, T, Hkv, D], key and value [1, Hkv, T, D])."""
-
-    def heads(t: torch.Tensor) -> torch.Tensor:
-        return t.detach().reshape(t.shape[1], -1, d).transpose(0, 1).float().cpu()
-
-    out = {}
-    for prefix, (p, k, v) in (("x.", acts), ("g.", grads)):
-        out[prefix + "pre"] = heads(p)
-        out[prefix + "key"] = k[0].detach().float().cpu()
-        out[prefix + "value"] = v[0].detach().float().cpu()
-    return out
-
-
-def stack_fisher(layers: list[dict]) -> tuple[dict, dict]:
-    """fisher_layer of every layer -> (x, g): "pre" (keys before RoPE), "key" (after RoPE) and
-    "value", each [L, Hkv, T, D]."""
-    return tuple(
-        {name: torch.stack([layer[f"{p}.{name}"] for layer in layers]) for name in KINDS}
-        for p in ("x", "g")
-    )
 
 
 def _normalized(variant: str, x: dict, g: dict, keep: torch.Tensor, quantiles: dict):

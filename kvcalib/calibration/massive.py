@@ -30,7 +30,7 @@ MEDIAN_STRIDE = 11  # divides no common hidden size, so every dim is sampled
 
 class MassiveMeter:
     """Accumulates residual-stream magnitudes of every decoder layer, one (window, layer) at a
-    time in any order (window by window in memory, layer by layer in sequential.py)."""
+    time in any order (window by window in memory, layer by layer from shards)."""
 
     def __init__(self, num_layers: int, hidden: int):
         self.max_abs = torch.zeros(num_layers, hidden)

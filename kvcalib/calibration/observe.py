@@ -1,15 +1,16 @@
 """The statistics phase: one full-precision forward per window, observed at every layer.
 
-The Simulator (no scheme) hands each layer's AttentionRecord to an observer that copies that
-window's keys before RoPE (k_proj / k_norm output), keys after RoPE and values into one buffer
-per kind, [L, Hkv, T, D], and feeds the attention weights to the sink meter; an owned forward
-hook on every decoder layer hands its output (the residual stream) to the accumulator.
-As each layer finishes, its slice of the buffers and its output are checked for NaN and Inf
-(NumericsError naming the layer) and the output updates the massive-activation meter. When the
-window's forward ends the sink flags are known, and the buffers update the channel statistics
-and the per-position key error, vectorized over layers. Nothing is held across windows but the
-accumulators and the buffers. `StatsAccumulator` is shared with the layer-by-layer pass
-(sequential.py), which feeds it the same tensors in another order.
+The windows run through the decoder layers of a LayerSource (kvcalib.sim.layerwise): in memory
+window by window, from shards every window through each layer as it is loaded. The Simulator (no
+scheme) hands each layer's AttentionRecord to an observer that keeps that window's keys before
+RoPE (k_proj / k_norm output), keys after RoPE and values, [Hkv, T, D] each, and feeds the
+attention weights to the sink meter. As each layer finishes, its tensors and its output (the
+residual stream) are checked for NaN and Inf (NumericsError naming the layer) and the output
+updates the massive-activation meter. When a window has been through every layer its sink flags
+are known, and its tensors update the channel statistics and the per-position key error,
+vectorized over layers. Between layers only the windows in flight are held (their hidden
+states and tensors), plus the layer inputs of the gradient windows (gradients.py). The head is
+never run: the statistics need no logits.
 """
 
 import torch
@@ -18,7 +19,8 @@ from kvcalib.calibration.massive import Massive, MassiveMeter
 from kvcalib.calibration.sinks import SinkMeter
 from kvcalib.calibration.stats import ChannelStats
 from kvcalib.errors import NumericsError
-from kvcalib.sim.hooks import Hooks, decoder_layers, hidden_of
+from kvcalib.sim.hooks import hidden_of
+from kvcalib.sim.layerwise import ActivationStore, LayerSource
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.quant import QuantSpec, fake_quantize
@@ -66,8 +68,8 @@ def position_error(key: torch.Tensor) -> torch.Tensor:
 
 
 class StatsAccumulator:
-    """What the statistics phase keeps across windows, fed in the same calls by the in-memory
-    pass (below) and the layer-by-layer one (sequential.py), so both give the same tensors:
+    """What the statistics phase keeps across windows, fed window by window (in memory) or layer
+    by layer (from shards) in the same calls, so both give the same tensors:
 
         layer_done(window, layer, kv, hidden)   after each layer of each window (any order
                                                 that keeps windows in order within a layer)
@@ -136,36 +138,51 @@ class StatsAccumulator:
         return out, massive
 
 
-def stats_pass(model, windows: torch.Tensor, settings, step) -> tuple[dict, Massive]:
-    """Observe every window of windows [N, T]; `step()` after each. Returns the profile tensors
-    of this phase and the massive-activation findings (for the predictor and the report)."""
+def stats_pass(
+    lm: LayerSource, windows: torch.Tensor, settings, store: ActivationStore, advance, keep: int = 0
+) -> tuple[dict, Massive]:
+    """Observe every window of windows [N, T]; `advance(work)` after each window and layer
+    (work: the layer's parameters). Keeps ("input", w, i) for every layer i and ("h", w), the
+    last layer's output, in `store` for the first `keep` windows (the gradient pass). Returns
+    the profile tensors of this phase and the massive-activation findings."""
 
-    cfg = model.config
     n, t = windows.shape
-    acc = StatsAccumulator(cfg, n, t, settings)
-    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, t, Geometry.from_config(cfg).head_dim)
-    window = {kind: torch.empty(shape) for kind in KINDS}  # [L, Hkv, T, D]
-    current = [0]
+    num_layers = lm.config.num_hidden_layers
+    per_load = lm.windows_per_load or n
+    acc = StatsAccumulator(lm.config, n, t, settings, open_windows=per_load)
+    layer_work, _ = lm.work()
+    now = {"window": 0, "slot": 0}
+    kv = {}  # the layer just run, [Hkv, T, D] per kind
 
     def observe(record) -> None:
         for kind, x in zip(KINDS, (record.key_pre, record.key, record.value), strict=True):
-            window[kind][record.layer].copy_(x[0])
-        acc.sinks.observe(record.layer, record.probs[0].cpu())
+            kv[kind] = x[0]
+            store.put((kind, now["window"], record.layer), x[0])
+        acc.sinks.observe(record.layer, record.probs[0].cpu(), now["slot"])
 
-    def done(i: int):
-        def hook(module, args, output):
-            kv = {kind: window[kind][i] for kind in KINDS}
-            acc.layer_done(current[0], i, kv, hidden_of(output)[0])
-
-        return hook
-
-    sim = Simulator(model, None, observers=[observe])
-    with Hooks(model) as hooks, torch.no_grad():
-        for i, layer in enumerate(decoder_layers(model)):
-            hooks.forward(layer, done(i))
-        for w in range(n):
-            current[0] = w
-            sim(windows[w : w + 1])
-            acc.window_done(0, window)
-            step()
+    sim = Simulator(lm.model, None, observers=[observe])
+    with torch.no_grad(), sim.layerwise(windows[:1]):
+        for chunk in lm.chunks(n):
+            with lm.embedding():
+                for w in chunk:
+                    hidden, kwargs = lm.inputs(windows[w : w + 1])
+                    store.put(("h", w), hidden)
+            for i in range(num_layers):
+                with lm.layer(i) as layer:
+                    for w in chunk:
+                        now["window"], now["slot"] = w, w - chunk.start
+                        h = store.get(("h", w))
+                        if w < keep:
+                            store.put(("input", w, i), h)
+                        out = hidden_of(layer(h.to(lm.device), **kwargs[i]))
+                        acc.layer_done(w, i, kv, out[0])
+                        store.put(("h", w), out)
+                        advance(layer_work)
+            for w in chunk:
+                done = {k: [store.pop((k, w, i)) for i in range(num_layers)] for k in KINDS}
+                acc.window_done(
+                    w - chunk.start, {k: torch.stack(v).float() for k, v in done.items()}
+                )
+                if w >= keep:
+                    store.pop(("h", w))
     return acc.result()

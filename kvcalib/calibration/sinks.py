@@ -52,7 +52,7 @@ class SinkMeter:
         self.limit = torch.clamp(ratio * uniform, min=weight)  # [T]
         self.min_layers = min_layers
         self.received = torch.zeros(num_layers, num_heads, t, dtype=torch.float64)
-        # the open windows: one at a time in memory, all of them layer by layer (sequential.py)
+        # the open windows: one at a time in memory, all of them from shards (layer by layer)
         self.distant = torch.zeros(windows, num_layers, num_heads, t)
         self.token0 = torch.zeros(num_layers)  # windows in which token 0 is a sink, per layer
         self.flags, self.layers, self.weights = [], [], []

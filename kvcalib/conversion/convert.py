@@ -31,7 +31,7 @@ from kvcalib.core.profile import Profile
 from kvcalib.core.recipe import Recipe, load_recipe
 from kvcalib.errors import ModelError, OptionError, ProfileError, RecipeError
 from kvcalib.io import atomic
-from kvcalib.io.shards import ShardWriter, SourceWeights, TensorSpec, parse_size
+from kvcalib.io.shards import ShardWriter, SourceWeights, TensorSpec, ahead, parse_size
 from kvcalib_runtime import archs, format
 from kvcalib_runtime.errors import FormatError
 from kvcalib_runtime.geometry import Geometry
@@ -41,7 +41,6 @@ from kvcalib_runtime.loader import check_servable, read_tokenizer
 from kvcalib_runtime.transforms import FUSED, NONE, ONLINE, LayerTransforms, Transforms
 from kvcalib_runtime.transforms import KINDS as TRANSFORM_KINDS
 
-DTYPES = options.DTYPES
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Copied byte for byte from the source when present (tokenizer.json is required).
 COPIED = (
@@ -50,6 +49,7 @@ COPIED = (
     "tokenizer.model", "vocab.json", "merges.txt",
 )  # fmt: skip
 SUMMARY_CONTEXT = 4096
+AHEAD = 16  # tensors the producer may hold ready: one or two decoder layers
 EMBED, NORM, LM_HEAD = (n + ".weight" for n in (archs.EMBED, archs.FINAL_NORM, archs.LM_HEAD))
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _LINEARS = (*(r for rs in archs.READS_AFTER.values() for r in rs), *archs.WRITES)
@@ -84,7 +84,7 @@ def convert(
     output: str | os.PathLike,
     profile=None,
     force: bool = False,
-    dtype: str | None = None,
+    dtype: str | torch.dtype | None = None,
     max_shard_size: int | str = "5GB",
     rotate_residual: bool = False,
     export: str | None = None,
@@ -93,7 +93,8 @@ def convert(
     """Write the converted checkpoint of `model` under `recipe` to `output`; returns its path.
 
     profile:         a profile folder (or a loaded Profile) when the recipe or export needs one
-    dtype:           "float32", "float16" or "bfloat16" for the floating weights (default: keep)
+    dtype:           "float32", "float16" or "bfloat16" (or the torch dtype) for the floating
+                     weights (default: keep)
     max_shard_size:  bytes per weight file, as "5GB", "500MiB" or an int
     rotate_residual: also fuse a Hadamard rotation of the residual stream (QuaRot's R1)
     export:          "vllm-fp8" adds compressed-tensors FP8 KV-cache scales for vLLM
@@ -102,8 +103,7 @@ def convert(
                      model_type) and the output's config.json drops the auto_map
     """
     out = Path(output).expanduser()
-    if dtype is not None:
-        dtype = options.DTYPE_NAMES[options.dtype("--dtype", dtype)]
+    out_dtype = None if dtype is None else options.dtype("--dtype", dtype)
     if export is not None and export not in format.EXPORTS:
         raise OptionError(f"--export {export!r}: use one of {', '.join(format.EXPORTS)}")
     max_bytes = parse_size(max_shard_size)
@@ -137,8 +137,8 @@ def convert(
     if export:
         scales = exports.kv_scales(profile, scheme, params, job.transforms)
         job = dataclasses.replace(job, extra=scales)
-    groups = _groups(weights, job, DTYPES.get(dtype))
-    out_config = _out_config(config, job, dtype, export)
+    groups = _groups(weights, job, out_dtype)
+    out_config = _out_config(config, job, out_dtype, export)
     _check_servable(source, recipe, out_config, groups, scheme, params, job)
     meta = {
         "format_version": format.FORMAT_VERSION,
@@ -186,15 +186,15 @@ def _check_servable(source, recipe, config: dict, groups, scheme, params, job: _
         ) from None
 
 
-def _out_config(config: dict, job: _Job, dtype: str | None, export: str | None) -> dict:
+def _out_config(config: dict, job: _Job, dtype: torch.dtype | None, export: str | None) -> dict:
     """The source's config.json, with what the conversion changed."""
     config = {k: v for k, v in config.items() if k not in ("quantization_config", "auto_map")}
     if job.untie:
         config["tie_word_embeddings"] = False
     if dtype is not None:
-        config["dtype"] = dtype
+        config["dtype"] = options.DTYPE_NAMES[dtype]
         if "torch_dtype" in config:
-            config["torch_dtype"] = dtype
+            config["torch_dtype"] = options.DTYPE_NAMES[dtype]
     if export:
         config["quantization_config"] = exports.quantization_config()
     return config
@@ -327,12 +327,20 @@ def _transform(group: _Group, tensors: dict, job: _Job) -> dict[str, torch.Tenso
 
 
 def _write_weights(tmp: Path, weights, groups, job: _Job, max_bytes: int) -> dict[str, str]:
-    writer = ShardWriter(tmp, [s for g in groups for s in g.specs], max_bytes)
-    try:
+    """Every group read, transformed and cast on a producer thread (up to AHEAD tensors ahead),
+    written and hashed as it arrives: the transforms stay off the write path."""
+
+    def produce():
         for group in groups:
             out = _transform(group, weights.read(group.reads), job)
             for s in group.specs:
-                writer.write(s.name, out.pop(s.name).to(s.dtype))
+                yield s.name, out.pop(s.name).to(s.dtype)
+
+    writer = ShardWriter(tmp, [s for g in groups for s in g.specs], max_bytes)
+    try:
+        with ahead(produce(), AHEAD) as tensors:
+            for name, tensor in tensors:
+                writer.write(name, tensor)
     finally:
         writer.close()
     return writer.finish()

@@ -5,12 +5,15 @@ codebooks, smoothing scales, the sink predictor, per-layer sensitivities for bit
 """
 
 import dataclasses
+import logging
 
 from kvcalib.core.recipe import Recipe, TensorRecipe, flush_of, load_recipe, with_bits
 from kvcalib.errors import ProfileError, RecipeError
 from kvcalib_runtime import checks
 from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme
+
+log = logging.getLogger("kvcalib")
 
 
 def codebook_variant(name: str, t: TensorRecipe) -> str:
@@ -100,7 +103,15 @@ def plan(
         )
     if recipe.needs_profile and profile is None:
         raise ProfileError(f"{where} needs calibrated tensors: pass --profile DIR")
-    bits = _allocate(recipe, num_layers, profile) if recipe.allocation else None
+    bits = None
+    if recipe.allocation and "sensitivity.key" not in profile.tensors:
+        log.warning(
+            f"note: {where} allocates bits per layer from sensitivities, and the profile has "
+            f"none (calibrated with --sensitivity none): {recipe.key.bits}-bit keys and "
+            f"{recipe.value.bits}-bit values in every layer"
+        )
+    elif recipe.allocation:
+        bits = _allocate(recipe, num_layers, profile)
     layers, params = [], KVParams()
     for i in range(num_layers):
         key, value = recipe.tensor("key", i), recipe.tensor("value", i)

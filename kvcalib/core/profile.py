@@ -34,7 +34,8 @@ profile.safetensors (float32 unless noted):
                                                       per-token asymmetric 2 / 4 bit, post-RoPE
   position_error.key_groups          [2, L, 3]        the same on token 0, on later sinks (NaN
                                                       if none) and on non-sink tokens
-  sensitivity.key, sensitivity.value [L, 3]           KL at 2, 3, 4 bits (phase sensitivity)
+  sensitivity.key, sensitivity.value [L, len(bits)]   KL at json "probe.bits" (2, 3, 4, 8),
+                                                      estimated (Fisher) or measured (probe)
   codebook.{variant}.{bits}          [L, 2**bits]     sorted levels in [0, 1], or [-1, 1] for
                                                       ":symmetric" variants (phase codebooks)
 
@@ -42,7 +43,8 @@ profile.json: format_version; model {spec, path, fingerprint, model_type, num_la
 num_heads, num_kv_heads, head_dim, hidden_size}; data; num_samples, seq_len, seed, device,
 dtype, sequential (true: calibrated layer by layer, the same tensors), phases; versions
 {python, torch, transformers, kvcalib}; settings; quantile_levels,
-outlier_fractions; tokens {all, nonsink}; probe (the sensitivity quantizers, or null); codebooks
+outlier_fractions; tokens {all, nonsink}; probe (the sensitivity's method, quantizers and bits,
+or null); codebooks
 {variants, bits, windows, bins} or null; timings (seconds per phase); layers (per layer:
 token0_attention per head, token0_sink, key_outlier_channels_pre_rope and _post_rope per KV
 head as [channel, ratio], massive_dims as [dim, max |h|, ratio to median], massive_tokens as
@@ -278,7 +280,8 @@ class Profile:
         )
 
     def sensitivity(self, tensor: str, layer: int, bits: int) -> float:
-        """KL divergence of the final logits with only this tensor of this layer quantized."""
+        """KL divergence of the final logits with only this tensor of this layer quantized
+        (estimated from the loss gradients, or measured; json "probe.method")."""
         if tensor not in ("key", "value"):
             raise ProfileError(f"sensitivity of {tensor!r}: use 'key' or 'value'")
         name = f"sensitivity.{tensor}"

@@ -7,17 +7,25 @@
     writer.write(name, tensor)                # in that order; each shard's header is known up
     files = writer.finish()                   # front, so bytes go straight to disk -> sha256
 
+    with ahead(produce(), depth) as items:    # produce() runs on a thread, `depth` items ahead
+        for name, tensor in items: ...
+
 The writer plans the shards from the specs before any data exists (HF's rule: a shard takes
 tensors until the next would pass max_bytes; a larger tensor gets a shard of its own), writes
 each header, then the tensor bytes as they arrive, hashing each buffer on a second thread while
 the next is written (hashlib and file writes release the GIL). Peak memory is what the caller
-holds plus at most one tensor being hashed, never a shard.
+holds plus at most one tensor being hashed, never a shard. `ahead` runs the producer of the
+tensors (reading and transforming them) on its own thread, so that it never waits for a write.
 """
 
+import contextlib
 import hashlib
 import json
 import math
+import queue
 import re
+import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,3 +203,50 @@ class ShardWriter:
             (self.folder / INDEX).write_bytes(data)
             self.hashes[INDEX] = hashlib.sha256(data).hexdigest()
         return self.hashes
+
+
+_END = object()
+
+
+@contextlib.contextmanager
+def ahead(items: Iterator, depth: int):
+    """Yield an iterator over `items`, which a worker thread draws up to `depth` items ahead of
+    the consumer. An exception in the worker is raised in the consumer (as it was raised);
+    leaving the context early stops the worker before it draws another item."""
+    ready = queue.Queue(depth)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def work() -> None:
+        try:
+            for item in items:
+                if not put((None, item)):
+                    return
+            put((None, _END))
+        except BaseException as e:  # handed over: the consumer raises it
+            put((e, None))
+
+    def consume():
+        while True:
+            error, item = ready.get()
+            if error is not None:
+                raise error
+            if item is _END:
+                return
+            yield item
+
+    worker = threading.Thread(target=work, name="kvcalib-ahead", daemon=True)
+    worker.start()
+    try:
+        yield consume()
+    finally:
+        stop.set()
+        worker.join()

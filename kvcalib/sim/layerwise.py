@@ -1,7 +1,8 @@
-"""A model that runs one decoder layer at a time, its weights read from the safetensors shards
-only while that layer runs: what sequential calibration uses when the model does not fit.
+"""A causal LM run one decoder layer at a time: what calibration runs on, with the weights in
+memory (`InMemory`) or read from the safetensors shards only while their layer runs
+(`LayerwiseModel`, for models that do not fit).
 
-    lm = LayerwiseModel(source, device="cpu", dtype=torch.float32)
+    lm = LayerwiseModel(source, device="cpu", dtype=torch.float32)   # or InMemory(model)
     with lm.embedding():
         hidden, kwargs = lm.inputs(ids)          # layer 0's input [B, T, E], every layer's kwargs
     for i in range(lm.config.num_hidden_layers):
@@ -10,15 +11,18 @@ only while that layer runs: what sequential calibration uses when the model does
     with lm.head():
         logits = lm.logits(hidden)               # final norm + lm_head, as the model computes
 
-The model itself is built from its config with every parameter on the meta device (its buffers,
-RoPE's inverse frequencies, are real), so it keeps its own modules, hooks and attention
-dispatch: the Simulator runs on it unchanged. Its own forward, with each decoder layer's forward
-replaced by a recorder, supplies exactly the arguments it would pass each layer (mask, RoPE,
-positions) and computes the head; the decoder layers are called directly. The same layer on the
-same inputs runs the same kernels, so the outputs equal an in-memory forward's bit for bit.
+Both keep the model's own modules, hooks and attention dispatch, so the Simulator runs on them
+unchanged. The model's own forward, with each decoder layer's forward replaced by a recorder,
+supplies exactly the arguments it would pass each layer (mask, RoPE, positions) and computes the
+head; the decoder layers are called directly. The same layer on the same inputs runs the same
+kernels, so the outputs equal a whole-model forward's bit for bit. `windows_per_load` is how many
+calibration windows go through a layer each time it is loaded: one in memory (window by window,
+little held between layers), all of them from shards (each layer read once per pass).
 
-`ActivationStore` holds what flows between layers, in CPU memory or in files (`--offload-dir`).
-`fits_in_memory` is the rule that chooses the sequential path.
+`LayerwiseModel` builds the model from its config with every parameter on the meta device (its
+buffers, RoPE's inverse frequencies, are real). `ActivationStore` holds what flows between
+layers, in memory or in files (`--offload-dir`). `fits_in_memory` is the rule that chooses the
+layer-by-layer path.
 """
 
 import contextlib
@@ -45,11 +49,124 @@ class _Captured(Exception):
     pass
 
 
-class LayerwiseModel:
-    """A causal LM of a local Hugging Face folder with its weights left on disk; see above.
+class LayerSource:
+    """What calibration needs of a causal LM, one decoder layer at a time; see above.
 
-    config, device, dtype, kvcalib_source; `model` is the transformers module with meta
-    parameters."""
+    model (the transformers module), config, device, dtype, kvcalib_source, windows_per_load
+    (None: all windows)."""
+
+    model: torch.nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    windows_per_load: int | None
+
+    def embedding(self):
+        """Context: the input embedding loaded (for `inputs`)."""
+        raise NotImplementedError
+
+    def head(self):
+        """Context: the final norm and the output embedding loaded (for `logits`)."""
+        raise NotImplementedError
+
+    def layer(self, i: int):
+        """Context: decoder layer i loaded; yields the module."""
+        raise NotImplementedError
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def kvcalib_source(self):
+        return self.model.kvcalib_source
+
+    def chunks(self, n: int) -> list[range]:
+        """Windows 0 ... n - 1 in the groups that go through each layer per load."""
+        step = self.windows_per_load or n
+        return [range(s, min(s + step, n)) for s in range(0, n, step)]
+
+    def work(self) -> tuple[int, int]:
+        """(parameters of one decoder layer, of the head): what a step through either costs,
+        for progress bars weighted by work (meta parameters count too)."""
+        layer = sum(p.numel() for p in decoder_layers(self.model)[0].parameters())
+        return layer, self.model.get_output_embeddings().weight.numel()
+
+    def inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
+        """Layer 0's input [B, T, E] for ids [B, T] and the keyword arguments of every layer,
+        under the attention implementation in effect (a Simulator's, inside its `layerwise`).
+        Needs `embedding()`."""
+        return self._run(record=True, input_ids=ids.to(self.device))
+
+    def layer_kwargs(self, batch: int, seq_len: int) -> list[dict]:
+        """Every layer's keyword arguments for inputs [batch, seq_len] (they depend on the shape
+        alone: calibration windows are never padded). Loads nothing."""
+        zeros = torch.zeros(
+            batch, seq_len, self.config.hidden_size, dtype=self.dtype, device=self.device
+        )
+        return self._run(record=True, inputs_embeds=zeros)[1]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head on the last layer's output: hidden [B, T, E] -> logits [B, T, V], as the
+        model computes it (gradients flow to `hidden`). Needs `head()`."""
+        return self._run(record=False, inputs_embeds=hidden.to(self.device))
+
+    def _run(self, *, record: bool, **inputs):
+        """The model's own forward with every decoder layer passing its input through: with
+        `record`, stop at the last layer -> (layer 0's input, [kwargs per layer]); else the
+        logits."""
+        layers = decoder_layers(self.model)
+        seen = []
+
+        def passthrough(i: int):
+            def forward(hidden_states, **kwargs):
+                seen.append((hidden_states, kwargs))
+                if record and i == len(layers) - 1:
+                    raise _Captured
+                return hidden_states
+
+            return forward
+
+        own = [layer.__dict__.get("forward") for layer in layers]  # accelerate wraps forward
+        for i, layer in enumerate(layers):
+            layer.forward = passthrough(i)
+        try:
+            with contextlib.suppress(_Captured):  # use_cache=False: no KV cache object at all
+                logits = self.model(**inputs, use_cache=False).logits
+        finally:
+            for layer, forward in zip(layers, own, strict=True):
+                del layer.forward
+                if forward is not None:
+                    layer.forward = forward
+        return (seen[0][0], [kwargs for _, kwargs in seen]) if record else logits
+
+
+class InMemory(LayerSource):
+    """A loaded transformers causal LM (eval mode) as a LayerSource: loading is a no-op and
+    windows go through the whole model one at a time."""
+
+    windows_per_load = 1
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        param = next(model.parameters())
+        self.device = model.get_input_embeddings().weight.device
+        self.dtype = param.dtype
+
+    def embedding(self):
+        return contextlib.nullcontext()
+
+    def head(self):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def layer(self, i: int):
+        yield decoder_layers(self.model)[i]
+
+
+class LayerwiseModel(LayerSource):
+    """A causal LM of a local Hugging Face folder with its weights left on disk; see above."""
+
+    windows_per_load = None
 
     def __init__(
         self,
@@ -72,8 +189,8 @@ class LayerwiseModel:
         for module in model.modules():
             for name, buf in module.named_buffers(recurse=False):
                 module._buffers[name] = buf.to(self.device)
-        model.kvcalib_source = self.kvcalib_source = source
-        self.model, self.config = model, model.config
+        model.kvcalib_source = source
+        self.model = model
         self._modules = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
         for name, _ in model.named_parameters(remove_duplicate=False):
             self._checkpoint_name(name)  # a missing tensor fails now, not after minutes
@@ -81,17 +198,14 @@ class LayerwiseModel:
     # -- weights in and out ------------------------------------------------------------------------
 
     def embedding(self):
-        """Context: the input embedding loaded (for `inputs`)."""
         return self._loaded(self.model.get_input_embeddings())
 
     def head(self):
-        """Context: the final norm and the output embedding loaded (for `logits`)."""
         norm = self.model.get_submodule(archs.FINAL_NORM)
         return self._loaded(norm, self.model.get_output_embeddings())
 
     @contextlib.contextmanager
     def layer(self, i: int):
-        """Context: decoder layer i loaded; yields the module."""
         layer = decoder_layers(self.model)[i]
         with self._loaded(layer):
             yield layer
@@ -142,53 +256,6 @@ class LayerwiseModel:
             "sequential calibration reads by the model's own parameter names; calibrate in "
             "memory (--in-memory)"
         )
-
-    # -- running ---------------------------------------------------------------------------------
-
-    def inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
-        """Layer 0's input [B, T, E] for ids [B, T] and the keyword arguments of every layer,
-        under the attention implementation in effect (a Simulator's, inside its `layerwise`).
-        Needs `embedding()`."""
-        return self._run(record=True, input_ids=ids.to(self.device))
-
-    def layer_kwargs(self, batch: int, seq_len: int) -> list[dict]:
-        """Every layer's keyword arguments for inputs [batch, seq_len] (they depend on the shape
-        alone: calibration windows are never padded). Loads nothing."""
-        zeros = torch.zeros(
-            batch, seq_len, self.config.hidden_size, dtype=self.dtype, device=self.device
-        )
-        return self._run(record=True, inputs_embeds=zeros)[1]
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head on the last layer's output: hidden [B, T, E] -> logits [B, T, V], as the
-        model computes it (gradients flow to `hidden`). Needs `head()`."""
-        return self._run(record=False, inputs_embeds=hidden.to(self.device))
-
-    def _run(self, *, record: bool, **inputs):
-        """The model's own forward with every decoder layer passing its input through: with
-        `record`, stop at the last layer -> (layer 0's input, [kwargs per layer]); else the
-        logits."""
-        layers = decoder_layers(self.model)
-        seen = []
-
-        def passthrough(i: int):
-            def forward(hidden_states, **kwargs):
-                seen.append((hidden_states, kwargs))
-                if record and i == len(layers) - 1:
-                    raise _Captured
-                return hidden_states
-
-            return forward
-
-        for i, layer in enumerate(layers):
-            layer.forward = passthrough(i)
-        try:
-            with contextlib.suppress(_Captured):  # use_cache=False: no KV cache object at all
-                logits = self.model(**inputs, use_cache=False).logits
-        finally:
-            for layer in layers:
-                del layer.forward
-        return (seen[0][0], [kwargs for _, kwargs in seen]) if record else logits
 
 
 class ActivationStore:

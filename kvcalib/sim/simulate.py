@@ -7,7 +7,17 @@ mode "fake":   every position's keys and values are quantized before attention (
                KVQuant perplexity convention); kept sinks stay exact.
 mode "decode": each query sees exactly what a decoding cache holds at its step (the rule in
                kvcalib_runtime.scheme): the residual window and kept sinks exact, everything
-               older as the body stores it. Decode mode costs two score and two value matmuls.
+               older as the body stores it.
+
+Both modes attend in one pass over every query (kvcalib.sim.attention): through PyTorch's fused
+attention, plus in decode mode the band of positions some query still sees exactly (the
+residual window and a flush block), a block of queries at a time; with observers, through the
+eager reference, which also yields the attention weights they see.
+
+With a sink budget, the predicted sinks are a fixed point: the predictor reads the residual
+stream of the quantized model, which depends on which tokens are kept. Each pass runs only up to
+the predictor's layer (at most MAX_SINK_PASSES, until the flags repeat); the whole model then runs
+once with the sinks the last pass decided.
 
 All quantization goes through kvcalib_runtime.quant, so what this measures is what the runtime
 stores. Smoothing and rotations go through kvcalib_runtime.transforms: those the weights already
@@ -24,6 +34,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from kvcalib.sim import attention
 from kvcalib.sim.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
 from kvcalib_runtime.quant import fake_quantize
 from kvcalib_runtime.rope import rotate_half
@@ -103,7 +114,7 @@ class Simulator:
         self._predicted = None
         self._key_pre = {}
         self._rope = {}
-        self._masks = {}
+        self._bands = {}
 
     # -- running -------------------------------------------------------------------------------
 
@@ -116,15 +127,14 @@ class Simulator:
         if predictor is None:
             self._sinks = self._first_sinks(input_ids)
             return self._forward(input_ids)
-        flags = self._predict_full_precision(input_ids, predictor.layer).to(input_ids.device)
+        flags = self._predict(input_ids, predictor.layer, quantized=False)
         for self.sink_passes in range(1, MAX_SINK_PASSES + 1):
             self._sinks = self._budget(input_ids, flags)
-            logits = self._forward(input_ids)
-            predicted = self._predicted.to(input_ids.device)  # layers may sit on other GPUs
+            predicted = self._predict(input_ids, predictor.layer, quantized=True)
             if torch.equal(predicted, flags):
                 break
             flags = predicted  # the quantized pass flags other tokens: decide again
-        return logits
+        return self._forward(input_ids)
 
     @property
     def sinks(self) -> torch.Tensor:
@@ -169,7 +179,7 @@ class Simulator:
                 _ACTIVE.reset(token)
                 self._key_pre.clear()
                 self._rope.clear()
-                self._masks.clear()
+                self._bands.clear()
 
     def _install(self, hooks: Hooks) -> None:
         hooks.attention(ATTENTION)
@@ -190,18 +200,27 @@ class Simulator:
     def _capture_flags(self, module, args, output):
         self._predicted = self.params.sink_predictor(hidden_of(output))
 
-    def _predict_full_precision(self, input_ids, layer: int) -> torch.Tensor:
-        """Predictor flags from a full-precision forward that stops after the predictor layer."""
+    def _predict(self, input_ids, layer: int, *, quantized: bool) -> torch.Tensor:
+        """Predictor flags bool [B, T] from a forward that stops after the predictor layer:
+        full precision (the model's own attention), or quantized with the current sinks (no
+        observers: they see the final forward only)."""
 
         def stop(module, args, output):
             self._capture_flags(module, args, output)
             raise _EarlyExit
 
-        with Hooks(self.model) as hooks:
-            hooks.forward(decoder_layers(self.model)[layer], stop)
-            with contextlib.suppress(_EarlyExit):
-                self.model(input_ids)
-        return self._predicted
+        observers, self.observers = self.observers, [] if quantized else self.observers
+        try:
+            with contextlib.ExitStack() as stack:
+                if quantized:
+                    stack.enter_context(self._active())
+                hooks = stack.enter_context(Hooks(self.model))
+                hooks.forward(decoder_layers(self.model)[layer], stop)
+                with contextlib.suppress(_EarlyExit):
+                    self.model(input_ids)
+        finally:
+            self.observers = observers
+        return self._predicted.to(input_ids.device)  # layers may sit on other GPUs
 
     def _first_sinks(self, input_ids) -> torch.Tensor:
         b, t = input_ids.shape
@@ -221,36 +240,21 @@ class Simulator:
         i = module.layer_idx
         layer = self.scheme.layers[i] if self.scheme is not None else None
         b, hkv, t, d = key.shape
-        g = query.shape[1] // hkv
         sinks = self._sinks.to(key.device)  # a model spread over GPUs (device_map "auto")
         key_hat = self._key_hat(i, layer, key, sinks) if layer and layer.key else None
         value_hat = self._value_hat(i, layer, value, sinks) if layer and layer.value else None
-        q = query.view(b, hkv, g, t, d)
-        mask = attention_mask.view(b, 1, 1, *attention_mask.shape[-2:])
-        k_exact, v_exact = key[:, :, None], value[:, :, None]
-        if self.mode == "fake":
-            keep = sinks[:, None, :, None]
-            k = torch.where(keep, key, key_hat)[:, :, None] if key_hat is not None else k_exact
-            v = (
-                torch.where(keep, value, value_hat)[:, :, None]
-                if value_hat is not None
-                else v_exact
-            )
-            probs = torch.softmax((q @ k.transpose(-1, -2)) * scaling + mask, -1, torch.float32)
-            out = probs.to(v.dtype) @ v
+        keep = sinks[:, None, :, None]
+        key_q = key if key_hat is None else torch.where(keep, key, key_hat)
+        value_q = value if value_hat is None else torch.where(keep, value, value_hat)
+        bands = None
+        if self.mode == "decode" and (key_hat is not None or value_hat is not None):
+            bands = self._rule(t, layer, sinks.device)
+        q = query.view(b, hkv, -1, t, d)
+        args = (q, key, value, key_q, value_q, attention_mask, scaling, bands)
+        if not self.observers:
+            out = attention.fused(*args)
         else:
-            scores = q @ k_exact.transpose(-1, -2)
-            if key_hat is not None:
-                m = self._decode_mask(t, layer.key_flush, sinks, key.dtype)
-                delta = q @ (key_hat - key)[:, :, None].transpose(-1, -2)
-                scores = scores + delta * m
-            probs = torch.softmax(scores * scaling + mask, -1, torch.float32)
-            p = probs.to(value.dtype)
-            out = p @ v_exact
-            if value_hat is not None:
-                m = self._decode_mask(t, layer.value_flush, sinks, value.dtype)
-                out = out + (p * m) @ (value_hat - value)[:, :, None]
-        if self.observers:
+            out, probs = attention.reference(*args)
             exact = sinks
             if self.mode == "decode" and layer is not None and layer.key is not None:
                 last = quantized_prefix(torch.tensor(t - 1), self.scheme.residual, layer.key_flush)
@@ -262,18 +266,21 @@ class Simulator:
                 observe(record)
         return out.reshape(b, -1, t, d).transpose(1, 2).contiguous(), None
 
-    def _decode_mask(self, t: int, flush: int, sinks, dtype) -> torch.Tensor:
-        """[B, 1, 1, T, T]: 1 where query t sees key j quantized (cached per forward)."""
-        cached = (t, flush, sinks.device)
-        if cached in self._masks:
-            return self._masks[cached]
-        pos = torch.arange(t, device=sinks.device)
-        n_q = quantized_prefix(pos, self.scheme.residual, flush)
-        if self.prefill:
-            n_q = torch.where(pos < self.prefill, 0, n_q)
-        m = (pos[None, :] < n_q[:, None]) & ~sinks[:, None, :]
-        self._masks[cached] = m[:, None, None].to(dtype)
-        return self._masks[cached]
+    def _rule(self, t: int, layer: LayerScheme, device) -> attention.Bands:
+        """Decode mode's bands of exact positions (kvcalib.sim.attention.bands) for a layer's
+        flush blocks; cached per forward."""
+        cached = (t, layer.key and layer.key_flush, layer.value and layer.value_flush, device)
+        if cached not in self._bands:
+            pos = torch.arange(t, device=device)
+
+            def prefix(flush: int) -> torch.Tensor:
+                n_q = quantized_prefix(pos, self.scheme.residual, flush)
+                return torch.where(pos < self.prefill, 0, n_q) if self.prefill else n_q
+
+            n_key = prefix(layer.key_flush) if layer.key else None
+            n_value = prefix(layer.value_flush) if layer.value else None
+            self._bands[cached] = attention.bands(n_key, n_value, t)
+        return self._bands[cached]
 
     def _key_hat(self, i: int, layer: LayerScheme, key, sinks):
         """The keys attention uses where quantized: post-RoPE, in the weights' domain."""

@@ -10,13 +10,19 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from kvcalib.calibration import Settings, calibrate_model
+from kvcalib.calibration import Settings, calibrate_model, sensitivity
 from kvcalib.calibration.codebooks import BITS, lloyd, preset_variants
+from kvcalib.calibration.gradients import gradient_pass, window_loss
 from kvcalib.calibration.massive import MassiveMeter
+from kvcalib.calibration.progress import Progress
+from kvcalib.calibration.run import fisher, probe, statistics
 from kvcalib.calibration.sinks import SinkMeter, later_sinks
 from kvcalib.calibration.stats import QUANTILE_LEVELS, ChannelStats, outlier_list, range_ratio
 from kvcalib.core.models import ModelSource
 from kvcalib.errors import DataError, NumericsError, OutputError
+from kvcalib.sim.hooks import Hooks, key_module
+from kvcalib.sim.layerwise import ActivationStore, InMemory
+from kvcalib.sim.simulate import Simulator
 
 SMALL = dict(num_samples=2, seq_len=32, progress=False)
 FAST = Settings(sensitivity_windows=1, sensitivity_tokens=16, codebook_windows=1)
@@ -230,6 +236,84 @@ def test_codebooks_are_sorted_levels_in_the_unit_interval(tmp_path):
         assert (levels.diff(dim=-1) >= 0).all() and levels.min() >= low and levels.max() <= 1
     kl = profile.tensors["sensitivity.key"]  # [L, 2/3/4 bits]: fewer bits, more damage
     assert (kl[:, 0] >= kl[:, 2]).all()
+
+
+# -- gradients and the Fisher sensitivity --------------------------------------------------------
+
+
+def _whole_model_backward(model, ids):
+    """The oracle: one autograd over the whole model's forward (the Simulator observing keys and
+    values) -> {(kind, layer): gradient [Hkv, T, D]} for kinds pre, key, value."""
+    n, d = model.config.num_hidden_layers, model.config.head_dim
+    acts = {}
+
+    def observe(record):
+        acts["key", record.layer], acts["value", record.layer] = record.key, record.value
+
+    def keep_pre(i):
+        return lambda module, args, output: acts.__setitem__(("pre", i), output)
+
+    with Hooks(model) as hooks, torch.enable_grad():
+        hooks.forward(model.get_input_embeddings(), lambda m, a, out: out.requires_grad_())
+        for i in range(n):
+            hooks.forward(key_module(model, i), keep_pre(i))
+        loss = window_loss(Simulator(model, None, observers=[observe])(ids), ids)
+        names = list(acts)
+        grads = torch.autograd.grad(loss, [acts[k] for k in names])
+    out = {}
+    for (kind, i), g in zip(names, grads, strict=True):
+        out[kind, i] = g[0].reshape(ids.shape[1], -1, d).transpose(0, 1) if kind == "pre" else g[0]
+    return out
+
+
+def test_layer_by_layer_backward_is_the_whole_model_backward():
+    # The gradient pass recomputes each layer from its kept input and chains autograd.grad down
+    # the layers; that is the model's own backward in another order, so the gradients agree
+    # with one whole-model autograd to float32 rounding (a wrong mask, a skipped residual or a
+    # stale layer input would change them by far more).
+    model = tiny_model("llama", num_hidden_layers=3)
+    ids = torch.randint(0, 128, (1, 29), generator=torch.Generator().manual_seed(0))
+    want = _whole_model_backward(model, ids)
+    got = {}
+
+    class Record:
+        def add(self, window, layer, x, g):
+            got.update({(kind, layer): g[kind] for kind in g})
+
+    lm = InMemory(model)
+    with ActivationStore() as store:
+        statistics(lm, ids, Settings(), store, Progress(False), keep=1)
+        gradient_pass(lm, ids, store, [Record()], lambda work: None)
+        assert not any(key[0] in ("input", "h") for key in store._items)  # all taken out
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7, msg=str(k))
+
+
+def test_fisher_sensitivity_ranks_layers_as_the_probe_measures_them(seed=0):
+    # KVQuant's Fisher estimate 1/2 sum g^2 (x - Q(x))^2 stands in for the KL the probe measures
+    # by quantizing each layer in turn. Measured on tiny 4-layer models (seeds 0-2): Spearman
+    # 0.95-1.0 across the 8 (layer, tensor) pairs at every width, Fisher / probe 1.3-1.6.
+    model = tiny_model("llama", num_hidden_layers=4, seed=seed)
+    ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(seed))
+    settings = Settings(sensitivity_windows=4, sensitivity_tokens=64)
+    lm, clock = InMemory(model), Progress(False)
+    with ActivationStore() as store:
+        found = statistics(lm, ids, settings, store, clock, keep=4)
+        fisher(lm, ids, found, settings, ("stats", "sensitivity"), store, clock)
+        estimate = torch.stack([found.tensors.pop(f"sensitivity.{t}") for t in ("key", "value")])
+        probe(lm, ids, found, settings, store, clock)
+        measured = torch.stack([found.tensors[f"sensitivity.{t}"] for t in ("key", "value")])
+    assert estimate.shape == measured.shape == (2, 4, len(sensitivity.BITS))
+
+    def ranks(x):
+        return x.argsort().argsort().double()
+
+    for j in range(len(sensitivity.BITS)):
+        a, b = ranks(estimate[..., j].flatten()), ranks(measured[..., j].flatten())
+        assert torch.corrcoef(torch.stack((a, b)))[0, 1] >= 0.9, sensitivity.BITS[j]
+    ratio = (estimate / measured)[..., :3].median()  # 8 bits: both near 0
+    assert 0.5 <= ratio <= 3, ratio
 
 
 # -- the real default model ---------------------------------------------------------------------

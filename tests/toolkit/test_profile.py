@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from tiny import tiny_model
+from tiny import save_with_tokenizer, tiny_model
 
 from kvcalib.api import default_profile
 from kvcalib.calibration import Settings, calibrate_model
@@ -157,8 +157,9 @@ def test_codebooks_and_sensitivity(profile):
     ):
         profile.codebook("key:token:pre_rope", 1, 3)
     assert profile.sensitivity("value", 1, 2) >= profile.sensitivity("value", 1, 4) >= 0
-    with pytest.raises(ProfileError, match=r"no sensitivity at 8 bits; calibrated: \[2, 3, 4\]"):
-        profile.sensitivity("key", 0, 8)
+    assert profile.sensitivity("key", 0, 8) <= profile.sensitivity("key", 0, 4)  # 8: probed too
+    with pytest.raises(ProfileError, match=r"no sensitivity at 5 bits; calibrated: \[2, 3, 4, 8\]"):
+        profile.sensitivity("key", 0, 5)
 
 
 def test_plan_reads_everything_it_needs(profile):
@@ -199,6 +200,29 @@ def test_phases_left_out_are_named(tmp_path):
         stats_only.codebook("value:token", 0, 2)
 
 
+def test_allocation_without_sensitivity_falls_back_to_uniform_bits(tmp_path, caplog):
+    # --sensitivity none: an allocating recipe still plans, with its nominal bits in every layer,
+    # and says so
+    unmeasured = calibrate_model(
+        tiny_model("llama"),
+        CharTokenizer(),
+        tmp_path / "p",
+        source=SOURCE,
+        num_samples=1,
+        seq_len=32,
+        phases=("stats", "codebooks"),
+        settings=Settings(codebook_windows=1),
+        progress=False,
+    )
+    assert unmeasured.meta["probe"] is None
+    recipe = parse_recipe(
+        {"name": "allocated", "key": {"bits": 3}, "value": {"bits": 2}, "allocation": {"budget": 3}}
+    )
+    scheme, _ = plan(recipe, num_layers=2, profile=unmeasured)
+    assert {(layer.key.bits, layer.value.bits) for layer in scheme.layers} == {(3, 2)}
+    assert "the profile has none (calibrated with --sensitivity none)" in caplog.text
+
+
 # -- the default profile, summary, CLI ------------------------------------------------------
 
 
@@ -222,6 +246,46 @@ def test_the_default_profile_is_announced_and_calibrated_once(profile, tmp_path,
     assert default_profile(SOURCE, first.path).path == first.path
     with pytest.raises(ProfileError, match="was calibrated on model tiny"):
         default_profile(ModelSource("b", Path("b"), "b" * 64), first.path)
+
+
+@pytest.mark.parametrize("command", ["eval", "convert"])
+def test_no_calibrate_stops_before_any_calibration(command, tmp_path, monkeypatch):
+    # issue 16: without --profile both announce the default calibration; --no-calibrate exits 2
+    monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys.modules["kvcalib.api"], "calibrate", lambda *a, **k: pytest.fail())
+    src = save_with_tokenizer(tiny_model("llama"), tmp_path / "src")
+    args = [command, str(src), "--recipe", "kvcalib-2", "--no-calibrate"]
+    args += ["-o", str(tmp_path / "out")] if command == "convert" else []
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert "no --profile given" in result.output and "--no-calibrate was given" in result.output
+    assert "minutes" in result.output  # how long the default calibration would have taken
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_calibrate_sensitivity_and_window_options(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(
+        sys.modules["kvcalib.api"], "calibrate", lambda *a, **k: seen.append(k) or 1 / 0
+    )
+    base = ["calibrate", "m", "-o", str(tmp_path / "p")]
+    for extra in (
+        [],
+        ["--sensitivity", "none", "--gradient-windows", "3"],
+        ["--sensitivity", "probe", "--gradient-windows", "3", "--codebook-windows", "1"],
+    ):
+        CliRunner().invoke(main, base + extra)
+    got = [(k["phases"], k["settings"]) for k in seen]
+    assert [(s.sensitivity, s.sensitivity_windows, s.codebook_windows) for _, s in got] == [
+        ("fisher", Settings().sensitivity_windows, Settings().codebook_windows),
+        ("fisher", 3, 3),
+        ("probe", 3, 1),
+    ]
+    assert [phases for phases, _ in got] == [
+        ("stats", "sensitivity", "codebooks"),
+        ("stats", "codebooks"),
+        ("stats", "sensitivity", "codebooks"),
+    ]
 
 
 def test_summary_names_the_findings(profile):

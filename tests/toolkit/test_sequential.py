@@ -1,13 +1,15 @@
 """Layer-by-layer calibration gives the in-memory profile bit for bit, holds one decoder layer
 at a time, is chosen when the model does not fit, and `--device auto` reaches the loader.
 
-Why bit for bit (torch.equal, not a tolerance): the sequential path runs the model's own decoder
-layer modules on the same inputs with the same arguments (mask, RoPE) the model's forward would
-pass them, at the same batch shapes, so every kernel sees the same operands; its statistics go
-through the same accumulators (observe.StatsAccumulator, codebooks.Codebooks) in the same
-per-layer order. The Fisher weights come from a backward recomputed layer by layer; autograd
-sums a tensor's gradient contributions in the order of the layer's own graph, which is the same
-graph, so they match exactly too. A tolerance would hide a wrong mask or a skipped layer.
+Why bit for bit (torch.equal, not a tolerance): both run the same passes over a LayerSource —
+in memory window by window, from shards every window through each layer as it is loaded — so
+what differs is where the weights come from (the shards, by the model's own parameter names)
+and the order in which (window, layer) steps feed the accumulators (observe.StatsAccumulator,
+codebooks.Codebooks, sensitivity.FisherSensitivity), which must not matter. The same layer
+modules see the same inputs with the same arguments (mask, RoPE) at the same batch shapes, so
+every kernel sees the same operands. A tolerance would hide a wrong mask, a skipped layer, a
+misread weight or an order-dependent accumulator. That a layer source computes what the whole
+model computes is held below (logits) and in test_calibrate.py (the backward).
 """
 
 import json
@@ -25,7 +27,7 @@ from kvcalib.core.models import load_model, resolve
 from kvcalib.errors import ModelError, NumericsError, OutputError
 from kvcalib.sim import layerwise
 from kvcalib.sim.hooks import decoder_layers
-from kvcalib.sim.layerwise import ActivationStore, LayerwiseModel
+from kvcalib.sim.layerwise import ActivationStore, InMemory, LayerwiseModel
 
 FAST = Settings(sensitivity_windows=1, sensitivity_tokens=16, codebook_windows=1)
 SMALL = dict(num_samples=2, seq_len=32, progress=False, settings=FAST)
@@ -56,6 +58,24 @@ def test_sequential_profile_equals_in_memory(tmp_path, arch):
     _assert_same(memory, layered)
     assert memory.meta["sink_predictor"] == layered.meta["sink_predictor"]
     assert list(offload.iterdir()) == []  # the spill folder is removed
+
+
+@pytest.mark.parametrize("where", ["memory", "shards"])
+def test_a_layer_source_computes_the_model_forward(tmp_path, where):
+    src = _folder(tmp_path, "qwen3", tie_word_embeddings=True)
+    model, _ = load_model(src)
+    ids = torch.randint(0, 128, (2, 29), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids).logits
+        lm = InMemory(model) if where == "memory" else LayerwiseModel(resolve(src))
+        with lm.embedding():
+            hidden, kwargs = lm.inputs(ids)
+        for i in range(lm.config.num_hidden_layers):
+            with lm.layer(i) as layer:
+                hidden = layer(hidden, **kwargs[i])
+        with lm.head():
+            got = lm.logits(hidden)
+    assert torch.equal(got, want)
 
 
 def test_one_decoder_layer_in_memory_at_a_time(tmp_path):

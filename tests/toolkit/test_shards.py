@@ -12,9 +12,37 @@ from safetensors import safe_open
 from tiny import save_with_tokenizer, tiny_model
 
 from kvcalib.cli import main
-from kvcalib.errors import OptionError
-from kvcalib.io.shards import TensorSpec, parse_size, plan_shards
+from kvcalib.errors import ModelError, OptionError
+from kvcalib.io.shards import TensorSpec, ahead, parse_size, plan_shards
 from kvcalib_runtime import format
+
+
+def test_ahead_hands_over_items_in_order_and_the_producers_error():
+    # convert reads and transforms on this thread while the main thread writes
+    with ahead(iter(range(100)), 3) as items:
+        assert list(items) == list(range(100))
+
+    def failing():
+        yield 1
+        raise ModelError("layer 7 has no tensor v_proj.weight")
+
+    with pytest.raises(ModelError, match="layer 7 has no"), ahead(failing(), 3) as items:
+        assert next(items) == 1
+        next(items)
+
+
+def test_ahead_stops_drawing_when_the_consumer_leaves():
+    drawn = []
+
+    def producer():
+        for i in range(1000):
+            drawn.append(i)
+            yield i
+
+    with pytest.raises(RuntimeError, match="disk on fire"), ahead(producer(), 2) as items:
+        next(items)
+        raise RuntimeError("disk on fire")
+    assert len(drawn) <= 4  # one taken, at most two queued, one waiting to be: then stopped
 
 
 def test_plan_fills_each_shard_up_to_the_limit_and_isolates_a_larger_tensor():

@@ -5,6 +5,7 @@ import pytest
 import torch
 from tiny import tiny_model
 
+from kvcalib.sim import attention
 from kvcalib.sim.cache import QuantizedKVCache
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.quant import QuantSpec
@@ -74,7 +75,9 @@ def _incremental(model, scheme, params, ids, prefill):
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("prefill", [1, 13])
-def test_decode_mode_equals_incremental_decoding(arch, case, prefill):
+@pytest.mark.parametrize("block", [attention.BLOCK, 7])  # 7: bands of several blocks, one ragged
+def test_decode_mode_equals_incremental_decoding(arch, case, prefill, block, monkeypatch):
+    monkeypatch.setattr(attention, "BLOCK", block)
     model = tiny_model(arch)
     ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(1))
     kw = dict(CASES[case])
@@ -92,7 +95,8 @@ def test_decode_mode_equals_incremental_decoding(arch, case, prefill):
     assert (one_pass - reference).abs().max() / reference.abs().max() > 1e-3
 
 
-def test_predicted_sinks_match_incremental_decoding():
+def test_predicted_sinks_match_incremental_decoding(monkeypatch):
+    monkeypatch.setattr(attention, "BLOCK", 16)
     model = tiny_model("llama")
     ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -116,6 +120,25 @@ def test_predicted_sinks_match_incremental_decoding():
     assert (one_pass - step).abs().max() / step.abs().max() < 1e-5
 
 
+def test_predicted_sinks_are_decided_before_the_one_observed_forward():
+    # The sink fixed point iterates on forwards that stop after the predictor's layer; the whole
+    # model then runs once, with the sinks the last pass decided, and only that run is observed.
+    model = tiny_model("llama", num_hidden_layers=3)
+    ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states[2][0]  # after layer 1
+    threshold = float(hidden[:, 5].abs().quantile(0.8))
+    params = KVParams(sink_predictor=SinkPredictor(layer=1, dims=(5,), threshold=threshold))
+    scheme = _scheme(model, QuantSpec(2), QuantSpec(2), residual=4, sinks_first=1, sink_budget=8)
+    records = []
+    with torch.no_grad():
+        sim = Simulator(model, scheme, params, mode="decode", observers=[records.append])
+        sim(ids)
+    assert sim.sink_passes == 2  # measured: 2-bit layers 0-1 move a flag across the threshold
+    assert [r.layer for r in records] == [0, 1, 2]
+    assert all(torch.equal(r.sinks, sim.sinks) for r in records)
+
+
 def test_unfused_key_smoothing_matches_incremental_decoding():
     model = tiny_model("qwen3")
     ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(4))
@@ -128,6 +151,52 @@ def test_unfused_key_smoothing_matches_incremental_decoding():
     step = _incremental(model, scheme, params, ids, 5)
     assert (one_pass - step).abs().max() / step.abs().max() < 1e-5
     assert not torch.allclose(one_pass, plain, atol=1e-4)  # the scales did change the codes
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", ["fake", "decode"])
+def test_fused_attention_equals_the_eager_reference(case, mode, monkeypatch):
+    # Without observers the Simulator attends through scaled_dot_product_attention (decode mode:
+    # plus the window band, swapped in through an extra key); with one, through the eager
+    # reference that also yields the weights. Same rule, so the logits agree to fp32 rounding,
+    # far closer than quantization moves them (checked second).
+    monkeypatch.setattr(attention, "BLOCK", 16)
+    model = tiny_model("llama")
+    ids = torch.randint(0, 128, (2, T), generator=torch.Generator().manual_seed(6))
+    kw = dict(CASES[case])
+    scheme = _scheme(model, kw.pop("key"), kw.pop("value"), **kw)
+    pre_rope = scheme.layers[0].key_position == "pre_rope"
+    params = _static_params(model, ids, "pre_rope") if pre_rope else KVParams()
+    with torch.no_grad():
+        fast = Simulator(model, scheme, params, mode=mode, prefill=5)(ids)
+        eager = Simulator(model, scheme, params, mode=mode, prefill=5, observers=[id])(ids)
+        reference = model(ids).logits
+    assert (fast - eager).abs().max() / eager.abs().max() < 1e-5
+    assert (eager - reference).abs().max() / reference.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decode_attention_with_a_dominant_sink(dtype):
+    # A sink key scored from -120 to +120 across the queries (the window's within +-5): for some
+    # queries the window's share underflows (e -> 0), for others it is all there is (e -> 1);
+    # neither may overflow or lose precision.
+    gen = torch.Generator().manual_seed(7)
+    b, hkv, g, t, d = 1, 2, 2, 40, 16
+    q = torch.randn(b, hkv, g, t, d, generator=gen)
+    key, value = torch.randn(b, hkv, t, d, generator=gen), torch.randn(b, hkv, t, d, generator=gen)
+    mask = torch.zeros(t, t).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -1e30)
+    pos = torch.arange(t)
+    n = torch.clamp(pos + 1 - 8, min=0).minimum(pos)  # residual window of 8
+    for boost in (100.0, -100.0):
+        k = key.clone()
+        k[..., 0, :] = q.mean((2, 3))[..., :] * boost / q.mean((2, 3)).square().sum(-1, True)
+        noise = 0.05 * torch.randn(k.shape, generator=gen)
+        args = [x.to(dtype) for x in (q, k, value, k + noise, value + noise)]
+        bands = attention.bands(n, n, t)
+        want, _ = attention.reference(*[x.float() for x in args], mask[None, None], 0.25, bands)
+        got = attention.fused(*args, mask[None, None].to(dtype), 0.25, bands).float()
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.isfinite(got).all() and (got - want).abs().max() < tol * want.abs().max()
 
 
 def test_fake_mode_quantizes_every_position():

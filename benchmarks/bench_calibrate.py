@@ -1,0 +1,94 @@
+"""The default calibration, eval and convert against plain work on the same data: issue 16's
+ratios, measured in one run.
+
+    python benchmarks/bench_calibrate.py                  # calibration and eval ratios (~10 min)
+    python benchmarks/bench_calibrate.py --scale          # + convert / copy (2B checkpoint)
+
+  calibrate / forward  `kvcalib.calibrate` of the default model (smollm2-135m) with the
+                       default settings, load and report included, against the model's own
+                       forward over the same 16 x 512 calibration windows, one at a time as
+                       calibration runs them (the best of one timing before and one after).
+                       Target <= 5x. The phases' seconds come from the profile's timings.
+  eval / forward       bench_eval.eval_ratios on --eval-windows x 1024 tokens of the evaluation
+                       text, for per-token-2, kivi-2 and kvcalib-2/3 (with the profile just
+                       written). Target <= 2x in decode mode.
+  convert / copy       with --scale: bench_scale.run(["copy", "convert*"]), `kvcalib convert
+                       --recipe quarot-kv4` of a 2.0B-parameter bf16 checkpoint against a
+                       safetensors load_file + save_file of its shards. Target <= 1.5x.
+
+Every number is printed with the machine's 1-minute load average (other jobs share the cores:
+ratios of interleaved runs hold up better than seconds).
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_eval
+import bench_scale
+
+from kvcalib import calibrate, load_model
+from kvcalib.core.data import calibration_windows, eval_windows
+
+
+def _load() -> str:
+    return f"load {os.getloadavg()[0]:.1f}"
+
+
+def plain_forward(model, ids) -> float:
+    with torch.no_grad():
+        start = time.perf_counter()
+        for row in ids:
+            model(row[None])
+        return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--eval-windows", type=int, default=2)
+    parser.add_argument("--scale", action="store_true", help="also convert / copy (2B model)")
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args()
+    print(f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, {_load()}")
+    model, tokenizer = load_model(None)
+    ids = calibration_windows(tokenizer, None, num_samples=16, seq_len=512, seed=0)
+    before = plain_forward(model, ids)
+    print(f"plain forward 16 x 512: {before:.1f} s ({_load()})", flush=True)
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        start = time.perf_counter()
+        profile = calibrate(None, Path(tmp) / "profile", progress=False)
+        total = time.perf_counter() - start
+        print(f"calibrate: {total:.1f} s ({_load()})", flush=True)
+        after = plain_forward(model, ids)
+        plain = min(before, after)
+        print(f"plain forward 16 x 512: {after:.1f} s ({_load()})\n")
+        phases = "  ".join(f"{k} {v:.1f}s" for k, v in profile.meta["timings"].items())
+        print(f"calibrate / forward: {total / plain:.2f}x  ({total:.1f} s / {plain:.1f} s)")
+        print(f"  phases: {phases}\n", flush=True)
+        windows = eval_windows(tokenizer, None, windows=args.eval_windows, seq_len=1024)
+        start_load = _load()
+        plain_eval, rows = bench_eval.eval_ratios(model, windows, bench_eval.RECIPES, profile)
+        print(f"eval, {args.eval_windows} x 1024 tokens ({start_load} before, {_load()} after)")
+        print(bench_eval.table(plain_eval, rows) + "\n", flush=True)
+    if args.scale:
+        del model
+        runs = bench_scale.run(
+            ["copy", "convert*"], {}, layers=40, shard_mb=1024, repeats=2, workdir=args.workdir
+        )
+        copy = min(r["wall"] for r in runs["copy"])
+        convert = min(r["wall"] for r in runs["convert*"])
+        loads = [r["load"] for rs in runs.values() for r in rs]
+        print(
+            f"\nconvert / copy: {convert / copy:.2f}x  ({convert:.1f} s / {copy:.1f} s, best of "
+            f"2 rounds; load {min(loads):.1f}-{max(loads):.1f})"
+        )
+
+
+if __name__ == "__main__":
+    main()
