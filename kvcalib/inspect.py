@@ -8,7 +8,10 @@ from kvcalib.conversion.convert import checkpoint_summary
 from kvcalib.core import models
 from kvcalib.core.profile import FORMAT_VERSION, Profile
 from kvcalib.core.profile import META as PROFILE_META
+from kvcalib.errors import ModelError
+from kvcalib_runtime.errors import FormatError
 from kvcalib_runtime.format import META
+from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.quant import QuantSpec
 
 
@@ -16,19 +19,29 @@ def model_summary(spec: str | None, *, trust_remote_code: bool = False) -> str:
     """Architecture and KV-cache size per token of a model (its config only: no weights load)."""
     source = models.resolve(spec, trust_remote_code=trust_remote_code)
     cfg = json.loads((source.path / "config.json").read_text())
-    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
-    kv_heads = cfg.get("num_key_value_heads", heads)
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta")}
+    try:
+        geo = Geometry.from_config(cfg)
+    except FormatError as e:
+        raise ModelError(f"model {source.path}: {e}") from None
+    layers, heads, kv_heads, head_dim = geo.layers, geo.heads, geo.kv_heads, geo.head_dim
+    thetas = sorted({p["rope_theta"] for p in geo.rope})
+    rope = geo.rope[-1]
+    windows = sorted({w for w in geo.windows if w is not None})
+    sliding = sum(w is not None for w in geo.windows)
     elements = 2 * layers * kv_heads * head_dim  # keys and values of one token, all layers
     lines = [
         f"model        {source.spec}  ({source.path})",
-        f"architecture {cfg['model_type']}  {cfg.get('architectures', ['?'])[0]}",
-        f"layers       {layers}",
+        f"architecture {geo.model_type}  {cfg.get('architectures', ['?'])[0]}  ("
+        + ("convert and runtime: yes" if geo.arch else "eval and calibrate only")
+        + ")",
+        f"layers       {layers}"
+        + (f"  ({sliding} slide over {', '.join(map(str, windows))} tokens)" if sliding else ""),
         f"heads        {heads} query / {kv_heads} key-value (GQA {heads // kv_heads}:1)",
-        f"head_dim     {head_dim}   hidden {cfg['hidden_size']}",
-        f"RoPE         {rope.get('rope_type', 'default')}, theta {rope.get('rope_theta'):g}",
-        f"context      {cfg.get('max_position_embeddings')} tokens",
+        f"head_dim     {head_dim}   hidden {geo.hidden}",
+        f"RoPE         {rope.get('rope_type', 'default')}, theta "
+        + " / ".join(f"{t:g}" for t in thetas)
+        + (f", rotates {rope['partial_rotary_factor']:g} of a head" if geo.partial_rotary else ""),
+        f"context      {geo.max_position} tokens",
         "KV cache per token (keys + values, all layers):",
         f"  fp16       {elements * 2:>8,} bytes",
     ]

@@ -35,20 +35,31 @@ def flush_of(t: TensorRecipe, residual: int) -> int:
 
 
 def plan(
-    recipe: Recipe, *, num_layers: int, head_dim: int | None = None, profile=None
+    recipe: Recipe,
+    *,
+    num_layers: int,
+    head_dim: int | None = None,
+    profile=None,
+    windows: tuple[int | None, ...] | None = None,
 ) -> tuple[KVScheme, KVParams]:
     """The per-layer scheme and calibrated tensors of `recipe` for a model of `num_layers`
-    decoder layers (and heads of `head_dim` channels, checked against token groups)."""
+    decoder layers (and heads of `head_dim` channels, checked against token groups; per layer
+    its sliding window or None, `Geometry.windows`, for `quantized_layers = "global"`)."""
     where = f"recipe {recipe.name}"
     if recipe.external:
         raise RecipeError(f"{where} runs through {recipe.external}, not kvcalib's cache")
     if recipe.needs_profile and profile is None:
         raise ProfileError(f"{where} needs calibrated tensors: pass --profile DIR")
-    bits = _allocate(recipe, num_layers, profile) if recipe.allocation else None
+    windows = (None,) * num_layers if windows is None else windows
+    assert len(windows) == num_layers, "one window (or None) per layer"
+    quantized = [recipe.quantized_layers == "all" or w is None for w in windows]
+    bits = _allocate(recipe, quantized, profile) if recipe.allocation else None
     layers, params = [], KVParams()
     for i in range(num_layers):
         key, value = recipe.tensor("key", i), recipe.tensor("value", i)
-        if bits is not None:
+        if not quantized[i]:  # a sliding layer under quantized_layers = "global"
+            key, value = TensorRecipe(), TensorRecipe()
+        elif bits is not None:
             key = dataclasses.replace(key, bits=bits["key"][i])
             value = dataclasses.replace(value, bits=bits["value"][i])
         try:
@@ -103,24 +114,27 @@ def _calibrated(params: KVParams, profile, i: int, key: TensorRecipe, value: Ten
         params.key_range[i] = (lo / params.key_smooth[i], hi / params.key_smooth[i])
 
 
-def _allocate(recipe: Recipe, num_layers: int, profile) -> dict[str, list[int]]:
+def _allocate(recipe: Recipe, quantized: list[bool], profile) -> dict[str, list[int]]:
     """Per-layer key and value bits minimizing the summed sensitivity (KL divergence when only
-    that tensor of that layer is quantized) under a mean-bits budget: greedy upgrades by the
-    largest KL saved per extra bit, which is optimal for convex per-item costs."""
+    that tensor of that layer is quantized) under a mean-bits budget over the quantized layers:
+    greedy upgrades by the largest KL saved per extra bit, which is optimal for convex per-item
+    costs."""
     choices = sorted(recipe.allocation.choices)
+    num_layers, count = len(quantized), sum(quantized)
     kl = {
         (name, i, b): profile.sensitivity(name, i, b)
         for name in ("key", "value")
         for i in range(num_layers)
         for b in choices
+        if quantized[i]
     }
     bits = {name: [choices[0]] * num_layers for name in ("key", "value")}
-    budget = recipe.allocation.budget * 2 * num_layers
-    spent = choices[0] * 2 * num_layers
+    budget = recipe.allocation.budget * 2 * count
+    spent = choices[0] * 2 * count
     while True:
         best = None
         for name in ("key", "value"):
-            for i in range(num_layers):
+            for i in (i for i in range(num_layers) if quantized[i]):
                 now = bits[name][i]
                 up = next((b for b in choices if b > now), None)
                 if up is None or spent + up - now > budget:
@@ -139,10 +153,7 @@ def plan_for_model(model, recipe, profile=None) -> tuple[KVScheme, KVParams]:
     """`plan` for a transformers model; `recipe` is a Recipe, a preset name or a path."""
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe)
-    cfg = model.config
+    geo = Geometry.from_config(model.config)
     return plan(
-        recipe,
-        num_layers=cfg.num_hidden_layers,
-        head_dim=Geometry.from_config(cfg).head_dim,
-        profile=profile,
+        recipe, num_layers=geo.layers, head_dim=geo.head_dim, profile=profile, windows=geo.windows
     )

@@ -24,9 +24,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from kvcalib.errors import ModelError
 from kvcalib.sim.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
 from kvcalib_runtime.quant import fake_quantize
-from kvcalib_runtime.rope import rotate_half
+from kvcalib_runtime.rope import rotate
 from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, quantized_prefix
 from kvcalib_runtime.transforms import Transforms
 
@@ -104,6 +105,7 @@ class Simulator:
         self._key_pre = {}
         self._rope = {}
         self._masks = {}
+        self._attended = set()
 
     # -- running -------------------------------------------------------------------------------
 
@@ -143,8 +145,17 @@ class Simulator:
         return self.scheme is not None and self.scheme.sink_budget > 0
 
     def _forward(self, input_ids):
+        self._attended.clear()
         with self._active():
-            return self.model(input_ids).logits
+            logits = self.model(input_ids).logits
+        layers = len(decoder_layers(self.model))
+        if len(self._attended) != layers:
+            raise ModelError(
+                f"model {self.model.config.model_type}: {len(self._attended)} of its {layers} "
+                "layers attended through transformers' attention interface, where kvcalib "
+                "simulates the cache; it cannot measure this model"
+            )
+        return logits
 
     @contextlib.contextmanager
     def layerwise(self, input_ids: torch.Tensor):
@@ -171,10 +182,18 @@ class Simulator:
                 self._rope.clear()
                 self._masks.clear()
 
+    @property
+    def _needs_pre_rope(self) -> bool:
+        """Whether anything reads keys before RoPE: observers, or a pre-RoPE key scheme."""
+        return bool(self.observers) or any(
+            layer.key is not None and layer.key_position == "pre_rope"
+            for layer in (self.scheme.layers if self.scheme is not None else ())
+        )
+
     def _install(self, hooks: Hooks) -> None:
         hooks.attention(ATTENTION)
         layers = decoder_layers(self.model)
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(layers if self._needs_pre_rope else ()):
             hooks.forward(key_module(self.model, i), capture_keys(self.model, self._key_pre, i))
             hooks.pre_forward(layer.self_attn, self._capture_rope(i))
         if self._predicts_sinks:
@@ -183,7 +202,7 @@ class Simulator:
 
     def _capture_rope(self, i):
         def hook(module, args, kwargs):
-            self._rope[i] = kwargs["position_embeddings"]
+            self._rope[i] = kwargs.get("position_embeddings")  # None: the model has no RoPE
 
         return hook
 
@@ -217,8 +236,11 @@ class Simulator:
 
     # -- attention -----------------------------------------------------------------------------
 
-    def attend(self, module, query, key, value, attention_mask, scaling):
+    def attend(self, module, query, key, value, attention_mask, scaling, softcap=None):
+        """transformers' attention interface; softcap: Gemma 2's attention-score cap, applied
+        to the scaled scores as cap * tanh(s / cap)."""
         i = module.layer_idx
+        self._attended.add(i)
         layer = self.scheme.layers[i] if self.scheme is not None else None
         b, hkv, t, d = key.shape
         g = query.shape[1] // hkv
@@ -236,7 +258,8 @@ class Simulator:
                 if value_hat is not None
                 else v_exact
             )
-            probs = torch.softmax((q @ k.transpose(-1, -2)) * scaling + mask, -1, torch.float32)
+            scores = _cap((q @ k.transpose(-1, -2)) * scaling, softcap)
+            probs = torch.softmax(scores + mask, -1, torch.float32)
             out = probs.to(v.dtype) @ v
         else:
             scores = q @ k_exact.transpose(-1, -2)
@@ -244,7 +267,7 @@ class Simulator:
                 m = self._decode_mask(t, layer.key_flush, sinks, key.dtype)
                 delta = q @ (key_hat - key)[:, :, None].transpose(-1, -2)
                 scores = scores + delta * m
-            probs = torch.softmax(scores * scaling + mask, -1, torch.float32)
+            probs = torch.softmax(_cap(scores * scaling, softcap) + mask, -1, torch.float32)
             p = probs.to(value.dtype)
             out = p @ v_exact
             if value_hat is not None:
@@ -284,9 +307,9 @@ class Simulator:
         pre = layer.key_position == "pre_rope"
         x = t.key_rotate(i, t.key_in(i, self._key_pre[i] if pre else key, p))
         x_hat = t.key_out(i, t.key_rotate(i, fake_quantize(x, spec, **kwargs), inverse=True), p)
-        if pre:
+        if pre and self._rope[i] is not None:
             cos, sin = (c.unsqueeze(1) for c in self._rope[i])
-            x_hat = x_hat * cos + rotate_half(x_hat) * sin
+            x_hat = rotate(x_hat, cos, sin)
         return x_hat
 
     def _value_hat(self, i: int, layer: LayerScheme, value, sinks):
@@ -298,10 +321,18 @@ class Simulator:
         return t.value_out(i, fake_quantize(t.value_in(i, value), spec, **kwargs))
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
+def _attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs
+):
     sim = _ACTIVE.get()
     assert sim is not None, "the kvcalib attention runs only inside a Simulator"
-    return sim.attend(module, query, key, value, attention_mask, scaling)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return sim.attend(module, query, key, value, attention_mask, scaling, softcap)
 
 
 AttentionInterface.register(ATTENTION, _attention)

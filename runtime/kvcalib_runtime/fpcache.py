@@ -6,6 +6,7 @@ calls and is compared against this one.
 """
 
 import copy
+import math
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,9 @@ class FullPrecisionCache:
             tensor positions(T) returned. Stores k (with RoPE applied) and v at slots
             lengths[b] .. lengths[b] + T - 1 of sequence b and returns softmax(q K^T / sqrt(D)) V
             over the keys at slots <= positions[b, t] (earlier tokens and causal within the
-            new ones). H is a multiple of Hkv (GQA: query head h reads KV head h // (H / Hkv)).
+            new ones), and, in a layer with a sliding window W, > positions[b, t] - W. H is a
+            multiple of Hkv (GQA: query head h reads KV head h // (H / Hkv)). With `softcap`
+            the scores s = q K^T / sqrt(D) are capped to softcap * tanh(s / softcap) first.
             Raises CapacityError, before storing anything, when lengths + T > max_len.
         observe_hidden(layer, hidden [B, T, hidden_size])
             the residual stream after decoder layer `layer` (for caches that predict sinks from
@@ -56,7 +59,13 @@ class FullPrecisionCache:
         max_len: int,
         device: torch.device | str,
         dtype: torch.dtype,
+        windows=None,
+        softcap: float | None = None,
     ):
+        """windows: per layer, the sliding window (None: global; default all global)."""
+        self.windows = (None,) * num_layers if windows is None else tuple(windows)
+        assert len(self.windows) == num_layers, "one window (or None) per layer"
+        self.softcap = softcap
         shape = (num_layers, batch, kv_heads, max_len, head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
@@ -100,12 +109,19 @@ class FullPrecisionCache:
             values[rows, :, positions] = v.transpose(1, 2)
         S = longest + T  # no sequence has a key at slot >= S
         keys, values = keys[:, :, :S], values[:, :, :S]
+        window = self.windows[layer]
+        in_window = window is None or window >= S  # no stored key has left the window
         mask, causal = None, False
-        if longest == 0:  # all sequences empty before: plain causal attention over T keys
-            causal = T > 1
-        elif not (B == 1 and T == 1):  # one query over its own keys needs no mask
+        if self.softcap is None and longest == 0 and in_window:
+            causal = T > 1  # all sequences empty before: plain causal attention over T keys
+        elif self.softcap is not None or not (B == 1 and T == 1 and in_window):
             slots = torch.arange(S, device=positions.device)
-            mask = (slots <= positions[..., None])[:, None]  # [B, 1, T, S]
+            mask = slots <= positions[..., None]  # [B, T, S]
+            if window is not None:
+                mask &= slots > positions[..., None] - window
+            mask = mask[:, None]  # [B, 1, T, S]
+        if self.softcap is not None:
+            return _capped_attention(q, keys, values, mask, self.softcap)
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True
         )
@@ -135,3 +151,14 @@ class FullPrecisionCache:
     def bytes_per_token(self) -> float:
         """Allocated bytes per token slot of one sequence: allocated_bytes / (B * max_len)."""
         return self.allocated_bytes() / (len(self.lengths) * self.max_len)
+
+
+def _capped_attention(q, keys, values, mask, cap: float) -> torch.Tensor:
+    """softmax(cap * tanh(q K^T / (sqrt(D) cap)) + mask) V in fp32 softmax, as transformers'
+    eager attention: q [B, H, T, D], keys/values [B, Hkv, S, D], mask bool [B, 1, T, S]."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values
