@@ -82,7 +82,11 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
 
 def save_with_tokenizer(model, path):
     """Save a tiny model as a Hugging Face folder with an ASCII tokenizer: one token per
-    character (ids = code points), decoded back by concatenation. Returns the folder."""
+    character (ids = code points), decoded back by concatenation, loaded by transformers as a
+    plain fast tokenizer (not the family's own class, which expects its special tokens).
+    Returns the folder."""
+    import json
+
     from tokenizers import Regex, Tokenizer, decoders
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Split
@@ -93,6 +97,8 @@ def save_with_tokenizer(model, path):
     tokenizer.pre_tokenizer = Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     tokenizer.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
 
 
