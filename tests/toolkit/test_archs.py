@@ -193,6 +193,13 @@ def test_keys_before_rope_are_the_keys_attention_sees_unrotated(arch):
         assert _rel(record.key_pre, record.key) > 1e-2  # RoPE did rotate them
 
 
+def test_transformers_quantized_cache_peer_is_refused_on_sliding_models():
+    """transformers' QuantizedCache (the hf-quanto peers) refuses sliding layers itself: said
+    before any work, by name."""
+    with pytest.raises(RecipeError, match=r"hf-quanto-2 .* full attention layers only"):
+        candidates(tiny_model("gemma3_text"), ["hf-quanto-2"])
+
+
 # -- outside the table: measured and calibrated, not converted -----------------------------------
 
 
