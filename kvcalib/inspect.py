@@ -20,19 +20,23 @@ def model_summary(spec: str | None, *, trust_remote_code: bool = False) -> str:
     cfg = json.loads((source.path / "config.json").read_text())
     geo = Geometry.from_config(cfg)
     layers, heads, kv_heads, head_dim = geo.layers, geo.heads, geo.kv_heads, geo.head_dim
-    rope = cfg.get("rope_parameters") or {"rope_theta": cfg.get("rope_theta")}
-    rope = rope if isinstance(rope, dict) else {}
-    theta = rope.get("rope_theta")
-    theta = f"{theta:g}" if isinstance(theta, int | float) else "?"
-    classes = cfg.get("architectures") or ["?"]
+    thetas = sorted({p["rope_theta"] for p in geo.rope})
+    rope = geo.rope[-1]
+    windows = sorted({w for w in geo.windows if w is not None})
+    sliding = sum(w is not None for w in geo.windows)
     elements = 2 * layers * kv_heads * head_dim  # keys and values of one token, all layers
     lines = [
         f"model        {source.spec}  ({source.path})",
-        f"architecture {cfg['model_type']}  {classes[0]}",
-        f"layers       {layers}",
+        f"architecture {geo.model_type}  {cfg.get('architectures', ['?'])[0]}  ("
+        + ("convert and runtime: yes" if geo.arch else "eval and calibrate only")
+        + ")",
+        f"layers       {layers}"
+        + (f"  ({sliding} slide over {', '.join(map(str, windows))} tokens)" if sliding else ""),
         f"heads        {heads} query / {kv_heads} key-value (GQA {heads // kv_heads}:1)",
         f"head_dim     {head_dim}   hidden {geo.hidden}",
-        f"RoPE         {rope.get('rope_type', 'default')}, theta {theta}",
+        f"RoPE         {rope.get('rope_type', 'default')}, theta "
+        + " / ".join(f"{t:g}" for t in thetas)
+        + (f", rotates {rope['partial_rotary_factor']:g} of a head" if geo.partial_rotary else ""),
         f"context      {geo.max_position} tokens",
         "KV cache per token (keys + values, all layers):",
         f"  fp16       {elements * 2:>8,} bytes",

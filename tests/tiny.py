@@ -1,7 +1,14 @@
-"""Tiny random transformers models of every supported family, for architecture coverage."""
+"""Tiny random transformers models of every family in the architecture table (and of one
+outside it), for architecture coverage. Sliding windows are 8 tokens, shorter than the tests'
+sequences; Gemma 2's soft-caps are low enough to bend these scores; Gemma 3 has one sliding and
+one global layer with their own RoPE bases, and one KV head (MQA, as the 270M)."""
 
 import torch
 
+WINDOW = 8
+BASE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+GEMMA = dict(BASE, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW)
+IDS = dict(pad_token_id=0, bos_token_id=2, eos_token_id=1)  # defaults lie outside vocab 128
 TINY_CONFIGS = {
     "llama": dict(
         hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2
@@ -26,7 +33,35 @@ TINY_CONFIGS = {
         num_key_value_heads=1,
         head_dim=80,
     ),
+    "mistral-sliding": dict(BASE, sliding_window=WINDOW),
+    "gemma2": dict(GEMMA, attn_logit_softcapping=3.0, final_logit_softcapping=5.0),
+    "gemma3_text": dict(
+        GEMMA,
+        num_key_value_heads=1,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        },
+    ),
+    "phi3": dict(BASE, **IDS),
+    "phi3-partial": dict(
+        BASE, rope_parameters={"rope_type": "default", "partial_rotary_factor": 0.5}, **IDS
+    ),
+    # outside the table: keys through a k_norm over all heads, norms after attention and MLP;
+    # head_dim 32 fits the presets' groups
+    "olmo2": dict(BASE, num_attention_heads=2, **IDS),
 }
+
+
+class CharTokenizer:
+    """Characters as token ids below 128: a tokenizer for the tiny models' vocabulary."""
+
+    def __call__(self, text, add_special_tokens=False, return_attention_mask=False):
+        return {"input_ids": [ord(c) % 128 for c in text]}
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
@@ -47,7 +82,11 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
 
 def save_with_tokenizer(model, path):
     """Save a tiny model as a Hugging Face folder with an ASCII tokenizer: one token per
-    character (ids = code points), decoded back by concatenation. Returns the folder."""
+    character (ids = code points), decoded back by concatenation, loaded by transformers as a
+    plain fast tokenizer (not the family's own class, which expects its special tokens).
+    Returns the folder."""
+    import json
+
     from tokenizers import Regex, Tokenizer, decoders
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Split
@@ -58,6 +97,8 @@ def save_with_tokenizer(model, path):
     tokenizer.pre_tokenizer = Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
     tokenizer.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
 
 
@@ -97,6 +138,9 @@ class ShapeProfile:
         from kvcalib_runtime.scheme import SinkPredictor
 
         return SinkPredictor(layer=0, dims=(0,), threshold=38.0)
+
+    def has_sensitivity(self):
+        return True
 
     def sensitivity(self, tensor, layer, bits):
         return float(2.0**-bits * self.sensitive.get((tensor, layer), 1.0))

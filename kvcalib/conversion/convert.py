@@ -52,10 +52,13 @@ SUMMARY_CONTEXT = 4096
 AHEAD = 16  # tensors the producer may hold ready: one or two decoder layers
 EMBED, NORM, LM_HEAD = (n + ".weight" for n in (archs.EMBED, archs.FINAL_NORM, archs.LM_HEAD))
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_LINEARS = (*(r for rs in archs.READS_AFTER.values() for r in rs), *archs.WRITES)
-_KNOWN = {p + s for p in _LINEARS for s in (".weight", ".bias")} | {
-    n + ".weight" for n in (*archs.READS_AFTER, archs.Q_NORM, archs.K_NORM)
-}
+
+
+def _known(arch: archs.Arch) -> set[str]:
+    """The tensor names of a decoder layer that the architecture table places."""
+    return {p + s for p in arch.linears for s in (".weight", ".bias")} | {
+        n + ".weight" for n in (*arch.norms, archs.Q_NORM, archs.K_NORM)
+    }
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,6 @@ class _Job:
 
     geo: Geometry
     transforms: Transforms
-    qk_norm: bool
     value_seed: int | None
     value_layers: frozenset[int]
     smooth: dict[int, torch.Tensor]
@@ -113,11 +115,19 @@ def convert(
             f"model {source.spec}: already a kvcalib-converted checkpoint; "
             "convert the original model instead"
         )
+    config = json.loads((source.path / format.CONFIG).read_text())
+    if archs.lookup(config.get("model_type")) is None:
+        raise ModelError(
+            f"model {source.spec}: architecture {config.get('model_type')!r} is not supported by "
+            f"convert and the runtime; supported: {archs.supported()} (kvcalib eval and "
+            "calibrate run it through transformers)"
+        )
     if not (source.path / format.TOKENIZER).is_file():
         raise ModelError(
             f"model {source.spec}: no {format.TOKENIZER} in {source.path}; the "
             "runtime tokenizes with it - save a fast tokenizer there"
         )
+    geo = Geometry.from_config(config)
     recipe = recipe if isinstance(recipe, Recipe) else load_recipe(recipe)
     profile_path = str(profile) if isinstance(profile, str | os.PathLike) else None
     inputs = [source.path] + ([Path(profile_path)] if profile_path else [])
@@ -202,19 +212,32 @@ def _out_config(config: dict, job: _Job, dtype: torch.dtype | None, export: str 
 
 def _decide(recipe, scheme, params, config, geo, weights, rotate_residual) -> _Job:
     """Which transforms apply, refusing what cannot be fused before anything is written."""
-    arch = archs.lookup(config["model_type"])
+    arch = geo.arch
     value_layers = frozenset(i for i, layer in enumerate(scheme.layers) if layer.value_rotation)
     if value_layers and not is_supported(geo.head_dim):
         raise RecipeError(
             f"recipe {recipe.name}: no Hadamard matrix of order head_dim = "
             f"{geo.head_dim} for the value rotation; set value.rotation = 'none'"
         )
+    if params.key_smooth and geo.partial_rotary:
+        raise RecipeError(
+            f"recipe {recipe.name}: key.smooth scales RoPE pairs of whole heads, and "
+            f"{geo.model_type} rotates part of each head (partial_rotary_factor); set "
+            "key.smooth = 0"
+        )
     for i, s in params.key_smooth.items():
         if why := rotate.check_smoothing(s, geo):
             raise ProfileError(f"key smoothing of layer {i}: {why}; calibrate the profile again")
-    # A shared q/k norm (Qwen3) holds one scale per channel: per-head scales stay online, in
-    # kv_params.safetensors, and "key_smooth" is not listed as fused.
+    # A shared q/k norm (Qwen3, Gemma 3) holds one scale per channel: per-head scales stay
+    # online, in kv_params.safetensors, and "key_smooth" is not listed as fused.
     fusable = all(rotate.fusable_smoothing(s, arch.qk_norm) for s in params.key_smooth.values())
+    if rotate_residual and arch.post_norms:
+        raise ModelError(
+            f"model: {geo.model_type} normalizes the attention and MLP outputs ("
+            f"{', '.join(arch.post_norms)}) before they join the residual stream, and a "
+            "rotation of the stream cannot pass those per-channel weights; convert without "
+            "--rotate-residual"
+        )
     if rotate_residual and not is_supported(geo.hidden):
         raise ModelError(
             f"model: no Hadamard matrix of order hidden_size = {geo.hidden} for the "
@@ -227,7 +250,6 @@ def _decide(recipe, scheme, params, config, geo, weights, rotate_residual) -> _J
     return _Job(
         geo=geo,
         transforms=Transforms.online(scheme, params).fuse(fused),
-        qk_norm=arch.qk_norm,
         value_seed=scheme.rotation_seed,
         value_layers=value_layers,
         smooth=smooth,
@@ -249,13 +271,14 @@ class _Group:
 def _groups(weights: SourceWeights, job: _Job, out_dtype) -> list[_Group]:
     """Every output tensor, grouped and in write order: embedding, layers, head, the rest."""
     entries = weights.entries
+    known = _known(job.geo.arch)
     layers = {i: [] for i in range(job.geo.layers)}
     rest = []
     for name in sorted(entries):
         m = _LAYER.fullmatch(name)
         if m and int(m.group(1)) in layers:
             layers[int(m.group(1))].append(name)
-            if m.group(2) not in _KNOWN and job.residual_seed is not None:
+            if m.group(2) not in known and job.residual_seed is not None:
                 raise ModelError(
                     f"model {weights.folder}: tensor {name} is not in the "
                     "architecture table, so a residual rotation cannot place it"
@@ -306,9 +329,9 @@ def _transform(group: _Group, tensors: dict, job: _Job) -> dict[str, torch.Tenso
             if group.layer in job.value_layers:
                 rotate.rotate_values(t, job.geo, job.value_seed)
             if group.layer in job.smooth:
-                rotate.smooth_keys(t, job.geo, job.smooth[group.layer], job.qk_norm)
+                rotate.smooth_keys(t, job.geo, job.smooth[group.layer])
             if seed is not None:
-                rotate.rotate_residual(t, seed)
+                rotate.rotate_residual(t, job.geo, seed)
         except KeyError as e:
             raise ModelError(
                 f"model: layer {group.layer} has no tensor {prefix}{e.args[0]}, "

@@ -10,11 +10,18 @@ and "x @ Q" is `hadamard_transform(x, seed=seed)` along the last dim.
              W_o[:, head] <- W_o[:, head] Q.
   keys       k' = k / s, q' = q * s:    k_proj rows and bias / s, q_proj rows and bias * s (query
              head j uses KV head j // G); s equal on both members of each RoPE pair (j, j + D/2),
-             so RoPE commutes and q'.k' = q.k. Qwen3 normalizes per head after the projection:
-             there the scales go into k_norm / q_norm weights, which all heads share.
+             so RoPE commutes and q'.k' = q.k. Qwen3 and Gemma 3 normalize per head after the
+             projection: there the scales go into the k_norm / q_norm weights, which all heads
+             share (Gemma's norm multiplies by 1 + w: w <- (1 + w) / s - 1 for keys).
   residual   x' = x Q on the whole residual stream: RMSNorm(x Q) = RMSNorm(x) Q once its weight
              g is folded into the readers (W <- W diag(g), g <- 1); readers W <- W Q (q/k/v,
              gate/up, lm_head), writers W <- Q^T W, b <- Q^T b (o_proj, down_proj), E <- E Q.
+             Gemma's norms after attention and MLP scale channels of the writers' output before
+             it joins the stream, which no rotation passes: convert refuses it there.
+
+phi3 keeps q/k/v as row blocks [q; k; v] of one `qkv_proj` and gate/up as [gate; up] of one
+`gate_up_proj`: the transforms act on those rows in place (a row block of a linear is the linear
+of that block), and the residual rotation treats each fused matrix as one reader.
 
 Layer dicts are keyed by names relative to `model.layers.{i}.` (archs.py's names + ".weight").
 Transforms compute in float32 (COMPUTE) and leave the result there; the caller casts.
@@ -57,36 +64,59 @@ def _get(t: dict, name: str) -> torch.Tensor:
     return t[name].to(COMPUTE)
 
 
-def rotate_values(t: dict, geo: Geometry, seed: int | None) -> None:
-    """Fuse Q = orthogonal_hadamard(head_dim, seed) per KV head into v_proj and o_proj."""
-    d = geo.head_dim
+def _rows(geo: Geometry, which: str) -> tuple[str, slice]:
+    """(linear, rows) that compute the queries, keys or values ("q", "k", "v") of a layer."""
+    q, kv = geo.heads * geo.head_dim, geo.kv_heads * geo.head_dim
+    if geo.arch.fused:
+        start = {"q": 0, "k": q, "v": q + kv}[which]
+        return archs.QKV_PROJ, slice(start, start + (q if which == "q" else kv))
+    name = {"q": archs.Q_PROJ, "k": archs.K_PROJ, "v": archs.V_PROJ}[which]
+    return name, slice(None)
+
+
+def _update_rows(t: dict, geo: Geometry, which: str, fn) -> None:
+    """Replace the weight rows (and bias) of q, k or v by fn(rows) (fp32, [n, in] or [n])."""
+    name, rows = _rows(geo, which)
     for suffix in (".weight", ".bias"):
-        name = archs.V_PROJ + suffix
-        if name in t:
-            v = _get(t, name)
-            heads = v.view(geo.kv_heads, d, -1)  # [Hkv, D, hidden] or [Hkv, D, 1] for the bias
-            t[name] = _left(heads, seed).reshape(v.shape)
+        if name + suffix in t:
+            w = _get(t, name + suffix)
+            w[rows] = fn(w[rows])
+            t[name + suffix] = w
+
+
+def rotate_values(t: dict, geo: Geometry, seed: int | None) -> None:
+    """Fuse Q = orthogonal_hadamard(head_dim, seed) per KV head into the value rows and o_proj."""
+    d = geo.head_dim
+
+    def rotate(v):  # [Hkv * D, hidden] or [Hkv * D] for the bias
+        heads = v.reshape(geo.kv_heads, d, -1)
+        return _left(heads, seed).reshape(v.shape)
+
+    _update_rows(t, geo, "v", rotate)
     name = archs.O_PROJ + ".weight"
     o = _get(t, name)  # [hidden, H * D]: the columns of head j are j * D ... (j + 1) * D - 1
     t[name] = _right(o.view(o.shape[0], geo.heads, d), seed).reshape(o.shape)
 
 
-def smooth_keys(t: dict, geo: Geometry, s: torch.Tensor, qk_norm: bool) -> None:
+def smooth_keys(t: dict, geo: Geometry, s: torch.Tensor) -> None:
     """Divide keys by s [Hkv, D] and multiply queries by it (see the module docstring).
 
-    With qk_norm, s must be the same for every KV head (`fusable_smoothing`).
+    With a q/k norm, s must be the same for every KV head (`fusable_smoothing`).
     """
     s = s.to(COMPUTE)
-    if qk_norm:
-        t[archs.K_NORM + ".weight"] = _get(t, archs.K_NORM + ".weight") / s[0]
-        t[archs.Q_NORM + ".weight"] = _get(t, archs.Q_NORM + ".weight") * s[0]
+    arch = geo.arch
+    if arch.qk_norm:
+        k, q = _get(t, archs.K_NORM + ".weight"), _get(t, archs.Q_NORM + ".weight")
+        if arch.gemma:  # the norms multiply by 1 + w
+            t[archs.K_NORM + ".weight"] = (1 + k) / s[0] - 1
+            t[archs.Q_NORM + ".weight"] = (1 + q) * s[0] - 1
+        else:
+            t[archs.K_NORM + ".weight"], t[archs.Q_NORM + ".weight"] = k / s[0], q * s[0]
         return
     k_scale = s.reshape(-1)
     q_scale = s.repeat_interleave(geo.group, dim=0).reshape(-1)
-    for proj, scale in ((archs.K_PROJ, 1 / k_scale), (archs.Q_PROJ, q_scale)):
-        t[proj + ".weight"] = _get(t, proj + ".weight") * scale[:, None]
-        if proj + ".bias" in t:
-            t[proj + ".bias"] = _get(t, proj + ".bias") * scale
+    for which, scale in (("k", 1 / k_scale), ("q", q_scale)):
+        _update_rows(t, geo, which, lambda w, scale=scale: w * scale.view(-1, *[1] * (w.dim() - 1)))
 
 
 def check_smoothing(s: torch.Tensor, geo: Geometry) -> str | None:
@@ -106,9 +136,10 @@ def fusable_smoothing(s: torch.Tensor, qk_norm: bool) -> bool:
     return not qk_norm or bool(torch.equal(s, s[:1].expand_as(s)))
 
 
-def rotate_residual(t: dict, seed: int) -> None:
+def rotate_residual(t: dict, geo: Geometry, seed: int) -> None:
     """One decoder layer's share of x' = x Q: fold norms into readers, rotate readers, writers."""
-    for norm, readers in archs.READS_AFTER.items():
+    assert not geo.arch.post_norms, "a residual rotation cannot pass norms after the writers"
+    for norm, readers in geo.arch.reads_after.items():
         g = _get(t, norm + ".weight")
         for reader in readers:
             t[reader + ".weight"] = _right(t[reader + ".weight"], seed, pre=g)

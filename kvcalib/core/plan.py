@@ -84,15 +84,17 @@ def plan(
     head_dim: int | None = None,
     profile=None,
     geometry: Geometry | None = None,
+    windows: tuple[int | None, ...] | None = None,
 ) -> tuple[KVScheme, KVParams]:
     """The per-layer scheme and calibrated tensors of `recipe` for a model of `num_layers`
-    decoder layers (and heads of `head_dim` channels, checked against token groups).
+    decoder layers (and heads of `head_dim` channels, checked against token groups; per layer
+    its sliding window or None, `Geometry.windows`, for `quantized_layers = "global"`).
 
-    With the model's `geometry` (which then gives both), the result is also checked as the
-    runtime checks a side-car (kvcalib_runtime.checks): sizes within the model's context
+    With the model's `geometry` (which then gives all three), the result is also checked as
+    the runtime checks a side-car (kvcalib_runtime.checks): sizes within the model's context
     (RecipeError), calibrated tensors that mean what they say (ProfileError)."""
     if geometry is not None:
-        num_layers, head_dim = geometry.layers, geometry.head_dim
+        num_layers, head_dim, windows = geometry.layers, geometry.head_dim, geometry.windows
     where = f"recipe {recipe.name}"
     if recipe.external:
         raise RecipeError(f"{where} runs through {recipe.external}, not kvcalib's cache")
@@ -103,19 +105,24 @@ def plan(
         )
     if recipe.needs_profile and profile is None:
         raise ProfileError(f"{where} needs calibrated tensors: pass --profile DIR")
+    windows = (None,) * num_layers if windows is None else windows
+    assert len(windows) == num_layers, "one window (or None) per layer"
+    quantized = [recipe.quantized_layers == "all" or w is None for w in windows]
     bits = None
-    if recipe.allocation and "sensitivity.key" not in profile.tensors:
+    if recipe.allocation and not profile.has_sensitivity():
         log.warning(
             f"note: {where} allocates bits per layer from sensitivities, and the profile has "
             f"none (calibrated with --sensitivity none): {recipe.key.bits}-bit keys and "
             f"{recipe.value.bits}-bit values in every layer"
         )
     elif recipe.allocation:
-        bits = _allocate(recipe, num_layers, profile)
+        bits = _allocate(recipe, quantized, profile)
     layers, params = [], KVParams()
     for i in range(num_layers):
         key, value = recipe.tensor("key", i), recipe.tensor("value", i)
-        if bits is not None:
+        if not quantized[i]:  # a sliding layer under quantized_layers = "global"
+            key, value = TensorRecipe(), TensorRecipe()
+        elif bits is not None:
             key = with_bits(key, bits["key"][i])
             value = with_bits(value, bits["value"][i])
         try:
@@ -195,24 +202,27 @@ def _calibrated(params: KVParams, profile, i: int, key: TensorRecipe, value: Ten
         params.key_range[i] = (lo / params.key_smooth[i], hi / params.key_smooth[i])
 
 
-def _allocate(recipe: Recipe, num_layers: int, profile) -> dict[str, list[int]]:
+def _allocate(recipe: Recipe, quantized: list[bool], profile) -> dict[str, list[int]]:
     """Per-layer key and value bits minimizing the summed sensitivity (KL divergence when only
-    that tensor of that layer is quantized) under a mean-bits budget: greedy upgrades by the
-    largest KL saved per extra bit, which is optimal for convex per-item costs."""
+    that tensor of that layer is quantized) under a mean-bits budget over the quantized layers:
+    greedy upgrades by the largest KL saved per extra bit, which is optimal for convex per-item
+    costs."""
     choices = sorted(recipe.allocation.choices)
+    num_layers, count = len(quantized), sum(quantized)
     kl = {
         (name, i, b): profile.sensitivity(name, i, b)
         for name in ("key", "value")
         for i in range(num_layers)
         for b in choices
+        if quantized[i]
     }
     bits = {name: [choices[0]] * num_layers for name in ("key", "value")}
-    budget = recipe.allocation.budget * 2 * num_layers
-    spent = choices[0] * 2 * num_layers
+    budget = recipe.allocation.budget * 2 * count
+    spent = choices[0] * 2 * count
     while True:
         best = None
         for name in ("key", "value"):
-            for i in range(num_layers):
+            for i in (i for i in range(num_layers) if quantized[i]):
                 now = bits[name][i]
                 up = next((b for b in choices if b > now), None)
                 if up is None or spent + up - now > budget:

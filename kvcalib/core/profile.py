@@ -279,6 +279,11 @@ class Profile:
             int(p["layer"]), tuple(int(d) for d in p["dims"]), float(p["threshold"])
         )
 
+    def has_sensitivity(self) -> bool:
+        """Whether the profile holds per-layer sensitivities (not calibrated with --sensitivity
+        none)."""
+        return "sensitivity.key" in self.tensors
+
     def sensitivity(self, tensor: str, layer: int, bits: int) -> float:
         """KL divergence of the final logits with only this tensor of this layer quantized
         (estimated from the loss gradients, or measured; json "probe.method")."""

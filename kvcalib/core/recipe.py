@@ -4,7 +4,7 @@ A recipe is parsed once, at the edge, into frozen dataclasses; an unknown key, a
 an impossible combination raises RecipeError naming the recipe, the key and the fix. Presets
 live in `recipes/<name>.toml`; `load_recipe` takes a preset name or a path.
 
-    name, description, residual, rotation_seed, external
+    name, description, residual, rotation_seed, external, quantized_layers
     [key]    bits granularity group_size symmetric clip codebook outliers outlier_slots
              slot_rule method split_channels split_bits flush position rotation smooth
     [value]  bits granularity group_size symmetric clip codebook outliers outlier_slots
@@ -17,6 +17,10 @@ bits = 16 means full precision. `rotation` is "none" or "hadamard": for values a
 head fused into v_proj/o_proj, for keys an online Hadamard on queries and keys after RoPE.
 `codebook` is "uniform" or "calibrated" (non-uniform levels from the profile). `flush` defaults
 to the residual window for "channel" granularity (KIVI flushes keys R at a time) and to 1 otherwise.
+`quantized_layers` is "all" (default) or "global": then the layers with a sliding window
+(Gemma's local layers, `Geometry.windows`) keep their cache in full precision (a ring of their
+window) and only the global layers follow [key] / [value] (the key is not `layers`, which holds
+the per-layer overrides).
 `outliers` is the fraction left out of each range; exact slots per vector keep what the codes
 clamp: `outlier_slots` of them for "static" granularity, chosen by `slot_rule` ("outside": the
 farthest outside the range, KVQuant's; "error": the largest errors, kvcalib's) — see
@@ -46,6 +50,7 @@ RECIPE_DIRS = (
 )
 FULL_PRECISION = 16
 EXTERNAL = ("hf-quanto",)
+QUANTIZED_LAYERS = ("all", "global")
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,7 @@ class Recipe:
     allocation: Allocation | None = None
     overrides: tuple[LayerOverride, ...] = ()
     external: str | None = None
+    quantized_layers: str = "all"
     source: str = ""
 
     @property
@@ -167,6 +173,7 @@ _TOP_KEYS = {
     "residual": int,
     "rotation_seed": int,
     "external": str,
+    "quantized_layers": str,
     "key": dict,
     "value": dict,
     "sinks": dict,
@@ -252,6 +259,7 @@ def parse_recipe(data: dict, source: str = "<dict>") -> Recipe:
         rotation_seed=data.get("rotation_seed"),
         allocation=allocation,
         overrides=overrides,
+        quantized_layers=data.get("quantized_layers", "all"),
         source=source,
     )
     _check_combinations(recipe, where)
@@ -373,6 +381,9 @@ def _check_combinations(r: Recipe, where: str) -> None:
     def fail(msg):
         raise RecipeError(f"{where}: {msg}")
 
+    if r.quantized_layers not in QUANTIZED_LAYERS:
+        allowed = ", ".join(QUANTIZED_LAYERS)
+        fail(f"'quantized_layers' = {r.quantized_layers!r}; use one of {allowed}")
     _check_tokens(
         {"residual": r.residual, "sinks.first": r.sinks_first, "sinks.budget": r.sink_budget},
         where,

@@ -50,6 +50,9 @@ class PlaceholderProfile:
     def sink_predictor(self):
         return SinkPredictor(0, (0,), float("inf"))
 
+    def has_sensitivity(self):
+        return True
+
     def sensitivity(self, tensor, layer, bits):
         return 2.0**-bits
 

@@ -11,6 +11,7 @@ import random
 import torch
 from tqdm.auto import tqdm
 
+from kvcalib.core.data import bos_prefix
 from kvcalib.evaluation.external import external_cache
 from kvcalib.sim.cache import QuantizedKVCache
 
@@ -29,9 +30,10 @@ _QUESTION = "What is the pass key? The pass key is"
 
 
 def prompt(tokenizer, length: int, depth: float, key: int) -> list[int]:
-    """Token ids of a passkey prompt of about `length` tokens, the needle at `depth` ∈ [0, 1]."""
+    """Token ids of a passkey prompt of about `length` tokens, the needle at `depth` ∈ [0, 1];
+    after the BOS token where the tokenizer puts one first (`data.bos_prefix`)."""
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    intro, filler = enc(_INTRO), enc(_FILLER)
+    intro, filler = bos_prefix(tokenizer) + enc(_INTRO), enc(_FILLER)
     needle, question = enc(_NEEDLE.format(key=key)), enc(_QUESTION)
     room = length - len(intro) - len(needle) - len(question)
     hay = (filler * (room // len(filler) + 1))[:room]

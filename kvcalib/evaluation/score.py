@@ -125,6 +125,12 @@ def candidates(
                     "as given, and these hold kvcalib's fused transforms: evaluate it on the "
                     f"source model ({weights.meta['source']['spec']})"
                 )
+            if Geometry.from_config(model.config).sliding:
+                raise RecipeError(
+                    f"recipe {recipe.name} runs transformers' QuantizedCache, which takes models "
+                    f"with full attention layers only, and {model.config.model_type} has "
+                    "sliding-window layers: leave it out for this model"
+                )
             out.append(Candidate(recipe.name, recipe, None, KVParams(), None))
             continue
         scheme, params = plan_for_model(model, recipe, profile)

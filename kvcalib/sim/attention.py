@@ -81,9 +81,12 @@ def bands(n_key: torch.Tensor | None, n_value: torch.Tensor | None, t: int) -> B
     return Bands(out, n)
 
 
-def reference(q, key, value, key_q, value_q, mask, scaling: float, rule: Bands | None):
+def reference(
+    q, key, value, key_q, value_q, mask, scaling: float, rule: Bands | None, softcap=None
+):
     """(out, probs float32 [B, Hkv, G, T, T]): eager attention under the decode rule (None:
-    fake mode, every position as key_q / value_q hold it)."""
+    fake mode, every position as key_q / value_q hold it); softcap (Gemma 2): the scaled scores
+    s become softcap * tanh(s / softcap)."""
     mask = mask[:, :, None]
     blocks = rule.blocks if rule is not None else ()
     scores = q @ key_q[:, :, None].transpose(-1, -2)
@@ -91,7 +94,10 @@ def reference(q, key, value, key_q, value_q, mask, scaling: float, rule: Bands |
         a, z, lo = bl.a, bl.z, bl.lo
         exact = q[..., a:z, :] @ key[:, :, None, lo:z].transpose(-1, -2)
         scores[..., a:z, lo:z] = torch.where(bl.key_exact, exact, scores[..., a:z, lo:z])
-    probs = torch.softmax(scores * scaling + mask, -1, torch.float32)
+    scores = scores * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores + mask, -1, torch.float32)
     p = probs.to(value.dtype)
     out = p @ value_q[:, :, None]
     diff = (value - value_q)[:, :, None]  # zero where kept exact

@@ -16,7 +16,7 @@ from kvcalib.core.plan import plan_for_model
 from kvcalib.sim.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
 from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.kvcache import QuantizedCache
-from kvcalib_runtime.rope import Rope
+from kvcalib_runtime.rope import layer_ropes
 from kvcalib_runtime.scheme import KVParams, KVScheme
 from kvcalib_runtime.transforms import Transforms
 
@@ -69,7 +69,7 @@ class QuantizedKVCache(Cache):
         geo = Geometry.from_config(cfg)
         self.model, self.scheme, self.max_len = model, scheme, max_len
         self.params = params or KVParams()
-        self.rope = Rope(cfg.to_dict(), geo.head_dim)
+        self.ropes = layer_ropes(geo.rope, geo.head_dim)
         param = next(model.parameters())
         self.store = QuantizedCache(
             scheme,
@@ -128,6 +128,6 @@ class QuantizedKVCache(Cache):
         """Stage layer i's new tokens and return all keys/values as the cache holds them."""
         k = self._key_pre.pop(i)
         positions = self.store.positions(k.shape[2])
-        self.store.stage(i, k, value_states, self.rope, positions)
-        keys, values, _ = self.store.materialize(i, self.rope)
+        self.store.stage(i, k, value_states, self.ropes[i], positions)
+        keys, values, _ = self.store.materialize(i, self.ropes[i])
         return keys.to(key_states.dtype), values.to(value_states.dtype)

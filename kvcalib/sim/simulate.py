@@ -34,10 +34,11 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from kvcalib.errors import ModelError
 from kvcalib.sim import attention
 from kvcalib.sim.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
 from kvcalib_runtime.quant import fake_quantize
-from kvcalib_runtime.rope import rotate_half
+from kvcalib_runtime.rope import rotate
 from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, quantized_prefix
 from kvcalib_runtime.transforms import Transforms
 
@@ -115,6 +116,7 @@ class Simulator:
         self._key_pre = {}
         self._rope = {}
         self._bands = {}
+        self._attended = set()
 
     # -- running -------------------------------------------------------------------------------
 
@@ -153,8 +155,17 @@ class Simulator:
         return self.scheme is not None and self.scheme.sink_budget > 0
 
     def _forward(self, input_ids):
+        self._attended.clear()
         with self._active():
-            return self.model(input_ids).logits
+            logits = self.model(input_ids).logits
+        layers = len(decoder_layers(self.model))
+        if len(self._attended) != layers:
+            raise ModelError(
+                f"model {self.model.config.model_type}: {len(self._attended)} of its {layers} "
+                "layers attended through transformers' attention interface, where kvcalib "
+                "simulates the cache; it cannot measure this model"
+            )
+        return logits
 
     @contextlib.contextmanager
     def layerwise(self, input_ids: torch.Tensor):
@@ -181,10 +192,18 @@ class Simulator:
                 self._rope.clear()
                 self._bands.clear()
 
+    @property
+    def _needs_pre_rope(self) -> bool:
+        """Whether anything reads keys before RoPE: observers, or a pre-RoPE key scheme."""
+        return bool(self.observers) or any(
+            layer.key is not None and layer.key_position == "pre_rope"
+            for layer in (self.scheme.layers if self.scheme is not None else ())
+        )
+
     def _install(self, hooks: Hooks) -> None:
         hooks.attention(ATTENTION)
         layers = decoder_layers(self.model)
-        for i, layer in enumerate(layers):
+        for i, layer in enumerate(layers if self._needs_pre_rope else ()):
             hooks.forward(key_module(self.model, i), capture_keys(self.model, self._key_pre, i))
             hooks.pre_forward(layer.self_attn, self._capture_rope(i))
         if self._predicts_sinks:
@@ -193,7 +212,7 @@ class Simulator:
 
     def _capture_rope(self, i):
         def hook(module, args, kwargs):
-            self._rope[i] = kwargs["position_embeddings"]
+            self._rope[i] = kwargs.get("position_embeddings")  # None: the model has no RoPE
 
         return hook
 
@@ -236,8 +255,11 @@ class Simulator:
 
     # -- attention -----------------------------------------------------------------------------
 
-    def attend(self, module, query, key, value, attention_mask, scaling):
+    def attend(self, module, query, key, value, attention_mask, scaling, softcap=None):
+        """transformers' attention interface; softcap: Gemma 2's attention-score cap, applied
+        to the scaled scores as cap * tanh(s / cap)."""
         i = module.layer_idx
+        self._attended.add(i)
         layer = self.scheme.layers[i] if self.scheme is not None else None
         b, hkv, t, d = key.shape
         sinks = self._sinks.to(key.device)  # a model spread over GPUs (device_map "auto")
@@ -251,10 +273,11 @@ class Simulator:
             bands = self._rule(t, layer, sinks.device)
         q = query.view(b, hkv, -1, t, d)
         args = (q, key, value, key_q, value_q, attention_mask, scaling, bands)
-        if not self.observers:
+        if not self.observers and softcap is None:
             out = attention.fused(*args)
         else:
-            out, probs = attention.reference(*args)
+            out, probs = attention.reference(*args, softcap=softcap)
+        if self.observers:
             exact = sinks
             if self.mode == "decode" and layer is not None and layer.key is not None:
                 last = quantized_prefix(torch.tensor(t - 1), self.scheme.residual, layer.key_flush)
@@ -291,9 +314,9 @@ class Simulator:
         pre = layer.key_position == "pre_rope"
         x = t.key_rotate(i, t.key_in(i, self._key_pre[i] if pre else key, p))
         x_hat = t.key_out(i, t.key_rotate(i, fake_quantize(x, spec, **kwargs), inverse=True), p)
-        if pre:
+        if pre and self._rope[i] is not None:
             cos, sin = (c.unsqueeze(1) for c in self._rope[i])
-            x_hat = x_hat * cos + rotate_half(x_hat) * sin
+            x_hat = rotate(x_hat, cos, sin)
         return x_hat
 
     def _value_hat(self, i: int, layer: LayerScheme, value, sinks):
@@ -309,10 +332,14 @@ class Simulator:
         return t.value_out(i, fake_quantize(t.value_in(i, value), spec, **kwargs))
 
 
-def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def _attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs
+):
     sim = _ACTIVE.get()
     assert sim is not None, "the kvcalib attention runs only inside a Simulator"
-    return sim.attend(module, query, key, value, attention_mask, scaling)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return sim.attend(module, query, key, value, attention_mask, scaling, softcap)
 
 
 AttentionInterface.register(ATTENTION, _attention)

@@ -6,6 +6,7 @@ calls and is compared against this one.
 """
 
 import copy
+import math
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +37,9 @@ class FullPrecisionCache:
             tensor positions(T) returned. Stores k (with RoPE applied) and v at slots
             lengths[b] .. lengths[b] + T - 1 of sequence b and returns softmax(q K^T / sqrt(D)) V
             over the keys at slots <= positions[b, t] (earlier tokens and causal within the
-            new ones; on a sliding-window layer of W, only keys p - W < j <= p). H is a multiple
-            of Hkv (GQA: query head h reads KV head h // (H / Hkv)).
+            new ones), and, in a layer with a sliding window W, > positions[b, t] - W. H is a
+            multiple of Hkv (GQA: query head h reads KV head h // (H / Hkv)). With `softcap`
+            the scores s = q K^T / sqrt(D) are capped to softcap * tanh(s / softcap) first.
             Raises CapacityError, before storing anything, when lengths + T > max_len.
         observe_hidden(layer, hidden [B, T, hidden_size])
             the residual stream after decoder layer `layer` (for caches that predict sinks from
@@ -60,10 +62,14 @@ class FullPrecisionCache:
         device: torch.device | str,
         dtype: torch.dtype,
         windows: tuple[int | None, ...] | None = None,
+        softcap: float | None = None,
     ):
+        """windows: per layer, the sliding window (None: global; default all global); softcap:
+        Gemma 2's attention-score soft cap (None: none)."""
         self.windows = tuple(windows) if windows is not None else (None,) * num_layers
         if len(self.windows) != num_layers:
             raise ValueError(f"windows has {len(self.windows)} entries for {num_layers} layers")
+        self.softcap = softcap
         sizes = [min(w or max_len, max_len) for w in self.windows]
         self.keys = [
             torch.zeros(batch, kv_heads, s, head_dim, device=device, dtype=dtype) for s in sizes
@@ -112,11 +118,13 @@ class FullPrecisionCache:
         S = longest + T  # no sequence has a key at slot >= S
         keys, values = keys[:, :, :S], values[:, :, :S]
         mask, causal = None, False
-        if longest == 0:  # all sequences empty before: plain causal attention over T keys
-            causal = T > 1
-        elif not (T == 1 and (self.lengths == longest).all()):  # equal lengths: no mask
+        if self.softcap is None and longest == 0:
+            causal = T > 1  # all sequences empty before: plain causal attention over T keys
+        elif self.softcap is not None or not (T == 1 and (self.lengths == longest).all()):
             slots = torch.arange(S, device=positions.device)
             mask = (slots <= positions[..., None])[:, None]  # [B, 1, T, S]
+        if self.softcap is not None:
+            return capped_attention(q, keys, values, mask, self.softcap)
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True
         )
@@ -132,10 +140,13 @@ class FullPrecisionCache:
         pos = torch.cat([held, positions], 1)  # [B, W + T]
         p = positions[:, :, None]
         mask = (pos[:, None, :] <= p) & (pos[:, None, :] > p - W) & (pos[:, None, :] >= 0)
-        out = F.scaled_dot_product_attention(
-            q, torch.cat([keys, k], 2), torch.cat([values, v], 2), attn_mask=mask[:, None],
-            enable_gqa=True,
-        )  # fmt: skip
+        keys_in, values_in = torch.cat([keys, k], 2), torch.cat([values, v], 2)
+        if self.softcap is not None:
+            out = capped_attention(q, keys_in, values_in, mask[:, None], self.softcap)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, keys_in, values_in, attn_mask=mask[:, None], enable_gqa=True
+            )
         m = min(T, W)
         rows = torch.arange(B, device=q.device)[:, None]
         slots = positions[:, T - m :] % W
@@ -169,3 +180,14 @@ class FullPrecisionCache:
     def bytes_per_token(self) -> float:
         """Allocated bytes per token slot of one sequence: allocated_bytes / (B * max_len)."""
         return self.allocated_bytes() / (len(self.lengths) * self.max_len)
+
+
+def capped_attention(q, keys, values, mask, cap: float) -> torch.Tensor:
+    """softmax(cap * tanh(q K^T / (sqrt(D) cap)) + mask) V in fp32 softmax, as transformers'
+    eager attention: q [B, H, T, D], keys/values [B, Hkv, S, D], mask bool [B, 1, T, S]."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    scores = torch.tanh(scores / cap) * cap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values

@@ -1,19 +1,23 @@
 """The one parser of a model config's shapes: every other module asks `Geometry`.
 
     geo = Geometry.from_config(config)        # an HF config.json dict, or a transformers config
-    geo.layers, geo.kv_heads, geo.head_dim, geo.group, geo.windows[i], geo.arch
+    geo.layers, geo.kv_heads, geo.head_dim, geo.group, geo.windows[i], geo.rope[i], geo.arch
 
 Sizes must be positive integers (JSON `true` is not an integer), whole KV-head groups, an even
 head_dim (RoPE rotates channel pairs); anything else is a FormatError naming the key. Sliding
 windows come from `layer_types` ("sliding_attention" / "full_attention") with `sliding_window`,
-or, without `layer_types`, from Mistral's `sliding_window` on every layer and Qwen2's
-`use_sliding_window` on the layers from `max_window_layers` on.
+or, without `layer_types`, from the family's pattern (Gemma 2: every 2nd layer global, Gemma 3:
+every 6th, or `sliding_window_pattern`), Mistral's `sliding_window` on every layer and Qwen2's
+`use_sliding_window` on the layers from `max_window_layers` on. A layer with window w attends,
+from position p, to the keys at positions p - w < j <= p (transformers' sliding mask). RoPE
+parameters are per layer type (`rope.rope_parameters`): Gemma 3's local and global bases.
 """
 
 from dataclasses import dataclass
 
 from kvcalib_runtime import archs
 from kvcalib_runtime.errors import FormatError
+from kvcalib_runtime.rope import rope_parameters
 
 CONFIG = "config.json"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -43,6 +47,8 @@ class Geometry:
     layers, hidden, heads, kv_heads, head_dim, vocab, intermediate: the config's sizes
     max_position:  the context the model was trained for (None when the config has none)
     windows:       per layer, the sliding-window length, or None for global attention
+    rope:          per layer, the RoPE parameters (`rope.rope_parameters`: rope_type,
+                   rope_theta, partial_rotary_factor, ...); not validated here
     arch:          the architecture table's entry (archs.ARCHITECTURES), or None when the
                    model_type is not one the runtime serves
     """
@@ -57,6 +63,7 @@ class Geometry:
     intermediate: int
     max_position: int | None
     windows: tuple[int | None, ...]
+    rope: tuple[dict, ...]
     arch: archs.Arch | None
 
     @classmethod
@@ -87,6 +94,9 @@ class Geometry:
             if config.get("max_position_embeddings") is not None
             else None
         )
+        arch = archs.lookup(model_type)
+        windows = _windows(config, layers, arch)
+        types = ["full_attention" if w is None else "sliding_attention" for w in windows]
         return cls(
             model_type=model_type,
             layers=layers,
@@ -97,8 +107,9 @@ class Geometry:
             vocab=_size(config, "vocab_size"),
             intermediate=_size(config, "intermediate_size"),
             max_position=max_position,
-            windows=_windows(config, layers),
-            arch=archs.lookup(model_type),
+            windows=windows,
+            rope=tuple(rope_parameters(config, t) for t in types),
+            arch=arch,
         )
 
     @property
@@ -110,6 +121,11 @@ class Geometry:
     def sliding(self) -> bool:
         return any(w is not None for w in self.windows)
 
+    @property
+    def partial_rotary(self) -> bool:
+        """Whether RoPE leaves some channels of a head unrotated (phi3's partial rotary)."""
+        return any(p["partial_rotary_factor"] != 1.0 for p in self.rope)
+
     def require_arch(self) -> archs.Arch:
         """The architecture entry, or a FormatError listing the supported families."""
         if self.arch is None:
@@ -120,10 +136,15 @@ class Geometry:
         return self.arch
 
 
-def _windows(config: dict, layers: int) -> tuple[int | None, ...]:
+def _windows(config: dict, layers: int, arch: archs.Arch | None) -> tuple[int | None, ...]:
     """Per layer: the sliding window, or None (see the module docstring)."""
     types = config.get("layer_types")
     window = config.get("sliding_window")
+    if types is None and window is not None and arch is not None and arch.sliding_every:
+        every = config.get("sliding_window_pattern", arch.sliding_every)
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise FormatError(f"{CONFIG}: sliding_window_pattern = {every!r}; expected an integer")
+        types = [LAYER_TYPES[bool((i + 1) % every)] for i in range(layers)]
     if types is not None:
         if not isinstance(types, list) or len(types) != layers:
             raise FormatError(f"{CONFIG}: layer_types must list one type per layer ({layers})")

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcalib_runtime.errors import CapacityError, FormatError
+from kvcalib_runtime.fpcache import capped_attention
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels.layout import Sinks, use_triton
 from kvcalib_runtime.kvstream import Stream, kernel_layout
@@ -61,7 +62,9 @@ class QuantizedCache:
     use_kernels: True / False forces the Triton kernels on or off; None (auto) uses them where
     they run (`kernels.layout.use_triton`); the attribute `kernels` may be flipped between steps
     (both paths store the same bits). Layers the decode kernel does not read (`dec.supports`)
-    use its torch reference, with one warning.
+    use its torch reference, with one warning. softcap: Gemma 2's attention-score cap (scores s
+    become softcap * tanh(s / softcap)); the decode kernel does not cap, so such a model attends
+    through the dequantize-then-attend path.
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class QuantizedCache:
         dtype: torch.dtype,
         use_kernels: bool | None = None,
         windows: tuple[int | None, ...] | None = None,
+        softcap: float | None = None,
     ):
         if len(scheme.layers) != num_layers:
             raise FormatError(
@@ -104,6 +108,7 @@ class QuantizedCache:
             params.key_smooth = smooth
         self.scheme, self.params, self.transforms = scheme, params, transforms
         self.max_len, self.dtype, self.windows = max_len, dtype, windows
+        self.softcap = softcap
         shape = (batch, kv_heads, max_len, head_dim)
         self._n_body = torch.zeros(2 * num_layers, batch, dtype=torch.long, device=device)
         alloc = (scheme, params, shape, device, dtype)
@@ -150,10 +155,10 @@ class QuantizedCache:
         """q [B, H, T, D] post-RoPE, k [B, Hkv, T, D] pre-RoPE, v -> out [B, H, T, D]."""
         self.stage(layer, k, v, rope, positions)
         q = self.transforms.query(layer, q, self.params)
-        if q.shape[2] == 1 and self._layouts[layer]:
+        if q.shape[2] == 1 and self._layouts[layer] and self.softcap is None:
             out = self._decode(layer, q, rope)
         else:
-            if q.shape[2] == 1 and self.kernels and not self._warned:
+            if q.shape[2] == 1 and self.kernels and not self._layouts[layer] and not self._warned:
                 self._warned = True
                 warnings.warn(
                     f"layer {layer} stores a peer's own numerics (llama.cpp's or TurboQuant's), "
@@ -163,7 +168,8 @@ class QuantizedCache:
                 )
             keys, values, valid = self._gather(layer, rope)
             window = self.windows[layer]
-            out = _attention(q, keys, values, valid, causal=max(self._host()) == 0, window=window)
+            causal = max(self._host()) == 0
+            out = _attention(q, keys, values, valid, causal, window, self.softcap)
         return self.transforms.value_out(layer, out)
 
     def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
@@ -451,13 +457,13 @@ def _check_fits(scheme, batch, kv_heads, head_dim, max_len, device, dtype, windo
         )
 
 
-def _attention(q, keys, values, valid, causal: bool = False, window: int | None = None):
+def _attention(q, keys, values, valid, causal=False, window=None, softcap=None):
     """q [B, H, T, D] over keys/values [B, Hkv, N, D] (key j at position j); the T queries are
     the last valid T keys of each sequence (causal among them), seeing keys p - window < j <= p
-    with a sliding window. valid bool [B, N]; `causal` when every key is valid and N == T (a
-    first prefill)."""
+    with a sliding window, scores soft-capped with `softcap`. valid bool [B, N]; `causal` when
+    every key is valid and N == T (a first prefill)."""
     T, N = q.shape[2], keys.shape[2]
-    if causal and (window is None or window >= N):
+    if causal and (window is None or window >= N) and softcap is None:
         return F.scaled_dot_product_attention(
             q, keys, values, is_causal=q.shape[2] > 1, enable_gqa=True
         )
@@ -466,6 +472,8 @@ def _attention(q, keys, values, valid, causal: bool = False, window: int | None 
     mask = (j <= qpos[:, :, None]) & valid[:, None, :]  # [B, T, N]
     if window is not None:
         mask &= j > qpos[:, :, None] - window
+    if softcap is not None:
+        return capped_attention(q, keys, values, mask[:, None], softcap)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=True)
 
 

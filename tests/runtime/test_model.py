@@ -1,9 +1,13 @@
-"""The runtime's transformer against transformers itself, on tiny random fp32 models.
+"""The runtime's transformer against transformers itself, on tiny random fp32 models of every
+family in the architecture table (and Mistral / Qwen2 configs that declare a sliding window).
 
 Logit bound: both sides run the same fp32 ops in possibly different orders, which moves logits
 by ~1e-6 relative; 1e-4 leaves margin yet catches any wrong weight, bias, norm, RoPE frequency
 or mask, each of which moves them by > 1e-3 relative at these weights (std 0.1 makes attention
-peaky, so positions matter: a default RoPE where llama3 is configured is off by ~0.6).
+peaky, so positions matter: a default RoPE where llama3 is configured is off by ~0.6). Norm
+weights are randomized too (transformers initializes Gemma's to 0, where x * (1 + w) and x * w
+would differ by a constant only). Sliding windows are 5 tokens and sequences up to 19, so
+attention beyond the window is exercised; soft-caps are small enough to bend the scores.
 Token tests are exact: greedy decoding is deterministic and the logits agree that closely.
 """
 
@@ -17,8 +21,12 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvcalib_runtime.errors import CapacityError, FormatError
 from kvcalib_runtime.fpcache import FullPrecisionCache
+from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.model import Transformer, load_tokenizer
+from kvcalib_runtime.quant import QuantSpec
 from kvcalib_runtime.rope import Rope
+from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme
+from kvcalib_runtime.transforms import Transforms
 
 RTOL = 1e-4
 VOCAB = 128
@@ -39,6 +47,17 @@ LLAMA3 = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,  # head_dim 16 then has high, medium and low bands
+}
+WINDOW = 5
+GEMMA3 = {
+    **SMALL,
+    "query_pre_attn_scalar": 24,
+    "sliding_window": WINDOW,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+    },
 }
 CASES = {
     "llama": (transformers.LlamaConfig, SMALL),
@@ -62,8 +81,33 @@ CASES = {
         {**SMALL, "rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
     ),
     "mistral": (transformers.MistralConfig, SMALL),
+    "mistral-sliding": (transformers.MistralConfig, {**SMALL, "sliding_window": WINDOW}),
     "qwen2-tied": (transformers.Qwen2Config, {**SMALL, "tie_word_embeddings": True}),
+    "qwen2-sliding": (
+        transformers.Qwen2Config,
+        {**SMALL, "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1},
+    ),
     "qwen3": (transformers.Qwen3Config, SMALL),
+    "gemma2": (
+        transformers.Gemma2Config,
+        {
+            **SMALL,
+            "query_pre_attn_scalar": 24,  # not head_dim: the score scale is checked
+            "sliding_window": WINDOW,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+        },
+    ),
+    "gemma3_text": (transformers.Gemma3TextConfig, GEMMA3),
+    "phi3-partial-rotary": (
+        transformers.Phi3Config,
+        {
+            **SMALL,
+            "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5},
+            "pad_token_id": 0,  # the defaults lie outside the tiny vocabulary
+            "eos_token_id": 1,
+        },
+    ),
 }
 
 
@@ -80,6 +124,10 @@ def _save(name: str, folder, **save_options):
     config_class, kwargs = CASES[name]
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config_class(**kwargs)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.3)
     hf.generation_config.eos_token_id = None  # generate all 12 tokens
     hf.save_pretrained(folder, **save_options)
     return hf
@@ -129,11 +177,12 @@ def test_incremental_logits_match_transformers(pair, batch):
     assert _rel_err(out, hf(ids).logits) < RTOL
 
 
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text"])
 @torch.no_grad()
-def test_bf16_error_is_no_worse_than_transformers_bf16(tmp_path):
+def test_bf16_error_is_no_worse_than_transformers_bf16(tmp_path, name):
     """Flash-attention's rule: against the fp32 reference, at most twice the error of a plain
-    bf16 run of transformers (RMSNorm and RoPE stay fp32 inside, as there)."""
-    hf = _save("qwen3", tmp_path)
+    bf16 run of transformers (RMSNorm and RoPE stay fp32 inside, as there; Gemma's 1 + w too)."""
+    hf = _save(name, tmp_path)
     ids = _ids(2, 19)
     ref = hf(ids).logits
     ref_bf16 = hf.to(torch.bfloat16)(ids).logits.float()
@@ -161,7 +210,10 @@ def test_hidden_states_reach_the_cache(pair):
     seen = []
     ids = _ids(2, 6)
     geo = model.geometry
-    cache = Recorder(geo.layers, 2, geo.kv_heads, geo.head_dim, 8, "cpu", torch.float32)
+    cache = Recorder(
+        geo.layers, 2, geo.kv_heads, geo.head_dim, 8, "cpu", torch.float32,
+        windows=geo.windows, softcap=model.attn_softcap,
+    )  # fmt: skip
     with torch.no_grad():
         model(ids, cache)
         ref = hf(ids, output_hidden_states=True).hidden_states
@@ -268,3 +320,58 @@ def test_bytes_per_token():
 def test_missing_tokenizer_is_named(llama_folder):
     with pytest.raises(FormatError, match=r"tokenizer\.json"):
         load_tokenizer(llama_folder)
+
+
+def test_legacy_gemma_configs_slide_and_rotate_per_layer_type():
+    """Configs without layer_types (Gemma 2: every 2nd layer global; Gemma 3: every 6th, or
+    sliding_window_pattern) and Gemma 3's pre-transformers-5 RoPE keys: rope_theta (global,
+    scaled by rope_scaling) and rope_local_base_freq (local, unscaled)."""
+    base = {**SMALL, "num_hidden_layers": 6, "sliding_window": 4}
+    gemma2 = Geometry.from_config({**base, "model_type": "gemma2"})
+    assert gemma2.windows == (4, None) * 3
+    gemma3 = {
+        **base,
+        "model_type": "gemma3_text",
+        "rope_theta": 1e6,
+        "rope_local_base_freq": 1e4,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+    }
+    geo = Geometry.from_config(gemma3)
+    assert geo.windows == (4, 4, 4, 4, 4, None)
+    assert [p["rope_theta"] for p in geo.rope] == [1e4] * 5 + [1e6]
+    assert [p["rope_type"] for p in geo.rope] == ["default"] * 5 + ["linear"]
+    assert Geometry.from_config({**gemma3, "sliding_window_pattern": 3}).windows == (4, 4, None) * 2
+    ref = transformers.Gemma3TextConfig(**{k: v for k, v in gemma3.items() if k != "model_type"})
+    assert ref.layer_types == ["sliding_attention"] * 5 + ["full_attention"]  # the same reading
+    assert ref.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+
+
+def test_partial_rotary_refuses_what_needs_whole_heads(tmp_path):
+    _save("phi3-partial-rotary", tmp_path)
+    model = Transformer.from_folder(tmp_path)
+    layer = LayerScheme(QuantSpec(4), QuantSpec(4), key_position="pre_rope")
+    scheme = KVScheme((layer,) * model.geometry.layers)
+    with pytest.raises(FormatError, match=r"rotates 8 of 16 channels .* 'post_rope'"):
+        model.new_cache(1, 4, scheme, KVParams(), Transforms.none(model.geometry.layers))
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text"])
+@torch.no_grad()
+def test_quantized_cache_serves_soft_caps_and_windows(tmp_path, name):
+    """Gemma 2's soft-capped scores and Gemma 3's sliding layers through the quantized cache,
+    prefill and decode past the window: at 8 bits per token the logits stay within 2% of the
+    full-precision cache's (the quantized cache without the cap is 9% off on Gemma 2 here)."""
+    _save(name, tmp_path)
+    model = Transformer.from_folder(tmp_path)
+    layers = model.geometry.layers
+    scheme = KVScheme((LayerScheme(QuantSpec(8), QuantSpec(8)),) * layers)
+    ids = _ids(1, 3 * WINDOW)
+    outs = []
+    for cache in (
+        model.new_cache(1, 3 * WINDOW),
+        model.new_cache(1, 3 * WINDOW, scheme, KVParams(), Transforms.none(layers)),
+    ):
+        steps = [model(ids[:, :WINDOW], cache)]
+        steps += [model(ids[:, t : t + 1], cache) for t in range(WINDOW, 3 * WINDOW)]
+        outs.append(torch.cat(steps, 1))
+    assert _rel_err(outs[1], outs[0]) < 2e-2

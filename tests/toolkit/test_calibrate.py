@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import CharTokenizer, tiny_model
 
 from kvcalib.calibration import Settings, calibrate_model, sensitivity
 from kvcalib.calibration.codebooks import BITS, lloyd, preset_variants
@@ -26,16 +26,6 @@ from kvcalib.sim.simulate import Simulator
 
 SMALL = dict(num_samples=2, seq_len=32, progress=False)
 FAST = Settings(sensitivity_windows=1, sensitivity_tokens=16, codebook_windows=1)
-
-
-class CharTokenizer:
-    """Characters as token ids below 128: a tokenizer for the tiny models' vocabulary."""
-
-    def __call__(self, text, add_special_tokens=False, return_attention_mask=False):
-        return {"input_ids": [ord(c) % 128 for c in text]}
-
-    def decode(self, ids):
-        return "".join(chr(i) for i in ids)
 
 
 def _source(name: str) -> ModelSource:

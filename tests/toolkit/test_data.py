@@ -47,6 +47,24 @@ def test_file_windows_are_the_first_consecutive_ones(tmp_path):
     assert ["".join(map(chr, r)) for r in w.tolist()] == ["abc", "def", "ghi"]
 
 
+class BosTokenizer(CharTokenizer):
+    """Puts "^" (its BOS) before every text unless told not to, as Gemma's tokenizer does."""
+
+    bos_token_id = ord("^")
+
+    def __call__(self, text, add_special_tokens=True, return_attention_mask=False):
+        return super().__call__(("^" if add_special_tokens else "") + text)
+
+
+def test_windows_start_with_the_bos_the_tokenizer_puts_first(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("abcdefghij")
+    w = eval_windows(BosTokenizer(), f, windows=3, seq_len=3)
+    assert ["".join(map(chr, r)) for r in w.tolist()] == ["^ab", "^cd", "^ef"]
+    c = calibration_windows(BosTokenizer(), f, num_samples=4, seq_len=5, seed=0)
+    assert c.shape == (4, 5) and (c[:, 0] == ord("^")).all() and (c[:, 1:] != ord("^")).all()
+
+
 def test_jsonl_reads_text_fields(tmp_path):
     f = tmp_path / "t.jsonl"
     f.write_text(json.dumps({"text": "ab"}) + "\n\n" + json.dumps({"text": "cd"}) + "\n")

@@ -58,6 +58,9 @@ class FakeProfile:
     def sink_predictor(self):
         return SinkPredictor(layer=0, dims=(1, 5), threshold=50.0)
 
+    def has_sensitivity(self):
+        return True
+
     def sensitivity(self, tensor, layer, bits):
         return (layer + 1) / 2**bits
 

@@ -132,9 +132,16 @@ BAD_FOLDERS = {
         "only pickle weights (pytorch_model.bin); kvcalib reads safetensors only - convert "
         "on a trusted machine with model.save_pretrained(dir)",
     ),
-    "unsupported": (
-        {"config.json": json.dumps({"model_type": "gpt2"}), "m.safetensors": b""},
-        "architecture 'gpt2' is not supported; supported: llama, mistral, qwen2, qwen3",
+    "unsupported": (  # an empty but valid safetensors file: 8-byte header length, then "{}"
+        {
+            "config.json": json.dumps({"model_type": "gpt2"}),
+            "m.safetensors": b"\x02" + bytes(7) + b"{}",
+        },
+        {
+            "convert": "architecture 'gpt2' is not supported by convert and the runtime; "
+            "supported: gemma2, gemma3_text, llama, mistral, phi3, qwen2, qwen3",
+            "inspect": "config.json: num_attention_heads = None; expected a positive integer",
+        },
     ),
 }
 
@@ -143,6 +150,7 @@ BAD_FOLDERS = {
 @pytest.mark.parametrize("command", ["convert", "inspect"])
 def test_bad_model_folders_exit_2_with_the_fix(tmp_path, case, command):
     files, message = BAD_FOLDERS[case]
+    message = message[command] if isinstance(message, dict) else message
     folder = tmp_path / "nowhere" if files is None else _bare_folder(tmp_path, files)
     args = ["--recipe", "per-token-4", "-o", tmp_path / "out"] if command == "convert" else []
     line = _refused(_run(command, folder, *args), message)
@@ -165,7 +173,7 @@ def _gguf(path: Path, arch: str) -> Path:
 def test_gguf_of_an_unsupported_architecture_or_damaged(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path / "cache"))
     gguf = _gguf(tmp_path / "gpt2.gguf", "gpt2")
-    _refused(_run("inspect", gguf), "GGUF architecture 'gpt2' is not supported; supported: llama")
+    _refused(_run("inspect", gguf), "GGUF architecture 'gpt2' is not supported; supported: gemma2")
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(gguf.read_bytes()[:40])  # gguf's reader fails with an IndexError here
     _refused(_run("inspect", cut), "not a readable GGUF file")

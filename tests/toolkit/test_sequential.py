@@ -44,8 +44,9 @@ def _assert_same(a, b):
         torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True, msg=k)
 
 
-# qwen3: keys pass through k_norm, and tied embeddings make the head read the input embedding
-@pytest.mark.parametrize("arch", ["llama", "qwen3-tied"])
+# qwen3: keys pass through k_norm, and tied embeddings make the head read the input embedding;
+# gemma3_text: a sliding and a global layer, each with its own mask and RoPE, scaled embeddings
+@pytest.mark.parametrize("arch", ["llama", "qwen3-tied", "gemma3_text"])
 def test_sequential_profile_equals_in_memory(tmp_path, arch):
     family = arch.removesuffix("-tied")
     src = _folder(tmp_path, family, tie_word_embeddings=arch.endswith("-tied"))

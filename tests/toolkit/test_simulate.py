@@ -72,7 +72,12 @@ def _incremental(model, scheme, params, ids, prefill):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+# qwen3 / gemma3_text: keys pass through k_norm; gemma2: soft-capped scores and logits; gemma and
+# mistral-sliding: windows of 8 < T; phi3-partial: keys in qkv_proj rows, RoPE on half a head.
+ARCHS = ["llama", "qwen3", "gemma2", "gemma3_text", "mistral-sliding", "phi3-partial"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("prefill", [1, 13])
 @pytest.mark.parametrize("block", [attention.BLOCK, 7])  # 7: bands of several blocks, one ragged
