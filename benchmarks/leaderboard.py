@@ -25,7 +25,7 @@ from kvcalib import load_model
 from kvcalib.api import default_profile
 from kvcalib.core.models import resolve
 from kvcalib.core.recipe import load_recipe, presets
-from kvcalib.evaluation.passkey import LENGTHS, passkey_accuracy
+from kvcalib.evaluation.longcontext import PASSKEY_LENGTHS, passkey_accuracy
 from kvcalib.evaluation.score import candidates, format_table, score
 
 HERE = Path(__file__).resolve().parent
@@ -130,8 +130,8 @@ def main():
 
     presets_on("pydoc", "decode")
     presets_on("pydoc", "fake")
-    table = ["| recipe | " + " | ".join(f"{n} tokens" for n in LENGTHS) + " |"]
-    table += ["|---" * (len(LENGTHS) + 1) + "|"]
+    table = ["| recipe | " + " | ".join(f"{n} tokens" for n in PASSKEY_LENGTHS) + " |"]
+    table += ["|---" * (len(PASSKEY_LENGTHS) + 1) + "|"]
     rows = []
     for c in everything:
         if c.name in PASSKEY_RECIPES:

@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -115,6 +115,7 @@ def evaluate(
     windows: int = 4,
     mode: str = "decode",
     passkey: bool = False,
+    long_context: Sequence[int] | None = None,
     plots: str | Path | None = None,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
@@ -127,6 +128,7 @@ def evaluate(
     A converted folder (one with kvcalib.json) is evaluated with its own side-car as the recipe
     "<name> (converted)", besides any `recipes`. Recipes that need calibrated tensors use
     `profile` (a folder or a Profile), else the default profile (`default_profile`).
+    `long_context`: lengths at which to run the long-context suite (e.g. (2048, 4096, 8192)).
     """
     source = resolve(model, trust_remote_code=trust_remote_code)
     net, tokenizer = load_model(
@@ -154,6 +156,7 @@ def evaluate(
         windows=windows,
         mode=mode,
         passkey=passkey,
+        long_context=long_context,
         plots=plots,
         progress=progress,
     )

@@ -58,7 +58,20 @@ def inspect(path, trust_remote_code):
 @click.option("--windows", default=4, show_default=True)
 @click.option("--mode", type=click.Choice(["fake", "decode"]), default="decode", show_default=True)
 @click.option("--passkey", is_flag=True, help="Also measure passkey retrieval at 1K/2K/4K.")
-@click.option("--plots", type=click.Path(), help="Write key-error and token-0 plots here.")
+@click.option(
+    "--long-context",
+    is_flag=True,
+    help="Also run the long-context suite (passkey, multi-key, multi-value, variable tracking, "
+    "frequent words) at 2K/4K/8K.",
+)
+@click.option(
+    "--long-context-lengths",
+    default=None,
+    help="Comma-separated suite lengths in tokens, e.g. 2048,4096 (implies --long-context).",
+)
+@click.option(
+    "--plots", type=click.Path(), help="Write key-error, token-0 and long-context plots here."
+)
 @click.option("--json", "json_out", type=click.Path(), help="Write the results as JSON.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option(
@@ -77,6 +90,8 @@ def eval_(
     windows,
     mode,
     passkey,
+    long_context,
+    long_context_lengths,
     plots,
     json_out,
     device,
@@ -92,11 +107,23 @@ def eval_(
 
     from kvcalib.api import evaluate
     from kvcalib.errors import OutputError
+    from kvcalib.evaluation import longcontext
     from kvcalib.evaluation.score import format_table
     from kvcalib.io.atomic import file_staging
 
     if json_out and not Path(json_out).resolve().parent.is_dir():
         raise OutputError(f"--json {json_out}: its folder does not exist; create it first")
+    lengths = None
+    if long_context_lengths is not None:
+        try:
+            lengths = [int(n) for n in long_context_lengths.split(",")]
+        except ValueError:
+            raise click.BadParameter(
+                f"{long_context_lengths!r}: give token counts separated by commas, e.g. 2048,4096",
+                param_hint="--long-context-lengths",
+            ) from None
+    elif long_context:
+        lengths = list(longcontext.LENGTHS)
     results = evaluate(
         model,
         list(recipes),
@@ -106,12 +133,16 @@ def eval_(
         windows=windows,
         mode=mode,
         passkey=passkey,
+        long_context=lengths,
         plots=plots,
         device=device,
         dtype=getattr(torch, dtype),
         trust_remote_code=trust_remote_code,
     )
     click.echo(format_table(results))
+    if lengths:
+        click.echo()
+        click.echo(longcontext.format_table(results))
     for r in results:
         for note in r.notes:
             click.echo(f"note: {r.recipe}: {note}", err=True)

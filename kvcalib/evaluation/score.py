@@ -12,10 +12,14 @@ Simulator (fake or decode mode) on the same tokens, and is scored against it:
               buffers of a cache built on the meta device
     bits_at_context    everything that cache allocates per element (the residual window, sink
               slots and bookkeeping too), at the evaluated context, 4K and 32K tokens
+    long_context       with `long_context` lengths: the long-context suite's exact-match
+              accuracy, task -> length -> {accuracy, samples, spread, seconds}
+              (kvcalib.evaluation.longcontext)
 """
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -26,8 +30,9 @@ from kvcalib.core import data as data_mod
 from kvcalib.core.plan import plan_for_model
 from kvcalib.core.recipe import Recipe, load_recipe
 from kvcalib.errors import DataError, RecipeError
+from kvcalib.evaluation import longcontext
 from kvcalib.evaluation.external import evaluate_external, external_bits
-from kvcalib.evaluation.passkey import passkey_accuracy
+from kvcalib.evaluation.longcontext import passkey_accuracy
 from kvcalib.evaluation.plots import Recorder
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.format import Checkpoint
@@ -53,6 +58,7 @@ class Result:
     seconds: float
     passkey: dict[str, float] | None = None
     notes: list[str] = field(default_factory=list)
+    long_context: dict[str, dict[str, dict[str, float]]] | None = None
 
     @property
     def delta_ppl(self) -> float:
@@ -142,17 +148,20 @@ def score(
     windows: int = 4,
     mode: str = "decode",
     passkey: bool = False,
+    long_context: Sequence[int] | None = None,
     plots: str | Path | None = None,
     progress: bool = True,
 ) -> list[Result]:
     """Score planned candidates on `windows` windows of `seq_len` tokens of an already loaded
-    model (see the module docstring)."""
+    model (see the module docstring), and on the long-context suite at `long_context` lengths
+    when given."""
 
     max_len = getattr(model.config, "max_position_embeddings", None)
     if max_len and seq_len > max_len:
         raise DataError(
             f"--seq-len {seq_len} exceeds the model's context ({max_len} tokens): use at most that"
         )
+    longcontext.check_lengths(long_context or (), max_len)
     device = next(model.parameters()).device
     ids = data_mod.eval_windows(tokenizer, data, windows=windows, seq_len=seq_len).to(device)
     scores = {c.name: Scores() for c in cands}
@@ -219,8 +228,16 @@ def score(
     if passkey:
         for c, r in zip(cands, results, strict=True):
             r.passkey = passkey_accuracy(model, tokenizer, c, progress=progress)
+    if long_context:
+        cells = longcontext.run(
+            model, tokenizer, cands, data=data, lengths=long_context, progress=progress
+        )
+        for r, c in zip(results, cells, strict=True):
+            r.long_context = c
     if recorder is not None:
         recorder.write(plots)
+    if plots is not None and long_context:
+        longcontext.plot(results, Path(plots) / "long_context.png")
     return results
 
 
@@ -254,10 +271,13 @@ def _bits(c: Candidate, cfg, seq_len: int) -> tuple[float, dict[str, float]]:
 
 
 def format_table(results: list[Result]) -> str:
-    """A Markdown table: recipe, bits/element, ppl, Δppl, KLD, top-1 (and passkey)."""
+    """A Markdown table: recipe, bits/element, ppl, Δppl, KLD, top-1 (and passkey, and the
+    long-context accuracy averaged over tasks and lengths)."""
     with_passkey = any(r.passkey for r in results)
+    with_lc = any(r.long_context for r in results)
     head = ["recipe", "mode", "bits/elem", "ppl", "Δppl", "KLD", "top-1"]
     head += ["passkey"] if with_passkey else []
+    head += ["long-ctx"] if with_lc else []
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         cells = [
@@ -273,5 +293,7 @@ def format_table(results: list[Result]) -> str:
             cells.append(
                 " ".join(f"{k}:{v:.0%}" for k, v in r.passkey.items()) if r.passkey else "-"
             )
+        if with_lc:
+            cells.append(f"{longcontext.mean_accuracy(r.long_context):.1%}")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
