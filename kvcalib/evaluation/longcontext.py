@@ -44,9 +44,9 @@ PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
 def check_lengths(lengths: Sequence[int], context: int | None) -> None:
     """Refuse suite lengths the model cannot hold (`context`: its max positions, if known)."""
     for n in lengths:
-        if n < 256 or (context and n > context):
+        if n <= 0 or (context and n > context):
             raise DataError(
-                f"--long-context-lengths {n}: use lengths from 256 to the model's context "
+                f"--long-context-lengths {n}: use lengths up to the model's context "
                 f"({context or 'unknown'} tokens)"
             )
 
@@ -102,8 +102,10 @@ class Prefill:
         return hook
 
 
-def _greedy(model, cache, logits: torch.Tensor, max_new: int, stop: set[int]) -> list[int]:
-    """Greedy tokens after a prefill whose next-token logits are `logits`, through `cache`."""
+def _greedy(model, cache, logits: torch.Tensor, max_new: int, stop: set[int], done) -> list[int]:
+    """Greedy tokens after a prefill whose next-token logits are `logits`, through `cache`: up
+    to `max_new`, an end-of-turn token in `stop`, or until `done(tokens)` (the answer so far
+    is already correct: more tokens cannot unmake it, so they are not decoded)."""
     device = logits.device
     out = []
     while len(out) < max_new:
@@ -111,9 +113,11 @@ def _greedy(model, cache, logits: torch.Tensor, max_new: int, stop: set[int]) ->
         if token in stop:
             break
         out.append(token)
-        if len(out) < max_new:
+        if len(out) < max_new and not done(out):
             x = torch.tensor([[token]], device=device)
             logits = model(x, cache=cache, use_cache=True).logits[0, -1]
+        else:
+            break
     return out
 
 
@@ -134,11 +138,12 @@ def filled_cache(model, candidate, prefill: Prefill, max_len: int):
         yield cache
 
 
-def _answer(model, candidate, prefill: Prefill, sample: longtasks.Sample, stop) -> list[int]:
+def _answer(model, tokenizer, candidate, prefill: Prefill, sample: longtasks.Sample, stop) -> str:
     """The greedy answer to `sample` through `candidate`'s cache, filled with `prefill`."""
     new = sample.max_new_tokens
+    done = lambda ids: sample.correct(tokenizer.decode(ids))  # noqa: E731
     with filled_cache(model, candidate, prefill, len(sample.ids) + new) as cache:
-        return _greedy(model, cache, prefill.logits, new, stop)
+        return tokenizer.decode(_greedy(model, cache, prefill.logits, new, stop, done))
 
 
 def run(
@@ -174,7 +179,7 @@ def run(
             shared = time.perf_counter() - start
             for c, cells in zip(cands, tally, strict=True):
                 start = time.perf_counter()
-                answer = tokenizer.decode(_answer(model, c, prefill, s, stop))
+                answer = _answer(model, tokenizer, c, prefill, s, stop)
                 seconds = shared + time.perf_counter() - start
                 cells.setdefault((s.task, s.length), []).append((s.correct(answer), seconds))
             bar.update()
@@ -269,6 +274,8 @@ def plot(results, path: str | Path) -> Path:
         axes[-1].set_title("mean over tasks")
     for ax in axes:
         ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [f"{n / 1024:g}K" for n in x])
+        ax.minorticks_off()
         ax.set_xlabel("tokens")
         ax.set_ylim(-0.05, 1.05)
     axes[0].set_ylabel("exact-match accuracy")

@@ -238,8 +238,8 @@ def test_one_cell_end_to_end(real_model):
     model, tokenizer = real_model
     cands = candidates(model, ["fp16", "kivi-2"])
     fp16, kivi = longcontext.run(
-        model, tokenizer, cands, lengths=(768,), seeds=(0,), tasks=("multikey",)
+        model, tokenizer, cands, lengths=(1024,), seeds=(0,), tasks=("multikey",)
     )
-    cell = fp16["multikey"]["768"]
+    cell = fp16["multikey"]["1024"]
     assert cell["samples"] == 1 and cell["accuracy"] == 1.0  # full precision finds it
-    assert kivi["multikey"]["768"]["samples"] == 1 and kivi["multikey"]["768"]["seconds"] > 0
+    assert kivi["multikey"]["1024"]["samples"] == 1 and kivi["multikey"]["1024"]["seconds"] > 0
