@@ -1,8 +1,9 @@
 """The long-context tasks: synthetic prompts in the spirit of RULER (Hsieh et al. 2024,
 arXiv:2404.06654), built offline from a built-in text and a seeded RNG.
 
-    passkey     a 5-digit pass key at one of DEPTHS of the haystack (Mohtashami & Jaggi 2023;
-                RULER's niah_single)
+    passkey     a magic number for a word key at one of DEPTHS of the haystack (RULER's
+                niah_single; Mohtashami & Jaggi's passkey, worded as RULER words it: asked for
+                "the 5-digit pass key", SmolLM2-135M answers "5")
     multikey    NEEDLES "special magic numbers", each for its own word key, at random depths;
                 the question names one key, the other needles are distractors
                 (RULER's niah_multikey_1)
@@ -170,18 +171,19 @@ def _depths(rng: random.Random, n: int) -> list[float]:
 
 def passkey(tokenizer, haystack: Haystack, length: int, seed: int, depth: float) -> Sample:
     rng = random.Random(f"passkey-{length}-{seed}-{depth}")
-    key = _number(rng, 5)
+    (key,) = _word_keys(rng, 1)
+    value = _number(rng)
     head, tail = _frame(
         tokenizer,
-        "A 5-digit pass key is hidden inside a lot of irrelevant text. Find it and memorize it. "
-        "I will quiz you about it.\n\n",
-        "\n\nWhat is the 5-digit pass key? Answer with the number only.",
-        "The pass key is",
+        "A special magic number is hidden within the following text. Make sure to memorize it. "
+        "I will quiz you about the number afterwards.\n\n",
+        f"\n\nWhat is the special magic number for {key} mentioned in the provided text?",
+        f"The special magic number for {key} mentioned in the provided text is",
     )
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+    needle = _MAGIC.format(key=key, value=value)
     window = lambda n: haystack.window(rng, n)  # noqa: E731
-    ids, spans, context = _assemble(tokenizer, length, 8, head, tail, window, [needle], [depth])
-    return Sample("passkey", length, seed, ids, (key,), spans, context, 8, depth)
+    ids, spans, context = _assemble(tokenizer, length, 12, head, tail, window, [needle], [depth])
+    return Sample("passkey", length, seed, ids, (value,), spans, context, 12, depth)
 
 
 def multikey(tokenizer, haystack: Haystack, length: int, seed: int) -> Sample:

@@ -71,7 +71,7 @@ def test_prompts_use_the_chat_template_and_end_in_the_answer_prefix(tokenizer, s
         assert text.count("<|im_start|>assistant\n") == 1 + (s.task == "vartrack")  # + example
         tail = text.rsplit("<|im_start|>assistant\n", 1)[1]
         # the answer's first words, no end of turn: the greedy answer continues them
-        assert tail.startswith(("The pass key is", "The special magic", "Answer: According"))
+        assert tail.startswith(("The special magic", "Answer: According"))
         assert "<|im_end|>" not in tail
 
 
@@ -82,8 +82,8 @@ def test_needles_are_where_they_claim(tokenizer, suite):
         assert all(s.context[0] <= a and b <= s.context[1] for a, b in s.needles)
         assert [a for a, _ in s.needles] == sorted(a for a, _ in s.needles)
         if task == "passkey":
-            key = s.expected[0]
-            assert texts == [f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"]
+            assert re.fullmatch(f"\nOne of the special magic numbers for [a-z]+-[a-z]+ is: "
+                                f"{s.expected[0]}.\n\n", texts[0])  # fmt: skip
             # at the line start nearest 30% of the haystack: a line off at most (pydoc's lines
             # are under 60 tokens)
             (a, b), (c0, c1) = s.needles[0], s.context
