@@ -259,8 +259,9 @@ def plot(results, path: str | Path) -> Path:
     (error bars: the binomial standard error)."""
     with_lc = [r for r in results if r.long_context]
     tasks = list(with_lc[0].long_context)
-    fig = figure(3.2 * (len(tasks) + 1), 3.2)
-    axes = fig.subplots(1, len(tasks) + 1, sharey=True)
+    cols = math.ceil((len(tasks) + 1) / 2)
+    fig = figure(3.2 * cols, 6.4)
+    axes = fig.subplots(2, cols, sharey=True).flatten()[: len(tasks) + 1]
     for r in with_lc:
         lengths = list(r.long_context[tasks[0]])
         x = [int(n) for n in lengths]
@@ -278,6 +279,7 @@ def plot(results, path: str | Path) -> Path:
         ax.minorticks_off()
         ax.set_xlabel("tokens")
         ax.set_ylim(-0.05, 1.05)
-    axes[0].set_ylabel("exact-match accuracy")
+    for ax in axes[::cols]:
+        ax.set_ylabel("exact-match accuracy")
     axes[-1].legend(fontsize="small")
     return save_png(fig, Path(path), dpi=110)
