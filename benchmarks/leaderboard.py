@@ -35,7 +35,7 @@ from kvcalib.api import default_profile
 from kvcalib.core.models import DEFAULT_MODEL, GEMMA3, resolve
 from kvcalib.core.recipe import load_recipe
 from kvcalib.evaluation.listing import DEFAULT_GEOMETRY, recipe_bits
-from kvcalib.evaluation.passkey import LENGTHS, passkey_accuracy
+from kvcalib.evaluation.longcontext import PASSKEY_LENGTHS, passkey_accuracy
 from kvcalib.evaluation.score import candidates, format_table, score
 from kvcalib_runtime.geometry import Geometry
 
@@ -194,8 +194,8 @@ def main():
         board.results(f"{text}, decode mode, each method's own window", "own-window", text, mixed)
     if args.no_extras:
         return
-    table = ["| recipe | " + " | ".join(f"{n} tokens" for n in LENGTHS) + " |"]
-    table += ["|---" * (len(LENGTHS) + 1) + "|"]
+    table = ["| recipe | " + " | ".join(f"{n} tokens" for n in PASSKEY_LENGTHS) + " |"]
+    table += ["|---" * (len(PASSKEY_LENGTHS) + 1) + "|"]
     rows = []
     for c in own:
         if c.name in PASSKEY_RECIPES:

@@ -12,7 +12,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -124,6 +124,7 @@ def evaluate(
     mode: str = "decode",
     residual: int | None = None,
     passkey: bool = False,
+    long_context: Sequence[int] | None = None,
     plots: str | Path | None = None,
     device: str = "cpu",
     dtype: str | torch.dtype = torch.float32,
@@ -141,6 +142,7 @@ def evaluate(
     kvcalib.core.plan.scheme_with_residual says how flush blocks follow). Every option, recipe,
     profile and the side-car are checked before the model loads. `dtype` is a name ("float32")
     or a torch dtype.
+    `long_context`: lengths at which to run the long-context suite (e.g. (2048, 4096, 8192)).
     """
     reads = preflight.inputs(model, data=data, profile=profile, recipes=recipes)
     preflight.evaluate_options(
@@ -188,6 +190,7 @@ def evaluate(
         windows=windows,
         mode=mode,
         passkey=passkey,
+        long_context=long_context,
         plots=plots,
         progress=progress,
     )

@@ -75,7 +75,20 @@ def inspect(path, trust_remote_code):
     help="Give every recipe this residual window of exact tokens (default: each its own).",
 )
 @click.option("--passkey", is_flag=True, help="Also measure passkey retrieval at 1K/2K/4K.")
-@click.option("--plots", type=click.Path(), help="Write key-error and token-0 plots here.")
+@click.option(
+    "--long-context",
+    is_flag=True,
+    help="Also run the long-context suite (passkey, multi-key, multi-value, variable tracking, "
+    "frequent words) at 2K/4K/8K.",
+)
+@click.option(
+    "--long-context-lengths",
+    default=None,
+    help="Comma-separated suite lengths in tokens, e.g. 2048,4096 (implies --long-context).",
+)
+@click.option(
+    "--plots", type=click.Path(), help="Write key-error, token-0 and long-context plots here."
+)
 @click.option("--json", "json_out", type=click.Path(), help="Write the results as JSON.")
 @click.option("--device", default="cpu", show_default=True)
 @click.option(
@@ -100,6 +113,8 @@ def eval_(
     mode,
     residual,
     passkey,
+    long_context,
+    long_context_lengths,
     plots,
     json_out,
     device,
@@ -115,12 +130,24 @@ def eval_(
 
     from kvcalib.api import evaluate
     from kvcalib.core.preflight import inputs
+    from kvcalib.evaluation import longcontext
     from kvcalib.evaluation.score import format_table
     from kvcalib.io.atomic import check_file_output, file_staging
 
     if json_out:
         reads = inputs(model, data=data, profile=profile, recipes=recipes)
         check_file_output(Path(json_out), reads, "--json")
+    lengths = None
+    if long_context_lengths is not None:
+        try:
+            lengths = [int(n) for n in long_context_lengths.split(",")]
+        except ValueError:
+            raise click.BadParameter(
+                f"{long_context_lengths!r}: give token counts separated by commas, e.g. 2048,4096",
+                param_hint="--long-context-lengths",
+            ) from None
+    elif long_context:
+        lengths = list(longcontext.LENGTHS)
     results = evaluate(
         model,
         list(recipes),
@@ -131,6 +158,7 @@ def eval_(
         mode=mode,
         residual=residual,
         passkey=passkey,
+        long_context=lengths,
         plots=plots,
         device=device,
         dtype=dtype,
@@ -138,6 +166,9 @@ def eval_(
         trust_remote_code=trust_remote_code,
     )
     click.echo(format_table(results))
+    if lengths:
+        click.echo()
+        click.echo(longcontext.format_table(results))
     for r in results:
         for note in r.notes:
             click.echo(f"note: {r.recipe}: {note}", err=True)

@@ -12,6 +12,9 @@ Simulator (fake or decode mode) on the same tokens, and is scored against it:
               buffers of a cache built on the meta device
     bits_at_context    everything that cache allocates per element (the residual window, sink
               slots and bookkeeping too), at the evaluated context, 4K and 32K tokens
+    long_context       with `long_context` lengths: the long-context suite's exact-match
+              accuracy, task -> length -> {accuracy, samples, spread, seconds}
+              (kvcalib.evaluation.longcontext)
 
 Every Result carries the run's `setup` (model, text, windows, seq_len, mode, residual: the window
 every recipe was given, or None when each kept its own) and its own residual and kept sinks;
@@ -20,6 +23,7 @@ every recipe was given, or None when each kept its own) and its own residual and
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,8 +34,9 @@ from kvcalib.core import data as data_mod
 from kvcalib.core.plan import plan_for_model, with_residual
 from kvcalib.core.recipe import Recipe, load_recipe
 from kvcalib.errors import DataError, NumericsError, RecipeError
+from kvcalib.evaluation import longcontext
 from kvcalib.evaluation.external import evaluate_external, external_bits
-from kvcalib.evaluation.passkey import passkey_accuracy
+from kvcalib.evaluation.longcontext import passkey_accuracy
 from kvcalib.evaluation.plots import Recorder
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.format import Checkpoint
@@ -59,6 +64,7 @@ class Result:
     notes: list[str] = field(default_factory=list)
     sinks: str = "none"
     setup: dict = field(default_factory=dict)
+    long_context: dict[str, dict[str, dict[str, float]]] | None = None
 
     @property
     def delta_ppl(self) -> float:
@@ -160,17 +166,20 @@ def score(
     windows: int = 4,
     mode: str = "decode",
     passkey: bool = False,
+    long_context: Sequence[int] | None = None,
     plots: str | Path | None = None,
     progress: bool = True,
 ) -> list[Result]:
     """Score planned candidates on `windows` windows of `seq_len` tokens of an already loaded
-    model (see the module docstring)."""
+    model (see the module docstring), and on the long-context suite at `long_context` lengths
+    when given."""
 
     max_len = getattr(model.config, "max_position_embeddings", None)
     if max_len and seq_len > max_len:
         raise DataError(
             f"--seq-len {seq_len} exceeds the model's context ({max_len} tokens): use at most that"
         )
+    longcontext.check_lengths(long_context or (), max_len)
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     ids = data_mod.eval_windows(tokenizer, data, windows=windows, seq_len=seq_len, vocab=vocab)
@@ -254,8 +263,16 @@ def score(
     if passkey:
         for c, r in zip(cands, results, strict=True):
             r.passkey = passkey_accuracy(model, tokenizer, c, progress=progress)
+    if long_context:
+        cells = longcontext.run(
+            model, tokenizer, cands, data=data, lengths=long_context, progress=progress
+        )
+        for r, c in zip(results, cells, strict=True):
+            r.long_context = c
     if recorder is not None:
         recorder.write(plots)
+    if plots is not None and long_context:
+        longcontext.plot(results, Path(plots) / "long_context.png")
     return results
 
 
@@ -331,11 +348,13 @@ def _bits(c: Candidate, cfg, seq_len: int) -> tuple[float, dict[str, float]]:
 
 def format_table(results: list[Result]) -> str:
     """A header line with the run's setup, then a Markdown table: recipe, mode, bits/element,
-    residual window R (decode rows), kept sinks, ppl, Δppl, KLD, top-1 (and passkey); full
-    precision first."""
+    residual window R (decode rows), kept sinks, ppl, Δppl, KLD, top-1 (and passkey, and the
+    long-context accuracy averaged over tasks and lengths); full precision first."""
     with_passkey = any(r.passkey for r in results)
+    with_lc = any(r.long_context for r in results)
     head = ["recipe", "mode", "bits/elem", "R", "sinks", "ppl", "Δppl", "KLD", "top-1"]
     head += ["passkey"] if with_passkey else []
+    head += ["long-ctx"] if with_lc else []
     rows = [
         setup_line(results[0].setup),
         "",
@@ -344,7 +363,8 @@ def format_table(results: list[Result]) -> str:
     ]
     fp = results[0].ppl_fp
     full = ["full precision", "-", "16.00", "-", "-", f"{fp:.3f}", "+0.000", "0.0000", "1.000"]
-    rows.append("| " + " | ".join(full + (["-"] if with_passkey else [])) + " |")
+    full += ["-"] * (with_passkey + with_lc)
+    rows.append("| " + " | ".join(full) + " |")
     for r in results:
         cells = [
             r.recipe,
@@ -361,6 +381,8 @@ def format_table(results: list[Result]) -> str:
             cells.append(
                 " ".join(f"{k}:{v:.0%}" for k, v in r.passkey.items()) if r.passkey else "-"
             )
+        if with_lc:
+            cells.append(f"{longcontext.mean_accuracy(r.long_context):.1%}")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

@@ -112,6 +112,21 @@ class QuantizedKVCache(Cache):
         """Remove the cache's hooks from the model."""
         self._hooks.remove()
 
+    def fill(self, keys: list, values: list, hidden: dict) -> None:
+        """Take in a prompt as a forward over it through this cache would (a prefill: the prompt
+        attends to itself exact, then is stored), from a full-precision forward recorded
+        elsewhere, so one prefill serves many caches. keys[i] / values[i]: layer i's pre-RoPE
+        keys (what `capture_keys` records) and values, [B, Hkv, T, D]; hidden: {layer: the
+        residual stream [B, T, hidden] out of that decoder layer}, read at the sink predictor's
+        layer."""
+        positions = self.store.positions(keys[0].shape[2])
+        for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+            self.store.stage(i, k, v, self.ropes[i], positions)
+        sp = self.params.sink_predictor
+        if sp is not None and self.scheme.sink_budget:
+            self.store.observe_hidden(sp.layer, hidden[sp.layer])
+        self.store.commit(keys[0].shape[2])
+
     def seq_length(self) -> int:
         return int(self.store.lengths.max())
 

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from kvcalib.cli import main
 from kvcalib.core.recipe import parse_recipe
-from kvcalib.evaluation.passkey import passkey_accuracy
+from kvcalib.evaluation.longcontext import passkey_accuracy
 from kvcalib.evaluation.score import candidates, score
 
 EIGHT_BIT = {"name": "int8", "key": {"bits": 8}, "value": {"bits": 8}}
