@@ -5,10 +5,13 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
+RUNTIME_VENV ?= .venv-runtime
+RUNTIME_STAMP := $(RUNTIME_VENV)/.installed
+
 OUT ?= out
 MODEL ?= smollm2-135m
 
-.PHONY: setup demo test test-all lint leaderboard gpu-check
+.PHONY: setup demo test test-all test-runtime lint leaderboard gpu-check
 
 $(STAMP): pyproject.toml runtime/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +22,14 @@ $(STAMP): pyproject.toml runtime/pyproject.toml
 	touch $@
 
 setup: $(STAMP)
+
+# What a serving box installs: the runtime (torch, safetensors, triton, tokenizers) and pytest.
+$(RUNTIME_STAMP): runtime/pyproject.toml
+	$(PYTHON) -m venv $(RUNTIME_VENV)
+	$(RUNTIME_VENV)/bin/pip install -q --upgrade pip
+	$(RUNTIME_VENV)/bin/pip install -q torch==2.13.0
+	$(RUNTIME_VENV)/bin/pip install -q -e 'runtime[test]'
+	touch $@
 
 # The main job on the embedded default model: profile it, convert it with kvcalib-2, measure the
 # converted folder against KIVI-2 (measured as on the original weights) on the held-out text,
@@ -41,12 +52,16 @@ leaderboard: setup
 gpu-check: setup
 	$(BIN)/python benchmarks/gpu_check.py
 
-# The fast suite (no real-model test), then everything (what CI runs).
+# The fast suite (no real-model test); everything (what CI runs): the runtime's tests with the
+# runtime installed alone, then the whole suite with the toolkit.
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -m "not slow"
 
-test-all: setup
+test-runtime: $(RUNTIME_STAMP)
+	$(RUNTIME_VENV)/bin/python -m pytest tests/runtime
+
+test-all: setup test-runtime
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 

@@ -3,6 +3,7 @@ ratios, measured in one run.
 
     python benchmarks/bench_calibrate.py                  # calibration and eval ratios (~10 min)
     python benchmarks/bench_calibrate.py --scale          # + convert / copy (2B checkpoint)
+    python benchmarks/bench_calibrate.py --keep           # + cache the profile as the default
 
   calibrate / forward  `kvcalib.calibrate` of the default model (smollm2-135m) with the
                        default settings, load and report included, against the model's own
@@ -22,6 +23,7 @@ ratios of interleaved runs hold up better than seconds).
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -34,7 +36,9 @@ import bench_eval
 import bench_scale
 
 from kvcalib import calibrate, load_model
+from kvcalib.api import default_profile_path
 from kvcalib.core.data import calibration_windows, eval_windows
+from kvcalib.core.models import resolve
 
 
 def _load() -> str:
@@ -54,6 +58,12 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=2)
     parser.add_argument("--scale", action="store_true", help="also convert / copy (2B model)")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the profile as the default model's default profile (what eval and convert "
+        "use without --profile)",
+    )
     args = parser.parse_args()
     print(f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, {_load()}")
     model, tokenizer = load_model(None)
@@ -76,6 +86,11 @@ def main() -> None:
         plain_eval, rows = bench_eval.eval_ratios(model, windows, bench_eval.RECIPES, profile)
         print(f"eval, {args.eval_windows} x 1024 tokens ({start_load} before, {_load()} after)")
         print(bench_eval.table(plain_eval, rows) + "\n", flush=True)
+        if args.keep:
+            kept = default_profile_path(resolve(None))
+            shutil.rmtree(kept, ignore_errors=True)
+            shutil.copytree(Path(tmp) / "profile", kept)
+            print(f"kept the profile as {kept}", flush=True)
     if args.scale:
         del model
         runs = bench_scale.run(

@@ -73,6 +73,12 @@ class Geometry:
         model_type = config.get("model_type")
         if not isinstance(model_type, str):
             raise FormatError(f"{CONFIG}: model_type = {model_type!r}; expected a string")
+        if archs.lookup(model_type) is None and "num_attention_heads" not in config:
+            raise FormatError(
+                f"{CONFIG}: model_type {model_type!r} names its sizes its own way (no "
+                "num_attention_heads): kvcalib reads Llama-style configs; the architecture table "
+                f"has {archs.supported()}"
+            )
         heads, hidden = _size(config, "num_attention_heads"), _size(config, "hidden_size")
         kv_heads = _size(config, "num_key_value_heads", heads)
         if config.get("head_dim") is None and hidden % heads:

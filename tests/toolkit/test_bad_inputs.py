@@ -443,7 +443,7 @@ CONVERT = [
         "deferred",
         "convert",
         conv(model=lambda c: config(c, hidden_act="gelu")),
-        "the runtime could not serve the result (hidden_act 'gelu' is not supported",
+        "the runtime could not serve the result (hidden_act 'gelu' in config.json is not supported",
     ),
     Case(
         "deferred",
