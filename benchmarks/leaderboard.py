@@ -69,9 +69,10 @@ PASSKEY_RECIPES = ("fp16", "per-token-2", "kivi-2", "kvquant-3", "kvcalib-2", "k
 
 def ablations() -> list:
     """kvcalib-2 with one ingredient changed at a time, and kvcalib-3 without its per-layer
-    bit allocation (each at its fixed width everywhere). A change of a tensor's normalized domain (granularity, RoPE side, rotation)
-    has no calibrated codebook in the default profile: those rows use uniform levels for that
-    tensor and compare against the "- key codebook" / "- value codebook" rows."""
+    bit allocation (each at its fixed width everywhere). A change of a tensor's normalized
+    domain (granularity, RoPE side, rotation) has no calibrated codebook in the default profile:
+    those rows use uniform levels for that tensor and compare against the "- key codebook" /
+    "- value codebook" rows."""
     base, k3 = load_recipe("kvcalib-2"), load_recipe("kvcalib-3")
     key, value = base.key, base.value
 

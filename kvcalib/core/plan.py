@@ -7,11 +7,17 @@ codebooks, smoothing scales, the sink predictor, per-layer sensitivities for bit
 import dataclasses
 import logging
 
-from kvcalib.core.recipe import Recipe, TensorRecipe, flush_of, load_recipe, with_bits
+from kvcalib.core.recipe import (
+    Recipe,
+    TensorRecipe,
+    layer_scheme,
+    load_recipe,
+    with_bits,
+)
 from kvcalib.errors import ProfileError, RecipeError
 from kvcalib_runtime import checks
 from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme
+from kvcalib_runtime.scheme import KVParams, KVScheme
 
 log = logging.getLogger("kvcalib")
 
@@ -126,17 +132,7 @@ def plan(
             key = with_bits(key, bits["key"][i])
             value = with_bits(value, bits["value"][i])
         try:
-            layers.append(
-                LayerScheme(
-                    key=key.spec(),
-                    value=value.spec(),
-                    key_position=key.position,
-                    key_rotation=key.rotation == "hadamard",
-                    value_rotation=value.rotation == "hadamard",
-                    key_flush=flush_of(key, recipe.residual),
-                    value_flush=flush_of(value, recipe.residual),
-                )
-            )
+            layers.append(layer_scheme(key, value, recipe.residual))
             if head_dim is not None:
                 for spec in (layers[-1].key, layers[-1].value):
                     if spec is not None and spec.granularity == "token":

@@ -435,18 +435,24 @@ def _check_layer(r: Recipe, k: TensorRecipe, v: TensorRecipe, where: str) -> Non
         key = k if bits is None else with_bits(k, bits)
         value = v if bits is None else with_bits(v, bits)
         try:
-            layer = LayerScheme(
-                key=key.spec(),
-                value=value.spec(),
-                key_position=key.position,
-                key_rotation=key.rotation == "hadamard",
-                value_rotation=value.rotation == "hadamard",
-                key_flush=flush_of(key, r.residual),
-                value_flush=flush_of(value, r.residual),
-            )
+            layer = layer_scheme(key, value, r.residual)
             KVScheme((layer,), r.residual, r.sinks_first, r.sink_budget, r.rotation_seed)
         except ValueError as e:
             fail(f"{'' if bits is None else f'at {bits} bits, '}{e}")
+
+
+def layer_scheme(key: TensorRecipe, value: TensorRecipe, residual: int) -> LayerScheme:
+    """The runtime's LayerScheme of a layer's key and value recipes (ValueError where the specs
+    are inconsistent)."""
+    return LayerScheme(
+        key=key.spec(),
+        value=value.spec(),
+        key_position=key.position,
+        key_rotation=key.rotation == "hadamard",
+        value_rotation=value.rotation == "hadamard",
+        key_flush=flush_of(key, residual),
+        value_flush=flush_of(value, residual),
+    )
 
 
 def with_bits(t: TensorRecipe, bits: int) -> TensorRecipe:
