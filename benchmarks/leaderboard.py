@@ -84,7 +84,7 @@ def ablations() -> list:
         variant("- allocation (2 bits everywhere)", allocation=None),
         variant("- predicted sinks", sinks_predicted=False, sink_budget=0),
         variant("- all sinks", sinks_predicted=False, sink_budget=0, sinks_first=0),
-        variant("- outliers", key=dataclasses.replace(key, outliers=0.0)),
+        variant("- exact slot", key=dataclasses.replace(key, outlier_slots=0, slot_rule="outside")),
         variant("- key codebook", key=dataclasses.replace(key, codebook="uniform")),
         variant("- value codebook", value=dataclasses.replace(value, codebook="uniform")),
         variant(
@@ -94,7 +94,12 @@ def ablations() -> list:
         variant(
             "static -> dynamic keys, groups of 64 (uniform)",
             key=dataclasses.replace(
-                key, granularity="channel", group_size=64, outliers=0.0, codebook="uniform"
+                key,
+                granularity="channel",
+                group_size=64,
+                outliers=0.0,
+                outlier_slots=0,
+                codebook="uniform",
             ),
         ),
         variant(
@@ -109,6 +114,7 @@ def ablations() -> list:
                 position="post_rope",
                 rotation="hadamard",
                 outliers=0.0,
+                outlier_slots=0,
                 codebook="uniform",
             ),
         ),
