@@ -84,7 +84,10 @@ def ablations() -> list:
         variant("- allocation (2 bits everywhere)", allocation=None),
         variant("- predicted sinks", sinks_predicted=False, sink_budget=0),
         variant("- all sinks", sinks_predicted=False, sink_budget=0, sinks_first=0),
-        variant("- exact slot", key=dataclasses.replace(key, outlier_slots=0, slot_rule="outside")),
+        variant(
+            "- exact slot, full range (uniform)",
+            key=dataclasses.replace(key, outliers=0.0, outlier_slots=0, codebook="uniform"),
+        ),
         variant("- key codebook", key=dataclasses.replace(key, codebook="uniform")),
         variant("- value codebook", value=dataclasses.replace(value, codebook="uniform")),
         variant(
