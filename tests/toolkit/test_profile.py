@@ -259,7 +259,8 @@ def test_no_calibrate_stops_before_any_calibration(command, tmp_path, monkeypatc
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
     assert "no --profile given" in result.output and "--no-calibrate was given" in result.output
-    assert "minutes" in result.output  # how long the default calibration would have taken
+    cost = sys.modules["kvcalib.api"].DEFAULT_COST  # how long the default calibration takes
+    assert f"`kvcalib calibrate`; {cost}" in result.output
     assert not (tmp_path / "out").exists()
 
 
