@@ -402,6 +402,12 @@ def generate_(
     then print decode speed and the memory the cache allocated."""
     from kvcalib.generate import format_report, generate_text
 
+    sections = []
+
+    def section(title: str) -> None:  # the streamed answer before it ends without a newline
+        click.echo(("\n" if sections else "") + f"--- {title} ---")
+        sections.append(title)
+
     report = generate_text(
         converted_dir,
         prompt,
@@ -413,7 +419,7 @@ def generate_(
         document=document,
         compare=compare_fp16,
         on_text=lambda text: click.echo(text, nl=False),
-        on_section=lambda title: click.echo(f"--- {title} ---"),
+        on_section=section,
     )
     click.echo()
     click.echo(format_report(report))

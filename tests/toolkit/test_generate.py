@@ -80,7 +80,7 @@ def test_compare_fp16_answers_twice_and_measures_both_caches(folder, tmp_path):
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     head, full_text = result.output.split("--- full-precision cache ---\n")
-    assert head == f"--- quarot-kv4 cache ---\n{expected.decode(answers[False])}"
+    assert head == f"--- quarot-kv4 cache ---\n{expected.decode(answers[False])}\n"  # own line
     assert full_text.startswith(expected.decode(answers[True]) + "\n")
     memory = next(line for line in result.output.splitlines() if MEMORY.match(line))
     context, mib, full_mib, ratio = MEMORY.match(memory).groups()
