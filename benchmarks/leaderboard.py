@@ -16,10 +16,9 @@ position, so a residual window does not enter it. External peers (hf-quanto) run
 mode, through their own cache, whose own window is 128, and not on models with sliding-window layers
 (Gemma), which transformers' quantized cache refuses; a model without a chat template skips the chat
 text. `--recipe` restricts the tables to some presets and `--no-extras` skips passkey and ablation
-(a quick check of the script). The previous version (13 presets, fewer tables) took 34 minutes on 2
-CPU cores; this one has not been run in full. A check with `--windows 1 --seq-len 256 --no-extras`
-on 6 presets (hf-quanto-2, which decodes token by token through its own cache, among them) took 28
-minutes on 2 CPU cores shared with other jobs.
+(a quick check of the script). Measured on 2 CPU cores shared with other jobs: the three texts'
+tables of the 14 presets without hf-quanto, 50 minutes; the first table with the hf-quanto peers,
+which decode token by token through transformers' own cache, 38 minutes alone.
 """
 
 import argparse
