@@ -8,8 +8,9 @@ prompt shared by all of them, greedy answers decoded through each recipe's cache
 Writes long_context.md (the per-task table and the mean per length) and long_context.json into
 --out (default: benchmarks/), and long_context.png. Cells hold one sample per seed (passkey: per
 seed and each of 5 depths); the table gives each cell's count and binomial spread. On CPU, give
-each process one thread when other jobs share the cores (two threads per process over-subscribed
-two cores slowed a decode step tenfold).
+each process one thread when other jobs share the cores (one 2K sample took 173 s with two threads
+among three busy processes and 15.5 s with one thread beside one other: oversubscription is the
+likely cause, not isolated further).
 """
 
 import argparse

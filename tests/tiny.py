@@ -144,3 +144,16 @@ class ShapeProfile:
 
     def sensitivity(self, tensor, layer, bits):
         return float(2.0**-bits * self.sensitive.get((tensor, layer), 1.0))
+
+
+def text_key_ranges(model, ids, shrink: float = 0.8) -> dict:
+    """Per layer, static per-channel pre-RoPE key ranges (lo, hi), each [Hkv, D]: the min and max
+    over the tokens of ids [1, T], shrunk by `shrink` so that some keys fall outside."""
+    from kvcalib.sim.hooks import Hooks, capture_keys, key_module
+
+    keys = {}
+    with Hooks(model) as hooks, torch.no_grad():
+        for i in range(model.config.num_hidden_layers):
+            hooks.forward(key_module(model, i), capture_keys(model, keys, i))
+        model(ids)
+    return {i: (k[0].amin(1) * shrink, k[0].amax(1) * shrink) for i, k in keys.items()}

@@ -17,9 +17,8 @@ import contextlib
 
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import text_key_ranges, tiny_model
 
-from kvcalib.sim.hooks import Hooks, capture_keys, key_module
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime import kvcache
 from kvcalib_runtime.errors import CapacityError
@@ -118,12 +117,7 @@ def _scheme_and_params(hf, name, ids):
     scheme = KVScheme(tuple(LayerScheme(key, value, **layer) for _ in range(n)), **kw)
     params = KVParams()
     if key.granularity == "static":  # per-channel pre-RoPE ranges of this text, shrunk a bit
-        keys = {}
-        with Hooks(hf) as hooks, torch.no_grad():
-            for i in range(n):
-                hooks.forward(key_module(hf, i), capture_keys(hf, keys, i))
-            hf(ids)
-        params.key_range = {i: (k[0].amin(1) * 0.8, k[0].amax(1) * 0.8) for i, k in keys.items()}
+        params.key_range = text_key_ranges(hf, ids)
     gen = torch.Generator().manual_seed(7)
     for name, spec in (("key", key), ("value", value)):
         if spec.codebook:  # sorted levels per layer, in [0, 1] or [-1, 1]

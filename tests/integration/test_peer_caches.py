@@ -10,9 +10,8 @@ import warnings
 
 import pytest
 import torch
-from tiny import tiny_model
+from tiny import text_key_ranges, tiny_model
 
-from kvcalib.sim.hooks import Hooks, capture_keys, key_module
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.model import Transformer
 from kvcalib_runtime.quant import QuantSpec, uniform_codebook
@@ -67,12 +66,7 @@ def _scheme_and_params(hf, name, ids):
             params.key_codebook[i] = uniform_codebook(key.bits)
             params.value_codebook[i] = uniform_codebook(value.bits)
     if key.granularity == "static":  # per-channel pre-RoPE ranges of this text, shrunk a bit
-        keys = {}
-        with Hooks(hf) as hooks, torch.no_grad():
-            for i in range(n):
-                hooks.forward(key_module(hf, i), capture_keys(hf, keys, i))
-            hf(ids)
-        params.key_range = {i: (k[0].amin(1) * 0.8, k[0].amax(1) * 0.8) for i, k in keys.items()}
+        params.key_range = text_key_ranges(hf, ids)
     return scheme, params
 
 
