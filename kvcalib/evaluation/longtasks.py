@@ -23,7 +23,9 @@ one) around the instruction, the haystack (a window of the evaluation text at a 
 needles inserted at line starts, each set off by blank lines) and the question; the assistant
 turn opens with the answer's first words, so the greedy answer starts with the value. A sample
 is correct when its greedy answer holds every expected string (case-insensitive; RULER's string
-match, all items).
+match, all items). Its `answer` is the expected continuation written out (the text whose
+teacher-forced log-likelihood the suite scores), and multikey's `distractors` are the same
+continuation with each other needle's value.
 """
 
 import itertools
@@ -69,6 +71,9 @@ class Sample:
     needles     token spans [start, end) of the inserted needles in ids, in position order
     context     the token span [start, end) of the haystack with its needles
     depth       where the passkey needle sits (a fraction of the haystack); None elsewhere
+    answer      the expected continuation of the prompt, as text (the expected strings in the
+                answer's own format)
+    distractors the continuation with another needle's value instead, per distractor needle
     """
 
     task: str
@@ -80,6 +85,8 @@ class Sample:
     context: tuple[int, int]
     max_new_tokens: int
     depth: float | None = None
+    answer: str = ""
+    distractors: tuple[str, ...] = ()
 
     def correct(self, answer: str) -> bool:
         """Whether the decoded greedy `answer` holds every expected string."""
@@ -188,7 +195,9 @@ def passkey(tokenizer, haystack: Haystack, length: int, seed: int, depth: float)
     needle = _MAGIC.format(key=key, value=value)
     window = lambda n: haystack.window(rng, n)  # noqa: E731
     ids, spans, context = _assemble(tokenizer, length, 12, head, tail, window, [needle], [depth])
-    return Sample("passkey", length, seed, ids, (value,), spans, context, 12, depth)
+    return Sample(
+        "passkey", length, seed, ids, (value,), spans, context, 12, depth, answer=f" {value}."
+    )
 
 
 def multikey(tokenizer, haystack: Haystack, length: int, seed: int) -> Sample:
@@ -207,7 +216,11 @@ def multikey(tokenizer, haystack: Haystack, length: int, seed: int) -> Sample:
     window = lambda n: haystack.window(rng, n)  # noqa: E731
     depths = [rng.random() for _ in keys]
     ids, spans, context = _assemble(tokenizer, length, 12, head, tail, window, needles, depths)
-    return Sample("multikey", length, seed, ids, (values[asked],), spans, context, 12)
+    others = tuple(f" {v}." for i, v in enumerate(values) if i != asked)
+    return Sample(
+        "multikey", length, seed, ids, (values[asked],), spans, context, 12,
+        answer=f" {values[asked]}.", distractors=others,
+    )  # fmt: skip
 
 
 def multivalue(tokenizer, haystack: Haystack, length: int, seed: int) -> Sample:
@@ -226,7 +239,10 @@ def multivalue(tokenizer, haystack: Haystack, length: int, seed: int) -> Sample:
     depths = [rng.random() for _ in values]
     new = 16 * VALUES
     ids, spans, context = _assemble(tokenizer, length, new, head, tail, window, needles, depths)
-    return Sample("multivalue", length, seed, ids, tuple(values), spans, context, new)
+    answer = " " + ", ".join(values) + "."
+    return Sample(
+        "multivalue", length, seed, ids, tuple(values), spans, context, new, answer=answer
+    )
 
 
 _VARTRACK = (
@@ -269,7 +285,8 @@ def vartrack(tokenizer, haystack: Haystack, length: int, seed: int) -> Sample:
     window = lambda n: haystack.window(rng, n)  # noqa: E731
     new, depths = 8 * len(names), _depths(rng, len(chain))
     ids, spans, context = _assemble(tokenizer, length, new, head, tail, window, chain, depths)
-    return Sample("vartrack", length, seed, ids, tuple(names), spans, context, new)
+    answer = " " + " -> ".join(f"VAR {n}" for n in names)
+    return Sample("vartrack", length, seed, ids, tuple(names), spans, context, new, answer=answer)
 
 
 def freqwords(tokenizer, haystack: Haystack, length: int, seed: int) -> Sample:
@@ -308,4 +325,5 @@ def freqwords(tokenizer, haystack: Haystack, length: int, seed: int) -> Sample:
 
     # room for one word: a listed second one is cut off, not counted
     ids, _, context = _assemble(tokenizer, length, 8, head, tail, coded, [], [])
-    return Sample("freqwords", length, seed, ids, (vocab[1],), (), context, 8)
+    answer = f" {vocab[1]}"
+    return Sample("freqwords", length, seed, ids, (vocab[1],), (), context, 8, answer=answer)

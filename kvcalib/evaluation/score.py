@@ -12,9 +12,9 @@ Simulator (fake or decode mode) on the same tokens, and is scored against it:
               buffers of a cache built on the meta device
     bits_at_context    everything that cache allocates per element (the residual window, sink
               slots and bookkeeping too), at the evaluated context, 4K and 32K tokens
-    long_context       with `long_context` lengths: the long-context suite's exact-match
-              accuracy, task -> length -> {accuracy, samples, spread, seconds}
-              (kvcalib.evaluation.longcontext)
+    long_context       with `long_context` lengths: the long-context suite, task -> length ->
+              cell: n, exact-match accuracy and its Wilson interval, answer NLL, and paired
+              against fp16 when it is in the run (kvcalib.evaluation.longcontext.cells)
 
 Every Result carries the run's `setup` (model, text, windows, seq_len, mode, residual: the window
 every recipe was given, or None when each kept its own) and its own residual and kept sinks;
@@ -34,7 +34,7 @@ from kvcalib.core import data as data_mod
 from kvcalib.core.plan import plan_for_model, with_residual
 from kvcalib.core.recipe import Recipe, load_recipe
 from kvcalib.errors import DataError, NumericsError, RecipeError
-from kvcalib.evaluation import longcontext
+from kvcalib.evaluation import longcontext, longreport
 from kvcalib.evaluation.external import evaluate_external, external_bits
 from kvcalib.evaluation.longcontext import passkey_accuracy
 from kvcalib.evaluation.plots import Recorder
@@ -272,7 +272,8 @@ def score(
     if recorder is not None:
         recorder.write(plots)
     if plots is not None and long_context:
-        longcontext.plot(results, Path(plots) / "long_context.png")
+        longreport.plot(results, Path(plots) / "long_context.png")
+        longreport.plot_probe(results, Path(plots) / "long_context_probe.png")
     return results
 
 
@@ -382,7 +383,7 @@ def format_table(results: list[Result]) -> str:
                 " ".join(f"{k}:{v:.0%}" for k, v in r.passkey.items()) if r.passkey else "-"
             )
         if with_lc:
-            cells.append(f"{longcontext.mean_accuracy(r.long_context):.1%}")
+            cells.append(f"{longreport.mean_accuracy(r.long_context):.1%}")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 

