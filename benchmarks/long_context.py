@@ -11,8 +11,8 @@ same prompt and recipes: a run stopped at any point resumes where it was, in thi
 next. At the end (or with --report-only) every prompt present for the grid is tabulated into
 --out/long_context.md and .json (accuracy with Wilson 95% intervals; paired differences to fp16
 with bootstrap intervals and exact McNemar p; answer NLL; what failed prompts' first answer step
-shows) and --out/long_context.png, long_context_probe.png. Passkey prompts cycle over 5 depths
-(seed = prompt // 5); the others take seed = prompt.
+shows) and --out/long_context.png, long_context_probe.png. The prompts are
+`kvcalib.evaluation.longcontext.grid`'s: passkey cycles over 5 depths, the others a seed each.
 """
 
 import argparse
@@ -24,25 +24,11 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from kvcalib.evaluation import longcontext
+
 HERE = Path(__file__).resolve().parent
 RESIDUAL = 128
 RECIPES = ("fp16", "kivi-2", "turboquant-2.5", "kvcalib-2", "kvcalib-3")
-TASKS = ("passkey", "multikey", "multivalue", "vartrack", "freqwords")
-DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
-
-
-def grid(tasks, lengths, prompts) -> list[tuple]:
-    """(task, length, seed, depth) of every prompt, prompt index first (a run cut short has
-    every cell about equally far): passkey cycles over DEPTHS."""
-    out = []
-    for j in range(prompts):
-        for n in lengths:
-            for task in tasks:
-                if task == "passkey":
-                    out.append((task, n, j // len(DEPTHS), DEPTHS[j % len(DEPTHS)]))
-                else:
-                    out.append((task, n, j, None))
-    return out
 
 
 def cell_file(out: Path, task, n, seed, depth) -> Path:
@@ -67,23 +53,19 @@ def _worker(args, share: list[tuple], recipes: list[str]) -> None:
 
     from kvcalib import load_model
     from kvcalib.api import default_profile
-    from kvcalib.core import data as data_mod
     from kvcalib.core.models import resolve
-    from kvcalib.evaluation import longcontext, longtasks
     from kvcalib.evaluation.score import candidates
 
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
     model, tokenizer = load_model(args.model, dtype=torch.float32)
     profile = default_profile(resolve(args.model), args.profile)
-    haystack = longtasks.Haystack(tokenizer, data_mod.read_text(None, "evaluation", tokenizer))
+    haystack = longcontext.haystack(tokenizer)
     every = candidates(model, recipes, profile, residual=RESIDUAL)
     sinks, stop = longcontext.sinks_read(every), longcontext.stop_tokens(tokenizer)
     out = Path(args.out)
     for task, n, seed, depth in share:
-        build = getattr(longtasks, task)
-        extra = () if depth is None else (depth,)
-        sample = build(tokenizer, haystack, n, seed, *extra)
+        sample = longcontext.build(tokenizer, haystack, task, n, seed, depth)
         path = cell_file(out, task, n, seed, depth)
         known = _read(path)
         if known is None or known["sha"] != _sha(sample.ids):
@@ -109,7 +91,7 @@ def _pending(args, recipes) -> list[tuple]:
     """The grid's prompts whose file is missing or lacks a recipe (the prompt's hash is checked
     by the worker, which has the tokenizer)."""
     out = []
-    for p in grid(args.tasks, args.lengths, args.prompts):
+    for p in longcontext.grid(args.tasks, args.lengths, args.prompts):
         known = _read(cell_file(Path(args.out), *p))
         if known is None or any(r not in known["recipes"] for r in recipes):
             out.append(p)
@@ -117,11 +99,11 @@ def _pending(args, recipes) -> list[tuple]:
 
 
 def report(args, recipes, hours: float) -> str:
-    from kvcalib.evaluation import longcontext, longreport
+    from kvcalib.evaluation import longreport
 
     out = Path(args.out)
     records, seconds = [], 0.0
-    for p in grid(args.tasks, args.lengths, args.prompts):
+    for p in longcontext.grid(args.tasks, args.lengths, args.prompts):
         known = _read(cell_file(out, *p))
         if known is not None and all(r in known["recipes"] for r in recipes):
             records.append((SimpleNamespace(task=p[0], length=p[1]), known["recipes"]))
@@ -173,7 +155,7 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="Profile folder (default: cached).")
     parser.add_argument("--lengths", default="2048", help="Comma-separated token counts.")
     parser.add_argument("--prompts", type=int, default=50, help="Prompts per task and length.")
-    parser.add_argument("--tasks", default=",".join(TASKS), help="Comma-separated.")
+    parser.add_argument("--tasks", default=",".join(longcontext.TASKS), help="Comma-separated.")
     parser.add_argument("--recipe", action="append", help="Recipes (repeat; default: 5).")
     parser.add_argument("--threads", type=int, default=1, help="Torch threads per process.")
     parser.add_argument("--processes", type=int, default=1, help="Processes, each its model.")

@@ -26,6 +26,7 @@ from kvcalib.core.plan import scheme_with_residual
 from kvcalib.core.profile import FORMAT_VERSION, Profile
 from kvcalib.core.recipe import Recipe, load_recipe
 from kvcalib.errors import ProfileError, RecipeError
+from kvcalib.evaluation import longcontext
 from kvcalib.evaluation.score import Candidate, Result, candidates, score
 from kvcalib.io import atomic
 from kvcalib_runtime.format import META, read_checkpoint
@@ -125,6 +126,7 @@ def evaluate(
     residual: int | None = None,
     passkey: bool = False,
     long_context: Sequence[int] | None = None,
+    long_context_prompts: int = longcontext.PROMPTS,
     plots: str | Path | None = None,
     device: str = "cpu",
     dtype: str | torch.dtype = torch.float32,
@@ -142,7 +144,8 @@ def evaluate(
     kvcalib.core.plan.scheme_with_residual says how flush blocks follow). Every option, recipe,
     profile and the side-car are checked before the model loads. `dtype` is a name ("float32")
     or a torch dtype.
-    `long_context`: lengths at which to run the long-context suite (e.g. (2048, 4096, 8192)).
+    `long_context`: lengths at which to run the long-context suite (e.g. (2048, 4096, 8192)),
+    with `long_context_prompts` prompts per task and length.
     """
     reads = preflight.inputs(model, data=data, profile=profile, recipes=recipes)
     preflight.evaluate_options(
@@ -191,6 +194,7 @@ def evaluate(
         mode=mode,
         passkey=passkey,
         long_context=long_context,
+        long_context_prompts=long_context_prompts,
         plots=plots,
         progress=progress,
     )

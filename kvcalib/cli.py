@@ -87,6 +87,13 @@ def inspect(path, trust_remote_code):
     help="Comma-separated suite lengths in tokens, e.g. 2048,4096 (implies --long-context).",
 )
 @click.option(
+    "--long-context-prompts",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help="Prompts per task and length (passkey: one per depth, cycling over 5 depths).",
+)
+@click.option(
     "--plots", type=click.Path(), help="Write key-error, token-0 and long-context plots here."
 )
 @click.option("--json", "json_out", type=click.Path(), help="Write the results as JSON.")
@@ -115,6 +122,7 @@ def eval_(
     passkey,
     long_context,
     long_context_lengths,
+    long_context_prompts,
     plots,
     json_out,
     device,
@@ -159,6 +167,7 @@ def eval_(
         residual=residual,
         passkey=passkey,
         long_context=lengths,
+        long_context_prompts=long_context_prompts,
         plots=plots,
         device=device,
         dtype=dtype,

@@ -15,7 +15,7 @@ prompts than accuracy; multikey also ranks it against the distractor needles' va
 probe at the answer's first step records attention on the needles and on token 0 and the
 needle keys' error (`longprobe`).
 
-A cell (task, length) holds one prompt per seed (passkey: per seed and depth). It reports n,
+A cell (task, length) holds `prompts` prompts (`grid`). It reports n,
 the accuracy with its Wilson 95% interval and, since every recipe answers the same prompts, the
 paired difference to full precision with a bootstrap interval and the exact McNemar p
 (`longstats`); tables and plots are `longreport`'s.
@@ -41,7 +41,7 @@ from kvcalib.sim.cache import QuantizedKVCache
 from kvcalib.sim.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
 
 LENGTHS = (2048, 4096, 8192)
-SEEDS = (0, 1)  # a sample per seed in every cell (passkey: per seed and depth)
+PROMPTS = 5  # per task and length (passkey: one per depth)
 TASKS = ("passkey", "multikey", "multivalue", "vartrack", "freqwords")
 PASSKEY_LENGTHS = (1024, 2048, 4096)
 PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
@@ -58,29 +58,44 @@ def check_lengths(lengths: Sequence[int], context: int | None) -> None:
             )
 
 
+def grid(tasks, lengths, prompts: int, depths=longtasks.DEPTHS) -> list[tuple]:
+    """(task, length, seed, depth) of `prompts` prompts per task and length, prompt index first
+    (a run cut short has every cell about equally far): passkey cycles over `depths` (seed =
+    prompt // len(depths)), the other tasks take seed = prompt and depth None."""
+    out = []
+    for j in range(prompts):
+        for n in lengths:
+            for task in tasks:
+                if task == "passkey":
+                    out.append((task, n, j // len(depths), depths[j % len(depths)]))
+                else:
+                    out.append((task, n, j, None))
+    return out
+
+
+def build(tokenizer, haystack, task: str, length: int, seed: int, depth) -> longtasks.Sample:
+    """The prompt a `grid` entry names."""
+    extra = () if depth is None else (depth,)
+    return getattr(longtasks, task)(tokenizer, haystack, length, seed, *extra)
+
+
+def haystack(tokenizer, data=None) -> longtasks.Haystack:
+    """The evaluation text of `data` (default: the built-in evaluation split) as a haystack."""
+    return longtasks.Haystack(tokenizer, data_mod.read_text(data, "evaluation", tokenizer))
+
+
 def samples(
     tokenizer,
     data=None,
     *,
     lengths: Sequence[int] = LENGTHS,
-    seeds: Sequence[int] = SEEDS,
+    prompts: int = PROMPTS,
     tasks: Sequence[str] = TASKS,
     depths: Sequence[float] = longtasks.DEPTHS,
 ) -> list[longtasks.Sample]:
-    """The suite's prompts: every task at every length, a sample per seed (passkey: per seed
-    and depth); the haystack is the evaluation text of `data` (default: the built-in
-    evaluation split)."""
-    haystack = longtasks.Haystack(tokenizer, data_mod.read_text(data, "evaluation", tokenizer))
-    out = []
-    for task in tasks:
-        build = getattr(longtasks, task)
-        for n in lengths:
-            for seed in seeds:
-                if task == "passkey":
-                    out += [build(tokenizer, haystack, n, seed, d) for d in depths]
-                else:
-                    out.append(build(tokenizer, haystack, n, seed))
-    return out
+    """The suite's prompts, `grid`'s order."""
+    hay = haystack(tokenizer, data)
+    return [build(tokenizer, hay, *p) for p in grid(tasks, lengths, prompts, depths)]
 
 
 class Prefill:
@@ -224,14 +239,14 @@ def run(
     *,
     data=None,
     lengths: Sequence[int] = LENGTHS,
-    seeds: Sequence[int] = SEEDS,
+    prompts: int = PROMPTS,
     tasks: Sequence[str] = TASKS,
     depths: Sequence[float] = longtasks.DEPTHS,
     progress: bool = False,
 ) -> list[dict[str, dict[str, dict]]]:
     """Per candidate (`score.candidates`, in order): {task: {length: cell}}, a cell as
     `cells` builds it (paired against "fp16" when it is among the candidates)."""
-    suite = samples(tokenizer, data, lengths=lengths, seeds=seeds, tasks=tasks, depths=depths)
+    suite = samples(tokenizer, data, lengths=lengths, prompts=prompts, tasks=tasks, depths=depths)
     sinks, stop = sinks_read(cands), stop_tokens(tokenizer)
     records = []
     bar = tqdm(total=len(suite), desc="long-context", disable=not progress, leave=False)
@@ -251,7 +266,6 @@ def passkey_accuracy(
     *,
     lengths=PASSKEY_LENGTHS,
     depths=PASSKEY_DEPTHS,
-    seed: int = 0,
     progress: bool = False,
 ) -> dict[str, float]:
     """{"1024": accuracy, ...}: the suite's passkey task alone, one key per depth."""
@@ -260,7 +274,7 @@ def passkey_accuracy(
         tokenizer,
         [candidate],
         lengths=lengths,
-        seeds=(seed,),
+        prompts=len(depths),
         tasks=("passkey",),
         depths=depths,
         progress=progress,

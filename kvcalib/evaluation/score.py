@@ -167,6 +167,7 @@ def score(
     mode: str = "decode",
     passkey: bool = False,
     long_context: Sequence[int] | None = None,
+    long_context_prompts: int = longcontext.PROMPTS,
     plots: str | Path | None = None,
     progress: bool = True,
 ) -> list[Result]:
@@ -265,7 +266,13 @@ def score(
             r.passkey = passkey_accuracy(model, tokenizer, c, progress=progress)
     if long_context:
         cells = longcontext.run(
-            model, tokenizer, cands, data=data, lengths=long_context, progress=progress
+            model,
+            tokenizer,
+            cands,
+            data=data,
+            lengths=long_context,
+            prompts=long_context_prompts,
+            progress=progress,
         )
         for r, c in zip(results, cells, strict=True):
             r.long_context = c

@@ -220,12 +220,14 @@ def test_cli_passes_the_lengths_and_prints_the_second_table(monkeypatch, tmp_pat
     args = ["eval", "--recipe", "fp16", "--long-context-lengths", "2048,4096", "--json", str(out)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
-    assert seen["long_context"] == [2048, 4096]
+    assert seen["long_context"] == [2048, 4096] and seen["long_context_prompts"] == 5
     assert "| task | tokens | n | fp16 |" in result.output
     row = json.loads(out.read_text())[0]
     assert row["long_context"]["multikey"]["4096"] == _cells(1.0)["multikey"]["4096"]
-    CliRunner().invoke(main, ["eval", "--recipe", "fp16", "--long-context"])
-    assert seen["long_context"] == list(longcontext.LENGTHS)
+    CliRunner().invoke(
+        main, ["eval", "--recipe", "fp16", "--long-context", "--long-context-prompts", "30"]
+    )
+    assert seen["long_context"] == list(longcontext.LENGTHS) and seen["long_context_prompts"] == 30
     bad = CliRunner().invoke(main, ["eval", "--recipe", "fp16", "--long-context-lengths", "4k"])
     assert bad.exit_code == 2 and "--long-context-lengths" in bad.output
 
@@ -260,7 +262,7 @@ def test_one_cell_end_to_end(real_model):
     model, tokenizer = real_model
     cands = candidates(model, ["fp16", "kivi-2"])
     fp16, kivi = longcontext.run(
-        model, tokenizer, cands, lengths=(1024,), seeds=(0,), tasks=("multikey",)
+        model, tokenizer, cands, lengths=(1024,), prompts=1, tasks=("multikey",)
     )
     cell, lossy = fp16["multikey"]["1024"], kivi["multikey"]["1024"]
     assert cell["samples"] == 1 and cell["accuracy"] == 1.0  # full precision finds it
