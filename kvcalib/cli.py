@@ -38,6 +38,18 @@ TRUST_REMOTE_CODE = click.option(
 )
 
 
+def dtype_option(default: str | None, help: str | None = None):
+    """The --dtype option of every command that loads weights (kvcalib.core.options.DTYPES's
+    names; not imported here, so that `kvcalib --help` does not load torch)."""
+    return click.option(
+        "--dtype",
+        type=click.Choice(["float32", "float16", "bfloat16"]),
+        default=default,
+        show_default=default is not None,
+        help=help,
+    )
+
+
 @main.command()
 @click.argument("path", required=False)
 @TRUST_REMOTE_CODE
@@ -91,12 +103,7 @@ def inspect(path, trust_remote_code):
 )
 @click.option("--json", "json_out", type=click.Path(), help="Write the results as JSON.")
 @click.option("--device", default="cpu", show_default=True)
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "float16", "bfloat16"]),
-    default="float32",
-    show_default=True,
-)
+@dtype_option("float32")
 @click.option(
     "--no-calibrate",
     is_flag=True,
@@ -192,12 +199,7 @@ def recipes_():
 @click.option("--recipe", required=True, help="Preset name or recipe TOML file.")
 @click.option("-o", "--output", required=True, help="Folder to write (atomically).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "float16", "bfloat16"]),
-    default=None,
-    help="dtype of the floating weights written (default: the source's).",
-)
+@dtype_option(None, "dtype of the floating weights written (default: the source's).")
 @click.option(
     "--max-shard-size",
     default="5GB",
@@ -273,12 +275,7 @@ def convert(
     show_default=True,
     help="cpu, cuda, cuda:N, or auto (spread over every visible GPU; the CPU without one).",
 )
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "float16", "bfloat16"]),
-    default="float32",
-    show_default=True,
-)
+@dtype_option("float32")
 @click.option("--force", is_flag=True, help="Replace an existing profile folder.")
 @click.option(
     "--sequential/--in-memory",

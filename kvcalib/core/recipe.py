@@ -309,16 +309,13 @@ def _check_type(value, expected, key: str, where: str) -> None:
         )
 
 
-def _tensor(table: dict, name: str, where: str, base: TensorRecipe | None = None) -> TensorRecipe:
+def _tensor(table: dict, name: str, where: str) -> TensorRecipe:
     _tensor_keys(table, name, where)
-    tensor = dataclasses.replace(base or TensorRecipe(), **table)
-    if tensor.quantized:
-        try:
-            tensor.spec()
-        except ValueError as e:
-            raise RecipeError(f"{where}: [{name}] {e}") from None
-    elif table.get("bits") not in (None, FULL_PRECISION):
-        raise RecipeError(f"{where}: '{name}.bits' must be 2, 3, 4, 8 or 16")
+    tensor = TensorRecipe(**table)
+    try:
+        tensor.spec()
+    except ValueError as e:
+        raise RecipeError(f"{where}: [{name}] {e}") from None
     return tensor
 
 
