@@ -319,17 +319,19 @@ def _tensor(table: dict, name: str, where: str) -> TensorRecipe:
     return tensor
 
 
-def _tensor_keys(table: dict, name: str, where: str) -> None:
-    """Known keys of the right types and choices (no cross-field rules: see `_check_layer`)."""
+def _tensor_keys(table: dict, name: str, where: str, at: str = "") -> None:
+    """Known keys of the right types and choices (no cross-field rules: see `_check_layer`);
+    `at` is the path of the table's parent ("layers[2]." for an override)."""
     known = {k: t for k, t in _TENSOR_KEYS.items() if name == "key" or k not in _VALUE_ONLY_OUT}
-    _check_keys(table, {k: _type(t) for k, t in known.items()}, f"{name}.", where)
+    path = f"{at}{name}."
+    _check_keys(table, {k: _type(t) for k, t in known.items()}, path, where)
     for k, allowed in _CHOICES.items():
         if k in table and table[k] not in allowed:
             raise RecipeError(
-                f"{where}: '{name}.{k}' = {table[k]!r}; use one of {', '.join(allowed)}"
+                f"{where}: '{path}{k}' = {table[k]!r}; use one of {', '.join(allowed)}"
             )
     if table.get("flush", 0) < 0:
-        raise RecipeError(f"{where}: '{name}.flush' = {table['flush']}: use 0 (default) or >= 1")
+        raise RecipeError(f"{where}: '{path}flush' = {table['flush']}: use 0 (default) or >= 1")
 
 
 def _type(annotation) -> type:
@@ -361,7 +363,7 @@ def _override(obj, i: int, where: str) -> LayerOverride:
             "(a range 'a-b' with a <= b)"
         )
     for name in ("key", "value"):
-        _tensor_keys(obj.get(name, {}), name, where)  # merged with the base: `_check_layer`
+        _tensor_keys(obj.get(name, {}), name, where, f"layers[{i}].")  # merged: `_check_layer`
     return LayerOverride(layers, obj.get("key", {}), obj.get("value", {}))
 
 
