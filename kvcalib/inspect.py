@@ -11,7 +11,7 @@ from kvcalib.errors import ProfileError
 from kvcalib_runtime import format
 from kvcalib_runtime.format import META
 from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.kvcache import planned_memory
+from kvcalib_runtime.kvcache import planned_bits
 from kvcalib_runtime.quant import QuantSpec
 from kvcalib_runtime.transforms import FUSED, KINDS, NONE, ONLINE, LayerTransforms
 
@@ -151,17 +151,10 @@ def checkpoint_summary(path: Path) -> str:
             start = i
     n = SUMMARY_CONTEXT
     geo = ckpt.geometry
-    memory = planned_memory(
-        scheme,
-        ckpt.params,
-        ckpt.transforms,
-        num_layers=geo.layers,
-        kv_heads=geo.kv_heads,
-        head_dim=geo.head_dim,
-        context=n,
-    )
-    quantized = sum(memory.values()) / n
-    fp16 = 2 * geo.layers * geo.kv_heads * geo.head_dim * 2
+    sizes = dict(num_layers=geo.layers, kv_heads=geo.kv_heads, head_dim=geo.head_dim)
+    bits, _ = planned_bits(scheme, ckpt.params, ckpt.transforms, **sizes, context=n)
+    elements = 2 * geo.layers * geo.kv_heads * geo.head_dim  # keys and values of one token
+    quantized, fp16 = elements * bits / 8, elements * 2
     lines.append(
         f"KV cache     {quantized:,.0f} bytes/token allocated for one sequence of {n} tokens, "
         f"fp16 cache {fp16:,} ({fp16 / quantized:.2f}x smaller)"
