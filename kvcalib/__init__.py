@@ -6,7 +6,7 @@ The public names load on first use, so `import kvcalib` (and `kvcalib --help`) s
     kvcalib.load_model, kvcalib.load_recipe, kvcalib.Profile, kvcalib.KvcalibError, ...
 """
 
-from kvcalib_runtime.exports import lazy
+from kvcalib_runtime.lazy import lazy
 
 __version__ = "0.1.0"
 

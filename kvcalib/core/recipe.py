@@ -39,8 +39,8 @@ from pathlib import Path
 
 from kvcalib.errors import RecipeError
 from kvcalib_runtime.checks import MAX_TOKENS
-from kvcalib_runtime.quant import QuantSpec
-from kvcalib_runtime.scheme import KVScheme, LayerScheme
+from kvcalib_runtime.scheme import KEY_POSITIONS, KVScheme, LayerScheme
+from kvcalib_runtime.spec import GRANULARITIES, METHODS, SLOT_RULES, QuantSpec
 
 MAX_LAYERS = 4096  # an override index beyond this is a typo, not a layer
 MAX_CODEBOOK_BITS = 4
@@ -182,12 +182,12 @@ _TOP_KEYS = {
 }
 _SINK_KEYS = {"first": int, "predicted": bool, "budget": int}
 _ALLOCATION_KEYS = {"budget": float, "choices": list}
-_CHOICES = {
-    "granularity": ("token", "channel", "static", "vector"),
-    "slot_rule": ("outside", "error"),
-    "method": ("affine", "ggml", "turboquant"),
+_CHOICES = {  # the runtime's own tables where the runtime defines the field
+    "granularity": GRANULARITIES,
+    "slot_rule": SLOT_RULES,
+    "method": METHODS,
     "codebook": ("uniform", "calibrated"),
-    "position": ("pre_rope", "post_rope"),
+    "position": KEY_POSITIONS,
     "rotation": ("none", "hadamard"),
 }
 

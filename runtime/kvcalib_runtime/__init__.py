@@ -10,7 +10,7 @@ The public names load on first use: `import kvcalib_runtime` imports neither tor
 (the kernels load with the first quantized cache, `kvcalib_runtime.kvcache.QuantizedCache`).
 """
 
-from kvcalib_runtime.exports import lazy
+from kvcalib_runtime.lazy import lazy
 
 __version__ = "0.1.0"
 
