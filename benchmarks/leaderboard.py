@@ -74,6 +74,7 @@ def ablations() -> list:
     "- value codebook" rows."""
     base, k3 = load_recipe("kvcalib-2"), load_recipe("kvcalib-3")
     key, value = base.key, base.value
+    no_slots = dict(outliers=0.0, outlier_slots=0, codebook="uniform")  # full range, uniform
 
     def variant(name, **changes):
         return dataclasses.replace(base, name=f"kvcalib-2 {name}", **changes)
@@ -85,7 +86,7 @@ def ablations() -> list:
         variant("- all sinks", sinks_predicted=False, sink_budget=0, sinks_first=0),
         variant(
             "- exact slot, full range (uniform)",
-            key=dataclasses.replace(key, outliers=0.0, outlier_slots=0, codebook="uniform"),
+            key=dataclasses.replace(key, **no_slots),
         ),
         variant("- key codebook", key=dataclasses.replace(key, codebook="uniform")),
         variant("- value codebook", value=dataclasses.replace(value, codebook="uniform")),
@@ -95,14 +96,7 @@ def ablations() -> list:
         ),
         variant(
             "static -> dynamic keys, groups of 64 (uniform)",
-            key=dataclasses.replace(
-                key,
-                granularity="channel",
-                group_size=64,
-                outliers=0.0,
-                outlier_slots=0,
-                codebook="uniform",
-            ),
+            key=dataclasses.replace(key, granularity="channel", group_size=64, **no_slots),
         ),
         variant(
             "pre -> post-RoPE keys (uniform)",
@@ -111,13 +105,7 @@ def ablations() -> list:
         variant(
             "keys: online Hadamard per token, QuaRot (uniform)",
             key=dataclasses.replace(
-                key,
-                granularity="token",
-                position="post_rope",
-                rotation="hadamard",
-                outliers=0.0,
-                outlier_slots=0,
-                codebook="uniform",
+                key, granularity="token", position="post_rope", rotation="hadamard", **no_slots
             ),
         ),
         k3,

@@ -6,23 +6,18 @@ The public names load on first use, so `import kvcalib` (and `kvcalib --help`) s
     kvcalib.load_model, kvcalib.load_recipe, kvcalib.Profile, kvcalib.KvcalibError, ...
 """
 
-from kvcalib_runtime.exports import lazy
+from kvcalib_runtime.lazy import lazy
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "calibrate": "kvcalib.api",
-    "convert": "kvcalib.api",
-    "evaluate": "kvcalib.api",
-    "DEFAULT_MODEL": "kvcalib.core.models",
-    "load_model": "kvcalib.core.models",
-    "Profile": "kvcalib.core.profile",
-    "load_recipe": "kvcalib.core.recipe",
-    "calibration_windows": "kvcalib.core.data",
-    "eval_windows": "kvcalib.core.data",
-    "KvcalibError": "kvcalib.errors",
-}
-
-__all__ = sorted(_EXPORTS)
-
-__getattr__, __dir__ = lazy(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = lazy(
+    __name__,
+    {
+        "kvcalib.api": ("calibrate", "convert", "evaluate"),
+        "kvcalib.core.models": ("DEFAULT_MODEL", "load_model"),
+        "kvcalib.core.profile": ("Profile",),
+        "kvcalib.core.recipe": ("load_recipe",),
+        "kvcalib.core.data": ("calibration_windows", "eval_windows"),
+        "kvcalib.errors": ("KvcalibError",),
+    },
+)

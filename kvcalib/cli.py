@@ -36,6 +36,23 @@ TRUST_REMOTE_CODE = click.option(
     is_flag=True,
     help="Accept a model folder whose config names its own Python code (auto_map).",
 )
+NO_CALIBRATE = click.option(
+    "--no-calibrate",
+    is_flag=True,
+    help="Without --profile, stop (exit 2) instead of running the default calibration.",
+)
+
+
+def dtype_option(default: str | None, help: str | None = None):
+    """The --dtype option of every command that loads weights (kvcalib.core.options.DTYPES's
+    names; not imported here, so that `kvcalib --help` does not load torch)."""
+    return click.option(
+        "--dtype",
+        type=click.Choice(["float32", "float16", "bfloat16"]),
+        default=default,
+        show_default=default is not None,
+        help=help,
+    )
 
 
 @main.command()
@@ -48,7 +65,8 @@ def inspect(path, trust_remote_code):
     click.echo(summary(path, trust_remote_code=trust_remote_code))
 
 
-# Commands defined next to the code they drive.
+# Commands defined next to the code they drive. Options whose click name is the API's keyword
+# pass through `**options` by name; a command names only the ones it translates.
 
 
 @main.command("eval")
@@ -98,38 +116,10 @@ def inspect(path, trust_remote_code):
 )
 @click.option("--json", "json_out", type=click.Path(), help="Write the results as JSON.")
 @click.option("--device", default="cpu", show_default=True)
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "float16", "bfloat16"]),
-    default="float32",
-    show_default=True,
-)
-@click.option(
-    "--no-calibrate",
-    is_flag=True,
-    help="Without --profile, stop (exit 2) instead of running the default calibration.",
-)
+@dtype_option("float32")
+@NO_CALIBRATE
 @TRUST_REMOTE_CODE
-def eval_(
-    model,
-    recipes,
-    profile,
-    data,
-    seq_len,
-    windows,
-    mode,
-    residual,
-    passkey,
-    long_context,
-    long_context_lengths,
-    long_context_prompts,
-    plots,
-    json_out,
-    device,
-    dtype,
-    no_calibrate,
-    trust_remote_code,
-):
+def eval_(model, recipes, long_context, long_context_lengths, json_out, no_calibrate, **options):
     """Measure KV recipes against full precision on the same text (MODEL: default
     smollm2-135m, or a converted folder, evaluated with its own side-car). The JSON is a list
     with one object per recipe; each carries the run's setup."""
@@ -143,7 +133,7 @@ def eval_(
     from kvcalib.io.atomic import check_file_output, file_staging
 
     if json_out:
-        reads = inputs(model, data=data, profile=profile, recipes=recipes)
+        reads = inputs(model, data=options["data"], profile=options["profile"], recipes=recipes)
         check_file_output(Path(json_out), reads, "--json")
     lengths = None
     if long_context_lengths is not None:
@@ -157,22 +147,7 @@ def eval_(
     elif long_context:
         lengths = list(longcontext.LENGTHS)
     results = evaluate(
-        model,
-        list(recipes),
-        profile=profile,
-        data=data,
-        seq_len=seq_len,
-        windows=windows,
-        mode=mode,
-        residual=residual,
-        passkey=passkey,
-        long_context=lengths,
-        long_context_prompts=long_context_prompts,
-        plots=plots,
-        device=device,
-        dtype=dtype,
-        calibrate_missing=not no_calibrate,
-        trust_remote_code=trust_remote_code,
+        model, list(recipes), long_context=lengths, calibrate_missing=not no_calibrate, **options
     )
     click.echo(format_table(results))
     if lengths:
@@ -204,12 +179,7 @@ def recipes_():
 @click.option("--recipe", required=True, help="Preset name or recipe TOML file.")
 @click.option("-o", "--output", required=True, help="Folder to write (atomically).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "float16", "bfloat16"]),
-    default=None,
-    help="dtype of the floating weights written (default: the source's).",
-)
+@dtype_option(None, "dtype of the floating weights written (default: the source's).")
 @click.option(
     "--max-shard-size",
     default="5GB",
@@ -227,41 +197,13 @@ def recipes_():
     default=None,
     help="Add compressed-tensors FP8 KV-cache scales for vLLM (needs --profile).",
 )
-@click.option(
-    "--no-calibrate",
-    is_flag=True,
-    help="Without --profile, stop (exit 2) instead of running the default calibration.",
-)
+@NO_CALIBRATE
 @TRUST_REMOTE_CODE
-def convert(
-    model,
-    profile,
-    recipe,
-    output,
-    force,
-    dtype,
-    max_shard_size,
-    rotate_residual,
-    export,
-    no_calibrate,
-    trust_remote_code,
-):
+def convert(model, no_calibrate, **options):
     """Fuse a recipe's rotations and scalings into MODEL's weights (default: smollm2-135m)."""
     from kvcalib.api import convert as convert_model
 
-    path = convert_model(
-        model,
-        recipe=recipe,
-        output=output,
-        profile=profile,
-        force=force,
-        dtype=dtype,
-        max_shard_size=max_shard_size,
-        rotate_residual=rotate_residual,
-        export=export,
-        calibrate_missing=not no_calibrate,
-        trust_remote_code=trust_remote_code,
-    )
+    path = convert_model(model, calibrate_missing=not no_calibrate, **options)
     click.echo(f"wrote {path}")
 
 
@@ -285,12 +227,7 @@ def convert(
     show_default=True,
     help="cpu, cuda, cuda:N, or auto (spread over every visible GPU; the CPU without one).",
 )
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "float16", "bfloat16"]),
-    default="float32",
-    show_default=True,
-)
+@dtype_option("float32")
 @click.option("--force", is_flag=True, help="Replace an existing profile folder.")
 @click.option(
     "--sequential/--in-memory",
@@ -334,22 +271,7 @@ def convert(
 )
 @TRUST_REMOTE_CODE
 def calibrate_(
-    model,
-    output,
-    data,
-    num_samples,
-    seq_len,
-    seed,
-    device,
-    dtype,
-    force,
-    sequential,
-    offload_dir,
-    sensitivity,
-    gradient_windows,
-    sensitivity_windows,
-    codebook_windows,
-    trust_remote_code,
+    model, output, sensitivity, gradient_windows, sensitivity_windows, codebook_windows, **options
 ):
     """Profile MODEL's KV cache on calibration text (default: smollm2-135m): ranges, outlier
     channels, attention sinks, sink predictor, sensitivity and codebooks."""
@@ -367,22 +289,7 @@ def calibrate_(
     )
     phases = tuple(p for p in PHASES if p != "sensitivity" or sensitivity != "none")
 
-    profile = calibrate(
-        model,
-        output,
-        data=data,
-        num_samples=num_samples,
-        seq_len=seq_len,
-        seed=seed,
-        device=device,
-        dtype=dtype,
-        force=force,
-        sequential=sequential,
-        offload_dir=offload_dir,
-        phases=phases,
-        settings=settings,
-        trust_remote_code=trust_remote_code,
-    )
+    profile = calibrate(model, output, phases=phases, settings=settings, **options)
     click.echo(profile_summary(profile.path))
     click.echo(f"wrote {profile.path} (report: {profile.path / 'report.html'})")
 

@@ -4,14 +4,18 @@ import json
 from pathlib import Path
 
 from kvcalib.calibration.report import summary_lines
-from kvcalib.conversion.convert import checkpoint_summary
 from kvcalib.core import models
 from kvcalib.core.profile import FORMAT_VERSION, Profile
 from kvcalib.core.profile import META as PROFILE_META
 from kvcalib.errors import ProfileError
+from kvcalib_runtime import format
 from kvcalib_runtime.format import META
 from kvcalib_runtime.geometry import Geometry
+from kvcalib_runtime.kvcache import planned_bits
 from kvcalib_runtime.quant import QuantSpec
+from kvcalib_runtime.transforms import FUSED, KINDS, NONE, ONLINE, LayerTransforms
+
+SUMMARY_CONTEXT = 4096  # tokens of the one sequence whose cache a checkpoint's summary sizes
 
 
 def model_summary(spec: str | None, *, trust_remote_code: bool = False) -> str:
@@ -71,3 +75,88 @@ def profile_summary(path) -> str:
             f"({type(e).__name__}: {e}); recalibrate with kvcalib calibrate"
         ) from None
     return "\n".join([f"profile      {profile.path}  (format {FORMAT_VERSION})", *lines])
+
+
+def _spec_text(spec) -> str:
+    if spec is None:
+        return "fp16"
+    parts = [f"{spec.bits}-bit {spec.granularity}"]
+    if spec.group_size:
+        parts.append(f"g{spec.group_size}")
+    parts.append("sym" if spec.symmetric else "asym")
+    if spec.clip != 1.0:
+        parts.append(f"clip {spec.clip:g}")
+    if spec.codebook:
+        parts.append("codebook")
+    if spec.outliers:
+        parts.append(f"{spec.outliers:.1%} outliers")
+    return " ".join(parts)
+
+
+def _layer_text(layer, transforms: LayerTransforms) -> tuple[str, str]:
+    key = _spec_text(layer.key)
+    if layer.key_position == "pre_rope":
+        key += ", pre-RoPE"
+    if transforms.key_smooth != NONE:
+        key += f", smoothed ({transforms.key_smooth})"
+    if transforms.key_rotation != NONE:
+        key += f", Hadamard ({transforms.key_rotation})"
+    value = _spec_text(layer.value)
+    if transforms.value_rotation != NONE:
+        value += f", Hadamard ({transforms.value_rotation})"
+    return key, value
+
+
+def checkpoint_summary(path: Path) -> str:
+    """What `kvcalib inspect CONVERTED_DIR` prints (the folder is validated first)."""
+    ckpt = format.read_checkpoint(path, hashes=False)
+    meta, scheme, cfg = ckpt.meta, ckpt.scheme, ckpt.config
+    profile = meta["profile"]
+    places = {(kind, getattr(t, kind)) for t in ckpt.transforms.layers for kind in KINDS}
+    fused = {kind for kind, place in places if place == FUSED}
+    if meta["residual_rotation_seed"] is not None:
+        fused.add("residual_rotation")
+    online = sorted(kind for kind, place in places if place == ONLINE)
+    lines = [
+        f"converted    {path}  (format {meta['format_version']})",
+        f"source       {meta['source']['spec']}  (sha256 {meta['source']['fingerprint'][:16]})",
+        f"recipe       {meta['recipe']['name']}",
+        "profile      "
+        + (
+            "none"
+            if profile is None
+            else f"{profile.get('path')}  (fingerprint {profile['fingerprint'][:16]})"
+        ),
+        f"weights      {cfg['model_type']}, {cfg.get('dtype', '?')}; fused: "
+        + (", ".join(sorted(fused)) or "nothing"),
+        f"online       {', '.join(online) or 'nothing'}",
+    ]
+    if meta["untied_embeddings"]:
+        lines.append("embeddings   untied (the residual rotation makes lm_head differ)")
+    if meta["export"]:
+        lines.append(f"export       {meta['export']} (config.json quantization_config)")
+    sinks = f"first {scheme.sinks_first}" + (
+        f" + up to {scheme.sink_budget} predicted" if scheme.sink_budget else ""
+    )
+    lines += [
+        f"cache        residual window {scheme.residual} tokens; sinks {sinks}",
+        f"  {'layers':<8} {'key':<40} value",
+    ]
+    rows = [_layer_text(*lt) for lt in zip(scheme.layers, ckpt.transforms.layers, strict=True)]
+    start = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[start]:
+            span = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
+            lines.append(f"  {span:<8} {rows[start][0]:<40} {rows[start][1]}")
+            start = i
+    n = SUMMARY_CONTEXT
+    geo = ckpt.geometry
+    sizes = dict(num_layers=geo.layers, kv_heads=geo.kv_heads, head_dim=geo.head_dim)
+    bits, _ = planned_bits(scheme, ckpt.params, ckpt.transforms, **sizes, context=n)
+    elements = 2 * geo.layers * geo.kv_heads * geo.head_dim  # keys and values of one token
+    quantized, fp16 = elements * bits / 8, elements * 2
+    lines.append(
+        f"KV cache     {quantized:,.0f} bytes/token allocated for one sequence of {n} tokens, "
+        f"fp16 cache {fp16:,} ({fp16 / quantized:.2f}x smaller)"
+    )
+    return "\n".join(lines)

@@ -7,7 +7,7 @@ gradient pass (gradients.py), one window and layer at a time. Elements are mappe
 normalized domain u in [0, 1] a quantizer of the variant codes them in, then accumulated into a
 weighted histogram of `bins` bins per layer (streaming); a weighted 1-D Lloyd k-means on the
 histogram (initialized uniform, levels sorted) gives [L, 2**bits] levels. A variant is named as
-kvcalib.plan.codebook_variant names a recipe's tensor — "tensor:granularity[group]:position
+kvcalib.core.plan.codebook_variant names a recipe's tensor — "tensor:granularity[group]:position
 [:hadamard][:symmetric][:outliers<f>]" — and its elements are normalized exactly as
 kvcalib_runtime.quant normalizes them (the same group ranges, kvcalib_runtime.groups):
 

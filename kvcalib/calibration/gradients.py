@@ -18,9 +18,9 @@ serves both.
 
 import torch
 
+from kvcalib.calibration.layerwise import ActivationStore, LayerSource
 from kvcalib.calibration.observe import check_finite
 from kvcalib.sim.hooks import Hooks, hidden_of, key_module
-from kvcalib.sim.layerwise import ActivationStore, LayerSource
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.geometry import Geometry
 

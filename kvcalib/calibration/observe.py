@@ -1,26 +1,25 @@
 """The statistics phase: one full-precision forward per window, observed at every layer.
 
-The windows run through the decoder layers of a LayerSource (kvcalib.sim.layerwise): in memory
-window by window, from shards every window through each layer as it is loaded. The Simulator (no
-scheme) hands each layer's AttentionRecord to an observer that keeps that window's keys before
-RoPE (k_proj / k_norm output), keys after RoPE and values, [Hkv, T, D] each, and feeds the
-attention weights to the sink meter. As each layer finishes, its tensors and its output (the
-residual stream) are checked for NaN and Inf (NumericsError naming the layer) and the output
-updates the massive-activation meter. When a window has been through every layer its sink flags
-are known, and its tensors update the channel statistics and the per-position key error,
-vectorized over layers. Between layers only the windows in flight are held (their hidden
-states and tensors), plus the layer inputs of the gradient windows (gradients.py). The head is
-never run: the statistics need no logits.
+The windows run through the decoder layers of a LayerSource (kvcalib.calibration.layerwise): in
+memory window by window, from shards every window through each layer as it is loaded. The Simulator
+(no scheme) hands each layer's AttentionRecord to an observer that keeps that window's keys before
+RoPE (k_proj / k_norm output), keys after RoPE and values, [Hkv, T, D] each, and feeds the attention
+weights to the sink meter. As each layer finishes, its tensors and its output (the residual stream)
+are checked for NaN and Inf (NumericsError naming the layer) and the output updates the
+massive-activation meter. When a window has been through every layer its sink flags are known, and
+its tensors update the channel statistics and the per-position key error, vectorized over layers.
+Between layers only the windows in flight are held (their hidden states and tensors), plus the layer
+inputs of the gradient windows (gradients.py). The head is never run: the statistics need no logits.
 """
 
 import torch
 
+from kvcalib.calibration.layerwise import ActivationStore, LayerSource
 from kvcalib.calibration.massive import Massive, MassiveMeter
 from kvcalib.calibration.sinks import SinkMeter
 from kvcalib.calibration.stats import ChannelStats
 from kvcalib.errors import NumericsError
 from kvcalib.sim.hooks import hidden_of
-from kvcalib.sim.layerwise import ActivationStore, LayerSource
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.quant import QuantSpec, fake_quantize

@@ -2,10 +2,10 @@
 
     profile = kvcalib.calibrate(None, "profile/")            # smollm2-135m, built-in text
 
-The model runs one decoder layer at a time through a LayerSource (kvcalib.sim.layerwise): in
-memory window by window, or, when it does not fit (or with `sequential=True`), with each layer
-read from the shards once per pass and every window run through it — the same code either way,
-so the same profile bit for bit. Passes, each with its own progress bar and time:
+The model runs one decoder layer at a time through a LayerSource (kvcalib.calibration.layerwise): in
+memory window by window, or, when it does not fit (or with `sequential=True`), with each layer read
+from the shards once per pass and every window run through it — the same code either way, so the
+same profile bit for bit. Passes, each with its own progress bar and time:
 
   stats      one observed forward per window (observe.py): channel statistics, attention sinks,
              massive activations and the sink predictor, per-position key error
@@ -27,6 +27,13 @@ from transformers import AutoTokenizer
 
 from kvcalib.calibration import gradients, sensitivity
 from kvcalib.calibration.codebooks import Codebooks, variants
+from kvcalib.calibration.layerwise import (
+    ActivationStore,
+    InMemory,
+    LayerSource,
+    LayerwiseModel,
+    fits_in_memory,
+)
 from kvcalib.calibration.meta import Findings, Run, profile_meta
 from kvcalib.calibration.observe import stats_pass
 from kvcalib.calibration.progress import Progress
@@ -38,13 +45,6 @@ from kvcalib.core.models import load_model
 from kvcalib.core.profile import Profile, select_range
 from kvcalib.errors import DataError, OutputError
 from kvcalib.io.atomic import check_output, staging
-from kvcalib.sim.layerwise import (
-    ActivationStore,
-    InMemory,
-    LayerSource,
-    LayerwiseModel,
-    fits_in_memory,
-)
 
 PHASES = ("stats", "sensitivity", "codebooks")
 
@@ -122,13 +122,13 @@ def calibrate(
     dtype:       "float32", "float16", "bfloat16" or the torch dtype
     sequential:  True: layer by layer from the shards, one decoder layer in memory at a time;
                  False: the whole model in memory; None: layer by layer when the weights do not
-                 fit in the memory free on `device` (kvcalib.sim.layerwise.fits_in_memory)
+                 fit in the memory free on `device` (kvcalib.calibration.layerwise.fits_in_memory)
     offload_dir: keep the activations between layers in files under this folder instead of
                  in memory (implies sequential)
     """
 
     clock = time.perf_counter()
-    source = preflight.calibrate(  # every input and option, before minutes of work, not after
+    source = preflight.calibration(  # every input and option, before minutes of work, not after
         model,
         output_dir,
         data=data,
@@ -196,7 +196,7 @@ def calibrate_model(
     offload_dir=None,
 ) -> Profile:
     """`calibrate` on an already loaded transformers model (eval mode), or on a
-    kvcalib.sim.layerwise.LayerSource (LayerwiseModel: from shards), and its tokenizer;
+    kvcalib.calibration.layerwise.LayerSource (LayerwiseModel: from shards), and its tokenizer;
     `source` is its kvcalib.core.models.ModelSource (for the fingerprint)."""
 
     lm = model if isinstance(model, LayerSource) else InMemory(model)

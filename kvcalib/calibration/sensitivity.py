@@ -1,5 +1,6 @@
 """Per-layer sensitivity: how much the model's predictions suffer when only one layer's keys (or
-values) are quantized, at every probed bit width — what bit allocation (kvcalib.plan) spends on.
+values) are quantized, at every probed bit width — what bit allocation (kvcalib.core.plan) spends
+on.
 
 Each tensor is quantized by its probe quantizer:
 
@@ -27,7 +28,7 @@ the damage is measured one of two ways (`kvcalib calibrate --sensitivity`):
 
 import torch
 
-from kvcalib.sim.layerwise import ActivationStore, LayerSource
+from kvcalib.calibration.layerwise import ActivationStore, LayerSource
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.quant import QuantSpec, fake_quantize
 from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme

@@ -86,7 +86,7 @@ class SinkMeter:
         return flags
 
     def result(self) -> dict[str, torch.Tensor]:
-        """Profile tensors; see kvcalib.profile for their names and shapes."""
+        """Profile tensors; see kvcalib.core.profile for their names and shapes."""
         received = (self.received / len(self.flags)).float()
         return {
             "attention.received": received,

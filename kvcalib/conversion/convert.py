@@ -2,13 +2,13 @@
 
     kvcalib.convert("smollm2-135m", recipe="quarot-kv4", output="out/", rotate_residual=True)
 
-The source is streamed one group at a time — the embedding, each decoder layer, the head —
-through the transforms of `kvcalib.rotate` and into shards written as they fill (`shards`), so
-peak memory is about one layer whatever the model's size. Everything is written into a
-temporary sibling folder (`atomic`), validated with the runtime's one validator
-(`kvcalib_runtime.format.read_checkpoint`), then renamed into place. Every decision — what is
-fused, which tensors go where — is made before the first byte is written. The layout is
-FORMAT.md's; `checkpoint_summary` is what `kvcalib inspect` prints of it.
+The source is streamed one group at a time — the embedding, each decoder layer, the head — through
+the transforms of `kvcalib.conversion.rotate` and into shards written as they fill (`shards`), so
+peak memory is about one layer whatever the model's size. Everything is written into a temporary
+sibling folder (`atomic`), validated with the runtime's one validator
+(`kvcalib_runtime.format.read_checkpoint`), then renamed into place. Every decision — what is fused,
+which tensors go where — is made before the first byte is written. The layout is FORMAT.md's
+(`kvcalib inspect` summarizes it).
 """
 
 import dataclasses
@@ -36,10 +36,8 @@ from kvcalib_runtime import archs, format
 from kvcalib_runtime.errors import FormatError
 from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.hadamard import is_supported
-from kvcalib_runtime.kvcache import planned_memory
 from kvcalib_runtime.loader import check_servable, read_tokenizer
-from kvcalib_runtime.transforms import FUSED, NONE, ONLINE, LayerTransforms, Transforms
-from kvcalib_runtime.transforms import KINDS as TRANSFORM_KINDS
+from kvcalib_runtime.transforms import Transforms
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Copied byte for byte from the source when present (tokenizer.json is required).
@@ -48,7 +46,6 @@ COPIED = (
     "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
     "tokenizer.model", "vocab.json", "merges.txt",
 )  # fmt: skip
-SUMMARY_CONTEXT = 4096
 AHEAD = 16  # tensors the producer may hold ready: one or two decoder layers
 EMBED, NORM, LM_HEAD = (n + ".weight" for n in (archs.EMBED, archs.FINAL_NORM, archs.LM_HEAD))
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -133,8 +130,6 @@ def convert(
     inputs = [source.path] + ([Path(profile_path)] if profile_path else [])
     inputs += [Path(recipe.source)] if Path(recipe.source).is_file() else []
     atomic.check_output(out, force, inputs, kind="converted checkpoint")
-    config = json.loads((source.path / format.CONFIG).read_text())
-    geo = Geometry.from_config(config)
     profile = _load_profile(profile, source)
     if export and profile is None:
         raise ProfileError(
@@ -391,98 +386,3 @@ def _load_profile(profile, source: models.ModelSource):
         return Profile.load(profile, source)
     profile.check_model(source)
     return profile
-
-
-# -- inspect -----------------------------------------------------------------------------------
-
-
-def _spec_text(spec) -> str:
-    if spec is None:
-        return "fp16"
-    parts = [f"{spec.bits}-bit {spec.granularity}"]
-    if spec.group_size:
-        parts.append(f"g{spec.group_size}")
-    parts.append("sym" if spec.symmetric else "asym")
-    if spec.clip != 1.0:
-        parts.append(f"clip {spec.clip:g}")
-    if spec.codebook:
-        parts.append("codebook")
-    if spec.outliers:
-        parts.append(f"{spec.outliers:.1%} outliers")
-    return " ".join(parts)
-
-
-def _layer_text(layer, transforms: LayerTransforms) -> tuple[str, str]:
-    key = _spec_text(layer.key)
-    if layer.key_position == "pre_rope":
-        key += ", pre-RoPE"
-    if transforms.key_smooth != NONE:
-        key += f", smoothed ({transforms.key_smooth})"
-    if transforms.key_rotation != NONE:
-        key += f", Hadamard ({transforms.key_rotation})"
-    value = _spec_text(layer.value)
-    if transforms.value_rotation != NONE:
-        value += f", Hadamard ({transforms.value_rotation})"
-    return key, value
-
-
-def checkpoint_summary(path: Path) -> str:
-    """What `kvcalib inspect CONVERTED_DIR` prints (the folder is validated first)."""
-    ckpt = format.read_checkpoint(path, hashes=False)
-    meta, scheme, cfg = ckpt.meta, ckpt.scheme, ckpt.config
-    profile = meta["profile"]
-    places = {(kind, getattr(t, kind)) for t in ckpt.transforms.layers for kind in TRANSFORM_KINDS}
-    fused = {kind for kind, place in places if place == FUSED}
-    if meta["residual_rotation_seed"] is not None:
-        fused.add("residual_rotation")
-    online = sorted(kind for kind, place in places if place == ONLINE)
-    lines = [
-        f"converted    {path}  (format {meta['format_version']})",
-        f"source       {meta['source']['spec']}  (sha256 {meta['source']['fingerprint'][:16]})",
-        f"recipe       {meta['recipe']['name']}",
-        "profile      "
-        + (
-            "none"
-            if profile is None
-            else f"{profile.get('path')}  (fingerprint {profile['fingerprint'][:16]})"
-        ),
-        f"weights      {cfg['model_type']}, {cfg.get('dtype', '?')}; fused: "
-        + (", ".join(sorted(fused)) or "nothing"),
-        f"online       {', '.join(online) or 'nothing'}",
-    ]
-    if meta["untied_embeddings"]:
-        lines.append("embeddings   untied (the residual rotation makes lm_head differ)")
-    if meta["export"]:
-        lines.append(f"export       {meta['export']} (config.json quantization_config)")
-    sinks = f"first {scheme.sinks_first}" + (
-        f" + up to {scheme.sink_budget} predicted" if scheme.sink_budget else ""
-    )
-    lines += [
-        f"cache        residual window {scheme.residual} tokens; sinks {sinks}",
-        f"  {'layers':<8} {'key':<40} value",
-    ]
-    rows = [_layer_text(*lt) for lt in zip(scheme.layers, ckpt.transforms.layers, strict=True)]
-    start = 0
-    for i in range(1, len(rows) + 1):
-        if i == len(rows) or rows[i] != rows[start]:
-            span = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
-            lines.append(f"  {span:<8} {rows[start][0]:<40} {rows[start][1]}")
-            start = i
-    n = SUMMARY_CONTEXT
-    geo = ckpt.geometry
-    memory = planned_memory(
-        scheme,
-        ckpt.params,
-        ckpt.transforms,
-        num_layers=geo.layers,
-        kv_heads=geo.kv_heads,
-        head_dim=geo.head_dim,
-        context=n,
-    )
-    quantized = sum(memory.values()) / n
-    fp16 = 2 * geo.layers * geo.kv_heads * geo.head_dim * 2
-    lines.append(
-        f"KV cache     {quantized:,.0f} bytes/token allocated for one sequence of {n} tokens, "
-        f"fp16 cache {fp16:,} ({fp16 / quantized:.2f}x smaller)"
-    )
-    return "\n".join(lines)

@@ -2,7 +2,7 @@
 meaning something, every output writable and apart from the inputs, and whatever the model's
 config.json alone can refute (a window longer than its context) — all before a model loads.
 
-    source = preflight.calibrate(model, output_dir, data=..., num_samples=..., ...)
+    source = preflight.calibration(model, output_dir, data=..., num_samples=..., ...)
     preflight.evaluate_options(seq_len=..., windows=..., mode=..., device=..., dtype=...)
     preflight.generate(path, prompt, max_new_tokens=..., temperature=..., top_p=..., device=...)
     inputs = preflight.inputs(model, data=..., profile=..., recipes=...)   # for overlap checks
@@ -44,7 +44,7 @@ def inputs(model=None, *, data=None, profile=None, recipes=()) -> list[Path]:
     return found
 
 
-def calibrate(
+def calibration(
     model,
     output_dir,
     *,

@@ -202,7 +202,7 @@ class Profile:
                 "-o DIR"
             )
 
-    # -- what kvcalib.plan asks for ------------------------------------------------------------
+    # -- what kvcalib.core.plan asks for -------------------------------------------------------
 
     def range(
         self, tensor: str, layer: int, *, position: str = "post_rope", outliers: float = 0.0
@@ -220,7 +220,7 @@ class Profile:
 
     def codebook(self, variant: str, layer: int, bits: int) -> torch.Tensor:
         """Sorted levels float32 [2**bits] in the normalized domain `variant` (as named by
-        kvcalib.plan.codebook_variant)."""
+        kvcalib.core.plan.codebook_variant)."""
         name = f"codebook.{variant}.{bits}"
         if name not in self.tensors:
             books = [

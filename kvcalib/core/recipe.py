@@ -39,8 +39,8 @@ from pathlib import Path
 
 from kvcalib.errors import RecipeError
 from kvcalib_runtime.checks import MAX_TOKENS
-from kvcalib_runtime.quant import QuantSpec
-from kvcalib_runtime.scheme import KVScheme, LayerScheme
+from kvcalib_runtime.scheme import KEY_POSITIONS, KVScheme, LayerScheme
+from kvcalib_runtime.spec import GRANULARITIES, METHODS, SLOT_RULES, QuantSpec
 
 MAX_LAYERS = 4096  # an override index beyond this is a typo, not a layer
 MAX_CODEBOOK_BITS = 4
@@ -182,12 +182,12 @@ _TOP_KEYS = {
 }
 _SINK_KEYS = {"first": int, "predicted": bool, "budget": int}
 _ALLOCATION_KEYS = {"budget": float, "choices": list}
-_CHOICES = {
-    "granularity": ("token", "channel", "static", "vector"),
-    "slot_rule": ("outside", "error"),
-    "method": ("affine", "ggml", "turboquant"),
+_CHOICES = {  # the runtime's own tables where the runtime defines the field
+    "granularity": GRANULARITIES,
+    "slot_rule": SLOT_RULES,
+    "method": METHODS,
     "codebook": ("uniform", "calibrated"),
-    "position": ("pre_rope", "post_rope"),
+    "position": KEY_POSITIONS,
     "rotation": ("none", "hadamard"),
 }
 
@@ -309,30 +309,29 @@ def _check_type(value, expected, key: str, where: str) -> None:
         )
 
 
-def _tensor(table: dict, name: str, where: str, base: TensorRecipe | None = None) -> TensorRecipe:
+def _tensor(table: dict, name: str, where: str) -> TensorRecipe:
     _tensor_keys(table, name, where)
-    tensor = dataclasses.replace(base or TensorRecipe(), **table)
-    if tensor.quantized:
-        try:
-            tensor.spec()
-        except ValueError as e:
-            raise RecipeError(f"{where}: [{name}] {e}") from None
-    elif table.get("bits") not in (None, FULL_PRECISION):
-        raise RecipeError(f"{where}: '{name}.bits' must be 2, 3, 4, 8 or 16")
+    tensor = TensorRecipe(**table)
+    try:
+        tensor.spec()
+    except ValueError as e:
+        raise RecipeError(f"{where}: [{name}] {e}") from None
     return tensor
 
 
-def _tensor_keys(table: dict, name: str, where: str) -> None:
-    """Known keys of the right types and choices (no cross-field rules: see `_check_layer`)."""
+def _tensor_keys(table: dict, name: str, where: str, at: str = "") -> None:
+    """Known keys of the right types and choices (no cross-field rules: see `_check_layer`);
+    `at` is the path of the table's parent ("layers[2]." for an override)."""
     known = {k: t for k, t in _TENSOR_KEYS.items() if name == "key" or k not in _VALUE_ONLY_OUT}
-    _check_keys(table, {k: _type(t) for k, t in known.items()}, f"{name}.", where)
+    path = f"{at}{name}."
+    _check_keys(table, {k: _type(t) for k, t in known.items()}, path, where)
     for k, allowed in _CHOICES.items():
         if k in table and table[k] not in allowed:
             raise RecipeError(
-                f"{where}: '{name}.{k}' = {table[k]!r}; use one of {', '.join(allowed)}"
+                f"{where}: '{path}{k}' = {table[k]!r}; use one of {', '.join(allowed)}"
             )
     if table.get("flush", 0) < 0:
-        raise RecipeError(f"{where}: '{name}.flush' = {table['flush']}: use 0 (default) or >= 1")
+        raise RecipeError(f"{where}: '{path}flush' = {table['flush']}: use 0 (default) or >= 1")
 
 
 def _type(annotation) -> type:
@@ -364,7 +363,7 @@ def _override(obj, i: int, where: str) -> LayerOverride:
             "(a range 'a-b' with a <= b)"
         )
     for name in ("key", "value"):
-        _tensor_keys(obj.get(name, {}), name, where)  # merged with the base: `_check_layer`
+        _tensor_keys(obj.get(name, {}), name, where, f"layers[{i}].")  # merged: `_check_layer`
     return LayerOverride(layers, obj.get("key", {}), obj.get("value", {}))
 
 

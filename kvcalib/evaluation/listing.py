@@ -17,7 +17,7 @@ import torch
 from kvcalib.core.plan import plan
 from kvcalib.core.recipe import load_recipe, presets
 from kvcalib.evaluation.external import external_bits
-from kvcalib_runtime.kvcache import planned_memory
+from kvcalib_runtime.kvcache import planned_bits
 from kvcalib_runtime.quant import uniform_codebook
 from kvcalib_runtime.scheme import SinkPredictor
 from kvcalib_runtime.transforms import Transforms
@@ -65,17 +65,9 @@ def recipe_bits(recipe, *, num_layers: int, kv_heads: int, head_dim: int, contex
         return external_bits(recipe, context, residual=True), external_bits(recipe, context)
     profile = PlaceholderProfile(kv_heads, head_dim) if recipe.needs_profile else None
     scheme, params = plan(recipe, num_layers=num_layers, head_dim=head_dim, profile=profile)
-    memory = planned_memory(
-        scheme,
-        params,
-        Transforms.online(scheme, params),
-        num_layers=num_layers,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        context=context,
-    )
-    elements = 2 * num_layers * kv_heads * head_dim * context
-    return sum(memory.values()) * 8 / elements, memory["body"] * 8 / elements
+    transforms = Transforms.online(scheme, params)
+    sizes = dict(num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim, context=context)
+    return planned_bits(scheme, params, transforms, **sizes)
 
 
 def format_recipes() -> str:

@@ -41,7 +41,7 @@ from kvcalib.evaluation.plots import Recorder
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.format import Checkpoint
 from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.kvcache import planned_memory
+from kvcalib_runtime.kvcache import planned_bits
 from kvcalib_runtime.scheme import KVParams, KVScheme
 from kvcalib_runtime.transforms import Transforms
 
@@ -336,22 +336,9 @@ def _bits(c: Candidate, cfg, seq_len: int) -> tuple[float, dict[str, float]]:
             str(n): external_bits(c.recipe, n, residual=True) for n in contexts
         }
     geo = Geometry.from_config(cfg)
-    at = {}
-    for n in contexts:
-        memory = planned_memory(
-            c.scheme,
-            c.params,
-            c.transforms,
-            num_layers=geo.layers,
-            kv_heads=geo.kv_heads,
-            head_dim=geo.head_dim,
-            context=n,
-        )
-        elements = 2 * geo.layers * geo.kv_heads * geo.head_dim * n
-        at[str(n)] = sum(memory.values()) * 8 / elements
-        if n == seq_len:
-            body = memory["body"] * 8 / elements
-    return body, at
+    sizes = dict(num_layers=geo.layers, kv_heads=geo.kv_heads, head_dim=geo.head_dim)
+    bits = {n: planned_bits(c.scheme, c.params, c.transforms, **sizes, context=n) for n in contexts}
+    return bits[seq_len][1], {str(n): total for n, (total, _) in bits.items()}
 
 
 def format_table(results: list[Result]) -> str:

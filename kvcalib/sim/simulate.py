@@ -170,9 +170,9 @@ class Simulator:
     @contextlib.contextmanager
     def layerwise(self, input_ids: torch.Tensor):
         """This simulator in effect for input_ids [B, T] without running the model: for
-        kvcalib.layerwise, which calls the decoder layers one at a time itself (and captures
-        their inputs in here, under the kvcalib attention's mask). First-N sinks only: a sink
-        predictor needs the full-precision forward up to its layer."""
+        kvcalib.calibration.layerwise, which calls the decoder layers one at a time itself (and
+        captures their inputs in here, under the kvcalib attention's mask). First-N sinks only:
+        a sink predictor needs the full-precision forward up to its layer."""
         if self._predicts_sinks:
             raise ValueError("a sink budget needs the whole model: run the Simulator in memory")
         self._sinks = self._first_sinks(input_ids)

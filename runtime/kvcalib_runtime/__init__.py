@@ -10,24 +10,22 @@ The public names load on first use: `import kvcalib_runtime` imports neither tor
 (the kernels load with the first quantized cache, `kvcalib_runtime.kvcache.QuantizedCache`).
 """
 
-from kvcalib_runtime.exports import lazy
+from kvcalib_runtime.lazy import lazy
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    "CapacityError": "kvcalib_runtime.errors",
-    "FormatError": "kvcalib_runtime.errors",
-    "KvcalibRuntimeError": "kvcalib_runtime.errors",
-    "FullPrecisionCache": "kvcalib_runtime.fpcache",
-    "RuntimeModel": "kvcalib_runtime.loader",
-    "load": "kvcalib_runtime.loader",
-    "QTensor": "kvcalib_runtime.quant",
-    "QuantSpec": "kvcalib_runtime.quant",
-    "dequantize": "kvcalib_runtime.quant",
-    "fake_quantize": "kvcalib_runtime.quant",
-    "quantize": "kvcalib_runtime.quant",
-}
-
-__all__ = sorted(_EXPORTS)
-
-__getattr__, __dir__ = lazy(__name__, _EXPORTS)
+__getattr__, __dir__, __all__ = lazy(
+    __name__,
+    {
+        "kvcalib_runtime.errors": ("CapacityError", "FormatError", "KvcalibRuntimeError"),
+        "kvcalib_runtime.fpcache": ("FullPrecisionCache",),
+        "kvcalib_runtime.loader": ("RuntimeModel", "load"),
+        "kvcalib_runtime.quant": (
+            "QTensor",
+            "QuantSpec",
+            "dequantize",
+            "fake_quantize",
+            "quantize",
+        ),
+    },
+)

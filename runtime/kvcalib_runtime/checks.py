@@ -100,13 +100,16 @@ def _finite(where: str, t: torch.Tensor) -> None:
         raise ValueError(f"{where} holds {bad} NaN or Inf value(s)")
 
 
+def _given(where: str, wanted: bool, found, scheme: str, given: str) -> None:
+    """ValueError unless a calibrated tensor is given (found) exactly when the scheme wants it."""
+    if wanted != (found is not None):
+        raise ValueError(f"{where}: the scheme {scheme}, but {given} is given for it")
+
+
 def _check_range(where: str, spec, found, shape) -> None:
     static = spec is not None and spec.granularity == "static"
-    if static != (found is not None):
-        raise ValueError(
-            f"{where}: the scheme is {'' if static else 'not '}'static', but "
-            f"{'no' if found is None else 'a'} calibrated range is given for it"
-        )
+    scheme = f"is {'' if static else 'not '}'static'"
+    _given(where, static, found, scheme, f"{'no' if found is None else 'a'} calibrated range")
     if found is None:
         return
     lo, hi = found
@@ -122,11 +125,8 @@ def _check_range(where: str, spec, found, shape) -> None:
 
 def _check_codebook(where: str, spec, book, geo: Geometry) -> None:
     wanted = spec is not None and spec.codebook
-    if wanted != (book is not None):
-        raise ValueError(
-            f"{where}: the scheme {'uses a' if wanted else 'has no'} codebook, but "
-            f"{'none' if book is None else 'one'} is given for it"
-        )
+    scheme = f"{'uses a' if wanted else 'has no'} codebook"
+    _given(where, wanted, book, scheme, "none" if book is None else "one")
     if book is None:
         return
     rows = 1 if spec.granularity == "vector" else geo.kv_heads

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from kvcalib_runtime import checks
+from kvcalib_runtime.closed import closed
 from kvcalib_runtime.errors import FormatError
 from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.scheme import KVParams, KVScheme
@@ -67,6 +68,12 @@ _META_KEYS = {
     "export": (str, type(None)), "scheme": dict,
 }  # fmt: skip
 _META_KEYS_V1 = {**{k: v for k, v in _META_KEYS.items() if k != "transforms"}, "fused": list}
+# The keys of kvcalib.json's nested objects (transforms and scheme: their own from_json).
+_META_OBJECTS = {
+    "source": ("spec", "fingerprint"),
+    "recipe": ("name", "toml"),
+    "profile": ("fingerprint", "path"),
+}
 
 
 @dataclass(frozen=True)
@@ -203,6 +210,10 @@ def verify_manifest(path: Path, *, hashes: bool = True) -> dict[str, dict]:
     """
     path = Path(path)
     manifest = _json(path / MANIFEST)
+    try:
+        closed(manifest, ("format_version", "files"), "manifest")
+    except ValueError as e:
+        raise FormatError(f"{MANIFEST}: {e}; convert the model again") from None
     files = manifest.get("files")
     version = manifest.get("format_version")
     if version not in READABLE_VERSIONS or isinstance(version, bool) or not isinstance(files, dict):
@@ -307,6 +318,12 @@ def _check_meta(meta: dict) -> None:
     if extra := sorted(set(meta) - set(keys)):
         fail(f"unknown key {extra[0]!r}")
     source, recipe, profile = meta["source"], meta["recipe"], meta["profile"]
+    try:
+        for name, known in _META_OBJECTS.items():
+            if meta[name] is not None:
+                closed(meta[name], known, name)
+    except ValueError as e:
+        fail(f"{e}; convert the model again")
     if not all(isinstance(source.get(k), str) for k in ("spec", "fingerprint")):
         fail("source needs string spec and fingerprint")
     if not isinstance(recipe.get("name"), str) or not isinstance(recipe.get("toml"), str | None):

@@ -38,6 +38,7 @@ quant_pack kernel where it runs.
 
 import contextlib
 import copy
+import math
 import warnings
 
 import torch
@@ -507,3 +508,14 @@ def planned_memory(
         windows=windows,
     )
     return cache.memory()
+
+
+def planned_bits(scheme: KVScheme, params: KVParams, transforms: Transforms, **sizes):
+    """(everything allocated, the quantized body alone) in bits per key/value element of the
+    cache `planned_memory(scheme, params, transforms, **sizes)` plans (sizes: num_layers,
+    kv_heads, head_dim, context, and optionally batch): its bytes over the 2 * layers * kv_heads
+    * head_dim * context * batch elements it represents."""
+    memory = planned_memory(scheme, params, transforms, **sizes)
+    shape = ("num_layers", "kv_heads", "head_dim", "context")
+    elements = 2 * math.prod(sizes[k] for k in shape) * sizes.get("batch", 1)
+    return sum(memory.values()) * 8 / elements, memory["body"] * 8 / elements

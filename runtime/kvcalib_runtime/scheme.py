@@ -18,11 +18,13 @@ excludes them from its group ranges. A prompt prefilled in one chunk attends to 
 precision and to the body as it stood before the chunk.
 """
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from kvcalib_runtime.closed import closed
 from kvcalib_runtime.quant import QuantSpec, slot_index_dtype
 
 KEY_POSITIONS = ("pre_rope", "post_rope")
@@ -122,14 +124,16 @@ class KVScheme:
 
     @classmethod
     def from_json(cls, obj: dict) -> "KVScheme":
-        layers = tuple(_layer_from_json(layer) for layer in obj["layers"])
-        return cls(
-            layers=layers,
-            residual=obj["residual"],
-            sinks_first=obj["sinks_first"],
-            sink_budget=obj["sink_budget"],
-            rotation_seed=obj["rotation_seed"],
+        """`to_json`'s shape: ValueError (or TypeError) naming the path of an unknown or
+        missing key, or of a value its type refuses."""
+        fields = [f.name for f in dataclasses.fields(cls)]
+        obj = closed(obj, fields, "scheme", required=fields)
+        if not isinstance(obj["layers"], list):
+            raise ValueError("scheme.layers must be a list")
+        layers = tuple(
+            _layer_from_json(layer, f"scheme.layers[{i}]") for i, layer in enumerate(obj["layers"])
         )
+        return cls(**{**obj, "layers": layers})
 
 
 def _typed(obj, fields) -> None:
@@ -140,10 +144,13 @@ def _typed(obj, fields) -> None:
             raise ValueError(f"{name} = {v!r} must be {kind.__name__}")
 
 
-def _layer_from_json(obj: dict) -> LayerScheme:
-    obj = dict(obj)
+def _layer_from_json(obj: dict, where: str) -> LayerScheme:
+    fields = [f.name for f in dataclasses.fields(LayerScheme)]
+    obj = dict(closed(obj, fields, where, required=("key", "value")))
+    specs = [f.name for f in dataclasses.fields(QuantSpec)]
     for name in ("key", "value"):
-        obj[name] = QuantSpec(**obj[name]) if obj[name] is not None else None
+        if obj[name] is not None:
+            obj[name] = QuantSpec(**closed(obj[name], specs, f"{where}.{name}", ("bits",)))
     return LayerScheme(**obj)
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvcalib_runtime.closed import closed
 from kvcalib_runtime.hadamard import hadamard_transform
 
 NONE, FUSED, ONLINE, UNDONE = "none", "fused", "online", "undone"
@@ -150,15 +151,20 @@ class Transforms:
 
     @classmethod
     def from_json(cls, obj: dict) -> "Transforms":
-        """ValueError (or TypeError, KeyError) on anything but `to_json`'s shape."""
-        if not isinstance(obj, dict) or set(obj) != {"seed", "layers"}:
-            raise ValueError("transforms needs exactly seed and layers")
+        """ValueError (or TypeError) on anything but `to_json`'s shape, naming the path of an
+        unknown or missing key."""
+        closed(obj, ("seed", "layers"), "transforms", required=("seed", "layers"))
         layers = obj["layers"]
-        if not isinstance(layers, list) or not all(
-            isinstance(x, dict) and set(x) == set(KINDS) for x in layers
-        ):
-            raise ValueError(f"transforms.layers: one object per layer with {', '.join(KINDS)}")
-        return cls(tuple(LayerTransforms(**x) for x in layers), obj["seed"])
+        if not isinstance(layers, list):
+            raise ValueError("transforms.layers must be a list, one object per layer")
+        where = "transforms.layers[{}]".format
+        return cls(
+            tuple(
+                LayerTransforms(**closed(x, KINDS, where(i), required=KINDS))
+                for i, x in enumerate(layers)
+            ),
+            obj["seed"],
+        )
 
     # -- applying them -----------------------------------------------------------------------
 

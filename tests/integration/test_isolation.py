@@ -2,7 +2,7 @@
 
 A fresh interpreter imports kvcalib_runtime, loads a converted checkpoint and generates from it;
 none of kvcalib, transformers, scipy or click may be imported on the way (the runtime's
-dependency rule, DESIGN.md), and `import kvcalib_runtime` alone does not import triton (the
+dependency rule, ARCHITECTURE.md), and `import kvcalib_runtime` alone does not import triton (the
 kernels load with the first quantized cache), which keeps it cheap.
 """
 

@@ -177,6 +177,13 @@ def test_manifest_names_changed_missing_and_extra_files(ckpt):
         format.read_checkpoint(ckpt)
 
 
+def test_manifest_is_closed(ckpt):
+    manifest = json.loads((ckpt / format.MANIFEST).read_text())
+    (ckpt / format.MANIFEST).write_text(json.dumps({**manifest, "signed": True}))
+    with pytest.raises(FormatError, match=r"^manifest\.json: .*unknown key manifest\.signed"):
+        format.verify_manifest(ckpt)
+
+
 def test_manifest_entries_must_be_plain_names(ckpt):
     manifest = json.loads((ckpt / format.MANIFEST).read_text())
     manifest["files"]["../escape"] = {"sha256": "0" * 64, "size": 1}
@@ -236,9 +243,42 @@ def _edit_meta(ckpt: Path, **changes) -> None:
     _manifest(ckpt)
 
 
+def _plus(obj: dict, *path, **extra) -> dict:
+    """A copy of the JSON object obj with `extra` keys added to the object at `path`."""
+    obj = json.loads(json.dumps(obj))
+    target = obj
+    for key in path:
+        target = target[key]
+    target.update(extra)
+    return obj
+
+
+UNKNOWN = r"unknown key {} \(known: "
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
+        ({"source": {"spec": "s", "fingerprint": "f", "url": "x"}}, UNKNOWN.format(r"source\.url")),
+        ({"recipe": {"name": "r", "toml": None, "text": ""}}, UNKNOWN.format(r"recipe\.text")),
+        (
+            {"profile": {"fingerprint": "f", "path": None, "when": 1}},
+            UNKNOWN.format(r"profile\.when"),
+        ),
+        (
+            {"transforms": _plus(_transforms().to_json(), "layers", 1, smooth="fused")},
+            UNKNOWN.format(r"transforms\.layers\[1\]\.smooth"),
+        ),
+        ({"scheme": _plus(_scheme().to_json(), sinks=4)}, UNKNOWN.format(r"scheme\.sinks")),
+        (
+            {"scheme": _plus(_scheme().to_json(), "layers", 0, key_bits=2)},
+            UNKNOWN.format(r"scheme\.layers\[0\]\.key_bits"),
+        ),
+        (
+            {"scheme": _plus(_scheme().to_json(), "layers", 1, "value", bitz=2)},
+            UNKNOWN.format(r"scheme\.layers\[1\]\.value\.bitz"),
+        ),
+        ({"scheme": _plus(_scheme().to_json(), "layers", 0, value={})}, r"missing key .*\.bits"),
         ({"format_version": 3}, "format_version 3, but this kvcalib-runtime reads versions 1, 2"),
         ({"transforms": {"seed": 3, "layers": []}}, "transforms cover 0 layers"),
         ({"transforms": {"seed": 4, "layers": _transforms().to_json()["layers"]}}, "seed differs"),

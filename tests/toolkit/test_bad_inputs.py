@@ -474,3 +474,13 @@ def test_an_export_for_vllm_also_loads_in_the_runtime(corpus, tmp_path):
     )  # fmt: skip
     model = kvcalib_runtime.load(out, device="cpu")
     assert len(model.generate("hello", 2, eos_token_id=[])[0]) == 2
+
+
+def test_every_dtype_option_offers_what_the_api_takes():
+    """One --dtype block for every command that loads weights, its choices the API's dtypes."""
+    from kvcalib.cli import main
+    from kvcalib.core.options import DTYPES
+
+    for command in ("calibrate", "convert", "eval"):
+        [option] = [p for p in main.commands[command].params if p.name == "dtype"]
+        assert tuple(option.type.choices) == tuple(DTYPES)

@@ -223,6 +223,19 @@ LOAD = [
     Case(
         "numbers",
         "load",
+        load(layer(0, **{"key.group": 32})),
+        "unknown key scheme.layers[0].key.group (known: bits, ",
+    ),
+    Case("numbers", "load", load(scheme(lambda s: s.update(sinks=4))), "unknown key scheme.sinks"),
+    Case(
+        "numbers",
+        "load",
+        load(lambda c: c.side_car(meta=lambda m: m["source"].update(url="x"))),
+        "kvcalib.json: source: unknown key source.url",
+    ),
+    Case(
+        "numbers",
+        "load",
         load(layer(0, key_rotation="true")),
         "key_rotation = 'true' must be bool",
     ),

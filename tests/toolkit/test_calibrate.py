@@ -13,6 +13,7 @@ from tiny import CharTokenizer, tiny_model
 from kvcalib.calibration import Settings, calibrate_model, sensitivity
 from kvcalib.calibration.codebooks import BITS, lloyd, preset_variants
 from kvcalib.calibration.gradients import gradient_pass, window_loss
+from kvcalib.calibration.layerwise import ActivationStore, InMemory
 from kvcalib.calibration.massive import MassiveMeter
 from kvcalib.calibration.progress import Progress
 from kvcalib.calibration.run import fisher, probe, statistics
@@ -21,7 +22,6 @@ from kvcalib.calibration.stats import QUANTILE_LEVELS, ChannelStats, outlier_lis
 from kvcalib.core.models import ModelSource
 from kvcalib.errors import DataError, NumericsError, OutputError
 from kvcalib.sim.hooks import Hooks, key_module
-from kvcalib.sim.layerwise import ActivationStore, InMemory
 from kvcalib.sim.simulate import Simulator
 
 SMALL = dict(num_samples=2, seq_len=32, progress=False)

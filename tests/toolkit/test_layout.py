@@ -1,5 +1,5 @@
-"""The toolkit's dependency rule (DESIGN.md), read from the source: shared contracts are leaves
-(errors <- io <- core), the simulator sits on them, and the stages — calibration, conversion,
+"""The toolkit's dependency rule (ARCHITECTURE.md), read from the source: shared contracts are
+leaves (errors <- io <- core), the simulator sits on them, and the stages — calibration, conversion,
 evaluation — never import each other; only the top (api, cli, inspect, generate, the package's
 lazy exports) sees everything. Library modules import at the top of the file; the CLI defers its
 imports so `kvcalib --help` answers fast, and an optional dependency may be imported where it is

@@ -1,5 +1,5 @@
 """Profiles: the folder round-trips; stale or foreign profiles are refused with the fix; the API
-kvcalib.plan calls returns what it documents; the CLI writes a profile that `inspect` reads."""
+kvcalib.core.plan calls returns what it documents; the CLI writes a profile that `inspect` reads."""
 
 import json
 import sys

@@ -104,6 +104,21 @@ def test_typo_is_refused_with_the_key_named():
 
 
 @pytest.mark.parametrize(
+    ("doc", "path"),
+    [
+        ({"sinks": {"frist": 4}}, r"sinks\.frist"),
+        ({"allocation": {"budget": 3, "choice": [2]}}, r"allocation\.choice"),
+        ({"layers": [{"index": 0, "indx": 1}]}, r"layers\[0\]\.indx"),
+        ({"layers": [{"index": 0}, {"index": 1, "key": {"bitz": 2}}]}, r"layers\[1\]\.key\.bitz"),
+        ({"layers": [{"index": 0, "value": {"smooth": 0.5}}]}, r"layers\[0\]\.value\.smooth"),
+    ],
+)
+def test_unknown_keys_are_refused_at_every_depth_by_their_path(doc, path):
+    with pytest.raises(RecipeError, match=rf"unknown key '{path}'"):
+        parse_recipe({"name": "x", **doc})
+
+
+@pytest.mark.parametrize(
     "doc, message",
     [
         ({"name": "x", "key": {"bits": "2"}}, r"'key\.bits' must be int, not str"),

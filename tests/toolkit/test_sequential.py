@@ -21,13 +21,12 @@ from click.testing import CliRunner
 from tiny import save_with_tokenizer, tiny_model
 from transformers import AutoTokenizer
 
-from kvcalib.calibration import Settings, calibrate, calibrate_model
+from kvcalib.calibration import Settings, calibrate, calibrate_model, layerwise
+from kvcalib.calibration.layerwise import ActivationStore, InMemory, LayerwiseModel
 from kvcalib.cli import main
 from kvcalib.core.models import load_model, resolve
 from kvcalib.errors import ModelError, NumericsError, OutputError
-from kvcalib.sim import layerwise
 from kvcalib.sim.hooks import decoder_layers
-from kvcalib.sim.layerwise import ActivationStore, InMemory, LayerwiseModel
 
 FAST = Settings(sensitivity_windows=1, sensitivity_tokens=16, codebook_windows=1)
 SMALL = dict(num_samples=2, seq_len=32, progress=False, settings=FAST)

@@ -23,6 +23,7 @@ hold the kernel to it.
 """
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -33,8 +34,7 @@ from kvcalib_runtime.kernels import tiles
 from kvcalib_runtime.kernels.layout import PackedBody, Sinks, Stored
 from kvcalib_runtime.rope import rotate_half
 
-GRAN = {"token": 0, "vector": 0, "channel": 1, "static": 2}
-EXACT = 3
+EXACT = tiles.EXACT.value  # StreamLayout.GRAN of a tensor left in full precision
 MIXED_N = tl.constexpr(16)  # rows of a tile that mixes body and ring (a few per sequence)
 LOG2E = 1.4426950408889634
 # (BLOCK_N, num_warps, num_stages): what `tune` times on a GPU, per (D, G, schemes, dtype)
@@ -44,22 +44,25 @@ INTERPRETED = (32, 4, 1)
 
 # fmt: off
 @triton.jit
-def _stream(C_, S_, O_, L_, T_, line, kv, slot, pos, pos0, live, in_body, c0, s_st, o_st,
-            num_slots, meta_rows, ring_size, BN: tl.constexpr, BLOCK_C: tl.constexpr,
-            D: tl.constexpr, WIDTH: tl.constexpr, BITS: tl.constexpr, GRAN: tl.constexpr,
-            GROUP: tl.constexpr, SYM: tl.constexpr, CB: tl.constexpr, UNIT: tl.constexpr,
-            ROW: tl.constexpr, MIXED: tl.constexpr):
+def _stream(S, L: tl.constexpr, LEVELS, line, kv, slot, pos, pos0, live, in_body, base, s_lo,
+            o_lo, s_hi, o_hi, ring_size, BN: tl.constexpr, BLOCK_C: tl.constexpr,
+            D: tl.constexpr, MIXED: tl.constexpr):
     # fmt: on
-    """One half of keys or values at positions pos [BN]: the body where in_body, with MIXED the
-    residual ring elsewhere (where live). line: the body's rows (sequence, head, or sequence for
-    "vector"); kv: the ring's (sequence, head)."""
-    x = tiles.half(C_, S_, O_, L_, line, slot, pos0, in_body, c0, s_st, o_st, num_slots,
-                   meta_rows, BN, BLOCK_C, D // 2, WIDTH, BITS, GRAN, GROUP, SYM, CB, UNIT,
-                   ROW)  # fmt: skip
+    """Keys or values (buffers S, layout L; LEVELS: this head's codebook row) at positions pos
+    [BN], as two halves fp32 [BN, BLOCK_C]: the body where in_body, with MIXED the residual ring
+    elsewhere (where live). line: the body's rows (sequence, head, or sequence for "vector"),
+    base: where the head's channels start in them; kv: the ring's (sequence, head); s_*, o_*:
+    each half's "static" metadata."""
+    C: tl.constexpr = D // 2
+    lo = tiles.half(S, L, LEVELS, line, slot, pos0, in_body, base, s_lo, o_lo, BN, BLOCK_C, C)
+    hi = tiles.half(S, L, LEVELS, line, slot, pos0, in_body, base + C, s_hi, o_hi, BN, BLOCK_C, C)
     if MIXED:
-        tail = tiles.ring(T_, kv, pos, live & ~in_body, ring_size, c0 % D, D, BLOCK_C)
-        x = tl.where(in_body[:, None], x, tail)
-    return x
+        ring = live & ~in_body
+        lo = tl.where(in_body[:, None], lo, tiles.ring(S.tail, kv, pos, ring, ring_size, 0, D,
+                                                       BLOCK_C))  # fmt: skip
+        hi = tl.where(in_body[:, None], hi, tiles.ring(S.tail, kv, pos, ring, ring_size, C, D,
+                                                       BLOCK_C))  # fmt: skip
+    return lo, hi
 
 
 @triton.jit
@@ -80,20 +83,13 @@ def _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT: tl.constexpr, PRECISION
 @triton.jit
 def _decode_split_kernel(
     Q, K_NEW, V_NEW,                       # [B, H, D], [B, Hkv, D], [B, Hkv, D]
-    SINK_K, SINK_V, SINK_POS, IS_SINK,     # [B, Hkv, S, D] x 2, int64 [B, S], uint8 [B, P]
-    LENGTHS, K_NB, V_NB, INV_FREQ,         # int64 [B] x 3, float32 [D/2]
+    SINKS,                                 # SinkBuffers
+    LENGTHS, INV_FREQ,                     # int64 [B], float32 [D/2]
     PART, STATS,                           # float32 [B, H, splits, D], [B, H, splits, 2]
-    KC, KS, KO, KL, KI, KD, KT,            # keys: codes, scale, offset, levels, slot index,
-    VC, VS, VO, VL, VI, VD, VT,            # slot delta, tail; values: the same
-    num_kv, positions, num_sinks, num_splits, window, sm_scale,
-    k_slots, k_meta_rows, v_slots, v_meta_rows, ring_size,
+    KS, VS,                                # keys', values' StreamBuffers
+    num_kv, positions, num_sinks, num_splits, window, sm_scale, ring_size,
+    KL: tl.constexpr, VL: tl.constexpr,    # keys', values' StreamLayout
     G: tl.constexpr, D: tl.constexpr, PRE_ROPE: tl.constexpr, PRECISION: tl.constexpr,
-    K_BITS: tl.constexpr, K_GRAN: tl.constexpr, K_GROUP: tl.constexpr, K_SYM: tl.constexpr,
-    K_CB: tl.constexpr, K_K: tl.constexpr, K_VEC: tl.constexpr, K_UNIT: tl.constexpr,
-    K_ROW: tl.constexpr, K_WIDTH: tl.constexpr, K_RING: tl.constexpr,
-    V_BITS: tl.constexpr, V_GRAN: tl.constexpr, V_GROUP: tl.constexpr, V_SYM: tl.constexpr,
-    V_CB: tl.constexpr, V_K: tl.constexpr, V_VEC: tl.constexpr, V_UNIT: tl.constexpr,
-    V_ROW: tl.constexpr, V_WIDTH: tl.constexpr, V_RING: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
     STAGES: tl.constexpr,
 ):
@@ -103,7 +99,7 @@ def _decode_split_kernel(
     sum)."""
     b, hk, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(LENGTHS + b).to(tl.int32)
-    nbk, nbv = tl.load(K_NB + b).to(tl.int32), tl.load(V_NB + b).to(tl.int32)
+    nbk, nbv = tl.load(KS.n_body + b).to(tl.int32), tl.load(VS.n_body + b).to(tl.int32)
     first = tl.where(window > 0, tl.maximum(n - window + 1, 0), 0)  # oldest visible position
     lo = first // BLOCK_N * BLOCK_N
     chunk = tl.cdiv(tl.cdiv(n - lo, num_splits), BLOCK_N) * BLOCK_N
@@ -114,9 +110,9 @@ def _decode_split_kernel(
     kv = b.to(tl.int64) * num_kv + hk  # this (sequence, KV head)
     k_line, v_line = kv, kv  # body rows of this (sequence, head): one per token for "vector",
     k_base, v_base = hk * 0, hk * 0  # where this head's channels start in its row
-    if K_VEC:
+    if KL.VEC:
         k_line, k_base = b.to(tl.int64), hk * D
-    if V_VEC:
+    if VL.VEC:
         v_line, v_base = b.to(tl.int64), hk * D
     C: tl.constexpr = D // 2
     g = tl.arange(0, BLOCK_G)
@@ -134,17 +130,17 @@ def _decode_split_kernel(
     # hoisted out of the loop: static metadata, codebook rows, R(j) for j < BLOCK_N
     zero = tl.zeros([BLOCK_C], tl.float32)
     ks_lo, ko_lo, ks_hi, ko_hi, vs_lo, vo_lo, vs_hi, vo_hi = (zero,) * 8
-    if K_GRAN == 2:
-        ks_lo, ko_lo = tiles.static_meta(KS, KO, hk, 0, BLOCK_C, C, D, K_BITS, K_SYM, K_CB)
-        ks_hi, ko_hi = tiles.static_meta(KS, KO, hk, C, BLOCK_C, C, D, K_BITS, K_SYM, K_CB)
-    if V_GRAN == 2:
-        vs_lo, vo_lo = tiles.static_meta(VS, VO, hk, 0, BLOCK_C, C, D, V_BITS, V_SYM, V_CB)
-        vs_hi, vo_hi = tiles.static_meta(VS, VO, hk, C, BLOCK_C, C, D, V_BITS, V_SYM, V_CB)
-    KL_H, VL_H = KL, VL  # this head's codebook row
-    if not K_VEC:
-        KL_H = KL + hk * 2**K_BITS
-    if not V_VEC:
-        VL_H = VL + hk * 2**V_BITS
+    if KL.GRAN == tiles.STATIC:
+        ks_lo, ko_lo = tiles.static_meta(KS, KL, hk, 0, BLOCK_C, C, D)
+        ks_hi, ko_hi = tiles.static_meta(KS, KL, hk, C, BLOCK_C, C, D)
+    if VL.GRAN == tiles.STATIC:
+        vs_lo, vo_lo = tiles.static_meta(VS, VL, hk, 0, BLOCK_C, C, D)
+        vs_hi, vo_hi = tiles.static_meta(VS, VL, hk, C, BLOCK_C, C, D)
+    k_levels, v_levels = KS.levels, VS.levels  # this head's codebook row
+    if not KL.VEC:
+        k_levels = KS.levels + hk * 2**KL.BITS
+    if not VL.VEC:
+        v_levels = VS.levels + hk * 2**VL.BITS
     freq = zero
     cos_j = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
     sin_j = cos_j
@@ -158,27 +154,22 @@ def _decode_split_kernel(
                               num_stages=STAGES):  # fmt: skip
             pos = start + tl.arange(0, BLOCK_N if phase == 0 else MIXED_N)
             if phase == 0:  # every position in both bodies and in bounds: no load masks
-                sink = tl.load(IS_SINK + b * positions + pos)
+                sink = tl.load(SINKS.is_sink + b * positions + pos)
                 valid = (pos >= first) & (sink == 0)
                 k_in = tl.full(pos.shape, 1, tl.int1)
                 v_in = k_in
             else:
-                sink = tl.load(IS_SINK + b * positions + pos, mask=pos < stop_at, other=1)
+                sink = tl.load(SINKS.is_sink + b * positions + pos, mask=pos < stop_at, other=1)
                 valid = (pos < stop_at) & (pos >= first) & (sink == 0)
                 k_in, v_in = valid & (pos < nbk), valid & (pos < nbv)
             k_slot, v_slot = pos, pos  # a ring body (sliding window): position % slots
-            if K_RING:
-                k_slot = pos % k_slots
-            if V_RING:
-                v_slot = pos % v_slots
-            k_lo = _stream(KC, KS, KO, KL_H, KT, k_line, kv, k_slot, pos, start, valid, k_in,
-                           k_base, ks_lo, ko_lo, k_slots, k_meta_rows, ring_size, pos.shape[0],
-                           BLOCK_C, D, K_WIDTH, K_BITS, K_GRAN, K_GROUP, K_SYM, K_CB, K_UNIT,
-                           K_ROW, phase == 1)
-            k_hi = _stream(KC, KS, KO, KL_H, KT, k_line, kv, k_slot, pos, start, valid, k_in,
-                           k_base + C, ks_hi, ko_hi, k_slots, k_meta_rows, ring_size, pos.shape[0],
-                           BLOCK_C, D, K_WIDTH, K_BITS, K_GRAN, K_GROUP, K_SYM, K_CB, K_UNIT,
-                           K_ROW, phase == 1)
+            if KL.RING:
+                k_slot = pos % KS.slots
+            if VL.RING:
+                v_slot = pos % VS.slots
+            k_lo, k_hi = _stream(KS, KL, k_levels, k_line, kv, k_slot, pos, start, valid, k_in,
+                                 k_base, ks_lo, ko_lo, ks_hi, ko_hi, ring_size, pos.shape[0],
+                                 BLOCK_C, D, phase == 1)  # fmt: skip
             if PRE_ROPE:
                 if phase == 0:  # R(start + j) = R(start) R(j)
                     cos_a, sin_a = tiles.trig((start * 1.0) * freq)
@@ -189,27 +180,26 @@ def _decode_split_kernel(
                 k_lo, k_hi = tiles.rotate(k_lo, k_hi, cos, sin)
             s = tl.dot(q_lo, tl.trans(k_lo.to(DT)), input_precision=PRECISION)
             s += tl.dot(q_hi, tl.trans(k_hi.to(DT)), input_precision=PRECISION)
-            if K_K > 0:
-                s += tiles.slot_scores(KI, KD, q_rows, g < G, k_line * k_slots + k_slot, k_in,
-                                       k_base, pos, INV_FREQ, K_K, D, PRE_ROPE)  # fmt: skip
+            if KL.K > 0:
+                s += tiles.slot_scores(KS.slot_index, KS.slot_delta, q_rows, g < G,
+                                       k_line * KS.slots + k_slot, k_in, k_base, pos, INV_FREQ,
+                                       KL.K, D, PRE_ROPE)  # fmt: skip
             s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
-            v_lo = _stream(VC, VS, VO, VL_H, VT, v_line, kv, v_slot, pos, start, valid, v_in,
-                           v_base, vs_lo, vo_lo, v_slots, v_meta_rows, ring_size, pos.shape[0],
-                           BLOCK_C, D, V_WIDTH, V_BITS, V_GRAN, V_GROUP, V_SYM, V_CB, V_UNIT,
-                           V_ROW, phase == 1)
-            v_hi = _stream(VC, VS, VO, VL_H, VT, v_line, kv, v_slot, pos, start, valid, v_in,
-                           v_base + C, vs_hi, vo_hi, v_slots, v_meta_rows, ring_size, pos.shape[0],
-                           BLOCK_C, D, V_WIDTH, V_BITS, V_GRAN, V_GROUP, V_SYM, V_CB, V_UNIT,
-                           V_ROW, phase == 1)
-            if V_K > 0:
-                v_lo, v_hi = tiles.slot_values(v_lo, v_hi, VI, VD, v_line * v_slots + v_slot,
-                                               v_in, v_base, V_K, D, BLOCK_C)  # fmt: skip
+            v_lo, v_hi = _stream(VS, VL, v_levels, v_line, kv, v_slot, pos, start, valid, v_in,
+                                 v_base, vs_lo, vo_lo, vs_hi, vo_hi, ring_size, pos.shape[0],
+                                 BLOCK_C, D, phase == 1)  # fmt: skip
+            if VL.K > 0:
+                v_lo, v_hi = tiles.slot_values(v_lo, v_hi, VS.slot_index, VS.slot_delta,
+                                               v_line * VS.slots + v_slot, v_in, v_base, VL.K, D,
+                                               BLOCK_C)  # fmt: skip
             m_i, l_i, acc_lo, acc_hi = _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT,
                                                PRECISION)  # fmt: skip
     if split == 0:  # exact extras: x < num_sinks the sink slots, x == num_sinks the new token
         x = tl.arange(0, BLOCK_X)
         is_new = x == num_sinks
-        slot_pos = tl.load(SINK_POS + b * num_sinks + x, mask=x < num_sinks, other=-1)
+        SINK_K = SINKS.k
+        SINK_V = SINKS.v
+        slot_pos = tl.load(SINKS.positions + b * num_sinks + x, mask=x < num_sinks, other=-1)
         pos = tl.where(is_new, n, slot_pos.to(tl.int32))
         valid = is_new | ((slot_pos >= 0) & (slot_pos < n) & (slot_pos >= first))
         rows = (kv * num_sinks + x)[:, None] * D
@@ -269,27 +259,92 @@ def supports(spec, head_dim: int, kv_heads: int = 1) -> bool:
     return spec is None or tiles.readable(spec, head_dim, kv_heads)
 
 
-def _stream_args(stored: Stored, name: str, head_dim: int, positions: int):
-    """One stream's pointers (codes, scale, offset, levels, slot index, slot delta, tail;
-    unused ones repeat the codes), runtime sizes (slots, metadata rows) and constexprs (RING:
-    fewer body slots than `positions`, a sliding window's ring)."""
+class SinkBuffers(NamedTuple):
+    """layout.Sinks as the decode kernel reads it (a field may not be named `values` there):
+    k, v dtype [B, Hkv, S, D], positions int64 [B, S], is_sink uint8 [B, P]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor
+    is_sink: torch.Tensor
+
+
+class StreamBuffers(NamedTuple):
+    """One stream's (keys' or values') tensors and sizes as the decode kernel reads them;
+    pointers a layout does not use repeat the codes.
+
+    codes, scale, offset, levels, slot_index, slot_delta  the PackedBody's (codes as int32
+                  words when the layout's UNIT is 32), or the exact body dtype [B, Hkv, S, D]
+    tail          dtype [B, Hkv, R, D] the residual ring
+    n_body        int64 [B] body sizes
+    slots         body slots per row, at least 1
+    meta_rows     metadata rows of a "channel" body, else 1
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    levels: torch.Tensor
+    slot_index: torch.Tensor
+    slot_delta: torch.Tensor
+    tail: torch.Tensor
+    n_body: torch.Tensor
+    slots: int
+    meta_rows: int
+
+
+class StreamLayout(NamedTuple):
+    """What the decode kernel compiles for one stream (a constexpr argument: one compiled kernel
+    per layout pair).
+
+    BITS    code width (16 for an exact body)
+    GRAN    tiles.TOKEN ("token", "vector"), CHANNEL, STATIC or EXACT (left in full precision)
+    GROUP   channels per group of a row (TOKEN), tokens per group (CHANNEL), else 1
+    SYM     symmetric levels (no offset)
+    CB      codebook levels
+    K       exact slots per row
+    VEC     a row joins every KV head ("vector")
+    UNIT    bits of one code load (tiles.unit)
+    ROW     units per stored row
+    WIDTH   channels per stored row
+    RING    fewer body slots than positions: a sliding window's ring
+    """
+
+    BITS: int
+    GRAN: int
+    GROUP: int
+    SYM: bool
+    CB: bool
+    K: int
+    VEC: bool
+    UNIT: int
+    ROW: int
+    WIDTH: int
+    RING: bool
+
+
+def _stream_args(stored: Stored, head_dim: int, positions: int):
+    """One stream's (StreamBuffers, StreamLayout); RING: fewer body slots than `positions`."""
     body, half = stored.body, head_dim // 2
     if not isinstance(body, PackedBody):
-        flags = dict(BITS=16, GRAN=EXACT, GROUP=1, SYM=True, CB=False, K=0, VEC=False, UNIT=8,
-                     ROW=1, WIDTH=head_dim, RING=body.shape[2] < positions)  # fmt: skip
-        return [body] * 6 + [stored.tail], [max(body.shape[2], 1), 1], _prefix(name, flags)
+        slots = body.shape[2]
+        buffers = StreamBuffers(*[body] * 6, stored.tail, stored.n_body, max(slots, 1), 1)
+        exact = StreamLayout(16, EXACT, 1, True, False, 0, False, 8, 1, head_dim, slots < positions)
+        return buffers, exact
     spec = body.spec
     unit = tiles.unit(spec.bits, half)
     codes = body.codes.view(torch.int32) if unit == 32 else body.codes
-    pointers = [codes, body.scale, body.offset, body.levels, body.slot_index, body.slot_delta]
-    pointers = [t if t is not None else codes for t in pointers] + [stored.tail]
+    pointers = [body.scale, body.offset, body.levels, body.slot_index, body.slot_delta]
+    pointers = [t if t is not None else codes for t in pointers]
     group = spec.group_size if spec.granularity == "channel" else 1
     if spec.granularity in ("token", "vector"):
         group = spec.channel_group(body.width)
     meta_rows = body.scale.shape[2] if spec.granularity == "channel" else 1
-    flags = dict(
+    slots = body.codes.shape[2]
+    buffers = StreamBuffers(codes, *pointers, stored.tail, stored.n_body, max(slots, 1), meta_rows)
+    layout = StreamLayout(
         BITS=spec.bits,
-        GRAN=GRAN[spec.granularity],
+        GRAN=tiles.GRAN[spec.granularity].value,
         GROUP=group,
         SYM=spec.symmetric,
         CB=spec.codebook,
@@ -298,13 +353,9 @@ def _stream_args(stored: Stored, name: str, head_dim: int, positions: int):
         UNIT=unit,
         ROW=codes.shape[-1],
         WIDTH=body.width,
-        RING=body.codes.shape[2] < positions,
+        RING=slots < positions,
     )
-    return pointers, [max(body.codes.shape[2], 1), meta_rows], _prefix(name, flags)
-
-
-def _prefix(name: str, flags: dict) -> dict:
-    return {f"{name}_{k}": v for k, v in flags.items()}
+    return buffers, layout
 
 
 @functools.cache
@@ -367,8 +418,10 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
     G = H // hkv
     q, k_new, v_new = (t.contiguous() for t in (q, k_new, v_new))
     positions = sinks.is_sink.shape[1]
-    k_ptrs, k_sizes, k_flags = _stream_args(keys, "K", D, positions)
-    v_ptrs, v_sizes, v_flags = _stream_args(values, "V", D, positions)
+    k_buffers, k_layout = _stream_args(keys, D, positions)
+    v_buffers, v_layout = _stream_args(values, D, positions)
+    sink_buffers = SinkBuffers(sinks.keys, sinks.values, sinks.positions,
+                               sinks.is_sink.view(torch.uint8))  # fmt: skip
     span = min(window or positions, positions)
     num_sinks = sinks.positions.shape[1]
     out = torch.empty_like(q)
@@ -380,15 +433,13 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
         stats = torch.empty(B, H, splits, 2, device=q.device, dtype=torch.float32)
         # fmt: off
         _decode_split_kernel[(B, hkv, splits)](
-            q, k_new, v_new,
-            sinks.keys, sinks.values, sinks.positions, sinks.is_sink.view(torch.uint8),
-            lengths, keys.n_body, values.n_body, inv_freq if inv_freq is not None else part,
-            part, stats, *k_ptrs, *v_ptrs,
-            hkv, positions, num_sinks, splits, window or 0, D**-0.5 * LOG2E,
-            k_sizes[0], k_sizes[1], v_sizes[0], v_sizes[1], keys.tail.shape[2],
+            q, k_new, v_new, sink_buffers,
+            lengths, inv_freq if inv_freq is not None else part,
+            part, stats, k_buffers, v_buffers,
+            hkv, positions, num_sinks, splits, window or 0, D**-0.5 * LOG2E, keys.tail.shape[2],
+            k_layout, v_layout,
             G=G, D=D, PRE_ROPE=inv_freq is not None,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            **k_flags, **v_flags,
             BLOCK_G=tiles.next_pow2(G), BLOCK_C=max(16, tiles.next_pow2(D // 2)),
             BLOCK_N=block_n, BLOCK_X=max(16, tiles.next_pow2(num_sinks + 1)), STAGES=stages,
             num_warps=warps,
@@ -405,7 +456,7 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
             num_warps=4,
         )  # fmt: skip
 
-    key = (D, G, inv_freq is not None, q.dtype, tuple(k_flags.items()), tuple(v_flags.items()))
+    key = (D, G, inv_freq is not None, q.dtype, k_layout, v_layout)
     launch(_config(key, q.device, launch))
     return out
 

@@ -18,18 +18,16 @@ sequence has nothing to flush return at once). Position p goes to body slot p % 
 for sliding-window layers, slot p otherwise).
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from kvcalib_runtime.kernels.layout import PackedBody
+from kvcalib_runtime.kernels.tiles import CHANNEL, GRAN, ROUNDING, TOKEN
 from kvcalib_runtime.packing import pack
 from kvcalib_runtime.quant import QuantSpec, quantize
-
-GRANULARITY = {"token": 0, "vector": 0, "channel": 1, "static": 2}  # the kernels' GRAN switch
-RULES = {"outside": 0, "error": 1}
-TOKEN, CHANNEL = tl.constexpr(0), tl.constexpr(1)
-ROUNDING = tl.constexpr(12582912.0)  # 1.5 * 2**23: fp32 (v + R) - R rounds v half to even
 
 
 # fmt: off
@@ -76,23 +74,22 @@ def _quant_pack_kernel(
     X, NEW, LENGTHS,                # dense x [M, Hkv, n, D]; or (RING) tail [B, Hkv, R, D],
                                     # new [B, Hkv, D], lengths [B]
     SEQ, START, END,                # int [M]: sequence, first position, (RING) end position
-    CODES, SCALE, OFFSET,           # the body (PackedBody layout)
-    LEVELS, MIDS, EXCLUDE,          # float32 [heads, L], [heads, L - 1]; uint8 [B, P] or None
-    LO, HI, SLOT_INDEX, SLOT_DELTA,  # float32 [Hkv, D] static range; slots [B, heads, S, K]
+    BODY,                           # BodyBuffers: the body it writes
+    EXCLUDE,                        # uint8 [B, P] or None
     n, num_kv, num_slots, meta_rows, ring, exclude_stride, clip,
-    D: tl.constexpr, WIDTH: tl.constexpr, HEADS: tl.constexpr, VECTOR: tl.constexpr,
-    BITS: tl.constexpr, GRAN: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr,
-    CODEBOOK: tl.constexpr, K: tl.constexpr, TRIM: tl.constexpr, ERROR_RULE: tl.constexpr,
-    RING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_G: tl.constexpr,
+    L: tl.constexpr,                # PackLayout
+    D: tl.constexpr, RING: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     # fmt: on
     """Block m (n tokens from position start[m] of sequence seq[m]) into body slots
     (start[m] + t) % num_slots: codes = pack(clamp(round((x - offset) / scale))), the metadata,
     and the K exact slots of each row.
 
-    TOKEN / STATIC: program (row block, -, m) takes BLOCK_T rows r = h * n + t of block m (h <
-    HEADS; a VECTOR row joins the Hkv heads of token t, channel j = head j // D, channel j % D);
-    TOKEN groups BLOCK_G channels (GROUP real ones), STATIC reads SCALE/OFFSET [Hkv, D].
+    L (PackLayout) says how: its GRAN, GROUP, HEADS, ... below. TOKEN / STATIC: program (row
+    block, -, m) takes BLOCK_T rows r = h * n + t of block m (h < HEADS; a VECTOR row joins the
+    Hkv heads of token t, channel j = head j // D, channel j % D); TOKEN groups BLOCK_G channels
+    (GROUP real ones), STATIC reads BODY.scale / BODY.offset [Hkv, D].
     CHANNEL: program (token group, h, m) takes the GROUP tokens of one group
     (start[m] % GROUP == 0); EXCLUDE slots and padding stay out of its ranges, as in
     quant.quantize. RING: x at position p is tail[seq, h, p % ring] below lengths[seq], else
@@ -103,18 +100,18 @@ def _quant_pack_kernel(
     if RING and start >= tl.load(END + m):
         return
     i = tl.arange(0, BLOCK_T)
-    if GRAN == CHANNEL:
+    if L.GRAN == CHANNEL:
         h = tl.program_id(1) + i * 0
-        t = pid * GROUP + i
-        rows = (i < GROUP) & (t < n)
+        t = pid * L.GROUP + i
+        rows = (i < L.GROUP) & (t < n)
     else:
         r = pid * BLOCK_T + i
         h, t = r // n, r % n
-        rows = r < HEADS * n
+        rows = r < L.HEADS * n
     c = tl.arange(0, BLOCK_W)
-    cols = c < WIDTH
+    cols = c < L.WIDTH
     mask = rows[:, None] & cols[None, :]
-    if VECTOR:  # source head and channel of row channel c
+    if L.VECTOR:  # source head and channel of row channel c
         src_h, src_c = (c // D)[None, :], (c % D)[None, :]
     else:
         src_h, src_c = h[:, None], c[None, :]
@@ -130,26 +127,26 @@ def _quant_pack_kernel(
     else:
         src = ((m * num_kv + src_h).to(tl.int64) * n + t[:, None]) * D + src_c
         x = tl.load(X + src, mask=mask, other=0.0).to(tl.float32)
-    body_row = (seq * HEADS + h) * num_slots + pos % num_slots  # [BLOCK_T]
-    DTYPE: tl.constexpr = SCALE.dtype.element_ty
-    if GRAN == TOKEN:
+    body_row = (seq * L.HEADS + h) * num_slots + pos % num_slots  # [BLOCK_T]
+    DTYPE: tl.constexpr = BODY.scale.dtype.element_ty
+    if L.GRAN == TOKEN:
         NG: tl.constexpr = BLOCK_W // BLOCK_G
         lo = tl.reshape(tl.where(mask, x, float("inf")), [BLOCK_T, NG, BLOCK_G])
         hi = tl.reshape(tl.where(mask, x, float("-inf")), [BLOCK_T, NG, BLOCK_G])
-        lo, hi = _trimmed(lo, TRIM, False, BLOCK_G), _trimmed(hi, TRIM, True, BLOCK_G)
+        lo, hi = _trimmed(lo, L.TRIM, False, BLOCK_G), _trimmed(hi, L.TRIM, True, BLOCK_G)
         gi = tl.arange(0, NG)
-        meta_mask = rows[:, None] & (gi < WIDTH // GROUP)[None, :]
+        meta_mask = rows[:, None] & (gi < L.WIDTH // L.GROUP)[None, :]
         lo = tl.where(meta_mask, lo, 0.0)  # padding rows and groups: finite, never stored
         hi = tl.where(meta_mask, hi, 0.0)
-        scale, offset = _range_metadata(lo, hi, clip, BITS, SYMMETRIC, CODEBOOK, DTYPE)
-        meta = body_row[:, None] * (WIDTH // GROUP) + gi[None, :]
-        tl.store(SCALE + meta, scale.to(DTYPE), mask=meta_mask)
+        scale, offset = _range_metadata(lo, hi, clip, L.BITS, L.SYMMETRIC, L.CODEBOOK, DTYPE)
+        meta = body_row[:, None] * (L.WIDTH // L.GROUP) + gi[None, :]
+        tl.store(BODY.scale + meta, scale.to(DTYPE), mask=meta_mask)
         scale = _spread(scale, BLOCK_T, NG, BLOCK_G)
-        if not SYMMETRIC:
-            tl.store(OFFSET + meta, offset.to(DTYPE), mask=meta_mask)
+        if not L.SYMMETRIC:
+            tl.store(BODY.offset + meta, offset.to(DTYPE), mask=meta_mask)
             offset = _spread(offset, BLOCK_T, NG, BLOCK_G)
         lo, hi = _spread(lo, BLOCK_T, NG, BLOCK_G), _spread(hi, BLOCK_T, NG, BLOCK_G)
-    elif GRAN == CHANNEL:
+    elif L.GRAN == CHANNEL:
         keep = rows
         if EXCLUDE is not None:
             keep = keep & (tl.load(EXCLUDE + seq * exclude_stride + pos, mask=rows, other=1) == 0)
@@ -157,80 +154,124 @@ def _quant_pack_kernel(
         any_kept = tl.sum(keep.to(tl.int32), axis=0) > 0
         lo = tl.where(any_kept, tl.min(tl.where(kept, x, float("inf")), axis=0), 0.0)
         hi = tl.where(any_kept, tl.max(tl.where(kept, x, float("-inf")), axis=0), 0.0)
-        scale, offset = _range_metadata(lo, hi, clip, BITS, SYMMETRIC, CODEBOOK, DTYPE)
-        group = (start // GROUP + pid) % meta_rows
+        scale, offset = _range_metadata(lo, hi, clip, L.BITS, L.SYMMETRIC, L.CODEBOOK, DTYPE)
+        group = (start // L.GROUP + pid) % meta_rows
         meta = ((seq * num_kv + tl.program_id(1)) * meta_rows + group) * D + c
-        tl.store(SCALE + meta, scale.to(DTYPE), mask=cols)
+        tl.store(BODY.scale + meta, scale.to(DTYPE), mask=cols)
         scale = scale[None, :]
-        if not SYMMETRIC:
-            tl.store(OFFSET + meta, offset.to(DTYPE), mask=cols)
+        if not L.SYMMETRIC:
+            tl.store(BODY.offset + meta, offset.to(DTYPE), mask=cols)
             offset = offset[None, :]
     else:
         meta = h[:, None] * D + c[None, :]
-        scale = tl.load(SCALE + meta, mask=mask, other=1.0).to(tl.float32)
-        if not SYMMETRIC:
-            offset = tl.load(OFFSET + meta, mask=mask, other=0.0).to(tl.float32)
-        if K > 0 and not ERROR_RULE:
-            lo = tl.load(LO + meta, mask=mask, other=0.0)
-            hi = tl.load(HI + meta, mask=mask, other=0.0)
-    v = x if SYMMETRIC else x - offset
+        scale = tl.load(BODY.scale + meta, mask=mask, other=1.0).to(tl.float32)
+        if not L.SYMMETRIC:
+            offset = tl.load(BODY.offset + meta, mask=mask, other=0.0).to(tl.float32)
+        if L.K > 0 and not L.ERROR_RULE:
+            lo = tl.load(BODY.lo + meta, mask=mask, other=0.0)
+            hi = tl.load(BODY.hi + meta, mask=mask, other=0.0)
+    v = x if L.SYMMETRIC else x - offset
     v = tl.math.div_rn(v, tl.where(scale > 0, scale, 1.0))
-    LEVELS_N: tl.constexpr = 2**BITS
-    head = h if not VECTOR else h * 0
-    if CODEBOOK:
+    LEVELS_N: tl.constexpr = 2**L.BITS
+    head = h if not L.VECTOR else h * 0
+    if L.CODEBOOK:
         code = tl.zeros(x.shape, tl.int32)
         for j in tl.static_range(LEVELS_N - 1):
-            mid = tl.load(MIDS + head * (LEVELS_N - 1) + j, mask=rows, other=0.0)
+            mid = tl.load(BODY.mids + head * (LEVELS_N - 1) + j, mask=rows, other=0.0)
             code += (v > mid[:, None]).to(tl.int32)
     else:  # clamp, then round half to even: fp32 (v + 1.5 * 2**23) - 1.5 * 2**23
-        QMAX: tl.constexpr = 2 ** (BITS - 1) - 1 if SYMMETRIC else LEVELS_N - 1
-        low: tl.constexpr = -QMAX if SYMMETRIC else 0
+        QMAX: tl.constexpr = 2 ** (L.BITS - 1) - 1 if L.SYMMETRIC else LEVELS_N - 1
+        low: tl.constexpr = -QMAX if L.SYMMETRIC else 0
         v = tl.minimum(tl.maximum(v, low), QMAX)
-        code = ((v + ROUNDING) - ROUNDING).to(tl.int32) + (QMAX if SYMMETRIC else 0)
+        code = ((v + ROUNDING) - ROUNDING).to(tl.int32) + (QMAX if L.SYMMETRIC else 0)
     code = tl.where(mask, code, 0)
-    if K > 0:  # quant._base, then the K largest excesses of each row, lower channel on ties
-        if CODEBOOK:
-            level = tl.load(LEVELS + head[:, None] * LEVELS_N + code, mask=mask, other=0.0)
-        elif SYMMETRIC:
-            level = (code - (2 ** (BITS - 1) - 1)).to(tl.float32)
+    if L.K > 0:  # quant._base, then the K largest excesses of each row, lower channel on ties
+        if L.CODEBOOK:
+            level = tl.load(BODY.levels + head[:, None] * LEVELS_N + code, mask=mask, other=0.0)
+        elif L.SYMMETRIC:
+            level = (code - (2 ** (L.BITS - 1) - 1)).to(tl.float32)
         else:
             level = code.to(tl.float32)
         base = level * scale
-        if not SYMMETRIC:
+        if not L.SYMMETRIC:
             base = base + offset
         error = x - base
-        excess = tl.abs(error) if ERROR_RULE else tl.abs(x - tl.minimum(tl.maximum(x, lo), hi))
+        excess = tl.abs(error) if L.ERROR_RULE else tl.abs(x - tl.minimum(tl.maximum(x, lo), hi))
         excess = tl.where(mask, excess, -1.0)
-        slot = body_row * K
-        for k in tl.static_range(K):
+        slot = body_row * L.K
+        for k in tl.static_range(L.K):
             top = tl.max(excess, axis=1)
             index = tl.min(tl.where(excess == top[:, None], c[None, :], BLOCK_W), axis=1)
             hit = c[None, :] == index[:, None]
             delta = tl.sum(tl.where(hit, error, 0.0), axis=1)
             used = top > 0
-            tl.store(SLOT_INDEX + slot + k, tl.where(used, index, 0), mask=rows)
-            tl.store(SLOT_DELTA + slot + k, tl.where(used, delta, 0.0).to(DTYPE), mask=rows)
+            tl.store(BODY.slot_index + slot + k, tl.where(used, index, 0), mask=rows)
+            tl.store(BODY.slot_delta + slot + k, tl.where(used, delta, 0.0).to(DTYPE), mask=rows)
             excess = tl.where(hit, -1.0, excess)
-    PB: tl.constexpr = (WIDTH * BITS + 7) // 8
-    dst = CODES + body_row[:, None] * PB
-    if 8 % BITS == 0:  # whole codes per byte: one contiguous row of bytes
-        PER_BYTE: tl.constexpr = 8 // BITS
-        shift = tl.arange(0, PER_BYTE) * BITS
+    PB: tl.constexpr = (L.WIDTH * L.BITS + 7) // 8
+    dst = BODY.codes + body_row[:, None] * PB
+    if 8 % L.BITS == 0:  # whole codes per byte: one contiguous row of bytes
+        PER_BYTE: tl.constexpr = 8 // L.BITS
+        shift = tl.arange(0, PER_BYTE) * L.BITS
         grouped = tl.reshape(code, [BLOCK_T, BLOCK_W // PER_BYTE, PER_BYTE])
         packed = tl.sum(grouped << shift[None, None, :], axis=2)
         j = tl.arange(0, BLOCK_W // PER_BYTE)
         tl.store(dst + j[None, :], packed.to(tl.uint8), mask=rows[:, None] & (j < PB)[None, :])
-    else:  # 3, 5, 6 or 7 bits: 8 codes make a word of BITS bytes
-        shift = tl.arange(0, 8) * BITS
+    else:  # 3, 5, 6 or 7 bits: 8 codes make a word of L.BITS bytes
+        shift = tl.arange(0, 8) * L.BITS
         wide = tl.reshape(code, [BLOCK_T, BLOCK_W // 8, 8])
-        if BITS > 3:
+        if L.BITS > 3:
             wide = wide.to(tl.int64)
         words = tl.sum(wide << shift[None, None, :], axis=2)
         w = tl.arange(0, BLOCK_W // 8)
-        for r in tl.static_range(BITS):
-            byte = w * BITS + r
+        for r in tl.static_range(L.BITS):
+            byte = w * L.BITS + r
             out = ((words >> (8 * r)) & 0xFF).to(tl.uint8)
             tl.store(dst + byte[None, :], out, mask=rows[:, None] & (byte < PB)[None, :])
+
+
+class BodyBuffers(NamedTuple):
+    """A PackedBody's tensors as the kernel writes them; those a layout does not use repeat the
+    scale. lo, hi: the static range float32 [Hkv, D]; the others as PackedBody documents."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    levels: torch.Tensor
+    mids: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    slot_index: torch.Tensor
+    slot_delta: torch.Tensor
+
+
+class PackLayout(NamedTuple):
+    """What the kernel compiles for one body (a constexpr argument).
+
+    WIDTH       channels per stored row
+    HEADS       rows per token: Hkv, or 1 for "vector"
+    VECTOR      a row joins every KV head
+    BITS        code width
+    GRAN        tiles.TOKEN ("token", "vector"), CHANNEL or STATIC
+    GROUP       channels per group of a row (TOKEN), tokens per group (CHANNEL), else 1
+    SYMMETRIC   symmetric levels (no offset)
+    CODEBOOK    codebook levels (thresholds `mids`)
+    K           exact slots per row
+    TRIM        elements left out at each end of a TOKEN group's range (outliers)
+    ERROR_RULE  slot_rule "error" (else "outside")
+    """
+
+    WIDTH: int
+    HEADS: int
+    VECTOR: bool
+    BITS: int
+    GRAN: int
+    GROUP: int
+    SYMMETRIC: bool
+    CODEBOOK: bool
+    K: int
+    TRIM: int
+    ERROR_RULE: bool
 
 
 def supports(spec: QuantSpec, head_dim: int, kv_heads: int) -> bool:
@@ -264,22 +305,33 @@ def _launch(x, new, lengths, body: PackedBody, seq, start, end, n, exclude) -> N
     dummy = body.scale
     trim = spec.outliers_per_side(group) if spec.granularity in ("token", "vector") else 0
     lo, hi = body.static_range or (dummy, dummy)
+    buffers = BodyBuffers(
+        body.codes, body.scale, body.offset if body.offset is not None else dummy,
+        *(t if t is not None else dummy for t in (body.levels, body.mids)),
+        lo, hi, *(t if t is not None else dummy for t in (body.slot_index, body.slot_delta)),
+    )  # fmt: skip
+    layout = PackLayout(
+        WIDTH=width,
+        HEADS=heads,
+        VECTOR=body.vector,
+        BITS=spec.bits,
+        GRAN=GRAN[spec.granularity].value,
+        GROUP=max(group, 1),
+        SYMMETRIC=spec.symmetric,
+        CODEBOOK=spec.codebook,
+        K=spec.slots(width),
+        TRIM=trim,
+        ERROR_RULE=spec.slot_rule == "error",
+    )
     # fmt: off
     _quant_pack_kernel[grid](
         x, new if ring else dummy, lengths if ring else dummy,
-        seq, start, end if ring else seq,
-        body.codes, body.scale, body.offset if body.offset is not None else dummy,
-        *(t if t is not None else dummy for t in (body.levels, body.mids)),
+        seq, start, end if ring else seq, buffers,
         exclude.view(torch.uint8) if spec.granularity == "channel" and exclude is not None
         else None,
-        lo, hi, *(t if t is not None else dummy for t in (body.slot_index, body.slot_delta)),
         n, hkv, slots, body.scale.shape[2] if spec.granularity == "channel" else 1,
         x.shape[2] if ring else 1, exclude.shape[1] if exclude is not None else 0, spec.clip,
-        D=d, WIDTH=width, HEADS=heads, VECTOR=body.vector, BITS=spec.bits,
-        GRAN=GRANULARITY[spec.granularity], GROUP=max(group, 1), SYMMETRIC=spec.symmetric,
-        CODEBOOK=spec.codebook, K=spec.slots(width), TRIM=trim,
-        ERROR_RULE=spec.slot_rule == "error", RING=ring,
-        BLOCK_T=block_t, BLOCK_W=block_w,
+        layout, D=d, RING=ring, BLOCK_T=block_t, BLOCK_W=block_w,
         BLOCK_G=block_w if group in (0, width) else group,
         num_warps=4, enable_fp_fusion=False,  # no FMA contraction: the reference rounds twice
     )

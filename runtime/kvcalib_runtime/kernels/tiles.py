@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 TOKEN, CHANNEL, STATIC, EXACT = (tl.constexpr(g) for g in range(4))
+GRAN = {"token": TOKEN, "vector": TOKEN, "channel": CHANNEL, "static": STATIC}  # kernels' switch
 INV_TWO_PI = tl.constexpr(0.5 / math.pi)
 TWO_PI_HI = tl.constexpr(float(torch.tensor(2 * math.pi, dtype=torch.float32)))  # + LO = 2 pi
 TWO_PI_LO = tl.constexpr(float(torch.tensor(2 * math.pi - TWO_PI_HI.value, dtype=torch.float32)))
@@ -101,27 +102,34 @@ def spread(meta, ROWS: tl.constexpr, REPEAT: tl.constexpr, COLS: tl.constexpr):
 
 # fmt: off
 @triton.jit
-def half(CODES, SCALE, OFFSET, LEVELS, line, slot, pos0, live, c0, s_static, o_static,
-         num_slots, meta_rows, BN: tl.constexpr, BLOCK_C: tl.constexpr, C: tl.constexpr,
-         WIDTH: tl.constexpr, BITS: tl.constexpr, GRAN: tl.constexpr, GROUP: tl.constexpr,
-         SYMMETRIC: tl.constexpr, CODEBOOK: tl.constexpr, UNIT: tl.constexpr,
-         ROW: tl.constexpr):
+def half(S, L: tl.constexpr, LEVELS, line, slot, pos0, live, c0, s_static, o_static,
+         BN: tl.constexpr, BLOCK_C: tl.constexpr, C: tl.constexpr):
     # fmt: on
-    """One half of a head from the body, fp32 [BN, BLOCK_C]: channels c0 + [0, C) of the
-    WIDTH-channel rows `slot` [BN] of (sequence, head) line `line` (int64), where `live`.
+    """One half of a head from the body (buffers S, layout L: decode_attention's StreamBuffers
+    and StreamLayout; LEVELS: the codebook row), fp32 [BN, BLOCK_C]: channels c0 + [0, C) of the
+    L.WIDTH-channel rows `slot` [BN] of (sequence, head) line `line` (int64), where `live`.
 
     STATIC: s_static, o_static [BLOCK_C] (offset with the symmetric shift folded in) from the
     caller. CHANNEL: the tile's positions are pos0 + [0, BN), pos0 a multiple of BN. EXACT:
-    CODES holds the values.
+    S.codes holds the values.
     """
+    CODES = S.codes
+    SCALE = S.scale
+    OFFSET = S.offset
+    WIDTH: tl.constexpr = L.WIDTH
+    BITS: tl.constexpr = L.BITS
+    GRAN: tl.constexpr = L.GRAN
+    GROUP: tl.constexpr = L.GROUP
+    SYMMETRIC: tl.constexpr = L.SYM
+    CODEBOOK: tl.constexpr = L.CB
     ch = tl.arange(0, BLOCK_C)
-    row = line * num_slots + slot
+    row = line * S.slots + slot
     SHIFT: tl.constexpr = 2 ** (BITS - 1) - 1 if SYMMETRIC and not CODEBOOK else 0
     if GRAN == EXACT:
         x = tl.load(CODES + row[:, None] * WIDTH + (c0 + ch)[None, :],
                     mask=live[:, None] & (ch < C)[None, :], other=0.0).to(tl.float32)  # fmt: skip
     else:
-        lv = level(codes(CODES, row, c0, live, BN, BLOCK_C, C, BITS, UNIT, ROW), LEVELS, BITS,
+        lv = level(codes(CODES, row, c0, live, BN, BLOCK_C, C, BITS, L.UNIT, L.ROW), LEVELS, BITS,
                    CODEBOOK)  # fmt: skip
         if GRAN == STATIC:
             x = lv * s_static[None, :] + o_static[None, :]
@@ -147,8 +155,8 @@ def half(CODES, SCALE, OFFSET, LEVELS, line, slot, pos0, live, c0, s_static, o_s
             x = lv * scale + offset
         else:  # CHANNEL: one metadata row per GROUP positions (broadcast when GROUP >= BN)
             NGB: tl.constexpr = BN // GROUP if GROUP < BN else 1
-            group = (pos0 // GROUP + tl.arange(0, NGB)) % meta_rows
-            meta = (line * meta_rows + group)[:, None] * WIDTH + (c0 + ch)[None, :]
+            group = (pos0 // GROUP + tl.arange(0, NGB)) % S.meta_rows
+            meta = (line * S.meta_rows + group)[:, None] * WIDTH + (c0 + ch)[None, :]
             scale = tl.load(SCALE + meta, mask=(ch < C)[None, :], other=0.0).to(tl.float32)
             offset = -SHIFT * scale
             if not SYMMETRIC:
@@ -160,19 +168,16 @@ def half(CODES, SCALE, OFFSET, LEVELS, line, slot, pos0, live, c0, s_static, o_s
     return x
 
 
-# fmt: off
 @triton.jit
-def static_meta(SCALE, OFFSET, h, c0, BLOCK_C: tl.constexpr, C: tl.constexpr, D: tl.constexpr,
-                BITS: tl.constexpr, SYMMETRIC: tl.constexpr, CODEBOOK: tl.constexpr):
-    # fmt: on
+def static_meta(S, L: tl.constexpr, h, c0, BLOCK_C: tl.constexpr, C: tl.constexpr, D: tl.constexpr):
     """A "static" half's scale and offset [BLOCK_C] (fp32, symmetric shift folded in), read
-    once per program: SCALE/OFFSET [Hkv, D]."""
+    once per program: S.scale / S.offset [Hkv, D] (buffers S, layout L as `half` takes them)."""
     ch = tl.arange(0, BLOCK_C)
-    scale = tl.load(SCALE + h * D + c0 + ch, mask=ch < C, other=0.0).to(tl.float32)
-    SHIFT: tl.constexpr = 2 ** (BITS - 1) - 1 if SYMMETRIC and not CODEBOOK else 0
+    scale = tl.load(S.scale + h * D + c0 + ch, mask=ch < C, other=0.0).to(tl.float32)
+    SHIFT: tl.constexpr = 2 ** (L.BITS - 1) - 1 if L.SYM and not L.CB else 0
     offset = -SHIFT * scale
-    if not SYMMETRIC:
-        offset += tl.load(OFFSET + h * D + c0 + ch, mask=ch < C, other=0.0).to(tl.float32)
+    if not L.SYM:
+        offset += tl.load(S.offset + h * D + c0 + ch, mask=ch < C, other=0.0).to(tl.float32)
     return scale, offset
 
 

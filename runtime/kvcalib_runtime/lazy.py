@@ -5,8 +5,10 @@ import importlib
 import sys
 
 
-def lazy(package: str, table: dict[str, str]):
-    """(__getattr__, __dir__) for `package`, whose public name n lives in module table[n]."""
+def lazy(package: str, modules: dict[str, tuple[str, ...]]):
+    """(__getattr__, __dir__, __all__) for `package`, whose public names modules[m] live in
+    module m."""
+    table = {name: module for module, names in modules.items() for name in names}
 
     def __getattr__(name: str):
         if name not in table:
@@ -18,4 +20,4 @@ def lazy(package: str, table: dict[str, str]):
     def __dir__() -> list[str]:
         return sorted([*vars(sys.modules[package]), *table])
 
-    return __getattr__, __dir__
+    return __getattr__, __dir__, sorted(table)
