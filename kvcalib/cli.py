@@ -57,7 +57,8 @@ def inspect(path, trust_remote_code):
     "--recipe",
     "recipes",
     multiple=True,
-    help="Preset name (`kvcalib recipes` lists them) or TOML path (repeat).",
+    help="Preset name (`kvcalib recipes` lists them) or TOML path: a name with a / or ending in "
+    ".toml is a file, any other a preset (repeat).",
 )
 @click.option("--profile", type=click.Path(), help="Calibration profile folder.")
 @click.option(
@@ -72,7 +73,8 @@ def inspect(path, trust_remote_code):
     "--residual",
     type=click.IntRange(min=0),
     default=None,
-    help="Give every recipe this residual window of exact tokens (default: each its own).",
+    help="Give every recipe this residual window of exact tokens (default: each its own; "
+    "decode mode only: fake mode quantizes every position).",
 )
 @click.option("--passkey", is_flag=True, help="Also measure passkey retrieval at 1K/2K/4K.")
 @click.option(
@@ -147,7 +149,7 @@ def eval_(
                 param_hint="--long-context-lengths",
             ) from None
     elif long_context:
-        lengths = list(longcontext.LENGTHS)
+        lengths = True  # the suite's default lengths, named as plain --long-context's
     results = evaluate(
         model,
         list(recipes),
@@ -189,7 +191,12 @@ def recipes_():
 @main.command()
 @click.argument("model", required=False)
 @click.option("--profile", "profile", default=None, help="Profile folder from kvcalib calibrate.")
-@click.option("--recipe", required=True, help="Preset name or recipe TOML file.")
+@click.option(
+    "--recipe",
+    required=True,
+    help="Preset name or recipe TOML file: a name with a / or ending in .toml is a file, any "
+    "other a preset.",
+)
 @click.option("-o", "--output", required=True, help="Folder to write (atomically).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @click.option(

@@ -32,6 +32,7 @@ channel statistics).
 
 import dataclasses
 import difflib
+import os
 import re
 import tomllib
 from dataclasses import dataclass
@@ -197,20 +198,34 @@ def presets() -> list[str]:
     return sorted({p.stem for d in RECIPE_DIRS if d.is_dir() for p in d.glob("*.toml")})
 
 
+def is_recipe_file(name_or_path: str | Path) -> bool:
+    """The one rule between a preset name and a recipe file: a Path, or a string that holds a
+    path separator or ends in .toml, names a file; any other string names a preset, whatever
+    the working directory holds (a folder `kvcalib-2` there does not hide the preset)."""
+    text = str(name_or_path)
+    return isinstance(name_or_path, Path) or text.endswith(".toml") or "/" in text or os.sep in text
+
+
 def load_recipe(name_or_path: str | Path) -> Recipe:
-    """A preset by name (see `presets()`) or a recipe TOML file by path."""
-    path = Path(name_or_path)
-    if path.exists() and not path.is_file():  # a folder, or a FIFO a read would block on
-        raise RecipeError(f"recipe {path}: not a regular file; pass a TOML file or a preset name")
-    if not path.is_file():
+    """A preset by name (see `presets()`) or a recipe TOML file by path (`is_recipe_file`)."""
+    if is_recipe_file(name_or_path):
+        path = Path(name_or_path)
+        if path.exists() and not path.is_file():  # a folder, or a FIFO a read would block on
+            raise RecipeError(
+                f"recipe {path}: not a regular file; pass a TOML file or a preset name"
+            )
+        if not path.is_file():
+            raise RecipeError(f"recipe {path}: no such file; pass a TOML file or a preset name")
+    else:
         found = [d / f"{name_or_path}.toml" for d in RECIPE_DIRS]
         path = next((p for p in found if p.is_file()), None)
         if path is None:
             close = difflib.get_close_matches(str(name_or_path), presets(), n=3)
             hint = f"did you mean {', '.join(close)}? " if close else ""
             raise RecipeError(
-                f"recipe {name_or_path}: no such preset or file; {hint}"
-                f"use a TOML file or a preset: {', '.join(presets())}"
+                f"recipe {name_or_path}: no such preset; {hint}use a preset "
+                f"({', '.join(presets())}) or a TOML file's path (./NAME.toml: a name without "
+                "a / or .toml is a preset)"
             )
     try:
         data = tomllib.loads(path.read_text())

@@ -259,7 +259,7 @@ def test_bad_recipes_exit_2_naming_the_key(source, tmp_path, case):
 def test_unknown_preset_lists_the_presets(source, tmp_path):
     _refused(
         _run("convert", source, "--recipe", "kivi3", "-o", tmp_path / "out"),
-        "recipe kivi3: no such preset or file; did you mean kivi-",
+        "recipe kivi3: no such preset; did you mean kivi-",
     )
 
 
