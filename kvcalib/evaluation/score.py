@@ -17,7 +17,8 @@ Simulator (fake or decode mode) on the same tokens, and is scored against it:
               (kvcalib.evaluation.longcontext)
 
 Every Result carries the run's `setup` (model, text, windows, seq_len, mode, residual: the window
-every recipe was given, or None when each kept its own) and its own residual and kept sinks;
+every recipe was given, or None when each kept its own) and its own residual (None in fake
+mode, which quantizes every position: no window) and kept sinks;
 `format_table` prints the setup as a header line and full precision as the first row.
 """
 
@@ -58,7 +59,7 @@ class Result:
     top1: float
     bits_per_element: float
     bits_at_context: dict[str, float]
-    residual: int
+    residual: int | None
     seconds: float
     passkey: dict[str, float] | None = None
     notes: list[str] = field(default_factory=list)
@@ -131,10 +132,11 @@ def candidates(
                     "as given, and these hold kvcalib's fused transforms: evaluate it on the "
                     f"source model ({weights.meta['source']['spec']})"
                 )
-            if Geometry.from_config(model.config).sliding:
+            geometry = Geometry.from_config(getattr(model, "config", model))
+            if geometry.sliding:
                 raise RecipeError(
                     f"recipe {recipe.name} runs transformers' QuantizedCache, which takes models "
-                    f"with full attention layers only, and {model.config.model_type} has "
+                    f"with full attention layers only, and {geometry.model_type} has "
                     "sliding-window layers: leave it out for this model"
                 )
             out.append(Candidate(recipe.name, recipe, None, KVParams(), None))
@@ -180,6 +182,8 @@ def score(
             f"--seq-len {seq_len} exceeds the model's context ({max_len} tokens): use at most that"
         )
     longcontext.check_lengths(long_context or (), max_len)
+    if passkey:
+        longcontext.check_passkey(max_len)
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     ids = data_mod.eval_windows(tokenizer, data, windows=windows, seq_len=seq_len, vocab=vocab)
@@ -228,7 +232,8 @@ def score(
     ppl_fp = _ppl(fp_nll, fp_tokens, "full precision")
     results = []
     cfg = model.config
-    residuals = {_residual(c) for c in cands}
+    windowed = [c for c in cands if mode == "decode" or c.scheme is None]  # fake: no window
+    residuals = {_residual(c) for c in windowed}
     setup = {
         "model": getattr(getattr(model, "kvcalib_source", None), "spec", cfg.name_or_path),
         "data": data_label(data),
@@ -253,7 +258,7 @@ def score(
                 top1=s.agree / s.tokens,
                 bits_per_element=bits[0],
                 bits_at_context=bits[1],
-                residual=_residual(c),
+                residual=_residual(c) if mode == "decode" or c.scheme is None else None,
                 seconds=s.seconds,
                 notes=s.notes,
                 sinks=_sinks(c),
