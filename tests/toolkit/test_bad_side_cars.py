@@ -99,6 +99,16 @@ def generate(*args, **kwargs):
     return build
 
 
+def new_cache(batch, max_len, full_precision=False):
+    """RuntimeModel.new_cache on the intact copy (the checkpoint loads first)."""
+
+    def build(ctx):
+        model = kvcalib_runtime.load(ctx.converted, device="cpu")
+        return lambda: model.new_cache(batch, max_len, full_precision=full_precision)
+
+    return build
+
+
 def converted(ctx):
     return ctx.converted
 
@@ -256,7 +266,14 @@ LOAD = [
     Case("options", "load", generate("hi", 0), "max_new_tokens = 0: ask for at least 1", False),
     Case("options", "load", generate("hi", 2.5), "max_new_tokens = 2.5: use an integer", False),
     Case("numbers", "load", generate([5, 999], 2), "token ids in [0, 128)", False),
-    Case("size", "load", generate("hi", 10**9), "more than max_len = 256", False),
+    Case(
+        "size", "load", generate("hi", 10**9), "the model's context of 256 tokens: shorten", False
+    ),
+    Case("options", "load", generate([], 4), "no prompts: pass a str", False),
+    Case("options", "load", new_cache(0, 16), "batch = 0: use an integer >= 1", False),
+    Case("options", "load", new_cache(-1, 16), "batch = -1: use an integer >= 1", False),
+    Case("options", "load", new_cache(1, 0), "max_len = 0: use an integer >= 1", False),
+    Case("options", "load", new_cache(0, 16, True), "batch = 0: use an integer >= 1", False),
 ]
 
 NAN_RANGE = params(
