@@ -17,6 +17,7 @@ load) test_bad_side_cars.py.
 import pytest
 from corpus import (
     STATIC,
+    TEXT,
     Case,
     Workspace,
     check,
@@ -140,6 +141,30 @@ CALIBRATE = [
         "calibrate",
         calib("--data", lambda c: c.file("d.jsonl", b'{"text": "\xff"}\n'), "-o", out, data=0),
         "not UTF-8 text",
+    ),
+    Case(
+        "special",
+        "calibrate",
+        calib(
+            "--data",
+            lambda c: c.file("l1.txt", "na\xefve ".encode("latin-1") * 99),
+            "-o",
+            out,
+            data=0,
+        ),
+        "not UTF-8 text (byte 2)",
+    ),
+    Case(
+        "special",
+        "calibrate",
+        calib("--data", lambda c: c.file("u16.txt", TEXT.encode("utf-16")), "-o", out, data=0),
+        "not UTF-8 text (byte 0)",
+    ),
+    Case(
+        "special",
+        "calibrate",
+        calib("--data", lambda c: c.file("u16.txt", TEXT.encode("utf-16-le")), "-o", out, data=0),
+        "holds NUL characters (UTF-16 text?); save the file as UTF-8",
     ),
     Case(
         "special",
