@@ -26,6 +26,7 @@ from kvcalib.core.plan import scheme_with_residual
 from kvcalib.core.profile import FORMAT_VERSION, Profile
 from kvcalib.core.recipe import Recipe, load_recipe
 from kvcalib.errors import ProfileError, RecipeError
+from kvcalib.evaluation import longcontext
 from kvcalib.evaluation.score import Candidate, Result, candidates, score
 from kvcalib.io import atomic
 from kvcalib_runtime.format import META, read_checkpoint
@@ -124,7 +125,7 @@ def evaluate(
     mode: str = "decode",
     residual: int | None = None,
     passkey: bool = False,
-    long_context: Sequence[int] | None = None,
+    long_context: Sequence[int] | bool | None = None,
     plots: str | Path | None = None,
     device: str = "cpu",
     dtype: str | torch.dtype = torch.float32,
@@ -142,7 +143,8 @@ def evaluate(
     kvcalib.core.plan.scheme_with_residual says how flush blocks follow). Every option, recipe,
     profile and the side-car are checked before the model loads. `dtype` is a name ("float32")
     or a torch dtype.
-    `long_context`: lengths at which to run the long-context suite (e.g. (2048, 4096, 8192)).
+    `long_context`: lengths at which to run the long-context suite (e.g. (2048, 4096)), or True
+    for its default lengths (`kvcalib.evaluation.longcontext.LENGTHS`).
     """
     reads = preflight.inputs(model, data=data, profile=profile, recipes=recipes)
     preflight.evaluate_options(
@@ -154,10 +156,17 @@ def evaluate(
         data=data,
         plots=plots,
         reads=reads,
+        residual=residual,
     )
     loaded = [r if isinstance(r, Recipe) else load_recipe(r) for r in recipes]
     source = resolve(model, trust_remote_code=trust_remote_code)
     preflight.context(source, seq_len)
+    default_lengths = long_context is True
+    long_context = longcontext.LENGTHS if default_lengths else long_context
+    context = preflight.max_positions(source)
+    longcontext.check_lengths(long_context or (), context, default=default_lengths)
+    if passkey:
+        longcontext.check_passkey(context)
     ckpt = read_checkpoint(source.path) if (source.path / META).is_file() else None
     if ckpt is None and not recipes:
         raise RecipeError("name at least one --recipe: `kvcalib recipes` lists the presets")

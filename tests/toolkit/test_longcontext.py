@@ -203,7 +203,7 @@ def test_cli_passes_the_lengths_and_prints_the_second_table(monkeypatch, tmp_pat
         "accuracy": 1.0, "samples": 2, "spread": 0.0, "seconds": 1.0
     }  # fmt: skip
     CliRunner().invoke(main, ["eval", "--recipe", "fp16", "--long-context"])
-    assert seen["long_context"] == list(longcontext.LENGTHS)
+    assert seen["long_context"] is True  # the suite's own lengths, named as --long-context's
     bad = CliRunner().invoke(main, ["eval", "--recipe", "fp16", "--long-context-lengths", "4k"])
     assert bad.exit_code == 2 and "--long-context-lengths" in bad.output
 
