@@ -31,6 +31,7 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 CONFIG, META, TOKENIZER = "config.json", "kvcalib.json", "tokenizer.json"
 PARAMS, MANIFEST = "kv_params.safetensors", "manifest.json"
+DOCUMENTS = ("README", "LICENSE", "NOTICE", "COPYING")  # stems of files beside a checkpoint
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 FUSED_V1 = ("key_smooth", "residual_rotation", "value_rotation")  # version 1 `fused`
@@ -215,7 +216,18 @@ def verify_manifest(path: Path, *, hashes: bool = True) -> dict[str, dict]:
             raise FormatError(f"{MANIFEST}: entry {name!r} is not a plain file name of the folder")
         if not isinstance(entry, dict) or set(entry) != {"sha256", "size"}:
             raise FormatError(f"{MANIFEST}: entry {name!r} needs exactly sha256 and size")
-    present = {p.name for p in path.iterdir()} - {MANIFEST}
+        size, digest = entry["size"], entry["sha256"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise FormatError(
+                f"{MANIFEST}: entry {name!r} has size {size!r}, not a byte count; convert the "
+                "model again"
+            )
+        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise FormatError(
+                f"{MANIFEST}: entry {name!r} has sha256 {str(digest)[:70]!r}, not 64 hex "
+                "digits; convert the model again"
+            )
+    present = {p.name for p in path.iterdir() if not beside_checkpoint(p.name)} - {MANIFEST}
     if missing := sorted(set(files) - present):
         raise FormatError(f"{missing[0]}: listed in {MANIFEST} but missing from {path}")
     if extra := sorted(present - set(files)):
@@ -231,6 +243,17 @@ def verify_manifest(path: Path, *, hashes: bool = True) -> dict[str, dict]:
                 f"from {MANIFEST}); convert the model again"
             )
     return files
+
+
+def beside_checkpoint(name: str) -> bool:
+    """A file a hub clone adds beside a checkpoint, which no loader reads and the manifest
+    does not list: hidden names (.git/, .gitattributes, .cache/) and documents (*.md, *.rst,
+    LICENSE or LICENSE.txt, NOTICE, ...). Any other file is part of the checkpoint and must be
+    in the manifest."""
+    path = Path(name)
+    suffix = path.suffix.lower()
+    document = path.stem.upper() in DOCUMENTS and suffix in ("", ".txt")
+    return name.startswith(".") or suffix in (".md", ".rst") or document
 
 
 def _plain_name(name) -> bool:

@@ -8,6 +8,7 @@ need no converter and the spec is shown to be sufficient.
 import hashlib
 import json
 import math
+import re
 import shutil
 import struct
 import time
@@ -175,6 +176,24 @@ def test_manifest_names_changed_missing_and_extra_files(ckpt):
         "missing",
     ):
         format.read_checkpoint(ckpt)
+
+
+def test_a_hub_clone_of_a_checkpoint_loads_and_its_own_files_stay_bound(ckpt):
+    """A clone adds .git/, .gitattributes and a README.md that no loader reads: they do not stop
+    the load. A file a loader could read (a tokenizer file, weights) is refused unless the
+    manifest lists it."""
+    (ckpt / ".git" / "objects").mkdir(parents=True)
+    (ckpt / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (ckpt / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    (ckpt / "README.md").write_text("# my conversion\n")
+    (ckpt / "LICENSE").write_text("Apache-2.0\n")
+    assert set(format.verify_manifest(ckpt)) == set(format.verify_manifest(ckpt, hashes=False))
+    format.read_checkpoint(ckpt)
+    for name in ("tokenizer_config.json", "model-extra.safetensors", "README.json"):
+        (ckpt / name).write_text("{}")
+        with pytest.raises(FormatError, match=rf"^{re.escape(name)}: .* \(extra file\)"):
+            format.read_checkpoint(ckpt)
+        (ckpt / name).unlink()
 
 
 def test_manifest_entries_must_be_plain_names(ckpt):

@@ -6,6 +6,7 @@ Every damaged file is listed in a rewritten manifest, as a careless or hostile w
 leave it: the validator, not the sha256, must refuse it — before any weight loads.
 """
 
+import json
 import math
 
 import pytest
@@ -105,6 +106,19 @@ def new_cache(batch, max_len, full_precision=False):
     def build(ctx):
         model = kvcalib_runtime.load(ctx.converted, device="cpu")
         return lambda: model.new_cache(batch, max_len, full_precision=full_precision)
+
+    return build
+
+
+def manifest_entry(name: str, **changes):
+    """The converted copy with the manifest's entry for `name` changed."""
+
+    def build(ctx):
+        path = ctx.converted
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["files"][name].update(changes)
+        (path / "manifest.json").write_text(json.dumps(manifest))
+        return path
 
     return build
 
@@ -255,6 +269,18 @@ LOAD = [
         "not a tokenizer the tokenizers library reads",
     ),
     Case("special", "load", load(fifo_instead("manifest.json")), "not a regular file"),
+    Case(
+        "numbers",
+        "load",
+        load(manifest_entry("config.json", size="12")),
+        "manifest.json: entry 'config.json' has size '12', not a byte count",
+    ),
+    Case(
+        "numbers",
+        "load",
+        load(manifest_entry("config.json", sha256=7)),
+        "manifest.json: entry 'config.json' has sha256 '7', not 64 hex digits",
+    ),
     Case("special", "load", load(fifo_instead("kv_params.safetensors")), "not a regular file"),
     Case("size", "load", load(converted, max_len=10**12), "max_len = 1000000000000: use a"),
     Case("options", "load", load(converted, max_len=True), "max_len = True"),
@@ -302,3 +328,21 @@ COMMANDS = [
 )
 def test_bad_side_car_or_argument_is_refused_in_one_line(case, corpus, tmp_path, monkeypatch):
     check(case, Workspace(tmp_path, corpus), monkeypatch)
+
+
+def test_a_hub_clone_of_a_conversion_loads_and_inspects(corpus, tmp_path):
+    """What a clone of an uploaded conversion adds (.git/, README.md) is not part of the
+    checkpoint: the runtime loads it and the commands read it (both refused "extra file")."""
+    from click.testing import CliRunner
+
+    from kvcalib.cli import main
+
+    ctx = Workspace(tmp_path, corpus)
+    folder = ctx.converted
+    (folder / ".git").mkdir()
+    (folder / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (folder / "README.md").write_text("# tiny, converted\n")
+    model = kvcalib_runtime.load(folder, device="cpu")
+    assert len(model.generate("hi", 2, eos_token_id=[])[0]) == 2
+    result = CliRunner().invoke(main, ["inspect", str(folder)])
+    assert result.exit_code == 0, result.output
