@@ -10,11 +10,15 @@ from kvcalib_runtime.errors import KvcalibRuntimeError
 
 class _Group(click.Group):
     """Expected failures print one line and exit 2 (a bad option too, as click's own usage
-    errors do); anything else keeps its traceback."""
+    errors do); Ctrl-C exits 130, as a shell reports SIGINT; anything else keeps its
+    traceback."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
         except (KvcalibError, KvcalibRuntimeError) as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
@@ -150,6 +154,16 @@ def eval_(
             ) from None
     elif long_context:
         lengths = True  # the suite's default lengths, named as plain --long-context's
+
+    def show(results):  # the table, before the plots and the JSON are written
+        click.echo(format_table(results))
+        if lengths:
+            click.echo()
+            click.echo(longcontext.format_table(results))
+        for r in results:
+            for note in r.notes:
+                click.echo(f"note: {r.recipe}: {note}", err=True)
+
     results = evaluate(
         model,
         list(recipes),
@@ -166,16 +180,10 @@ def eval_(
         dtype=dtype,
         calibrate_missing=not no_calibrate,
         trust_remote_code=trust_remote_code,
+        report=show,
     )
-    click.echo(format_table(results))
-    if lengths:
-        click.echo()
-        click.echo(longcontext.format_table(results))
-    for r in results:
-        for note in r.notes:
-            click.echo(f"note: {r.recipe}: {note}", err=True)
     if json_out:
-        with file_staging(Path(json_out)) as tmp:
+        with file_staging(Path(json_out), "--json") as tmp:
             tmp.write_text(json.dumps([r.to_json() for r in results], indent=2))
 
 

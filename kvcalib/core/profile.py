@@ -118,6 +118,11 @@ class Profile:
         refused first, before its contents are judged."""
         path = Path(path)
         fix = f"create it with kvcalib calibrate [MODEL] -o {path}"
+        if path.exists() and not path.is_dir():
+            raise ProfileError(
+                f"profile {path}: a file, not a profile folder; pass the folder kvcalib "
+                "calibrate wrote (the one holding profile.json)"
+            )
         if not path.is_dir():
             raise ProfileError(f"profile {path}: no such folder; {fix}")
         for name in (META, TENSORS):

@@ -228,7 +228,7 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
                 "a / or .toml is a preset)"
             )
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a BOM, as editors write
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise RecipeError(f"recipe {path}: not valid TOML ({e}); fix the file") from None
     return parse_recipe(data, source=str(path))

@@ -452,6 +452,12 @@ CONVERT = [
     ),
     Case("hint", "convert", conv(model=the_profile, recipe="fp16"), "this is a profile folder"),
     Case(
+        "hint",
+        "convert",
+        conv(profile=lambda c: c.file("p.json", "{}")),
+        "p.json: a file, not a profile folder; pass the folder",
+    ),
+    Case(
         "deferred",
         "convert",
         conv(recipe='name = "r"\n[key]\nbits = 4\nrotation = "hadamard"\n', model=head_dim_10),

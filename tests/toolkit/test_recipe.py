@@ -205,3 +205,9 @@ def test_convert_takes_the_preset_beside_a_folder_of_its_name(corpus, tmp_path, 
     assert result.exit_code == 0, result.output
     meta = json.loads((tmp_path / "out" / "kvcalib.json").read_text())
     assert meta["recipe"]["name"] == "per-token-4"
+
+
+def test_a_recipe_saved_with_a_byte_order_mark_loads(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b'\xef\xbb\xbfname = "bom"\n[key]\nbits = 4\n')
+    assert load_recipe(path).key.bits == 4  # was "Invalid statement (line 1, column 1)"
