@@ -132,6 +132,7 @@ def evaluate(
     progress: bool = True,
     calibrate_missing: bool = True,
     trust_remote_code: bool = False,
+    report: Callable[[list[Result]], None] | None = None,
 ) -> list[Result]:
     """Evaluate recipes (names, paths or Recipe objects) on a model spec or a converted folder.
 
@@ -143,6 +144,7 @@ def evaluate(
     kvcalib.core.plan.scheme_with_residual says how flush blocks follow). Every option, recipe,
     profile and the side-car are checked before the model loads. `dtype` is a name ("float32")
     or a torch dtype.
+    `report(results)` runs before the plots are written (`score`).
     `long_context`: lengths at which to run the long-context suite (e.g. (2048, 4096)), or True
     for its default lengths (`kvcalib.evaluation.longcontext.LENGTHS`).
     """
@@ -202,4 +204,5 @@ def evaluate(
         long_context=long_context,
         plots=plots,
         progress=progress,
+        report=report,
     )

@@ -24,7 +24,7 @@ mode, which quantizes every position: no window) and kept sinks;
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from kvcalib.evaluation import longcontext
 from kvcalib.evaluation.external import evaluate_external, external_bits
 from kvcalib.evaluation.longcontext import passkey_accuracy
 from kvcalib.evaluation.plots import Recorder
+from kvcalib.io import atomic
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.format import Checkpoint
 from kvcalib_runtime.geometry import Geometry
@@ -171,10 +172,12 @@ def score(
     long_context: Sequence[int] | None = None,
     plots: str | Path | None = None,
     progress: bool = True,
+    report: Callable[[list[Result]], None] | None = None,
 ) -> list[Result]:
     """Score planned candidates on `windows` windows of `seq_len` tokens of an already loaded
     model (see the module docstring), and on the long-context suite at `long_context` lengths
-    when given."""
+    when given. `report(results)` runs before the plots are written, so that a plot that
+    fails to write loses no result (the CLI prints its table there)."""
 
     max_len = getattr(model.config, "max_position_embeddings", None)
     if max_len and seq_len > max_len:
@@ -274,10 +277,13 @@ def score(
         )
         for r, c in zip(results, cells, strict=True):
             r.long_context = c
-    if recorder is not None:
-        recorder.write(plots)
-    if plots is not None and long_context:
-        longcontext.plot(results, Path(plots) / "long_context.png")
+    if report is not None:
+        report(results)
+    if plots is not None:
+        with atomic.added_files(Path(plots), "--plots"):
+            recorder.write(plots)
+            if long_context:
+                longcontext.plot(results, Path(plots) / "long_context.png")
     return results
 
 
