@@ -21,7 +21,7 @@ from kvcalib.calibration import PHASES, Settings, calibrate
 from kvcalib.calibration.codebooks import preset_variants
 from kvcalib.conversion.convert import convert as convert_checkpoint
 from kvcalib.core import options, preflight
-from kvcalib.core.models import ModelSource, cache_dir, load_model, resolve
+from kvcalib.core.models import ModelSource, cache_dir, load_model, resolve, writable_cache_dir
 from kvcalib.core.plan import scheme_with_residual
 from kvcalib.core.profile import FORMAT_VERSION, Profile
 from kvcalib.core.recipe import Recipe, load_recipe
@@ -78,6 +78,7 @@ def default_profile(
                 f"{what} - but --no-calibrate was given: run kvcalib calibrate "
                 f"{source.spec} -o DIR and pass --profile DIR"
             )
+        writable_cache_dir()
         log(f"note: {what}; this runs once (--no-calibrate stops here instead)")
         calibrate(str(source.path), path, progress=progress)
     loaded = Profile.load(path)

@@ -18,6 +18,7 @@ safetensors folder under the user's cache directory, keyed by the GGUF's SHA-256
 read that folder.
 """
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -62,6 +63,29 @@ def cache_dir() -> Path:
         return Path(os.environ["KVCALIB_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "kvcalib"
+
+
+def writable_cache_dir() -> Path:
+    """cache_dir(), refused with the fix (ModelError naming $KVCALIB_CACHE_DIR) when kvcalib
+    cannot write there: a file where a folder belongs, or a folder it may not write."""
+    path = cache_dir()
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise cache_error(path, f"{probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise cache_error(path, f"cannot write in {probe}")
+    return path
+
+
+def cache_error(path: Path, why: str) -> ModelError:
+    """The one-line refusal of an unusable cache folder, naming the variable that moves it."""
+    name = "KVCALIB_CACHE_DIR" if os.environ.get("KVCALIB_CACHE_DIR") else "the cache folder"
+    return ModelError(
+        f"{name} {path}: {why}; kvcalib keeps dequantized models and default profiles there: "
+        "set KVCALIB_CACHE_DIR to a folder you can write"
+    )
 
 
 def resolve(
@@ -126,6 +150,7 @@ def _gemma3_gguf() -> Path:
     target = cache_dir() / "gemma3" / package.MODEL_NAME
     if target.is_file() and cached_sha256(target) == package.EXPECTED_SHA256:
         return target
+    writable_cache_dir()
     try:
         return Path(package.assemble(target, overwrite=True))
     except (OSError, ValueError, ImportError) as e:
@@ -269,10 +294,14 @@ def cached_sha256(path: Path) -> str:
         known = {}
     if key not in known:
         known[key] = sha256_file(path)
-        memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(known))
-        tmp.replace(memo)
+        try:  # a memo only: a cache folder kvcalib cannot write costs a hash next time
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(known))
+            tmp.replace(memo)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
     return known[key]
 
 
@@ -297,6 +326,7 @@ def _from_gguf(path: Path, spec: str) -> ModelSource:
                 f"model {path}: GGUF architecture {arch!r} is not supported; "
                 f"supported: {', '.join(sorted(archs.gguf_names()))}"
             )
+        writable_cache_dir()
         _dequantize_gguf(path, digest, folder)
     return ModelSource(spec, folder, digest)
 
