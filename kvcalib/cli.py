@@ -4,6 +4,7 @@ import sys
 
 import click
 
+from kvcalib.core import paths  # no torch: paths are checked before the heavy imports
 from kvcalib.errors import KvcalibError
 from kvcalib_runtime.errors import KvcalibRuntimeError
 
@@ -47,6 +48,7 @@ TRUST_REMOTE_CODE = click.option(
 @TRUST_REMOTE_CODE
 def inspect(path, trust_remote_code):
     """Summarize a model (default: smollm2-135m), a profile folder or a converted folder."""
+    paths.check(model=path)
     from kvcalib.inspect import summary
 
     click.echo(summary(path, trust_remote_code=trust_remote_code))
@@ -131,6 +133,7 @@ def eval_(
     """Measure KV recipes against full precision on the same text (MODEL: default
     smollm2-135m, or a converted folder, evaluated with its own side-car). The JSON is a list
     with one object per recipe; each carries the run's setup."""
+    paths.check(model=model, data=data, profile=profile, recipes=recipes)
     import json
     from pathlib import Path
 
@@ -250,6 +253,7 @@ def convert(
     trust_remote_code,
 ):
     """Fuse a recipe's rotations and scalings into MODEL's weights (default: smollm2-135m)."""
+    paths.check(model=model, profile=profile, recipes=[recipe])
     from kvcalib.api import convert as convert_model
 
     path = convert_model(
@@ -356,6 +360,7 @@ def calibrate_(
 ):
     """Profile MODEL's KV cache on calibration text (default: smollm2-135m): ranges, outlier
     channels, attention sinks, sink predictor, sensitivity and codebooks."""
+    paths.check(model=model, data=data)
     import dataclasses
 
     from kvcalib.api import PHASES, Settings, calibrate
@@ -415,6 +420,7 @@ def generate_(
 ):
     """Stream a converted checkpoint's completion of --prompt through its quantized KV cache,
     then print decode speed and the memory the cache allocated."""
+    paths.check(checkpoint=converted_dir)
     from kvcalib.generate import format_report, generate_text
 
     sections = []

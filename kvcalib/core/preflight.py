@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvcalib.core import models, options
 from kvcalib.core.data import check_data
-from kvcalib.core.recipe import is_recipe_file
+from kvcalib.core.paths import is_recipe_file
 from kvcalib.errors import DataError, ModelError, OptionError
 from kvcalib.io import atomic
 from kvcalib_runtime.format import META

@@ -32,12 +32,12 @@ channel statistics).
 
 import dataclasses
 import difflib
-import os
 import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcalib.core.paths import is_recipe_file
 from kvcalib.errors import RecipeError
 from kvcalib_runtime.checks import MAX_TOKENS
 from kvcalib_runtime.quant import QuantSpec
@@ -196,14 +196,6 @@ _CHOICES = {
 def presets() -> list[str]:
     """Names of the preset recipes shipped with kvcalib."""
     return sorted({p.stem for d in RECIPE_DIRS if d.is_dir() for p in d.glob("*.toml")})
-
-
-def is_recipe_file(name_or_path: str | Path) -> bool:
-    """The one rule between a preset name and a recipe file: a Path, or a string that holds a
-    path separator or ends in .toml, names a file; any other string names a preset, whatever
-    the working directory holds (a folder `kvcalib-2` there does not hide the preset)."""
-    text = str(name_or_path)
-    return isinstance(name_or_path, Path) or text.endswith(".toml") or "/" in text or os.sep in text
 
 
 def load_recipe(name_or_path: str | Path) -> Recipe:

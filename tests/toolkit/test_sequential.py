@@ -207,7 +207,7 @@ def test_cli_calibrate_passes_device_auto(tmp_path, monkeypatch):
         raise ModelError("stop here")
 
     monkeypatch.setattr(kvcalib.api, "calibrate", fake)
-    args = ["calibrate", "m", "-o", str(tmp_path / "p"), "--device", "auto"]
+    args = ["calibrate", str(tmp_path), "-o", str(tmp_path / "p"), "--device", "auto"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "stop here" in result.output
     assert seen["device"] == "auto" and seen["sequential"] is None
