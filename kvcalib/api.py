@@ -21,7 +21,14 @@ from kvcalib.calibration import PHASES, Settings, calibrate
 from kvcalib.calibration.codebooks import preset_variants
 from kvcalib.conversion.convert import convert as convert_checkpoint
 from kvcalib.core import options, preflight
-from kvcalib.core.models import ModelSource, cache_dir, load_model, resolve, writable_cache_dir
+from kvcalib.core.models import (
+    DEFAULT_MODEL,
+    ModelSource,
+    cache_dir,
+    load_model,
+    resolve,
+    writable_cache_dir,
+)
 from kvcalib.core.plan import scheme_with_residual
 from kvcalib.core.profile import FORMAT_VERSION, Profile
 from kvcalib.core.recipe import Recipe, load_recipe
@@ -34,8 +41,10 @@ from kvcalib_runtime.format import META, read_checkpoint
 __all__ = ["PHASES", "Settings", "calibrate", "convert", "default_profile", "evaluate"]
 CONVERTED = "converted checkpoint"  # the kind of output convert writes (atomic.KINDS)
 
-# What the default calibration costs, measured (benchmarks/RESULTS.md, bench_calibrate.py).
-DEFAULT_COST = "about a minute on 2 CPU cores for the default model"
+# What the default calibration costs, measured (benchmarks/RESULTS.md, bench_calibrate.py: 36.3 s
+# on the default model, 2.34x a plain forward over its tokens), as the README states it.
+DEFAULT_COST = "36 s on 2 idle CPU cores for smollm2-135m"
+OTHER_COST = "about 2.3x a plain forward over 16 x 512 tokens"
 
 
 def _stderr(line: str) -> None:
@@ -71,7 +80,8 @@ def default_profile(
     if not path.is_dir():
         what = (
             f"no --profile given: the recipe needs calibrated tensors, so {source.spec} gets "
-            f"its default calibration (`kvcalib calibrate`; {DEFAULT_COST}), cached in {path}"
+            f"its default calibration (`kvcalib calibrate`; "
+            f"{DEFAULT_COST if source.spec == DEFAULT_MODEL else OTHER_COST}), cached in {path}"
         )
         if not calibrate_missing:
             raise ProfileError(

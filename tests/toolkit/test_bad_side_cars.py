@@ -346,3 +346,18 @@ def test_a_hub_clone_of_a_conversion_loads_and_inspects(corpus, tmp_path):
     assert len(model.generate("hi", 2, eos_token_id=[])[0]) == 2
     result = CliRunner().invoke(main, ["inspect", str(folder)])
     assert result.exit_code == 0, result.output
+
+
+def test_the_readme_snippet_loads_where_it_runs(corpus, monkeypatch):
+    """The README's Python snippet asked for device="cuda" and died on a CPU machine after the
+    calibration: it names no device, and the runtime's default is the CPU without CUDA."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    snippet = readme.split("```python\n")[1].split("```")[0]
+    assert re.search(r'kvcalib_runtime\.load\("converted/"\)', snippet)
+    assert "cuda" not in snippet.replace("# device: cuda when there is one, else cpu", "")
+    assert snippet.count("progress=True") == 2  # calibrate and evaluate show their bars
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert kvcalib_runtime.load(corpus.converted).device.type == "cpu"
