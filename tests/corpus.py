@@ -172,13 +172,17 @@ class Workspace:
         (path / "profile.json").write_text(json.dumps(meta))
         return path
 
-    def profile_tensors(self, edit) -> Path:
-        """A profile copy whose tensors went through edit(tensors) (in place)."""
+    def profile_tensors(self, edit, *, rebind: bool = False) -> Path:
+        """A profile copy whose tensors went through edit(tensors) (in place); `rebind`: its
+        profile.json's tensors_sha256 rewritten to match, as a careless writer would."""
         path = self.profile
         tensors = load_file(path / "profile.safetensors")
         edit(tensors)
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         save_file(tensors, path / "profile.safetensors", metadata={"format": "pt"})
+        if rebind:
+            digest = hashlib.sha256((path / "profile.safetensors").read_bytes()).hexdigest()
+            self.profile_json(lambda m: m.update(tensors_sha256=digest))
         return path
 
     def side_car(self, *, meta=None, params=None, config=None, files=None) -> Path:
