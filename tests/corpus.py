@@ -201,6 +201,7 @@ class Workspace:
             save_file(tensors, path / format.PARAMS, metadata={"format": "pt"})
         for name, data in (files or {}).items():
             (path / name).write_bytes(data)
+        rebind(path)
         remanifest(path)
         return path
 
@@ -276,6 +277,16 @@ def recipe_file(content: bytes):
 
 def the_profile(ctx):
     return ctx.profile
+
+
+def rebind(path: Path) -> None:
+    """kvcalib.json's binding rewritten to the folder's kv_params and weights."""
+    doc = json.loads((path / format.META).read_text())
+    if "binding" in doc:
+        files = [p for p in path.iterdir() if p.is_file()]
+        digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+        doc["binding"] = format.binding(digests)
+        (path / format.META).write_text(json.dumps(doc))
 
 
 def remanifest(path: Path) -> None:

@@ -7,8 +7,9 @@ no string from a checkpoint is ever evaluated, and no pickle is ever loaded.
     ckpt = read_checkpoint(path)     # FormatError naming the file when anything is off
     ckpt.config, ckpt.meta, ckpt.geometry, ckpt.scheme, ckpt.params, ckpt.transforms
 
-Version 2 records where each layer's transforms are (`transforms`); version 1 files, which list
-the fused ones (`fused`), are still read.
+Version 3 binds the side-car to its weights (`binding`: the sha256 of kv_params.safetensors and
+one over the weight files); version 2 files, without it, and version 1 files, which list the
+fused transforms (`fused`) instead of `transforms`, are still read.
 """
 
 import hashlib
@@ -27,8 +28,8 @@ from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.scheme import KVParams, KVScheme
 from kvcalib_runtime.transforms import FUSED, NONE, ONLINE, LayerTransforms, Transforms
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 CONFIG, META, TOKENIZER = "config.json", "kvcalib.json", "tokenizer.json"
 PARAMS, MANIFEST = "kv_params.safetensors", "manifest.json"
 DOCUMENTS = ("README", "LICENSE", "NOTICE", "COPYING")  # stems of files beside a checkpoint
@@ -62,12 +63,13 @@ _PARAM_SHAPES = {
     "key_split": ("[Hkv, n]", lambda shape: len(shape) == 2),
     "value_split": ("[Hkv, n]", lambda shape: len(shape) == 2),
 }
-_META_KEYS = {
+_META_KEYS_V2 = {
     "format_version": int, "source": dict, "recipe": dict, "profile": (dict, type(None)),
     "transforms": dict, "residual_rotation_seed": (int, type(None)), "untied_embeddings": bool,
     "export": (str, type(None)), "scheme": dict,
 }  # fmt: skip
-_META_KEYS_V1 = {**{k: v for k, v in _META_KEYS.items() if k != "transforms"}, "fused": list}
+_META_KEYS_V1 = {**{k: v for k, v in _META_KEYS_V2.items() if k != "transforms"}, "fused": list}
+_META_KEYS = {1: _META_KEYS_V1, 2: _META_KEYS_V2, 3: {**_META_KEYS_V2, "binding": dict}}
 
 
 @dataclass(frozen=True)
@@ -321,7 +323,7 @@ def _check_meta(meta: dict) -> None:
             f"{', '.join(map(str, READABLE_VERSIONS))}: install the kvcalib-runtime that matches "
             "the converter, or convert the model again"
         )
-    keys = _META_KEYS if version == FORMAT_VERSION else _META_KEYS_V1
+    keys = _META_KEYS[version]
     for key, kind in keys.items():
         if key not in meta:
             fail(f"missing key {key!r}")
@@ -437,6 +439,33 @@ def _read_params(path: Path, num_layers: int, kv_heads: int, head_dim: int) -> K
     return KVParams.from_tensors(load_file(path))
 
 
+def binding(sha256: dict[str, str]) -> dict[str, str]:
+    """kvcalib.json's `binding` (version 3) from the sha256 of the folder's files by name: that
+    of kv_params.safetensors, and one sha256 over the weight files' names and sha256."""
+    weights = sorted(n for n in sha256 if n == SINGLE or SHARD.fullmatch(n))
+    joined = "".join(f"{n}:{sha256[n]}\n" for n in weights)
+    return {PARAMS: sha256[PARAMS], "weights": hashlib.sha256(joined.encode()).hexdigest()}
+
+
+def _check_binding(meta: dict, files: dict[str, dict]) -> None:
+    """FormatError when kv_params.safetensors or the weights are not those kvcalib.json was
+    converted with (the manifest's sha256, which verify_manifest held to the bytes)."""
+    if meta["format_version"] < 3:
+        return
+    want = binding({n: e["sha256"] for n, e in files.items()})
+    got = meta["binding"]
+    if got.get(PARAMS) != want[PARAMS]:
+        raise FormatError(
+            f"{PARAMS}: not the file {META} was converted with (its sha256 differs from "
+            f"binding.{PARAMS}: another conversion's?); convert the model again"
+        )
+    if set(got) != set(want) or got["weights"] != want["weights"]:
+        raise FormatError(
+            f"model*.safetensors: not the weights {META} and {PARAMS} were converted with "
+            "(their sha256 differs from binding.weights); convert the model again"
+        )
+
+
 def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
     """Validate a converted checkpoint (FORMAT.md) and read its side-car.
 
@@ -445,9 +474,10 @@ def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
     path = Path(path)
     if not path.is_dir():
         raise FormatError(f"{path}: not a folder; pass the folder `kvcalib convert` wrote")
-    verify_manifest(path, hashes=hashes)
+    files = verify_manifest(path, hashes=hashes)
     meta = _json(path / META)
     _check_meta(meta)
+    _check_binding(meta, files)
     config = _json(path / CONFIG)
     geo = Geometry.from_config(config)
     geo.require_arch()

@@ -258,7 +258,10 @@ def _edit_meta(ckpt: Path, **changes) -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"format_version": 3}, "format_version 3, but this kvcalib-runtime reads versions 1, 2"),
+        (
+            {"format_version": 4},
+            "format_version 4, but this kvcalib-runtime reads versions 1, 2, 3",
+        ),
         ({"transforms": {"seed": 3, "layers": []}}, "transforms cover 0 layers"),
         ({"transforms": {"seed": 4, "layers": _transforms().to_json()["layers"]}}, "seed differs"),
         (

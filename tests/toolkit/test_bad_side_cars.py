@@ -11,7 +11,8 @@ import math
 
 import pytest
 import torch
-from corpus import Case, Workspace, check, nan_at
+from corpus import Case, Workspace, check, nan_at, remanifest
+from safetensors.torch import load_file, save_file
 
 import kvcalib_runtime
 
@@ -118,6 +119,22 @@ def manifest_entry(name: str, **changes):
         manifest = json.loads((path / "manifest.json").read_text())
         manifest["files"][name].update(changes)
         (path / "manifest.json").write_text(json.dumps(manifest))
+        return path
+
+    return build
+
+
+def unbound(name: str, edit):
+    """The converted copy with the file `name` (safetensors) edited by edit(tensors) and the
+    manifest rewritten, the binding in kvcalib.json left as converted: another conversion's
+    kv_params, or weights changed after the conversion."""
+
+    def build(ctx):
+        path = ctx.converted
+        tensors = load_file(path / name)
+        edit(tensors)
+        save_file(tensors, path / name, metadata={"format": "pt"})
+        remanifest(path)
         return path
 
     return build
@@ -272,6 +289,18 @@ LOAD = [
     Case(
         "numbers",
         "load",
+        load(unbound("kv_params.safetensors", lambda t: t["layers.0.key_range_lo"].mul_(2))),
+        "kv_params.safetensors: not the file kvcalib.json was converted with",
+    ),
+    Case(
+        "numbers",
+        "load",
+        load(unbound("model.safetensors", lambda t: t["model.norm.weight"].mul_(2))),
+        "model*.safetensors: not the weights kvcalib.json and kv_params.safetensors were",
+    ),
+    Case(
+        "numbers",
+        "load",
         load(manifest_entry("config.json", size="12")),
         "manifest.json: entry 'config.json' has size '12', not a byte count",
     ),
@@ -361,3 +390,13 @@ def test_the_readme_snippet_loads_where_it_runs(corpus, monkeypatch):
     assert snippet.count("progress=True") == 2  # calibrate and evaluate show their bars
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert kvcalib_runtime.load(corpus.converted).device.type == "cpu"
+
+
+def test_a_version_2_side_car_without_a_binding_still_loads(corpus, tmp_path):
+    """Version 3 binds kv_params.safetensors to the weights; folders converted before it, at
+    version 2, hold no binding and load as they did."""
+    folder = Workspace(tmp_path, corpus).side_car(
+        meta=lambda m: (m.pop("binding"), m.update(format_version=2))
+    )
+    model = kvcalib_runtime.load(folder, device="cpu")
+    assert model.meta["format_version"] == 2 and "binding" not in model.meta
