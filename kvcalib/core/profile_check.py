@@ -12,8 +12,8 @@ Hashes prove a file is the one that was written; this checks that what it says m
   std >= 0), attention.token0 [L, H], massive.max_abs [L, E],
   sensitivity.{key,value} [L, len(probe.bits)], codebook.{variant}.{bits} [L, 2**bits], sorted,
   in [0, 1] ([-1, 1] for ":symmetric" variants); windows.input_ids int64 [num_samples,
-  seq_len] with ids >= 0.
-
+  seq_len] with ids >= 0; attention.received, sinks.*, massive.median_abs and position_error.*
+  of the dtype and shape kvcalib.core.profile lists;
 - profile.json's structure: no number anywhere is NaN or Inf (with the field's path); the
   top level, model, tokens, codebooks, layers[i], sinks, massive and sink_predictor hold only
   the keys the writer writes (`KEYS`; settings, versions, probe and timings are descriptive);
@@ -126,6 +126,13 @@ def check(
         fail(f"windows.input_ids is not int64 {list(windows)} (num_samples, seq_len)")
     if ids is not None and bool((ids < 0).any()):
         fail("windows.input_ids holds negative token ids")
+    for name, (dtype, want) in _fixed(meta, L, model["num_heads"]).items():
+        t = tensors.get(name)
+        if t is not None and (t.dtype != dtype or tuple(t.shape) != want):
+            fail(
+                f"tensor {name} is {t.dtype} {list(t.shape)}, profile.json implies "
+                f"{dtype} {list(want)}"
+            )
     for name in ("sensitivity.key", "sensitivity.value"):
         if name in tensors and bits is None:
             fail(f"tensor {name} without probe.bits to index it")
@@ -191,6 +198,26 @@ def _leaves(doc, path: str):
 
 def _number(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _fixed(meta: dict, L: int, H: int) -> dict[str, tuple[torch.dtype, tuple]]:
+    """The dtype and shape profile.json implies for the tensors of fixed names (module
+    docstring of kvcalib.core.profile): N windows of T tokens, P position-error widths."""
+    N, T = meta["num_samples"], meta["seq_len"]
+    out = {
+        "attention.received": (torch.float32, (L, H, T)),
+        "sinks.flags": (torch.uint8, (N, T)),
+        "sinks.layers": (torch.int32, (N, T)),
+        "sinks.weight": (torch.float32, (N, T)),
+        "sinks.judged": (torch.uint8, (T,)),
+        "sinks.token0": (torch.float32, (L,)),
+        "massive.median_abs": (torch.float32, (L,)),
+    }
+    bits = meta.get("position_error_bits")
+    if isinstance(bits, list):
+        out["position_error.key"] = (torch.float32, (len(bits), L, T))
+        out["position_error.key_groups"] = (torch.float32, (len(bits), L, 3))
+    return out
 
 
 def _shape(name, L, hkv, d, quantiles, model, bits) -> tuple | None:

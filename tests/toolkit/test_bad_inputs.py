@@ -66,6 +66,11 @@ def head_dim_10(ctx: Workspace):
     return save_with_tokenizer(net, ctx.root / "hd10")
 
 
+def cut_sink_flags(ctx: Workspace):
+    """A profile whose sinks.flags holds the first of its two windows."""
+    return ctx.profile_tensors(lambda t: t.update({"sinks.flags": t["sinks.flags"][:1]}))
+
+
 def calib(*args, data=True, model=None):
     """calibrate (the model copy, or `model(ctx)`) on small windows with `args`, where a
     callable argument gets the workspace."""
@@ -352,6 +357,12 @@ CONVERT = [
         "convert",
         conv(profile=lambda c: c.profile_tensors(lambda t: t["attention.token0"].mul_(0.5))),
         "profile.safetensors is not the one profile.json was written with",
+    ),
+    Case(
+        "numbers",
+        "convert",
+        conv(profile=cut_sink_flags),
+        "tensor sinks.flags is torch.uint8 [1, 32], profile.json implies torch.uint8 [2, 32]",
     ),
     Case("numbers", "convert", conv(profile=meta(**{"model.num_layers": 2.0})), "= 2.0 is not"),
     Case("numbers", "convert", conv(profile=meta(**{"model.head_dim": True})), "= True is not"),
