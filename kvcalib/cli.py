@@ -4,17 +4,22 @@ import sys
 
 import click
 
+from kvcalib.core import paths  # no torch: paths are checked before the heavy imports
 from kvcalib.errors import KvcalibError
 from kvcalib_runtime.errors import KvcalibRuntimeError
 
 
 class _Group(click.Group):
     """Expected failures print one line and exit 2 (a bad option too, as click's own usage
-    errors do); anything else keeps its traceback."""
+    errors do); Ctrl-C exits 130, as a shell reports SIGINT; anything else keeps its
+    traceback."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
         except (KvcalibError, KvcalibRuntimeError) as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
@@ -60,6 +65,7 @@ def dtype_option(default: str | None, help: str | None = None):
 @TRUST_REMOTE_CODE
 def inspect(path, trust_remote_code):
     """Summarize a model (default: smollm2-135m), a profile folder or a converted folder."""
+    paths.check(model=path)
     from kvcalib.inspect import summary
 
     click.echo(summary(path, trust_remote_code=trust_remote_code))
@@ -75,7 +81,8 @@ def inspect(path, trust_remote_code):
     "--recipe",
     "recipes",
     multiple=True,
-    help="Preset name (`kvcalib recipes` lists them) or TOML path (repeat).",
+    help="Preset name (`kvcalib recipes` lists them) or TOML path: a name with a / or ending in "
+    ".toml is a file, any other a preset (repeat).",
 )
 @click.option("--profile", type=click.Path(), help="Calibration profile folder.")
 @click.option(
@@ -90,7 +97,8 @@ def inspect(path, trust_remote_code):
     "--residual",
     type=click.IntRange(min=0),
     default=None,
-    help="Give every recipe this residual window of exact tokens (default: each its own).",
+    help="Give every recipe this residual window of exact tokens (default: each its own; "
+    "decode mode only: fake mode quantizes every position).",
 )
 @click.option("--passkey", is_flag=True, help="Also measure passkey retrieval at 1K/2K/4K.")
 @click.option(
@@ -123,12 +131,13 @@ def eval_(model, recipes, long_context, long_context_lengths, json_out, no_calib
     """Measure KV recipes against full precision on the same text (MODEL: default
     smollm2-135m, or a converted folder, evaluated with its own side-car). The JSON is a list
     with one object per recipe; each carries the run's setup."""
+    paths.check(model=model, data=options["data"], profile=options["profile"], recipes=recipes)
     import json
     from pathlib import Path
 
     from kvcalib.api import evaluate
     from kvcalib.core.preflight import inputs
-    from kvcalib.evaluation import longcontext, longreport
+    from kvcalib.evaluation import longreport
     from kvcalib.evaluation.score import format_table
     from kvcalib.io.atomic import check_file_output, file_staging
 
@@ -145,22 +154,30 @@ def eval_(model, recipes, long_context, long_context_lengths, json_out, no_calib
                 param_hint="--long-context-lengths",
             ) from None
     elif long_context:
-        lengths = list(longcontext.LENGTHS)
-    results = evaluate(
-        model, list(recipes), long_context=lengths, calibrate_missing=not no_calibrate, **options
-    )
-    click.echo(format_table(results))
-    if lengths:
-        click.echo()
-        click.echo(longreport.format_table(results))
-        if paired := longreport.format_paired(results):
+        lengths = True  # the suite's default lengths, named as plain --long-context's
+
+    def show(results):  # the table, before the plots and the JSON are written
+        click.echo(format_table(results))
+        if lengths:
             click.echo()
-            click.echo(paired)
-    for r in results:
-        for note in r.notes:
-            click.echo(f"note: {r.recipe}: {note}", err=True)
+            click.echo(longreport.format_table(results))
+            if paired := longreport.format_paired(results):
+                click.echo()
+                click.echo(paired)
+        for r in results:
+            for note in r.notes:
+                click.echo(f"note: {r.recipe}: {note}", err=True)
+
+    results = evaluate(
+        model,
+        list(recipes),
+        long_context=lengths,
+        calibrate_missing=not no_calibrate,
+        report=show,
+        **options,
+    )
     if json_out:
-        with file_staging(Path(json_out)) as tmp:
+        with file_staging(Path(json_out), "--json") as tmp:
             tmp.write_text(json.dumps([r.to_json() for r in results], indent=2))
 
 
@@ -176,7 +193,12 @@ def recipes_():
 @main.command()
 @click.argument("model", required=False)
 @click.option("--profile", "profile", default=None, help="Profile folder from kvcalib calibrate.")
-@click.option("--recipe", required=True, help="Preset name or recipe TOML file.")
+@click.option(
+    "--recipe",
+    required=True,
+    help="Preset name or recipe TOML file: a name with a / or ending in .toml is a file, any "
+    "other a preset.",
+)
 @click.option("-o", "--output", required=True, help="Folder to write (atomically).")
 @click.option("--force", is_flag=True, help="Replace an existing output folder.")
 @dtype_option(None, "dtype of the floating weights written (default: the source's).")
@@ -201,6 +223,7 @@ def recipes_():
 @TRUST_REMOTE_CODE
 def convert(model, no_calibrate, **options):
     """Fuse a recipe's rotations and scalings into MODEL's weights (default: smollm2-135m)."""
+    paths.check(model=model, profile=options["profile"], recipes=[options["recipe"]])
     from kvcalib.api import convert as convert_model
 
     path = convert_model(model, calibrate_missing=not no_calibrate, **options)
@@ -275,6 +298,7 @@ def calibrate_(
 ):
     """Profile MODEL's KV cache on calibration text (default: smollm2-135m): ranges, outlier
     channels, attention sinks, sink predictor, sensitivity and codebooks."""
+    paths.check(model=model, data=options["data"])
     import dataclasses
 
     from kvcalib.api import PHASES, Settings, calibrate
@@ -319,6 +343,7 @@ def generate_(
 ):
     """Stream a converted checkpoint's completion of --prompt through its quantized KV cache,
     then print decode speed and the memory the cache allocated."""
+    paths.check(checkpoint=converted_dir)
     from kvcalib.generate import format_report, generate_text
 
     sections = []

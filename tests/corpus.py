@@ -172,13 +172,17 @@ class Workspace:
         (path / "profile.json").write_text(json.dumps(meta))
         return path
 
-    def profile_tensors(self, edit) -> Path:
-        """A profile copy whose tensors went through edit(tensors) (in place)."""
+    def profile_tensors(self, edit, *, rebind: bool = False) -> Path:
+        """A profile copy whose tensors went through edit(tensors) (in place); `rebind`: its
+        profile.json's tensors_sha256 rewritten to match, as a careless writer would."""
         path = self.profile
         tensors = load_file(path / "profile.safetensors")
         edit(tensors)
         tensors = {k: v.contiguous() for k, v in tensors.items()}
         save_file(tensors, path / "profile.safetensors", metadata={"format": "pt"})
+        if rebind:
+            digest = hashlib.sha256((path / "profile.safetensors").read_bytes()).hexdigest()
+            self.profile_json(lambda m: m.update(tensors_sha256=digest))
         return path
 
     def side_car(self, *, meta=None, params=None, config=None, files=None) -> Path:
@@ -197,6 +201,7 @@ class Workspace:
             save_file(tensors, path / format.PARAMS, metadata={"format": "pt"})
         for name, data in (files or {}).items():
             (path / name).write_bytes(data)
+        rebind(path)
         remanifest(path)
         return path
 
@@ -272,6 +277,16 @@ def recipe_file(content: bytes):
 
 def the_profile(ctx):
     return ctx.profile
+
+
+def rebind(path: Path) -> None:
+    """kvcalib.json's binding rewritten to the folder's kv_params and weights."""
+    doc = json.loads((path / format.META).read_text())
+    if "binding" in doc:
+        files = [p for p in path.iterdir() if p.is_file()]
+        digests = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+        doc["binding"] = format.binding(digests)
+        (path / format.META).write_text(json.dumps(doc))
 
 
 def remanifest(path: Path) -> None:

@@ -38,6 +38,7 @@ from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvcalib.errors import ModelError
+from kvcalib.io.atomic import full_disk, full_disk_error
 from kvcalib.io.shards import SourceWeights
 from kvcalib.sim.hooks import decoder_layers
 from kvcalib_runtime import archs
@@ -263,9 +264,12 @@ class ActivationStore:
     temporary folder inside it (removed by `close`), so memory holds only what is in use."""
 
     def __init__(self, folder: str | Path | None = None):
-        self.dir = None
+        self.dir = self.folder = None
+        self._made = []  # the folders it made for `folder`, innermost first: removed by close
         if folder is not None:
-            Path(folder).mkdir(parents=True, exist_ok=True)
+            self.folder = Path(folder)
+            self._made = [p for p in (self.folder, *self.folder.parents) if not p.exists()]
+            self.folder.mkdir(parents=True, exist_ok=True)
             self.dir = Path(tempfile.mkdtemp(prefix="kvcalib-offload-", dir=folder))
         self._items = {}  # key -> tensor, or (file, shape, dtype)
         self._files = 0
@@ -278,7 +282,12 @@ class ActivationStore:
         self.pop(key)
         self._files += 1
         path = self.dir / f"{self._files}.bin"
-        t.contiguous().reshape(-1).view(torch.uint8).numpy().tofile(path)
+        try:
+            path.write_bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        except OSError as e:
+            if full_disk(e):
+                raise full_disk_error("--offload-dir", self.folder) from None
+            raise
         self._items[key] = (path, t.shape, t.dtype)
 
     def get(self, key) -> torch.Tensor:
@@ -304,6 +313,9 @@ class ActivationStore:
         self._items.clear()
         if self.dir is not None:
             shutil.rmtree(self.dir, ignore_errors=True)
+        for p in self._made:  # only the empty ones
+            with contextlib.suppress(OSError):
+                p.rmdir()
 
     def __enter__(self) -> "ActivationStore":
         return self

@@ -162,11 +162,13 @@ def convert(
     with atomic.staging(out, force) as tmp:
         hashes = _write_weights(tmp, weights, groups, job, max_bytes)
         hashes[format.CONFIG] = _write_json(tmp / format.CONFIG, out_config)
-        hashes[format.META] = _write_json(tmp / format.META, meta)
         for name in COPIED:
             if (source.path / name).is_file():
                 shutil.copyfile(source.path / name, tmp / name)
         save_file(params.tensors(), tmp / format.PARAMS, metadata={"format": "pt"})
+        hashes[format.PARAMS] = format.sha256_file(tmp / format.PARAMS)
+        meta["binding"] = format.binding(hashes)  # the side-car belongs to these weights
+        hashes[format.META] = _write_json(tmp / format.META, meta)
         files = {p.name: format.manifest_entry(p, hashes.get(p.name)) for p in tmp.iterdir()}
         manifest = {"format_version": format.FORMAT_VERSION, "files": dict(sorted(files.items()))}
         _write_json(tmp / format.MANIFEST, manifest)

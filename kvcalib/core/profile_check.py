@@ -12,7 +12,16 @@ Hashes prove a file is the one that was written; this checks that what it says m
   std >= 0), attention.token0 [L, H], massive.max_abs [L, E],
   sensitivity.{key,value} [L, len(probe.bits)], codebook.{variant}.{bits} [L, 2**bits], sorted,
   in [0, 1] ([-1, 1] for ":symmetric" variants); windows.input_ids int64 [num_samples,
-  seq_len] with ids >= 0.
+  seq_len] with ids >= 0; attention.received, sinks.*, massive.median_abs and position_error.*
+  of the dtype and shape kvcalib.core.profile lists;
+- profile.json's structure: no number anywhere is NaN or Inf (with the field's path); the
+  top level, model, tokens, codebooks, layers[i], sinks, massive and sink_predictor hold only
+  the keys the writer writes (`KEYS`; settings, versions, probe and timings are descriptive);
+  layers has one entry per layer, in order, with a weight per head and outlier lists per KV
+  head; codebooks names bit widths in [1, 8] and a positive count of windows and bins;
+- the binding: profile.json's tensors_sha256 is the sha256 of profile.safetensors (checked
+  last, so that a damaged file is named by what is wrong in it; a profile written before the
+  binding has none).
 
 Everything raises ProfileError naming the profile, the field and the fix (recalibrate).
 """
@@ -30,6 +39,27 @@ _STAT = re.compile(
     r"(key_pre_rope|key_post_rope|value)\.(all|nonsink)\.(\w+)|(key_\w+)\.range_ratio"
 )
 _CODEBOOK = re.compile(r"codebook\.(.+)\.(\d+)")
+KEYS = {
+    "": {
+        "format_version", "model", "data", "num_samples", "seq_len", "seed", "device", "dtype",
+        "sequential", "phases", "versions", "settings", "quantile_levels", "outlier_fractions",
+        "position_error_bits", "tokens", "probe", "codebooks", "layers", "sinks", "massive",
+        "sink_predictor", "timings", "tensors_sha256",
+    },
+    "model": {"spec", "path", "fingerprint", "model_type", *_SIZES},
+    "tokens": {"all", "nonsink"},
+    "codebooks": {"variants", "bits", "windows", "bins"},
+    "layers[]": {
+        "index", "token0_attention", "token0_sink", "key_outlier_channels_pre_rope",
+        "key_outlier_channels_post_rope", "massive_dims", "massive_tokens",
+    },
+    "sinks": {
+        "definition", "token0_windows", "token0_layers", "windows", "later_windows", "count",
+        "positions", "tokens",
+    },
+    "massive": {"ratio", "first_layer"},
+    "sink_predictor": {"layer", "dims", "threshold", "precision", "recall", "f1", "held_out"},
+}  # fmt: skip
 
 
 def _int(x) -> bool:
@@ -57,6 +87,7 @@ def check(
     for k in ("num_samples", "seq_len"):
         if not _int(meta.get(k)) or meta[k] < 1:
             fail(f"{k} = {meta.get(k)!r} is not a positive integer")
+    _check_structure(meta, fail)
     for k, want in (("quantile_levels", quantile_levels), ("outlier_fractions", outlier_fractions)):
         got = meta.get(k)
         numbers = isinstance(got, list) and all(_number(x) for x in got)
@@ -95,13 +126,98 @@ def check(
         fail(f"windows.input_ids is not int64 {list(windows)} (num_samples, seq_len)")
     if ids is not None and bool((ids < 0).any()):
         fail("windows.input_ids holds negative token ids")
+    for name, (dtype, want) in _fixed(meta, L, model["num_heads"]).items():
+        t = tensors.get(name)
+        if t is not None and (t.dtype != dtype or tuple(t.shape) != want):
+            fail(
+                f"tensor {name} is {t.dtype} {list(t.shape)}, profile.json implies "
+                f"{dtype} {list(want)}"
+            )
     for name in ("sensitivity.key", "sensitivity.value"):
         if name in tensors and bits is None:
             fail(f"tensor {name} without probe.bits to index it")
 
 
+def _check_structure(meta: dict, fail) -> None:
+    """Non-finite numbers, unknown keys, the layers list and the codebooks' counts."""
+    for path, value in _leaves(meta, ""):
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"profile.json {path} = {value} is not a finite number")
+    for section, known in KEYS.items():
+        docs = meta.get("layers") if section == "layers[]" else _at(meta, section)
+        for i, doc in enumerate(
+            docs if section == "layers[]" and isinstance(docs, list) else [docs]
+        ):
+            if not isinstance(doc, dict):
+                continue
+            where = f"layers[{i}]." if section == "layers[]" else f"{section}." if section else ""
+            if unknown := sorted(set(doc) - known):
+                fail(f"profile.json has an unknown key {where}{unknown[0]}")
+    model, layers = meta.get("model"), meta.get("layers")
+    if isinstance(model, dict) and layers is not None:
+        _check_layers(layers, model, fail)
+    books = meta.get("codebooks")
+    if books is not None:
+        bits = books.get("bits") if isinstance(books, dict) else None
+        if not isinstance(bits, list) or not all(_int(b) and 1 <= b <= 8 for b in bits):
+            fail(f"codebooks.bits = {str(bits)[:40]} is not a list of bit widths in [1, 8]")
+        for k in ("windows", "bins"):
+            if not _int(books.get(k)) or books[k] < 1:
+                fail(f"codebooks.{k} = {books.get(k)!r} is not a positive integer")
+
+
+def _check_layers(layers, model: dict, fail) -> None:
+    n, heads, kv = (model.get(k) for k in ("num_layers", "num_heads", "num_kv_heads"))
+    if not isinstance(layers, list) or len(layers) != n:
+        size = len(layers) if isinstance(layers, list) else type(layers).__name__
+        fail(f"layers holds {size} entries for the model's {n} layers")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, dict) or layer.get("index") != i:
+            fail(f"layers[{i}] is not the entry of layer {i}")
+        if len(layer.get("token0_attention") or ()) != heads:
+            fail(f"layers[{i}].token0_attention does not hold one weight per head ({heads})")
+        for k in ("key_outlier_channels_pre_rope", "key_outlier_channels_post_rope"):
+            if not isinstance(layer.get(k), list) or len(layer[k]) != kv:
+                fail(f"layers[{i}].{k} does not hold one list per KV head ({kv})")
+
+
+def _at(meta: dict, section: str):
+    return meta if not section else meta.get(section)
+
+
+def _leaves(doc, path: str):
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield from _leaves(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _leaves(v, f"{path}[{i}]")
+    else:
+        yield path, doc
+
+
 def _number(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _fixed(meta: dict, L: int, H: int) -> dict[str, tuple[torch.dtype, tuple]]:
+    """The dtype and shape profile.json implies for the tensors of fixed names (module
+    docstring of kvcalib.core.profile): N windows of T tokens, P position-error widths."""
+    N, T = meta["num_samples"], meta["seq_len"]
+    out = {
+        "attention.received": (torch.float32, (L, H, T)),
+        "sinks.flags": (torch.uint8, (N, T)),
+        "sinks.layers": (torch.int32, (N, T)),
+        "sinks.weight": (torch.float32, (N, T)),
+        "sinks.judged": (torch.uint8, (T,)),
+        "sinks.token0": (torch.float32, (L,)),
+        "massive.median_abs": (torch.float32, (L,)),
+    }
+    bits = meta.get("position_error_bits")
+    if isinstance(bits, list):
+        out["position_error.key"] = (torch.float32, (len(bits), L, T))
+        out["position_error.key_groups"] = (torch.float32, (len(bits), L, 3))
+    return out
 
 
 def _shape(name, L, hkv, d, quantiles, model, bits) -> tuple | None:

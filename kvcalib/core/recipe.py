@@ -37,6 +37,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvcalib.core.paths import is_recipe_file
 from kvcalib.errors import RecipeError
 from kvcalib_runtime.checks import MAX_TOKENS
 from kvcalib_runtime.scheme import KEY_POSITIONS, KVScheme, LayerScheme
@@ -198,22 +199,28 @@ def presets() -> list[str]:
 
 
 def load_recipe(name_or_path: str | Path) -> Recipe:
-    """A preset by name (see `presets()`) or a recipe TOML file by path."""
-    path = Path(name_or_path)
-    if path.exists() and not path.is_file():  # a folder, or a FIFO a read would block on
-        raise RecipeError(f"recipe {path}: not a regular file; pass a TOML file or a preset name")
-    if not path.is_file():
+    """A preset by name (see `presets()`) or a recipe TOML file by path (`is_recipe_file`)."""
+    if is_recipe_file(name_or_path):
+        path = Path(name_or_path)
+        if path.exists() and not path.is_file():  # a folder, or a FIFO a read would block on
+            raise RecipeError(
+                f"recipe {path}: not a regular file; pass a TOML file or a preset name"
+            )
+        if not path.is_file():
+            raise RecipeError(f"recipe {path}: no such file; pass a TOML file or a preset name")
+    else:
         found = [d / f"{name_or_path}.toml" for d in RECIPE_DIRS]
         path = next((p for p in found if p.is_file()), None)
         if path is None:
             close = difflib.get_close_matches(str(name_or_path), presets(), n=3)
             hint = f"did you mean {', '.join(close)}? " if close else ""
             raise RecipeError(
-                f"recipe {name_or_path}: no such preset or file; {hint}"
-                f"use a TOML file or a preset: {', '.join(presets())}"
+                f"recipe {name_or_path}: no such preset; {hint}use a preset "
+                f"({', '.join(presets())}) or a TOML file's path (./NAME.toml: a name without "
+                "a / or .toml is a preset)"
             )
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a BOM, as editors write
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise RecipeError(f"recipe {path}: not valid TOML ({e}); fix the file") from None
     return parse_recipe(data, source=str(path))

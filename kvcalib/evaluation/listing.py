@@ -6,9 +6,13 @@ sink slots and bookkeeping), walked from the buffers of a cache built on the met
 (kvcalib_runtime.kvcache.planned_memory), per key or value element it holds (2 x layers x KV
 heads x head_dim x 4096). "body" is the quantized body alone (what `kvcalib eval` reports as
 bits/element). The geometry is the default model's, so no model is loaded. A recipe that needs
-calibrated tensors gets `PlaceholderProfile`'s, which have the calibrated tensors' shapes: no
-size depends on their values (a per-layer bit allocation spends its whole budget whatever the
-sensitivities). External peers (hf-quanto) are counted as kvcalib.evaluation.external counts
+calibrated tensors gets `PlaceholderProfile`'s, which have the calibrated tensors' shapes; only
+a per-layer bit allocation depends on their values (its sensitivities), so an allocating recipe
+(kvcalib-*) is listed as uniform sensitivities allocate it: a calibrated profile allocates a
+little differently (on smollm2-135m's default profile kvcalib-4 holds 4.44 bits of body at 4K,
+not 4.39). `kvcalib eval` reports the body at the context it evaluates (1024 tokens by default),
+where per-layer constants weigh more than at 4K: the README's tables (kvcalib-2 2.48, kvcalib-4
+4.49) are that. External peers (hf-quanto) are counted as kvcalib.evaluation.external counts
 them.
 """
 
@@ -82,8 +86,17 @@ def format_recipes() -> str:
         "| recipe | at 4K | body | description |",
         "|---|---|---|---|",
     ]
+    allocating = []
     for name in presets():
         recipe = load_recipe(name)
         total, body = recipe_bits(recipe, **g)
         lines.append(f"| {name} | {total:.2f} | {body:.2f} | {recipe.description} |")
+        allocating += [name] if recipe.allocation is not None else []
+    lines += [
+        "",
+        f"{', '.join(allocating)} allocate bits per layer by sensitivity: listed as uniform "
+        "sensitivities allocate them, so a calibrated profile's allocation differs a little. "
+        "kvcalib eval reports the body at the context it evaluates (1024 tokens by default), "
+        "where per-layer constants weigh more than at 4K.",
+    ]
     return "\n".join(lines)

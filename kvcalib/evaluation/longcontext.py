@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from kvcalib.core import data as data_mod
-from kvcalib.errors import DataError
+from kvcalib.errors import DataError, OptionError
 from kvcalib.evaluation import longstats, longtasks
 from kvcalib.evaluation.external import external_cache
 from kvcalib.evaluation.longprobe import Probe, diagnose
@@ -48,14 +48,39 @@ PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
 REFERENCE = "fp16"  # the recipe every other is paired against
 
 
-def check_lengths(lengths: Sequence[int], context: int | None) -> None:
-    """Refuse suite lengths the model cannot hold (`context`: its max positions, if known)."""
+def check_lengths(lengths: Sequence[int], context: int | None, *, default: bool = False) -> None:
+    """Refuse suite lengths the model cannot hold (`context`: its max positions, if known);
+    `default`: the lengths are plain --long-context's, not --long-context-lengths'."""
     for n in lengths:
-        if n <= 0 or (context and n > context):
-            raise DataError(
-                f"--long-context-lengths {n}: use lengths up to the model's context "
-                f"({context or 'unknown'} tokens)"
+        if n <= 0:
+            raise OptionError(
+                f"--long-context-lengths {n}: use positive token counts, e.g. 2048,4096"
             )
+        if context and n > context:
+            if default:
+                raise DataError(
+                    f"--long-context runs the suite at {_listed(lengths)} tokens, beyond the "
+                    f"model's context ({context} tokens): pass --long-context-lengths with "
+                    f"lengths up to {context}"
+                )
+            raise DataError(
+                f"--long-context-lengths {n} exceeds the model's context ({context} tokens): "
+                f"use lengths up to {context}"
+            )
+
+
+def check_passkey(context: int | None) -> None:
+    """Refuse --passkey when its lengths (PASSKEY_LENGTHS) exceed the model's context."""
+    if context and max(PASSKEY_LENGTHS) > context:
+        raise DataError(
+            f"--passkey runs passkeys at {_listed(PASSKEY_LENGTHS)} tokens, beyond the model's "
+            f"context ({context} tokens): leave --passkey out, or pass --long-context-lengths "
+            f"with lengths up to {context} (the suite has a passkey task)"
+        )
+
+
+def _listed(lengths: Sequence[int]) -> str:
+    return ",".join(str(n) for n in lengths)
 
 
 def grid(tasks, lengths, prompts: int, depths=longtasks.DEPTHS) -> list[tuple]:

@@ -17,13 +17,14 @@ Simulator (fake or decode mode) on the same tokens, and is scored against it:
               against fp16 when it is in the run (kvcalib.evaluation.longcontext.cells)
 
 Every Result carries the run's `setup` (model, text, windows, seq_len, mode, residual: the window
-every recipe was given, or None when each kept its own) and its own residual and kept sinks;
+every recipe was given, or None when each kept its own) and its own residual (None in fake
+mode, which quantizes every position: no window) and kept sinks;
 `format_table` prints the setup as a header line and full precision as the first row.
 """
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from kvcalib.evaluation import longcontext, longreport
 from kvcalib.evaluation.external import evaluate_external, external_bits
 from kvcalib.evaluation.longcontext import passkey_accuracy
 from kvcalib.evaluation.plots import Recorder
+from kvcalib.io import atomic
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.format import Checkpoint
 from kvcalib_runtime.geometry import Geometry
@@ -58,7 +60,7 @@ class Result:
     top1: float
     bits_per_element: float
     bits_at_context: dict[str, float]
-    residual: int
+    residual: int | None
     seconds: float
     passkey: dict[str, float] | None = None
     notes: list[str] = field(default_factory=list)
@@ -131,10 +133,11 @@ def candidates(
                     "as given, and these hold kvcalib's fused transforms: evaluate it on the "
                     f"source model ({weights.meta['source']['spec']})"
                 )
-            if Geometry.from_config(model.config).sliding:
+            geometry = Geometry.from_config(getattr(model, "config", model))
+            if geometry.sliding:
                 raise RecipeError(
                     f"recipe {recipe.name} runs transformers' QuantizedCache, which takes models "
-                    f"with full attention layers only, and {model.config.model_type} has "
+                    f"with full attention layers only, and {geometry.model_type} has "
                     "sliding-window layers: leave it out for this model"
                 )
             out.append(Candidate(recipe.name, recipe, None, KVParams(), None))
@@ -170,10 +173,12 @@ def score(
     long_context_prompts: int = longcontext.PROMPTS,
     plots: str | Path | None = None,
     progress: bool = True,
+    report: Callable[[list[Result]], None] | None = None,
 ) -> list[Result]:
     """Score planned candidates on `windows` windows of `seq_len` tokens of an already loaded
     model (see the module docstring), and on the long-context suite at `long_context` lengths
-    when given."""
+    when given. `report(results)` runs before the plots are written, so that a plot that
+    fails to write loses no result (the CLI prints its table there)."""
 
     max_len = getattr(model.config, "max_position_embeddings", None)
     if max_len and seq_len > max_len:
@@ -181,6 +186,8 @@ def score(
             f"--seq-len {seq_len} exceeds the model's context ({max_len} tokens): use at most that"
         )
     longcontext.check_lengths(long_context or (), max_len)
+    if passkey:
+        longcontext.check_passkey(max_len)
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     ids = data_mod.eval_windows(tokenizer, data, windows=windows, seq_len=seq_len, vocab=vocab)
@@ -229,7 +236,8 @@ def score(
     ppl_fp = _ppl(fp_nll, fp_tokens, "full precision")
     results = []
     cfg = model.config
-    residuals = {_residual(c) for c in cands}
+    windowed = [c for c in cands if mode == "decode" or c.scheme is None]  # fake: no window
+    residuals = {_residual(c) for c in windowed}
     setup = {
         "model": getattr(getattr(model, "kvcalib_source", None), "spec", cfg.name_or_path),
         "data": data_label(data),
@@ -254,7 +262,7 @@ def score(
                 top1=s.agree / s.tokens,
                 bits_per_element=bits[0],
                 bits_at_context=bits[1],
-                residual=_residual(c),
+                residual=_residual(c) if mode == "decode" or c.scheme is None else None,
                 seconds=s.seconds,
                 notes=s.notes,
                 sinks=_sinks(c),
@@ -276,11 +284,14 @@ def score(
         )
         for r, c in zip(results, cells, strict=True):
             r.long_context = c
-    if recorder is not None:
-        recorder.write(plots)
-    if plots is not None and long_context:
-        longreport.plot(results, Path(plots) / "long_context.png")
-        longreport.plot_probe(results, Path(plots) / "long_context_probe.png")
+    if report is not None:
+        report(results)
+    if plots is not None:
+        with atomic.added_files(Path(plots), "--plots"):
+            recorder.write(plots)
+            if long_context:
+                longreport.plot(results, Path(plots) / "long_context.png")
+                longreport.plot_probe(results, Path(plots) / "long_context_probe.png")
     return results
 
 

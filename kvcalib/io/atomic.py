@@ -7,6 +7,11 @@
         ...
     with file_staging(path) as tmp:     # the same for one file (replaced, never half-written)
         tmp.write_text(...)
+    with added_files(folder):           # files added to a folder: all of them, or none
+        ...
+
+A full disk (ENOSPC, or a quota) while writing is an OutputError naming the output: nothing of it
+is left behind.
 
 The temporary folder is ".<name>.kvcalib-tmp-<host>-<pid>-<random>" next to `out` (a rename is
 atomic only within one filesystem). Any exception removes it. A process killed outright (SIGKILL,
@@ -17,6 +22,7 @@ too, so a crash in between leaves the old output to that cleanup, never a half-w
 """
 
 import contextlib
+import errno
 import glob
 import hashlib
 import os
@@ -29,6 +35,24 @@ from pathlib import Path
 from kvcalib.errors import OutputError
 
 TMP_MARK = ".kvcalib-tmp-"
+
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+
+
+def full_disk(e: BaseException) -> bool:
+    """Whether `e` says the disk or the quota is full: an OSError, or the error safetensors
+    raises around one ("os error 28")."""
+    if isinstance(e, OSError):
+        return e.errno in FULL_DISK
+    return type(e).__name__ == "SafetensorError" and "os error 28" in str(e)
+
+
+def full_disk_error(option: str, path: Path) -> OutputError:
+    return OutputError(
+        f"{option} {path}: no space left on the device while writing it (nothing of it was "
+        "kept); free some space there or pick another path"
+    )
 
 
 # What kvcalib writes, by the file that marks it: --force replaces only an output of its kind.
@@ -128,7 +152,12 @@ def staging(out: Path, force: bool):
     prefix = f"{tmp_prefix(out)}{os.getpid()}-"
     tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
     try:
-        yield tmp
+        try:
+            yield tmp
+        except Exception as e:
+            if full_disk(e):
+                raise full_disk_error("output", out) from None
+            raise
         _public_modes(tmp)
         if out.exists() or out.is_symlink():
             if not force:
@@ -150,16 +179,47 @@ def staging(out: Path, force: bool):
 
 
 @contextlib.contextmanager
-def file_staging(path: Path):
+def file_staging(path: Path, option: str = "output"):
     """A temporary sibling of the file `path` to write; it replaces `path` when the block
-    succeeds and is removed when it fails."""
+    succeeds and is removed when it fails (a full disk: an OutputError naming `option`)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
     try:
-        yield tmp
+        try:
+            yield tmp
+        except Exception as e:
+            if full_disk(e):
+                raise full_disk_error(option, path) from None
+            raise
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def added_files(folder: Path, option: str = "output"):
+    """A folder to add files to, made (with its parents) if missing: when the block fails, the
+    files it added are removed, and the folders it made (a full disk: an OutputError naming
+    `option`)."""
+    folder = Path(folder)
+    made = [p for p in (folder, *folder.parents) if not p.exists()]
+    before = set(folder.iterdir()) if folder.is_dir() else set()
+    try:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            yield folder
+        except Exception as e:
+            if full_disk(e):
+                raise full_disk_error(option, folder) from None
+            raise
+    except BaseException:
+        for p in set(folder.iterdir()) - before if folder.is_dir() else ():
+            if p.is_file() and not p.is_symlink():
+                p.unlink()
+        for p in made:  # innermost first; only the empty ones this call made
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
 
 
 def _public_modes(folder: Path) -> None:

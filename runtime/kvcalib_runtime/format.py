@@ -7,8 +7,9 @@ no string from a checkpoint is ever evaluated, and no pickle is ever loaded.
     ckpt = read_checkpoint(path)     # FormatError naming the file when anything is off
     ckpt.config, ckpt.meta, ckpt.geometry, ckpt.scheme, ckpt.params, ckpt.transforms
 
-Version 2 records where each layer's transforms are (`transforms`); version 1 files, which list
-the fused ones (`fused`), are still read.
+Version 3 binds the side-car to its weights (`binding`: the sha256 of kv_params.safetensors and
+one over the weight files); version 2 files, without it, and version 1 files, which list the
+fused transforms (`fused`) instead of `transforms`, are still read.
 """
 
 import hashlib
@@ -28,10 +29,11 @@ from kvcalib_runtime.geometry import Geometry
 from kvcalib_runtime.scheme import KVParams, KVScheme
 from kvcalib_runtime.transforms import FUSED, NONE, ONLINE, LayerTransforms, Transforms
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 CONFIG, META, TOKENIZER = "config.json", "kvcalib.json", "tokenizer.json"
 PARAMS, MANIFEST = "kv_params.safetensors", "manifest.json"
+DOCUMENTS = ("README", "LICENSE", "NOTICE", "COPYING")  # stems of files beside a checkpoint
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 SHARD = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 FUSED_V1 = ("key_smooth", "residual_rotation", "value_rotation")  # version 1 `fused`
@@ -62,17 +64,19 @@ _PARAM_SHAPES = {
     "key_split": ("[Hkv, n]", lambda shape: len(shape) == 2),
     "value_split": ("[Hkv, n]", lambda shape: len(shape) == 2),
 }
-_META_KEYS = {
+_META_KEYS_V2 = {
     "format_version": int, "source": dict, "recipe": dict, "profile": (dict, type(None)),
     "transforms": dict, "residual_rotation_seed": (int, type(None)), "untied_embeddings": bool,
     "export": (str, type(None)), "scheme": dict,
 }  # fmt: skip
-_META_KEYS_V1 = {**{k: v for k, v in _META_KEYS.items() if k != "transforms"}, "fused": list}
+_META_KEYS_V1 = {**{k: v for k, v in _META_KEYS_V2.items() if k != "transforms"}, "fused": list}
+_META_KEYS = {1: _META_KEYS_V1, 2: _META_KEYS_V2, 3: {**_META_KEYS_V2, "binding": dict}}
 # The keys of kvcalib.json's nested objects (transforms and scheme: their own from_json).
 _META_OBJECTS = {
     "source": ("spec", "fingerprint"),
     "recipe": ("name", "toml"),
     "profile": ("fingerprint", "path"),
+    "binding": (PARAMS, "weights"),
 }
 
 
@@ -226,7 +230,18 @@ def verify_manifest(path: Path, *, hashes: bool = True) -> dict[str, dict]:
             raise FormatError(f"{MANIFEST}: entry {name!r} is not a plain file name of the folder")
         if not isinstance(entry, dict) or set(entry) != {"sha256", "size"}:
             raise FormatError(f"{MANIFEST}: entry {name!r} needs exactly sha256 and size")
-    present = {p.name for p in path.iterdir()} - {MANIFEST}
+        size, digest = entry["size"], entry["sha256"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise FormatError(
+                f"{MANIFEST}: entry {name!r} has size {size!r}, not a byte count; convert the "
+                "model again"
+            )
+        if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise FormatError(
+                f"{MANIFEST}: entry {name!r} has sha256 {str(digest)[:70]!r}, not 64 hex "
+                "digits; convert the model again"
+            )
+    present = {p.name for p in path.iterdir() if not beside_checkpoint(p.name)} - {MANIFEST}
     if missing := sorted(set(files) - present):
         raise FormatError(f"{missing[0]}: listed in {MANIFEST} but missing from {path}")
     if extra := sorted(present - set(files)):
@@ -242,6 +257,17 @@ def verify_manifest(path: Path, *, hashes: bool = True) -> dict[str, dict]:
                 f"from {MANIFEST}); convert the model again"
             )
     return files
+
+
+def beside_checkpoint(name: str) -> bool:
+    """A file a hub clone adds beside a checkpoint, which no loader reads and the manifest
+    does not list: hidden names (.git/, .gitattributes, .cache/) and documents (*.md, *.rst,
+    LICENSE or LICENSE.txt, NOTICE, ...). Any other file is part of the checkpoint and must be
+    in the manifest."""
+    path = Path(name)
+    suffix = path.suffix.lower()
+    document = path.stem.upper() in DOCUMENTS and suffix in ("", ".txt")
+    return name.startswith(".") or suffix in (".md", ".rst") or document
 
 
 def _plain_name(name) -> bool:
@@ -309,7 +335,7 @@ def _check_meta(meta: dict) -> None:
             f"{', '.join(map(str, READABLE_VERSIONS))}: install the kvcalib-runtime that matches "
             "the converter, or convert the model again"
         )
-    keys = _META_KEYS if version == FORMAT_VERSION else _META_KEYS_V1
+    keys = _META_KEYS[version]
     for key, kind in keys.items():
         if key not in meta:
             fail(f"missing key {key!r}")
@@ -320,7 +346,7 @@ def _check_meta(meta: dict) -> None:
     source, recipe, profile = meta["source"], meta["recipe"], meta["profile"]
     try:
         for name, known in _META_OBJECTS.items():
-            if meta[name] is not None:
+            if meta.get(name) is not None:  # profile may be null; binding is version 3's
                 closed(meta[name], known, name)
     except ValueError as e:
         fail(f"{e}; convert the model again")
@@ -431,6 +457,33 @@ def _read_params(path: Path, num_layers: int, kv_heads: int, head_dim: int) -> K
     return KVParams.from_tensors(load_file(path))
 
 
+def binding(sha256: dict[str, str]) -> dict[str, str]:
+    """kvcalib.json's `binding` (version 3) from the sha256 of the folder's files by name: that
+    of kv_params.safetensors, and one sha256 over the weight files' names and sha256."""
+    weights = sorted(n for n in sha256 if n == SINGLE or SHARD.fullmatch(n))
+    joined = "".join(f"{n}:{sha256[n]}\n" for n in weights)
+    return {PARAMS: sha256[PARAMS], "weights": hashlib.sha256(joined.encode()).hexdigest()}
+
+
+def _check_binding(meta: dict, files: dict[str, dict]) -> None:
+    """FormatError when kv_params.safetensors or the weights are not those kvcalib.json was
+    converted with (the manifest's sha256, which verify_manifest held to the bytes)."""
+    if meta["format_version"] < 3:
+        return
+    want = binding({n: e["sha256"] for n, e in files.items()})
+    got = meta["binding"]
+    if got.get(PARAMS) != want[PARAMS]:
+        raise FormatError(
+            f"{PARAMS}: not the file {META} was converted with (its sha256 differs from "
+            f"binding.{PARAMS}: another conversion's?); convert the model again"
+        )
+    if set(got) != set(want) or got["weights"] != want["weights"]:
+        raise FormatError(
+            f"model*.safetensors: not the weights {META} and {PARAMS} were converted with "
+            "(their sha256 differs from binding.weights); convert the model again"
+        )
+
+
 def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
     """Validate a converted checkpoint (FORMAT.md) and read its side-car.
 
@@ -439,9 +492,10 @@ def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
     path = Path(path)
     if not path.is_dir():
         raise FormatError(f"{path}: not a folder; pass the folder `kvcalib convert` wrote")
-    verify_manifest(path, hashes=hashes)
+    files = verify_manifest(path, hashes=hashes)
     meta = _json(path / META)
     _check_meta(meta)
+    _check_binding(meta, files)
     config = _json(path / CONFIG)
     geo = Geometry.from_config(config)
     geo.require_arch()

@@ -54,6 +54,7 @@ class RuntimeModel:
         self.config, self.meta = ckpt.config, ckpt.meta
         self.scheme, self.params, self.transforms = ckpt.scheme, ckpt.params, ckpt.transforms
         self.max_len, self.use_kernels = max_len, use_kernels
+        self.context = context_of(ckpt.geometry)
         attn = model.model.layers[0].self_attn
         self.num_layers = len(model.model.layers)
         self.kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
@@ -83,10 +84,16 @@ class RuntimeModel:
         check_options(max_new_tokens, 0.0, 1.0)
         need = prompt_tokens + max_new_tokens - 1
         if self.max_len is not None and need > self.max_len:
+            what = f"a prompt of {prompt_tokens} tokens + max_new_tokens = {max_new_tokens}"
+            if self.max_len >= self.context:
+                raise CapacityError(
+                    f"{what} needs {need} cache slots, more than the model's context of "
+                    f"{self.context} tokens: shorten the prompt or lower max_new_tokens"
+                )
             raise CapacityError(
-                f"a prompt of {prompt_tokens} tokens + max_new_tokens = {max_new_tokens} "
-                f"needs {need} cache slots, more than max_len = {self.max_len}: shorten the "
-                "prompt, lower max_new_tokens, or load with a larger max_len"
+                f"{what} needs {need} cache slots, more than max_len = {self.max_len}: shorten "
+                f"the prompt, lower max_new_tokens, or load with a larger max_len (up to the "
+                f"model's context, {self.context})"
             )
         return need
 
@@ -126,6 +133,10 @@ class RuntimeModel:
         """
         check_options(max_new_tokens, temperature, top_p)
         batch = self._token_lists(prompts)
+        if not batch:
+            raise KvcalibRuntimeError(
+                "no prompts: pass a str, a list of str, or token ids (one list per prompt)"
+            )
         need = self.slots_needed(max(map(len, batch), default=0), max_new_tokens)
         if eos_token_id is None:
             eos_token_id = self.config.get("eos_token_id")

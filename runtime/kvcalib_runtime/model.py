@@ -36,7 +36,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from kvcalib_runtime import archs
-from kvcalib_runtime.errors import FormatError
+from kvcalib_runtime.errors import FormatError, KvcalibRuntimeError
 from kvcalib_runtime.format import EXPORT_TENSOR
 from kvcalib_runtime.fpcache import FullPrecisionCache
 from kvcalib_runtime.generate import generate as _generate
@@ -257,6 +257,9 @@ class Transformer(nn.Module):
         FormatError for what the quantized cache cannot run: pre-RoPE keys or key smoothing
         under partial rotary (its decode kernel rotates whole heads, smoothing must commute with
         RoPE)."""
+        for name, n in (("batch", batch), ("max_len", max_len)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                raise KvcalibRuntimeError(f"{name} = {n!r}: use an integer >= 1")
         geo = self.geometry
         device = self.device if device is None else device
         dtype = self.dtype if dtype is None else dtype

@@ -211,7 +211,7 @@ def test_a_changed_or_missing_file_is_named(converted, tmp_path):
 def test_another_format_version_is_refused(converted, tmp_path):
     folder = shutil.copytree(converted["kivi-2"], tmp_path / "copy")
     meta = json.loads((folder / "kvcalib.json").read_text())
-    meta["format_version"] = 3
+    meta["format_version"] = 4
     (folder / "kvcalib.json").write_text(json.dumps(meta))
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["files"]["kvcalib.json"] = {
@@ -219,7 +219,7 @@ def test_another_format_version_is_refused(converted, tmp_path):
         "size": (folder / "kvcalib.json").stat().st_size,
     }
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(FormatError, match=r"kvcalib\.json: format_version 3.*convert the model"):
+    with pytest.raises(FormatError, match=r"kvcalib\.json: format_version 4.*convert the model"):
         kvcalib_runtime.load(folder, device="cpu")
 
 

@@ -8,6 +8,7 @@ need no converter and the spec is shown to be sufficient.
 import hashlib
 import json
 import math
+import re
 import shutil
 import struct
 import time
@@ -184,6 +185,24 @@ def test_manifest_is_closed(ckpt):
         format.verify_manifest(ckpt)
 
 
+def test_a_hub_clone_of_a_checkpoint_loads_and_its_own_files_stay_bound(ckpt):
+    """A clone adds .git/, .gitattributes and a README.md that no loader reads: they do not stop
+    the load. A file a loader could read (a tokenizer file, weights) is refused unless the
+    manifest lists it."""
+    (ckpt / ".git" / "objects").mkdir(parents=True)
+    (ckpt / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (ckpt / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    (ckpt / "README.md").write_text("# my conversion\n")
+    (ckpt / "LICENSE").write_text("Apache-2.0\n")
+    assert set(format.verify_manifest(ckpt)) == set(format.verify_manifest(ckpt, hashes=False))
+    format.read_checkpoint(ckpt)
+    for name in ("tokenizer_config.json", "model-extra.safetensors", "README.json"):
+        (ckpt / name).write_text("{}")
+        with pytest.raises(FormatError, match=rf"^{re.escape(name)}: .* \(extra file\)"):
+            format.read_checkpoint(ckpt)
+        (ckpt / name).unlink()
+
+
 def test_manifest_entries_must_be_plain_names(ckpt):
     manifest = json.loads((ckpt / format.MANIFEST).read_text())
     manifest["files"]["../escape"] = {"sha256": "0" * 64, "size": 1}
@@ -279,7 +298,10 @@ UNKNOWN = r"unknown key {} \(known: "
             UNKNOWN.format(r"scheme\.layers\[1\]\.value\.bitz"),
         ),
         ({"scheme": _plus(_scheme().to_json(), "layers", 0, value={})}, r"missing key .*\.bits"),
-        ({"format_version": 3}, "format_version 3, but this kvcalib-runtime reads versions 1, 2"),
+        (
+            {"format_version": 4},
+            "format_version 4, but this kvcalib-runtime reads versions 1, 2, 3",
+        ),
         ({"transforms": {"seed": 3, "layers": []}}, "transforms cover 0 layers"),
         ({"transforms": {"seed": 4, "layers": _transforms().to_json()["layers"]}}, "seed differs"),
         (

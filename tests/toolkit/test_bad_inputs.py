@@ -17,6 +17,7 @@ load) test_bad_side_cars.py.
 import pytest
 from corpus import (
     STATIC,
+    TEXT,
     Case,
     Workspace,
     check,
@@ -63,6 +64,11 @@ def head_dim_10(ctx: Workspace):
     """A model whose heads (10 channels) have no Hadamard matrix."""
     net = tiny_model("llama", hidden_size=40, num_attention_heads=4, num_key_value_heads=2)
     return save_with_tokenizer(net, ctx.root / "hd10")
+
+
+def cut_sink_flags(ctx: Workspace):
+    """A profile whose sinks.flags holds the first of its two windows."""
+    return ctx.profile_tensors(lambda t: t.update({"sinks.flags": t["sinks.flags"][:1]}))
 
 
 def calib(*args, data=True, model=None):
@@ -140,6 +146,30 @@ CALIBRATE = [
         "calibrate",
         calib("--data", lambda c: c.file("d.jsonl", b'{"text": "\xff"}\n'), "-o", out, data=0),
         "not UTF-8 text",
+    ),
+    Case(
+        "special",
+        "calibrate",
+        calib(
+            "--data",
+            lambda c: c.file("l1.txt", "na\xefve ".encode("latin-1") * 99),
+            "-o",
+            out,
+            data=0,
+        ),
+        "not UTF-8 text (byte 2)",
+    ),
+    Case(
+        "special",
+        "calibrate",
+        calib("--data", lambda c: c.file("u16.txt", TEXT.encode("utf-16")), "-o", out, data=0),
+        "not UTF-8 text (byte 0)",
+    ),
+    Case(
+        "special",
+        "calibrate",
+        calib("--data", lambda c: c.file("u16.txt", TEXT.encode("utf-16-le")), "-o", out, data=0),
+        "holds NUL characters (UTF-16 text?); save the file as UTF-8",
     ),
     Case(
         "special",
@@ -285,6 +315,55 @@ CONVERT = [
         conv(profile=meta(sink_predictor={"layer": 2, "dims": [1], "threshold": 1.0})),
         "sink_predictor.layer = 2 is not a layer",
     ),
+    Case(
+        "numbers",
+        "convert",
+        conv(profile=lambda c: c.profile_json(lambda m: m.update(layers=m["layers"][:1]))),
+        "layers holds 1 entries for the model's 2 layers",
+    ),
+    Case(
+        "numbers",
+        "convert",
+        conv(profile=meta(**{"codebooks.bins": -5})),
+        "codebooks.bins = -5 is not a positive integer",
+    ),
+    Case(
+        "numbers",
+        "convert",
+        conv(profile=meta(**{"massive.ratio": float("nan")})),
+        "profile.json massive.ratio = nan is not a finite number",
+    ),
+    Case(
+        "numbers",
+        "convert",
+        conv(profile=lambda c: c.profile_json(lambda m: m["layers"][1].update(token0_sink=1e999))),
+        "profile.json layers[1].token0_sink = inf is not a finite number",
+    ),
+    Case(
+        "numbers",
+        "convert",
+        conv(profile=meta(**{"model.n_layers": 2})),
+        "profile.json has an unknown key model.n_layers",
+    ),
+    Case("numbers", "convert", conv(profile=meta(colour=1)), "has an unknown key colour"),
+    Case(
+        "numbers",
+        "convert",
+        conv(profile=lambda c: c.profile_json(lambda m: m["layers"][0].update(heat=1))),
+        "has an unknown key layers[0].heat",
+    ),
+    Case(
+        "numbers",
+        "convert",
+        conv(profile=lambda c: c.profile_tensors(lambda t: t["attention.token0"].mul_(0.5))),
+        "profile.safetensors is not the one profile.json was written with",
+    ),
+    Case(
+        "numbers",
+        "convert",
+        conv(profile=cut_sink_flags),
+        "tensor sinks.flags is torch.uint8 [1, 32], profile.json implies torch.uint8 [2, 32]",
+    ),
     Case("numbers", "convert", conv(profile=meta(**{"model.num_layers": 2.0})), "= 2.0 is not"),
     Case("numbers", "convert", conv(profile=meta(**{"model.head_dim": True})), "= True is not"),
     Case("numbers", "convert", conv(profile=meta(seq_len=33)), "windows.input_ids is not int64"),
@@ -426,6 +505,12 @@ CONVERT = [
         "already a kvcalib-converted checkpoint",
     ),
     Case("hint", "convert", conv(model=the_profile, recipe="fp16"), "this is a profile folder"),
+    Case(
+        "hint",
+        "convert",
+        conv(profile=lambda c: c.file("p.json", "{}")),
+        "p.json: a file, not a profile folder; pass the folder",
+    ),
     Case(
         "deferred",
         "convert",

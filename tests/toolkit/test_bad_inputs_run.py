@@ -64,7 +64,7 @@ def huge_ranges(ctx: Workspace):
             half = q.shape[-1] // 2
             q[..., :half], q[..., half:] = -1e5, 1e5
 
-    return ctx.profile_tensors(change)
+    return ctx.profile_tensors(change, rebind=True)
 
 
 def drop_sinks(ctx: Workspace):
@@ -80,7 +80,7 @@ EVAL = [
     Case("options", "eval", ev("--device", "cuda:7"), "--device cuda:7"),
     Case("options", "eval", ev("--dtype", "x"), "'--dtype'"),
     Case("options", "eval", ev("--mode", "x"), "'--mode'"),
-    Case("options", "eval", ev(recipe="kivi3"), "recipe kivi3: no such preset or file"),
+    Case("options", "eval", ev(recipe="kivi3"), "recipe kivi3: no such preset; did"),
     Case("size", "eval", ev("--seq-len", "1000"), "--seq-len 1000 exceeds the model's context"),
     Case("hint", "eval", ev(model=the_profile), "this is a profile folder"),
     Case("output", "eval", ev("--json", lambda c: c.folder("j")), "a folder or special file"),
@@ -114,6 +114,37 @@ EVAL = [
         "residual = 5000 asks for the residual window",
     ),
     Case("options", "eval", ev(recipe=None), "name at least one --recipe"),
+    Case(
+        "size",
+        "eval",
+        ev("--passkey"),
+        "--passkey runs passkeys at 1024,2048,4096 tokens, beyond the model's context (256",
+    ),
+    Case(
+        "size",
+        "eval",
+        ev("--long-context"),
+        "--long-context runs the suite at 2048,4096,8192 tokens, beyond the model's context",
+    ),
+    Case(
+        "size",
+        "eval",
+        ev("--long-context-lengths", "128,512"),
+        "--long-context-lengths 512 exceeds the model's context (256 tokens): use lengths up",
+    ),
+    Case(
+        "options",
+        "eval",
+        ev("--long-context-lengths", "0"),
+        "--long-context-lengths 0: use positive token counts",
+    ),
+    Case("options", "eval", ev("--mode", "fake", "--residual", "8"), "does not apply to --mode"),
+    Case(
+        "special",
+        "eval",
+        ev("--data", lambda c: c.file("l1.txt", "caf\xe9 ".encode("latin-1") * 99), data=0),
+        "not UTF-8 text (byte 3); save the file as UTF-8",
+    ),
     Case("special", "eval", ev("--data", lambda c: c.fifo(), data=False), "not a regular file"),
     Case(
         "special",
@@ -164,7 +195,7 @@ GENERATE = [
         "size",
         "generate",
         gen("--max-new-tokens", "1000000000"),
-        "more than max_len = 256",
+        "more than the model's context of 256 tokens: shorten",
         before_load=False,
     ),
 ]

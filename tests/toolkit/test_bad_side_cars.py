@@ -6,11 +6,13 @@ Every damaged file is listed in a rewritten manifest, as a careless or hostile w
 leave it: the validator, not the sha256, must refuse it — before any weight loads.
 """
 
+import json
 import math
 
 import pytest
 import torch
-from corpus import Case, Workspace, check, nan_at
+from corpus import Case, Workspace, check, nan_at, remanifest
+from safetensors.torch import load_file, save_file
 
 import kvcalib_runtime
 
@@ -95,6 +97,45 @@ def generate(*args, **kwargs):
     def build(ctx):
         folder = ctx.converted
         return lambda: kvcalib_runtime.load(folder, device="cpu").generate(*args, **kwargs)
+
+    return build
+
+
+def new_cache(batch, max_len, full_precision=False):
+    """RuntimeModel.new_cache on the intact copy (the checkpoint loads first)."""
+
+    def build(ctx):
+        model = kvcalib_runtime.load(ctx.converted, device="cpu")
+        return lambda: model.new_cache(batch, max_len, full_precision=full_precision)
+
+    return build
+
+
+def manifest_entry(name: str, **changes):
+    """The converted copy with the manifest's entry for `name` changed."""
+
+    def build(ctx):
+        path = ctx.converted
+        manifest = json.loads((path / "manifest.json").read_text())
+        manifest["files"][name].update(changes)
+        (path / "manifest.json").write_text(json.dumps(manifest))
+        return path
+
+    return build
+
+
+def unbound(name: str, edit):
+    """The converted copy with the file `name` (safetensors) edited by edit(tensors) and the
+    manifest rewritten, the binding in kvcalib.json left as converted: another conversion's
+    kv_params, or weights changed after the conversion."""
+
+    def build(ctx):
+        path = ctx.converted
+        tensors = load_file(path / name)
+        edit(tensors)
+        save_file(tensors, path / name, metadata={"format": "pt"})
+        remanifest(path)
+        return path
 
     return build
 
@@ -258,6 +299,30 @@ LOAD = [
         "not a tokenizer the tokenizers library reads",
     ),
     Case("special", "load", load(fifo_instead("manifest.json")), "not a regular file"),
+    Case(
+        "numbers",
+        "load",
+        load(unbound("kv_params.safetensors", lambda t: t["layers.0.key_range_lo"].mul_(2))),
+        "kv_params.safetensors: not the file kvcalib.json was converted with",
+    ),
+    Case(
+        "numbers",
+        "load",
+        load(unbound("model.safetensors", lambda t: t["model.norm.weight"].mul_(2))),
+        "model*.safetensors: not the weights kvcalib.json and kv_params.safetensors were",
+    ),
+    Case(
+        "numbers",
+        "load",
+        load(manifest_entry("config.json", size="12")),
+        "manifest.json: entry 'config.json' has size '12', not a byte count",
+    ),
+    Case(
+        "numbers",
+        "load",
+        load(manifest_entry("config.json", sha256=7)),
+        "manifest.json: entry 'config.json' has sha256 '7', not 64 hex digits",
+    ),
     Case("special", "load", load(fifo_instead("kv_params.safetensors")), "not a regular file"),
     Case("size", "load", load(converted, max_len=10**12), "max_len = 1000000000000: use a"),
     Case("options", "load", load(converted, max_len=True), "max_len = True"),
@@ -269,7 +334,14 @@ LOAD = [
     Case("options", "load", generate("hi", 0), "max_new_tokens = 0: ask for at least 1", False),
     Case("options", "load", generate("hi", 2.5), "max_new_tokens = 2.5: use an integer", False),
     Case("numbers", "load", generate([5, 999], 2), "token ids in [0, 128)", False),
-    Case("size", "load", generate("hi", 10**9), "more than max_len = 256", False),
+    Case(
+        "size", "load", generate("hi", 10**9), "the model's context of 256 tokens: shorten", False
+    ),
+    Case("options", "load", generate([], 4), "no prompts: pass a str", False),
+    Case("options", "load", new_cache(0, 16), "batch = 0: use an integer >= 1", False),
+    Case("options", "load", new_cache(-1, 16), "batch = -1: use an integer >= 1", False),
+    Case("options", "load", new_cache(1, 0), "max_len = 0: use an integer >= 1", False),
+    Case("options", "load", new_cache(0, 16, True), "batch = 0: use an integer >= 1", False),
 ]
 
 NAN_RANGE = params(
@@ -298,3 +370,46 @@ COMMANDS = [
 )
 def test_bad_side_car_or_argument_is_refused_in_one_line(case, corpus, tmp_path, monkeypatch):
     check(case, Workspace(tmp_path, corpus), monkeypatch)
+
+
+def test_a_hub_clone_of_a_conversion_loads_and_inspects(corpus, tmp_path):
+    """What a clone of an uploaded conversion adds (.git/, README.md) is not part of the
+    checkpoint: the runtime loads it and the commands read it (both refused "extra file")."""
+    from click.testing import CliRunner
+
+    from kvcalib.cli import main
+
+    ctx = Workspace(tmp_path, corpus)
+    folder = ctx.converted
+    (folder / ".git").mkdir()
+    (folder / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (folder / "README.md").write_text("# tiny, converted\n")
+    model = kvcalib_runtime.load(folder, device="cpu")
+    assert len(model.generate("hi", 2, eos_token_id=[])[0]) == 2
+    result = CliRunner().invoke(main, ["inspect", str(folder)])
+    assert result.exit_code == 0, result.output
+
+
+def test_the_readme_snippet_loads_where_it_runs(corpus, monkeypatch):
+    """The README's Python snippet asked for device="cuda" and died on a CPU machine after the
+    calibration: it names no device, and the runtime's default is the CPU without CUDA."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    snippet = readme.split("```python\n")[1].split("```")[0]
+    assert re.search(r'kvcalib_runtime\.load\("converted/"\)', snippet)
+    assert "cuda" not in snippet.replace("# device: cuda when there is one, else cpu", "")
+    assert snippet.count("progress=True") == 2  # calibrate and evaluate show their bars
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert kvcalib_runtime.load(corpus.converted).device.type == "cpu"
+
+
+def test_a_version_2_side_car_without_a_binding_still_loads(corpus, tmp_path):
+    """Version 3 binds kv_params.safetensors to the weights; folders converted before it, at
+    version 2, hold no binding and load as they did."""
+    folder = Workspace(tmp_path, corpus).side_car(
+        meta=lambda m: (m.pop("binding"), m.update(format_version=2))
+    )
+    model = kvcalib_runtime.load(folder, device="cpu")
+    assert model.meta["format_version"] == 2 and "binding" not in model.meta

@@ -3,6 +3,7 @@ full precision as the first row, each recipe's residual window and kept sinks; t
 one object per recipe and adds the setup to each. `--residual` gives every recipe the same
 window, with flush blocks by the recipe's own rule. On a tiny random model (fast)."""
 
+import importlib.util
 import json
 
 import pytest
@@ -69,12 +70,40 @@ def test_residual_gives_every_recipe_the_same_window(folder, tmp_path):
 
 
 def test_fake_mode_says_that_every_position_is_quantized(folder, tmp_path):
-    output, rows = _eval(folder, tmp_path, "--residual", "32", "--mode", "fake")
+    output, rows = _eval(folder, tmp_path, "--mode", "fake")
     assert output.splitlines()[0].endswith(
         "· fake mode · every position quantized (external peers: decode, column R)"
     )
     assert "| kivi-2 | fake | 3.00 | - | none |" in output
     assert rows["kivi-2"]["setup"]["mode"] == "fake" and rows["kivi-2"]["kld"] > 1e-3
+    # no window in fake mode: the JSON records none (it said kivi-2's 128)
+    assert rows["kivi-2"]["residual"] is None and rows["sinky"]["residual"] is None
+    assert rows["kivi-2"]["setup"]["residual"] is None
+
+
+def test_residual_in_fake_mode_is_refused_not_ignored(folder):
+    args = ["eval", str(folder), "--recipe", "kivi-2", "--mode", "fake", "--residual", "32"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        "error: --residual 32 does not apply to --mode fake, which quantizes every position "
+        "(no window): drop --residual, or use --mode decode"
+    )
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("optimum.quanto") is None, reason="needs the peers extra"
+)
+def test_an_hf_quanto_peer_runs_from_the_cli(folder, tmp_path):
+    """The CLI plans recipes from config.json before the load: the external peer's check read
+    model.config of that dict and ended in AttributeError."""
+    out = tmp_path / "r.json"
+    args = ["eval", str(folder), "--recipe", "hf-quanto-2", "--seq-len", "32", "--windows", "1"]
+    result = CliRunner().invoke(main, [*args, "--json", str(out)])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "| hf-quanto-2 | decode | 2.50 | 128 | none |" in result.stdout
+    (row,) = [r for r in json.loads(out.read_text()) if r["recipe"] == "hf-quanto-2"]
+    assert row["mode"] == "decode" and row["residual"] == 128
 
 
 def test_a_window_that_breaks_a_recipes_flush_rule_is_refused(folder):

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import kvcalib
 
 ROOT = Path(kvcalib.__file__).parent
@@ -90,3 +92,36 @@ def test_help_answers_within_a_second():
     assert result.returncode == 0, result.stderr
     torch_loaded, seconds = result.stdout.split()[-2:]
     assert torch_loaded == "False" and float(seconds) < 1.0
+
+
+MISSING = """
+import sys
+from kvcalib.cli import main
+try:
+    main(sys.argv[1:], prog_name="kvcalib")
+except SystemExit as e:
+    print(e.code, "torch" in sys.modules, "transformers" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["calibrate", "{x}/model", "-o", "{x}/p"], "model {x}/model: no such file or folder"),
+        (["calibrate", "--data", "{x}/t.txt", "-o", "{x}/p"], "--data {x}/t.txt: no such file"),
+        (["convert", "--recipe", "{x}/r.toml", "-o", "{x}/o"], "recipe {x}/r.toml: no such file"),
+        (["convert", "--recipe", "fp16", "--profile", "{x}/p", "-o", "{x}/o"], "profile {x}/p:"),
+        (["eval", "{x}/m", "--recipe", "fp16"], "model {x}/m: no such file or folder"),
+        (["generate", "{x}/c", "--prompt", "hi"], "checkpoint {x}/c: no such file or folder"),
+        (["inspect", "{x}/m"], "model {x}/m: no such file or folder"),
+    ],
+)
+def test_a_missing_path_fails_before_torch_imports(args, message, tmp_path):
+    """ "no such file" took tens of seconds: every command imported torch and transformers
+    before it looked at its paths."""
+    args = [a.format(x=tmp_path) for a in args]
+    result = subprocess.run(
+        [sys.executable, "-c", MISSING, *args], capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout.split() == ["2", "False", "False"], result.stderr
+    assert result.stderr.startswith(f"error: {message.format(x=tmp_path)}")

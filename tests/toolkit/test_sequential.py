@@ -51,13 +51,18 @@ def test_sequential_profile_equals_in_memory(tmp_path, arch):
     src = _folder(tmp_path, family, tie_word_embeddings=arch.endswith("-tied"))
     memory = calibrate(src, tmp_path / "memory", sequential=False, **SMALL)
     offload = tmp_path / "offload"
+    if arch == "llama":
+        offload.mkdir()  # a folder the user made stays; one that calibrate made goes
     layered = calibrate(src, tmp_path / "layered", sequential=True, offload_dir=offload, **SMALL)
     assert not memory.meta["sequential"] and layered.meta["sequential"]
     assert {"sensitivity.key", "sensitivity.value"} <= layered.tensors.keys()
     assert any(k.startswith("codebook.") for k in layered.tensors)
     _assert_same(memory, layered)
     assert memory.meta["sink_predictor"] == layered.meta["sink_predictor"]
-    assert list(offload.iterdir()) == []  # the spill folder is removed
+    if arch == "llama":
+        assert list(offload.iterdir()) == []  # the spill folder is removed
+    else:
+        assert not offload.exists()
 
 
 @pytest.mark.parametrize("where", ["memory", "shards"])
@@ -206,7 +211,7 @@ def test_cli_calibrate_passes_device_auto(tmp_path, monkeypatch):
         raise ModelError("stop here")
 
     monkeypatch.setattr(kvcalib.api, "calibrate", fake)
-    args = ["calibrate", "m", "-o", str(tmp_path / "p"), "--device", "auto"]
+    args = ["calibrate", str(tmp_path), "-o", str(tmp_path / "p"), "--device", "auto"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "stop here" in result.output
     assert seen["device"] == "auto" and seen["sequential"] is None
