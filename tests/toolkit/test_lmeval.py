@@ -16,7 +16,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from kvcalib.cli import main
 from kvcalib.core.models import resolve
 from kvcalib.errors import OptionError, RecipeError
-from kvcalib.lmeval import KvcalibLM, task_metadata
+from kvcalib.lmeval import KvcalibLM, _device, task_metadata
 from tests.tiny import tiny_model
 
 OFFLINE_TASKS = (
@@ -193,3 +193,10 @@ def test_offline_ruler_tasks_run_through_kvcalib_lm_eval(folder, tmp_path, recip
     for task, metrics in results.items():
         score = metrics[f"{LENGTH},none"]  # lm-eval's own metric key: the score at that length
         assert 0.0 <= score <= 1.0, (task, score)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for machines without CUDA")
+def test_lm_evals_default_device_falls_back_to_the_cpu():
+    assert _device("cuda:0") == "cpu"  # what lm-eval's command line passes without --device
+    with pytest.raises(OptionError, match="use cpu, cuda, cuda:N"):
+        _device("tpu")
