@@ -367,3 +367,24 @@ def generate_(
     )
     click.echo()
     click.echo(format_report(report))
+
+
+@main.command(
+    "lm-eval",
+    context_settings={"ignore_unknown_options": True, "help_option_names": []},
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def lm_eval_(args):
+    """lm-evaluation-harness's own command line with the `kvcalib` model type registered:
+    `kvcalib lm-eval --model kvcalib --model_args pretrained=MODEL,recipe=R --tasks T ...`
+    (needs kvcalib[ruler]; `kvcalib lm-eval --help` is lm-eval's help)."""
+    try:
+        from kvcalib.lmeval import run_cli
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("lm_eval"):
+            raise
+        raise KvcalibError(
+            "kvcalib lm-eval runs lm-evaluation-harness, which is not installed: "
+            "pip install 'kvcalib[ruler]'"
+        ) from None
+    run_cli(args)

@@ -24,7 +24,7 @@ LAYERS = {
     "conversion": {"errors", "io", "core", "sim"},
     "evaluation": {"errors", "io", "core", "sim"},
 }
-TOP = {"api", "cli", "inspect", "generate", "__init__"}
+TOP = {"api", "cli", "inspect", "generate", "lmeval", "__init__"}
 DEFERRED = {"cli.py": None, "evaluation/external.py": {"optimum.quanto"}}
 
 
