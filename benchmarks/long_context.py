@@ -29,6 +29,7 @@ from kvcalib.evaluation import longcontext
 HERE = Path(__file__).resolve().parent
 RESIDUAL = 128
 RECIPES = ("fp16", "kivi-2", "turboquant-2.5", "kvcalib-2", "kvcalib-3")
+VERSUS, VERSUS_PEER = "kvcalib-2", "turboquant-2.5"  # also paired against each other
 
 
 def cell_file(out: Path, task, n, seed, depth) -> Path:
@@ -116,8 +117,8 @@ def report(args, recipes, hours: float) -> str:
         f"{args.model}, fp32, CPU, {args.threads} thread(s) per process; residual {RESIDUAL} for "
         f"every recipe, each on the original weights; lengths {args.lengths}; up to "
         f"{args.prompts} prompts per task and length ({len(records)} done: n per cell "
-        f"{', '.join(map(str, counts))}); {seconds / 3600:.2f} hours of prompt compute in all, "
-        f"this run {hours:.2f} h"
+        f"{', '.join(map(str, counts))}); {seconds / 3600:.2f} hours of prompt compute in all"
+        + (f", this run {hours:.2f} h" if hours >= 0.005 else "")
     )
     means = ["| recipe | " + " | ".join(f"mean at {n}" for n in args.lengths) + " |"]
     means.append("|---|" + "---:|" * len(args.lengths))
@@ -129,6 +130,8 @@ def report(args, recipes, hours: float) -> str:
             except ZeroDivisionError:
                 accs.append("-")
         means.append(f"| {r.recipe} | " + " | ".join(accs) + " |")
+    # every prompt of a length as one cell: the suite's mean, paired
+    pooled = [(SimpleNamespace(task="all tasks", length=s.length), r) for s, r in records]
     text = [
         f"Setup: {setup}.",
         "",
@@ -136,11 +139,24 @@ def report(args, recipes, hours: float) -> str:
         "",
         "\n".join(means),
         "",
-        "Paired against fp16 on the same prompts:",
+        "Paired against fp16 on the same prompts, per task and over every prompt of a length:",
         "",
         longreport.format_paired(rows),
+        longreport.format_paired(
+            [SimpleNamespace(recipe=r, long_context=longcontext.cells(pooled, r)) for r in recipes]
+        ).split("\n", 2)[2],
         "",
     ]
+    if {VERSUS, VERSUS_PEER} <= set(recipes):
+        versus = longcontext.cells(records + pooled, VERSUS, reference=VERSUS_PEER)
+        text += [
+            f"{VERSUS} paired against {VERSUS_PEER} on the same prompts:",
+            "",
+            longreport.format_paired(
+                [SimpleNamespace(recipe=VERSUS, long_context=versus)], reference=VERSUS_PEER
+            ),
+            "",
+        ]
     out.joinpath("long_context.md").write_text("\n".join(text))
     doc = {"setup": setup, "rows": [vars(r) for r in rows]}
     out.joinpath("long_context.json").write_text(json.dumps(doc, indent=1) + "\n")
