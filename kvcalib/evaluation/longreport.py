@@ -104,9 +104,9 @@ def plot(results, path: str | Path) -> Path:
         for ax, task in zip(axes, tasks, strict=False):
             cells = [r.long_context[task][n] for n in lengths]
             acc = [c["accuracy"] for c in cells]
-            err = [
-                [a - c["low"] for a, c in zip(acc, cells, strict=True)],
-                [c["high"] - a for a, c in zip(acc, cells, strict=True)],
+            err = [  # at 0 or n the bound is the accuracy itself, up to rounding
+                [max(a - c["low"], 0.0) for a, c in zip(acc, cells, strict=True)],
+                [max(c["high"] - a, 0.0) for a, c in zip(acc, cells, strict=True)],
             ]
             ax.errorbar(x, acc, yerr=err, marker="o", capsize=3)
             ax.set_title(task)

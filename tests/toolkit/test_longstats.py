@@ -17,6 +17,10 @@ def test_wilson_matches_its_closed_form():
     assert longstats.wilson(81, 263) == pytest.approx((0.2553, 0.3662), abs=1e-4)
     assert longstats.wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
     assert longstats.wilson(10, 10) == pytest.approx((0.7225, 1.0), abs=1e-4)
+    for n in range(1, 60):  # the bounds hold the accuracy, at 0 and n too (plots need it)
+        for k in (0, 1, n // 2, n - 1, n):
+            low, high = longstats.wilson(k, n)
+            assert low <= k / n <= high or min(abs(low - k / n), abs(high - k / n)) < 1e-12
     low, high = longstats.wilson(25, 50)
     assert low < 0.5 < high and high - low < 0.3  # n = 50 resolves about +-14 points
 
