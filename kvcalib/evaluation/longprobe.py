@@ -22,8 +22,6 @@ precision right: "needle keys clamped" (needle_key_error >= CLAMPED), "sink atte
 NEEDLE_LOST of full precision's), or "neither".
 """
 
-import math
-
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
@@ -32,6 +30,7 @@ from kvcalib.sim.hooks import Hooks
 
 ATTENTION = "kvcalib_probe"
 CLAMPED = 2.0
+EXACT = 1e-4  # a relative key error below this everywhere: the keys are stored exactly
 SINK_LOST = 0.75
 NEEDLE_LOST = 0.5
 _ACTIVE: list = []
@@ -62,13 +61,13 @@ class Probe:
     def observe(self, layer: int, probs: torch.Tensor, keys: torch.Tensor) -> None:
         """probs [B, H, q, N] of the step; keys [B, Hkv, N, D] as the cache gave them."""
         first = probs[0, :, 0].float().mean(0)  # [N], averaged over query heads
-        needle = float(first[self.needles].sum()) if self.needles else math.nan
+        needle = float(first[self.needles].sum()) if self.needles else None
         ref = self.reference[layer][0].float()
         T = ref.shape[1]
         err = (keys[0, :, :T].float() - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-12)
         err = err.mean(0)  # [T], averaged over KV heads
-        ratio = None
-        if self.needles and self.haystack and float(err.max()) > 0:
+        ratio = None  # also for keys stored exactly (float noise of RoPE applied twice)
+        if self.needles and self.haystack and float(err.max()) > EXACT:
             median = float(err[self.haystack].median())
             ratio = float(err[self.needles].mean()) / max(median, 1e-12)
         self.layers[layer] = (needle, float(first[0]), ratio)

@@ -82,6 +82,13 @@ def test_probe_names_clamped_needles():
         assert (record["needle_key_error"] >= longprobe.CLAMPED) is clamped
         fp = {"sink_mass": 1 / 40, "needle_mass": 3 / 40}
         assert (longprobe.diagnose(record, fp) == "needle keys clamped") is clamped
+    # keys stored exactly, up to the float noise of RoPE applied elsewhere: no key error at all
+    probe = longprobe.Probe(None, [ref], [(20, 23)], (2, 38))
+    probe.observe(0, probs, ref * (1 + 1e-7))
+    assert probe.record()["needle_key_error"] is None
+    none = longprobe.Probe(None, [ref], [], (2, 38))  # a task without needles (freqwords)
+    none.observe(0, probs, keys)
+    assert none.record()["needle_mass"] is None and none.record()["layers"]["needle_mass"] == [None]
     lost = {"sink_mass": 0.01, "needle_mass": 0.01, "needle_key_error": 1.0}
     assert longprobe.diagnose(lost, {"sink_mass": 0.5, "needle_mass": 0.2}) == (
         "sink attention lost, needle attention lost"
