@@ -144,12 +144,12 @@ def plot_probe(results, path: str | Path) -> Path:
         "sink_mass": "attention on token 0",
         "key_error": "needle key error / haystack median",
     }
-    for r in rows_of:
+    for k, r in enumerate(rows_of):
         for ax, key in zip(axes, titles, strict=True):
             ys = _over_cells(r, key)
-            if any(y is not None for y in ys):
-                xs = [i for i, y in enumerate(ys) if y is not None]
-                ax.plot(xs, [y for y in ys if y is not None], marker=".", label=r.recipe)
+            xs = [i for i, y in enumerate(ys) if y is not None]
+            # one colour per recipe in every panel, drawn or not (fp16 has no key error)
+            ax.plot(xs, [ys[i] for i in xs], marker=".", color=f"C{k}", label=r.recipe)
     for ax, title in zip(axes, titles.values(), strict=True):
         ax.set_title(title, fontsize="medium")
         ax.set_xlabel("layer")
