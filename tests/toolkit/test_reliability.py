@@ -383,8 +383,11 @@ def test_a_prompt_longer_than_the_cache_exits_2(converted):
 # written, "hang" waits there to be killed, "race" waits before the final rename until a second
 # process is there too (a file barrier), so that both rename at once.
 _HOOKED = """
-import glob, os, sys, time
+import glob, os, signal, sys, time
 from pathlib import Path
+# Ctrl-C as a terminal sends it: a suite started in the background (`cmd &`) runs with SIGINT
+# ignored, and a child would inherit that and never see the interrupt
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import kvcalib.conversion.convert as conversion
 import kvcalib.io.shards as shards
 from kvcalib.cli import main
@@ -468,7 +471,7 @@ def test_ctrl_c_exits_130_and_leaves_nothing(source, tmp_path):
             assert time.monotonic() < deadline, "the conversion never reached its third tensor"
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=300)  # as the races below: loaded CI cores
+        _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
