@@ -199,17 +199,13 @@ def _likelihood(model, tokenizer, candidate, prefill: Prefill, sample, text: str
     the others on one forward of the continuation through the cache (they attend to the prompt
     as the recipe stores it, and to each other exactly, as inside a residual window). `probe`
     (a longprobe.Probe) records that forward's first step."""
-    ids = _encode(tokenizer, text)
+    ids = longtasks.encode(tokenizer, text)
     with filled_cache(model, candidate, prefill, len(sample.ids) + len(ids)) as cache:
         x = torch.tensor([ids], device=prefill.logits.device)
         with probe or contextlib.nullcontext():
             logits = model(x, cache=cache, use_cache=True).logits[0, :-1]
     logp = torch.cat([prefill.logits[None], logits]).float().log_softmax(-1)
     return -float(logp[torch.arange(len(ids)), torch.tensor(ids)].sum()), len(ids)
-
-
-def _encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def score_prompt(model, tokenizer, cands: Sequence, sample: longtasks.Sample, *, sinks, stop):

@@ -116,7 +116,8 @@ class Haystack:
         return self.ids[start : start + n].tolist(), starts
 
 
-def _encode(tokenizer, text: str) -> list[int]:
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of `text`, no special tokens (the pieces a prompt is assembled from)."""
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -138,15 +139,15 @@ def _frame(tokenizer, instruction, question, prefix, example=None) -> tuple[list
         text = "".join(f"{c}\n\n" for _, c in turns) + mark + "\n"
         bos = bos_prefix(tokenizer)
     before, after = text.split(mark)
-    head = bos + _encode(tokenizer, before + instruction)
-    return head, _encode(tokenizer, question + after + prefix)
+    head = bos + encode(tokenizer, before + instruction)
+    return head, encode(tokenizer, question + after + prefix)
 
 
 def _assemble(tokenizer, length, new, head, tail, fill, needles, depths):
     """head + a body of `fill(n)` tokens (ids, line starts) with the needles inserted at the line
     starts nearest `depths` + tail: `length - new` tokens, leaving `new` to the answer. Returns
     (ids, needle spans in position order, the context's span)."""
-    pieces = [_encode(tokenizer, f"\n{n}\n\n") for n in needles]
+    pieces = [encode(tokenizer, f"\n{n}\n\n") for n in needles]
     room = length - new - len(head) - len(tail) - sum(map(len, pieces))
     if room < len(pieces) + 1:
         raise DataError(
@@ -311,7 +312,7 @@ def freqwords(tokenizer, haystack: Haystack, length: int, seed: int) -> Sample:
     def coded(n: int) -> tuple[list[int], list[int]]:
         # word k (from 1) appears in proportion to k^-alpha; counts fill n tokens, padded with
         # the noise word, shuffled
-        pieces = {w: _encode(tokenizer, f" {w}") for w in vocab}
+        pieces = {w: encode(tokenizer, f" {w}") for w in vocab}
         weights = [(k + 1) ** -ZIPF_ALPHA for k in range(len(vocab))]
         per_unit = sum(w * len(pieces[v]) for w, v in zip(weights, vocab, strict=True))
         counts = [int(w * n / per_unit) for w in weights]
