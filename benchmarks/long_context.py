@@ -8,7 +8,10 @@ expected answer's teacher-forced likelihood through each recipe's cache, paired 
 One JSON per prompt under --out/cells/<task>-<length>/ (the prompt's token ids' sha256, every
 recipe's record, the seconds it took), written as it finishes and skipped when present with the
 same prompt and recipes: a run stopped at any point resumes where it was, in this session or the
-next. At the end (or with --report-only) every prompt present for the grid is tabulated into
+next. A calibrated recipe's record carries the digest of what its plan resolved from the profile
+(scheme and calibrated tensors, "plan"): scored under another plan (another calibration, or
+before records carried one), it is scored again; the others' records stand.
+At the end (or with --report-only) every prompt present for the grid is tabulated into
 --out/long_context.md and .json (accuracy with Wilson 95% intervals; paired differences to fp16
 with bootstrap intervals and exact McNemar p; answer NLL; what failed prompts' first answer step
 shows) and --out/long_context.png, long_context_probe.png. The prompts are
@@ -23,6 +26,8 @@ import os
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+import torch
 
 from kvcalib.evaluation import longcontext
 
@@ -48,10 +53,10 @@ def _read(path: Path) -> dict | None:
         return None
 
 
-def _worker(args, share: list[tuple], recipes: list[str]) -> None:
-    """Score the prompts in `share` (one process: its own model and threads)."""
-    import torch
-
+def _setup(args, recipes: list[str]):
+    """The model, its tokenizer, every recipe planned (a missing default profile is calibrated
+    here, once) and each recipe's tag: the sha256 of what its plan resolved (scheme and
+    calibrated tensors), or None for a recipe that reads no profile."""
     from kvcalib import load_model
     from kvcalib.api import default_profile
     from kvcalib.core.models import resolve
@@ -61,8 +66,33 @@ def _worker(args, share: list[tuple], recipes: list[str]) -> None:
     torch.set_grad_enabled(False)
     model, tokenizer = load_model(args.model, dtype=torch.float32)
     profile = default_profile(resolve(args.model), args.profile)
-    haystack = longcontext.haystack(tokenizer)
     every = candidates(model, recipes, profile, residual=RESIDUAL)
+    tags = {c.name: _digest(c) if c.recipe.needs_profile else None for c in every}
+    return model, tokenizer, every, tags
+
+
+def _digest(candidate) -> str:
+    h = hashlib.sha256(repr((candidate.scheme, candidate.params.sink_predictor)).encode())
+    for name, t in sorted(candidate.params.tensors().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _current(known: dict, tags: dict) -> set[str]:
+    """The recipes whose record in `known` stands: present, scored with today's plan."""
+    return {
+        r
+        for r, tag in tags.items()
+        if r in known["recipes"] and known["recipes"][r].get("plan") == tag
+    }
+
+
+def _worker(args, share: list[tuple], recipes: list[str], setup=None) -> None:
+    """Score the prompts in `share` (one process: its own model and threads; `setup` is
+    `_setup`'s result when the caller has it)."""
+    model, tokenizer, every, tags = setup or _setup(args, recipes)
+    haystack = longcontext.haystack(tokenizer)
     sinks, stop = longcontext.sinks_read(every), longcontext.stop_tokens(tokenizer)
     out = Path(args.out)
     for task, n, seed, depth in share:
@@ -71,12 +101,13 @@ def _worker(args, share: list[tuple], recipes: list[str]) -> None:
         known = _read(path)
         if known is None or known["sha"] != _sha(sample.ids):
             known = {"sha": _sha(sample.ids), "recipes": {}, "seconds": 0.0}
-        todo = [c for c in every if c.name not in known["recipes"]]
+        todo = [c for c in every if c.name not in _current(known, tags)]
         if not todo:
             continue
         start = time.perf_counter()
         records = longcontext.score_prompt(model, tokenizer, todo, sample, sinks=sinks, stop=stop)
-        known["recipes"].update(records)
+        for name, record in records.items():
+            known["recipes"][name] = {**record, "plan": tags[name]}
         known["seconds"] += time.perf_counter() - start
         known["prompt"] = {"task": task, "length": n, "seed": seed, "depth": depth}
         known["threads"] = args.threads
@@ -88,25 +119,25 @@ def _worker(args, share: list[tuple], recipes: list[str]) -> None:
         print(f"{task} {n} seed {seed} depth {depth}: {took:.0f} s", flush=True)
 
 
-def _pending(args, recipes) -> list[tuple]:
-    """The grid's prompts whose file is missing or lacks a recipe (the prompt's hash is checked
-    by the worker, which has the tokenizer)."""
+def _pending(args, tags: dict) -> list[tuple]:
+    """The grid's prompts whose file is missing or lacks a current record of a recipe (the
+    prompt's hash is checked by the worker, which has the tokenizer)."""
     out = []
     for p in longcontext.grid(args.tasks, args.lengths, args.prompts):
         known = _read(cell_file(Path(args.out), *p))
-        if known is None or any(r not in known["recipes"] for r in recipes):
+        if known is None or len(_current(known, tags)) < len(tags):
             out.append(p)
     return out
 
 
-def report(args, recipes, hours: float) -> str:
+def report(args, tags: dict, hours: float) -> str:
     from kvcalib.evaluation import longreport
 
-    out = Path(args.out)
+    out, recipes = Path(args.out), list(tags)
     records, seconds = [], 0.0
     for p in longcontext.grid(args.tasks, args.lengths, args.prompts):
         known = _read(cell_file(out, *p))
-        if known is not None and all(r in known["recipes"] for r in recipes):
+        if known is not None and len(_current(known, tags)) == len(tags):
             records.append((SimpleNamespace(task=p[0], length=p[1]), known["recipes"]))
             seconds += known["seconds"]
     if not records:
@@ -183,13 +214,16 @@ def main() -> None:
     args.out = args.out or str(HERE / "long_context" / args.model)
     recipes = args.recipe or list(RECIPES)
     start = time.perf_counter()
-    pending = [] if args.report_only else _pending(args, recipes)
+    setup = _setup(args, recipes)
+    tags = setup[-1]
+    pending = [] if args.report_only else _pending(args, tags)
     if pending:
         k = max(1, min(args.processes, len(pending)))
         shares = [pending[i::k] for i in range(k)]
         if k == 1:
-            _worker(args, shares[0], recipes)
+            _worker(args, shares[0], recipes, setup)
         else:
+            del setup
             ctx = multiprocessing.get_context("spawn")
             procs = [ctx.Process(target=_worker, args=(args, s, recipes)) for s in shares]
             for p in procs:
@@ -197,7 +231,7 @@ def main() -> None:
             for p in procs:
                 p.join()
     hours = (time.perf_counter() - start) / 3600
-    print(report(args, recipes, hours))
+    print(report(args, tags, hours))
     print(f"this run: {hours:.2f} hours, {len(pending)} prompts scored")
 
 

@@ -20,6 +20,7 @@ import torch
 from kvcalib.calibration import PHASES, Settings, calibrate
 from kvcalib.calibration.codebooks import preset_variants
 from kvcalib.conversion.convert import convert as convert_checkpoint
+from kvcalib.core import data as data_mod
 from kvcalib.core import options, preflight
 from kvcalib.core.models import (
     DEFAULT_MODEL,
@@ -53,9 +54,11 @@ def _stderr(line: str) -> None:
 
 def default_profile_path(source: ModelSource) -> Path:
     """Where the default calibration of `source` is cached: keyed by the model's fingerprint,
-    the profile format and a digest of what a default calibration computes (its settings and
-    the codebook variants the presets ask for), so a stale profile is never reused."""
-    what = json.dumps([dataclasses.asdict(Settings()), preset_variants()], sort_keys=True)
+    the profile format and a digest of what a default calibration computes (its settings, the
+    codebook variants the presets ask for and the built-in calibration text, which follows
+    Python's own documentation), so a stale profile is never reused."""
+    text = hashlib.sha256(data_mod.read_text(None, "calibration").encode()).hexdigest()
+    what = json.dumps([dataclasses.asdict(Settings()), preset_variants(), text], sort_keys=True)
     key = f"v{FORMAT_VERSION}-{hashlib.sha256(what.encode()).hexdigest()[:8]}"
     return cache_dir() / "profiles" / f"{source.fingerprint[:16]}-{key}"
 

@@ -276,3 +276,41 @@ def test_one_cell_end_to_end(real_model):
     assert lossy["nll_diff"] > 0.1 and lossy["diff"] == -1.0
     assert all(x is not None and x > 0.5 for x in lossy["probe"]["key_error"])
     assert all(x is None for x in cell["probe"]["key_error"])  # fp16 stores keys exactly
+
+
+def _bench():
+    """benchmarks/long_context.py as a module (it is a script, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "long_context.py"
+    spec = importlib.util.spec_from_file_location("long_context_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_rescores_a_record_from_another_calibration_only():
+    # The resumable benchmark keeps a record while the plan it was scored under stands: a
+    # calibrated recipe planned from another profile (one range moved) must be scored again, the
+    # same profile must keep it, and a recipe that reads no profile keeps its record either way.
+    from tests.tiny import ShapeProfile
+
+    bench = _bench()
+    model = tiny_model("llama", num_attention_heads=2, num_key_value_heads=1)
+    profile = ShapeProfile(1, 32)
+    (kv2,) = candidates(model, ["kvcalib-2"], profile, residual=128)
+    (again,) = candidates(model, ["kvcalib-2"], ShapeProfile(1, 32), residual=128)
+    moved = ShapeProfile(1, 32)
+    moved.range = lambda *a, **k: (-2 * torch.ones(1, 32), torch.ones(1, 32))
+    (other,) = candidates(model, ["kvcalib-2"], moved, residual=128)
+    assert bench._digest(kv2) == bench._digest(again)
+    assert bench._digest(kv2) != bench._digest(other)
+
+    tags = {"fp16": None, "kvcalib-2": bench._digest(kv2)}
+    known = {"recipes": {"fp16": {"correct": True}, "kvcalib-2": {"plan": tags["kvcalib-2"]}}}
+    assert bench._current(known, tags) == {"fp16", "kvcalib-2"}
+    known["recipes"]["kvcalib-2"]["plan"] = bench._digest(other)
+    assert bench._current(known, tags) == {"fp16"}
+    del known["recipes"]["kvcalib-2"]["plan"]  # scored before records carried a plan
+    assert bench._current(known, tags) == {"fp16"}
