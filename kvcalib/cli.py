@@ -336,7 +336,8 @@ def calibrate_(
 @click.option(
     "--compare-fp16",
     is_flag=True,
-    help="Also answer through a full-precision cache and print both, with both caches' memory.",
+    help="Also answer through a full-precision cache (the model's dtype: float32 on CPU) and "
+    "print both answers, both caches' speed and memory.",
 )
 def generate_(
     converted_dir, prompt, document, max_new_tokens, device, temperature, top_p, chat, compare_fp16

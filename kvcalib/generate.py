@@ -202,19 +202,26 @@ def chat_prompt(path: str | Path, prompt: str) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def _speed(run: Run) -> str:
+    return f"{run.decode_tokens_per_s:.1f} tokens/s" if run.decode_tokens_per_s else "n/a"
+
+
 def format_report(report: GenerationReport) -> str:
     """Speed, then the caches' memory: as allocated for this call (prompt + new tokens, in the
     model's dtype), and per token at LONG_CONTEXT against fp16."""
-    q = report.quantized
-    speed = f"{q.decode_tokens_per_s:.1f} tokens/s" if q.decode_tokens_per_s else "n/a"
+    q, full_run = report.quantized, report.full_precision
     lines = [
         f"prefill: {report.prompt_tokens} tokens in {q.prefill_seconds:.2f} s; "
-        f"decode: {max(q.new_tokens - 1, 0)} tokens at {speed}",
+        f"decode: {max(q.new_tokens - 1, 0)} tokens at {_speed(q)}",
         f"KV cache allocated for {report.context} tokens ({report.dtype}): "
         f"{q.cache_bytes / MIB:.2f} MiB quantized",
     ]
-    if report.full_precision is not None:
-        full = report.full_precision.cache_bytes
+    if full_run is not None:
+        lines[0] += (
+            f" (the full-precision cache, {report.dtype}: prefill {full_run.prefill_seconds:.2f} "
+            f"s, decode {_speed(full_run)})"
+        )
+        full = full_run.cache_bytes
         lines[-1] += f" vs {full / MIB:.2f} MiB full precision (ratio {q.cache_bytes / full:.3f})"
     ratio = report.long_bytes_per_token / report.long_fp16_bytes_per_token
     lines.append(

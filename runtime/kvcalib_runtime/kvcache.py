@@ -31,7 +31,9 @@ positions the next token must see quantized: [n_body, n_q(lengths + T)).
 
 A decode step (T = 1) runs on the device alone — the decode kernel (or its torch reference)
 reads lengths and body sizes there, sinks and flushes are decided there — so it issues no host
-synchronization and a CUDA graph can capture it (`capture`, `replayed`). A prefill (T > 1)
+synchronization and a CUDA graph can capture it (`capture`, `replayed`). Without the kernel, a
+cache on the CPU decodes through `kernels.decode_torch` (the reference's result from the
+positions each sequence holds, read on the host), any other through the reference. A prefill (T > 1)
 takes the reference path (`_gather` + `_attention`, per sequence); flushes go through the
 quant_pack kernel where it runs.
 """
@@ -47,6 +49,7 @@ import torch.nn.functional as F
 from kvcalib_runtime.errors import CapacityError, FormatError
 from kvcalib_runtime.fpcache import capped_attention
 from kvcalib_runtime.kernels import decode_attention as dec
+from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels.layout import Sinks, use_triton
 from kvcalib_runtime.kvstream import Stream, kernel_layout
 from kvcalib_runtime.rope import Rope
@@ -355,6 +358,8 @@ class QuantizedCache:
                 "channel): such layers decode through the slower torch reference",
                 stacklevel=3,
             )
+        if q.device.type == "cpu":
+            return decode_torch.decode_attention_torch(*args, **options)
         return dec.decode_attention_reference(*args, **options)
 
     # -- writing ---------------------------------------------------------------------------------

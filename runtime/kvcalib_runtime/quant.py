@@ -145,7 +145,10 @@ def _base(spec: QuantSpec, codes, scale, offset, codebook) -> torch.Tensor:
 def select_slots(xf: torch.Tensor, base: torch.Tensor, excess: torch.Tensor, k: int, dtype):
     """The k elements of each vector (last dim) with the largest excess > 0, lower channel first
     on ties -> (slot_index, slot_delta = x - base in dtype)."""
-    order = excess.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+    if k == 1:  # argmax takes the first of equal maxima: the stable sort's pick, without it
+        order = excess.argmax(-1, keepdim=True)
+    else:
+        order = excess.sort(dim=-1, descending=True, stable=True).indices[..., :k]
     used = excess.gather(-1, order) > 0
     index = torch.where(used, order, 0)
     delta = torch.where(used, (xf - base).gather(-1, order), 0.0)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvcalib_runtime.kernels import decode_attention as dec
+from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels import quant_pack as qp
 from kvcalib_runtime.kernels.layout import PackedBody, Sinks, Stored
 from kvcalib_runtime.quant import QuantSpec
@@ -284,6 +285,44 @@ def test_decode_attention_matches_its_reference(case, config, splits, monkeypatc
         assert (_ref(args, options, window=None, dtype=torch.float64) - exact).abs().max() > (
             10 * bound
         )
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["layer codebook", "head codebooks"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_cpu_dequantize_is_the_bodys_own_bit_for_bit(case, dtype, per_head):
+    # decode_torch's byte-table read must be PackedBody.dequantize exactly (the CPU decode path
+    # and the reference then see the same keys and values): random bits in every buffer, slots
+    # with large deltas, a sequence read in part (n = 37) and whole.
+    key, value, _, hkv, d, *_ = DECODE_CASES[case]
+    gen = torch.Generator().manual_seed(d)
+    for spec in (key, value):
+        if spec is None:
+            continue
+        body = _body(spec, (2, hkv, 64, d), dtype, gen, per_head_codebook=per_head)
+        for b, n in ((0, 37), (1, 64), (1, 0)):
+            ours = decode_torch.dequantize(body, torch.float32, b, n)
+            assert torch.equal(ours, body.dequantize(torch.float32, b, n))
+
+
+@pytest.mark.parametrize("window", [None, 50], ids=["no window", "window 50"])
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_cpu_decode_path_matches_the_reference(case, window):
+    # The CPU path reads each sequence in position order, dequantizing only its body's positions:
+    # in float64 it must give the reference's result to rounding (1e-9), across every layout,
+    # lengths 150 / 61 / 0, key and value bodies that end at different positions, kept sinks and
+    # a window mask. Ring bodies (the window cases) fall back to the reference itself.
+    gen = torch.Generator().manual_seed(len(case))
+    args, options = _decode_inputs(case, gen)
+    if window and options["window"] is None:
+        options["window"] = window
+    exact = _ref(args, options, dtype=torch.float64)
+    ours = decode_torch.decode_attention_torch(*args, **options, dtype=torch.float64)
+    torch.testing.assert_close(ours, exact, rtol=0, atol=1e-9)
+    low = decode_torch.decode_attention_torch(*args, **options)
+    assert low.dtype == args[0].dtype
+    bound = 2 * (_ref(args, options).double() - exact).abs().max() + 1e-3
+    assert (low.double() - exact).abs().max() <= bound  # in fp16: no worse than the reference
 
 
 def test_supports_every_preset_layout():

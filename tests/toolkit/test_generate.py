@@ -88,6 +88,13 @@ def test_compare_fp16_answers_twice_and_measures_both_caches(folder, tmp_path):
     assert float(mib) == pytest.approx(answers[False, "bytes"] / 2**20, abs=0.01)
     assert float(full_mib) == pytest.approx(answers[True, "bytes"] / 2**20, abs=0.01)
     assert float(ratio) < 1  # the 4-bit cache is smaller
+    speed = next(line for line in result.output.splitlines() if line.startswith("prefill:"))
+    # both caches' speed on the one line, the full-precision one named with its dtype
+    assert re.fullmatch(
+        r"prefill: \d+ tokens in [\d.]+ s; decode: 3 tokens at [\d.]+ tokens/s \(the "
+        r"full-precision cache, float32: prefill [\d.]+ s, decode [\d.]+ tokens/s\)",
+        speed,
+    ), speed
 
 
 def test_streamed_pieces_are_the_text_token_by_token(folder):
