@@ -9,7 +9,8 @@ kvcalib_runtime loading a conversion of each recipe (made here into a temporary 
 default profile). A prompt is the first `context` tokens of the built-in evaluation text. Prefill
 is the time to the first new token; decode is `--tokens` more greedy tokens (EOS ignored), timed
 token by token (transformers' streamer, the runtime's callback), as tokens per second; each cell
-is the fastest of `--repeats` runs, which lessens what other work on the machine adds. `--save` appends the table with its setup to benchmarks/RESULTS.md.
+is the fastest of `--repeats` runs, which lessens what other work on the machine adds. `--save`
+appends the table with its setup to benchmarks/RESULTS.md.
 """
 
 import argparse

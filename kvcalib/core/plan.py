@@ -126,13 +126,15 @@ def plan(
     layers, params = [], KVParams()
     for i in range(num_layers):
         key, value = recipe.tensor("key", i), recipe.tensor("value", i)
+        if head_dim is None and (key.split_fraction or value.split_fraction):
+            raise RecipeError(f"{where}: split_fraction needs the model's head_dim to plan")
         if not quantized[i]:  # a sliding layer under quantized_layers = "global"
             key, value = TensorRecipe(), TensorRecipe()
         elif bits is not None:
             key = with_bits(key, bits["key"][i])
             value = with_bits(value, bits["value"][i])
         try:
-            layers.append(layer_scheme(key, value, recipe.residual))
+            layers.append(layer_scheme(key, value, recipe.residual, head_dim))
             if head_dim is not None:
                 for spec in (layers[-1].key, layers[-1].value):
                     if spec is not None and spec.granularity == "token":
@@ -142,7 +144,7 @@ def plan(
         except ValueError as e:
             raise RecipeError(f"{where}, layer {i}: {e}") from None
         if profile is not None:
-            _calibrated(params, profile, i, key, value)
+            _calibrated(params, profile, i, key, value, head_dim)
     if recipe.sinks_predicted:
         params.sink_predictor = profile.sink_predictor()
     try:
@@ -175,9 +177,9 @@ def _check_runtime(where: str, scheme, params, geometry: Geometry, profile) -> N
         ) from None
 
 
-def _calibrated(params: KVParams, profile, i: int, key: TensorRecipe, value: TensorRecipe) -> None:
+def _calibrated(params: KVParams, profile, i: int, key, value, head_dim) -> None:
     """Fill layer i's static ranges, codebooks, outlier channels and smoothing scales from the
-    profile."""
+    profile (key, value: the layer's TensorRecipes; head_dim resolves a split_fraction)."""
     if key.quantized and key.granularity == "static":
         params.key_range[i] = profile.range("key", i, position=key.position, outliers=key.outliers)
     if value.quantized and value.granularity == "static":
@@ -186,11 +188,11 @@ def _calibrated(params: KVParams, profile, i: int, key: TensorRecipe, value: Ten
         params.key_codebook[i] = profile.codebook(codebook_variant("key", key), i, key.bits)
     if value.quantized and value.codebook == "calibrated":
         params.value_codebook[i] = profile.codebook(codebook_variant("value", value), i, value.bits)
-    if key.quantized and key.split_channels:
-        n = key.split_channels
+    if key.quantized and key.split(head_dim):
+        n = key.split(head_dim)
         params.key_split[i] = profile.outlier_channels("key", i, n, position=key.position)
-    if value.quantized and value.split_channels:
-        params.value_split[i] = profile.outlier_channels("value", i, value.split_channels)
+    if value.quantized and value.split(head_dim):
+        params.value_split[i] = profile.outlier_channels("value", i, value.split(head_dim))
     if key.smooth > 0:
         params.key_smooth[i] = profile.smoothing(i, key.smooth, position=key.position)
     if i in params.key_smooth and i in params.key_range:

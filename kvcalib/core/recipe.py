@@ -6,9 +6,10 @@ live in `recipes/<name>.toml`; `load_recipe` takes a preset name or a path.
 
     name, description, residual, rotation_seed, external, quantized_layers
     [key]    bits granularity group_size symmetric clip codebook outliers outlier_slots
-             slot_rule method split_channels split_bits flush position rotation smooth
+             slot_rule method split_channels split_fraction split_bits flush position
+             rotation smooth
     [value]  bits granularity group_size symmetric clip codebook outliers outlier_slots
-             slot_rule method split_channels split_bits flush rotation
+             slot_rule method split_channels split_fraction split_bits flush rotation
     [sinks]  first predicted budget
     [allocation]  budget choices            (per-layer bits from the sensitivity profile)
     [[layers]]    index key value           (per-layer overrides of [key] / [value])
@@ -27,7 +28,8 @@ farthest outside the range, KVQuant's; "error": the largest errors, kvcalib's) â
 kvcalib_runtime.quant. `method` is "affine" (all of the above), "ggml" (llama.cpp's q4_0 / q8_0
 blocks) or "turboquant" (TurboQuant: a random rotation and fixed Lloyd-Max levels per vector,
 with `split_channels` outlier channels per head at `split_bits` bits, chosen from the profile's
-channel statistics).
+channel statistics; or `split_fraction` of each head's channels, rounded, whatever the model's
+head size: TurboQuant's 2.5 and 3.5 bits are a quarter of the channels at one bit more).
 """
 
 import dataclasses
@@ -69,6 +71,7 @@ class TensorRecipe:
     slot_rule: str = "outside"
     method: str = "affine"
     split_channels: int = 0
+    split_fraction: float = 0.0
     split_bits: int = 0
     flush: int = 0
     position: str = "post_rope"
@@ -79,7 +82,15 @@ class TensorRecipe:
     def quantized(self) -> bool:
         return self.bits != FULL_PRECISION
 
-    def spec(self) -> QuantSpec | None:
+    def split(self, head_dim: int | None) -> int:
+        """The outlier set's channels per head: `split_channels`, or `split_fraction` of
+        head_dim (without a head size, the smallest set, 2: enough to check everything else)."""
+        if not self.split_fraction:
+            return self.split_channels
+        return 2 if head_dim is None else round(self.split_fraction * head_dim)
+
+    def spec(self, head_dim: int | None = None) -> QuantSpec | None:
+        """The runtime's QuantSpec; `head_dim` resolves a `split_fraction`."""
         if not self.quantized:
             return None
         return QuantSpec(
@@ -93,7 +104,7 @@ class TensorRecipe:
             outlier_slots=self.outlier_slots,
             slot_rule=self.slot_rule,
             method=self.method,
-            split_channels=self.split_channels,
+            split_channels=self.split(head_dim),
             split_bits=self.split_bits,
         )
 
@@ -142,7 +153,7 @@ class Recipe:
             or any(key.smooth > 0 for key, _ in pairs)
             or any(t.quantized and t.granularity == "static" for t in tensors)
             or any(t.quantized and t.codebook == "calibrated" for t in tensors)
-            or any(t.quantized and t.split_channels > 0 for t in tensors)
+            or any(t.quantized and (t.split_channels or t.split_fraction) for t in tensors)
         )
 
     def tensor(self, name: str, layer: int) -> TensorRecipe:
@@ -434,6 +445,11 @@ def _check_layer(r: Recipe, k: TensorRecipe, v: TensorRecipe, where: str) -> Non
             )
     if k.smooth and k.rotation != "none":
         fail("key.smooth scales channels, which a Hadamard rotation would mix: pick one")
+    for name, t in (("key", k), ("value", v)):
+        if t.split_fraction and t.split_channels:
+            fail(f"{name}: give split_channels or split_fraction, not both")
+        if not 0 <= t.split_fraction < 1:
+            fail(f"{name}.split_fraction = {t.split_fraction}: use a fraction in (0, 1)")
     if not 0 <= k.smooth <= 1:
         fail(f"key.smooth = {k.smooth}: use an exponent alpha in [0, 1]")
     widths = r.allocation.choices if r.allocation else (None,)
@@ -447,12 +463,14 @@ def _check_layer(r: Recipe, k: TensorRecipe, v: TensorRecipe, where: str) -> Non
             fail(f"{'' if bits is None else f'at {bits} bits, '}{e}")
 
 
-def layer_scheme(key: TensorRecipe, value: TensorRecipe, residual: int) -> LayerScheme:
+def layer_scheme(
+    key: TensorRecipe, value: TensorRecipe, residual: int, head_dim: int | None = None
+) -> LayerScheme:
     """The runtime's LayerScheme of a layer's key and value recipes (ValueError where the specs
-    are inconsistent)."""
+    are inconsistent); `head_dim` resolves a `split_fraction`."""
     return LayerScheme(
-        key=key.spec(),
-        value=value.spec(),
+        key=key.spec(head_dim),
+        value=value.spec(head_dim),
         key_position=key.position,
         key_rotation=key.rotation == "hadamard",
         value_rotation=value.rotation == "hadamard",

@@ -70,14 +70,27 @@ def test_kvquant_stores_as_its_code_does(bits):
     assert recipe.needs_profile
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("name, bits, outlier_bits", [("2.5", 2, 4), ("3.5", 3, 5)])
-def test_turboquant_splits_a_quarter_of_the_channels(name, bits, outlier_bits):
+def test_turboquant_splits_a_quarter_of_the_channels(name, bits, outlier_bits, head_dim):
+    # The paper's ratio at every head size (Gemma 3's heads are 256 wide: a fixed 16 there
+    # would store 2.25 bits and call it 2.5), planned as the cache will hold it.
+    from kvcalib.core.plan import plan
+    from tests.tiny import ShapeProfile
+
     recipe = load_recipe(f"turboquant-{name}")
+    quarter = head_dim // 4
     for t in (recipe.key, recipe.value):
-        spec = t.spec()
-        assert spec.method == "turboquant" and spec.sets(64) == ((16, outlier_bits), (48, bits))
-        assert sum(c * b for c, b in spec.sets(64)) / 64 == float(name)  # the paper's label
+        spec = t.spec(head_dim)
+        assert spec.method == "turboquant"
+        assert spec.sets(head_dim) == ((quarter, outlier_bits), (head_dim - quarter, bits))
+        assert sum(c * b for c, b in spec.sets(head_dim)) / head_dim == float(name)  # its label
         assert t.rotation == "none" and t.codebook == "uniform"  # the rotation is TurboQuant's
+    scheme, params = plan(
+        recipe, num_layers=2, head_dim=head_dim, profile=ShapeProfile(1, head_dim)
+    )
+    assert scheme.layers[1].key.split_channels == quarter
+    assert params.value_split[1].shape == (1, quarter)  # the profile's channels, as many
     assert recipe.key.position == "post_rope" and recipe.residual == 0 and not recipe.sinks_first
     assert recipe.needs_profile  # the outlier channels only
 
