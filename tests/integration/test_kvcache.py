@@ -326,9 +326,16 @@ def _no_reads_back():
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "reference"])
-def test_a_decode_step_reads_nothing_back(models, kernels):
+def test_a_decode_step_reads_nothing_back(models, kernels, monkeypatch):
     """kvcalib-2's layout (predicted sinks decided, slots and flushes written every step) on a
-    batch of two: the steps after a prefill read no tensor back to the host."""
+    batch of two: the steps after a prefill read no tensor back to the host, through the kernel
+    and through the torch reference (what a device without the kernel decodes with; on the CPU
+    the cache takes kernels.decode_torch instead, which reads the lengths by design)."""
+    from kvcalib_runtime.kernels import decode_attention, decode_torch
+
+    monkeypatch.setattr(
+        decode_torch, "decode_attention_torch", decode_attention.decode_attention_reference
+    )
     hf, model = models
     ids = _ids(2, 12)
     scheme, params = _scheme_and_params(hf, "kvcalib", ids)

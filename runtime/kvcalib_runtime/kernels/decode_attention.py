@@ -18,7 +18,8 @@ exact; each up to its own body boundary (key and value flushes may differ), then
 residual ring. Keys pre-RoPE (rotated in registers) or post-RoPE (and maybe Hadamard-rotated:
 the caller rotates q).
 
-`decode_attention_reference` is the spec in plain torch and the cache's CPU fallback; the tests
+`decode_attention_reference` is the spec in plain torch (the fallback off the CPU, where the kernel
+does not run; on the CPU the cache decodes through kernels.decode_torch, held to it); the tests
 hold the kernel to it.
 """
 
