@@ -18,6 +18,7 @@ rotates them, bit for bit, from one table of angles per frequency set.
 """
 
 import torch
+import torch.nn.functional as F
 
 from kvcalib_runtime.kernels.decode_attention import decode_attention_reference
 from kvcalib_runtime.kernels.layout import PackedBody, Sinks, Stored
@@ -42,14 +43,14 @@ def dequantize(body: PackedBody, dtype, b: int, n: int) -> torch.Tensor:
     packed = body.codes[b, :, :n]  # [H, n, bytes]
     heads, nbytes = packed.shape[0], packed.shape[2]
     if spec.granularity == "static":  # the channels' scale and offset folded into the table
-        wide = torch.zeros(heads, nbytes * per_byte, device=levels.device)
-        scale, offset = (wide.clone() for _ in range(2))
-        scale[:, : body.width] = body.scale.float()
+        padded = nbytes * per_byte - body.width  # a row's last byte may hold fewer codes
+
+        def per_code(t):  # [H, D] -> [H, bytes, 1, per_byte]
+            return F.pad(t.float(), (0, padded)).view(heads, nbytes, 1, per_byte)
+
+        table = table[:, None] * per_code(body.scale)
         if body.offset is not None:
-            offset[:, : body.width] = body.offset.float()
-        table = table[:, None] * scale.view(heads, nbytes, 1, per_byte)
-        if body.offset is not None:
-            table = table + offset.view(heads, nbytes, 1, per_byte)  # [H, bytes, 256, per_byte]
+            table = table + per_code(body.offset)  # [H, bytes, 256, per_byte]
         rows = torch.arange(heads * nbytes, device=packed.device).view(heads, 1, nbytes) * 256
     else:
         rows = torch.arange(heads, device=packed.device).view(heads, 1, 1) * 256
