@@ -56,8 +56,9 @@ import triton.language as tl  # noqa: E402
 
 from kvcalib_runtime.generate import DecodeStep  # noqa: E402
 from kvcalib_runtime.kernels import decode_attention as dec  # noqa: E402
-from kvcalib_runtime.kernels.layout import PackedBody, Sinks  # noqa: E402
+from kvcalib_runtime.kernels.layout import Sinks  # noqa: E402
 from kvcalib_runtime.kvcache import QuantizedCache  # noqa: E402
+from kvcalib_runtime.layouts.affine import PackedBody  # noqa: E402
 from kvcalib_runtime.model import Transformer  # noqa: E402
 from kvcalib_runtime.packing import unpack  # noqa: E402
 from kvcalib_runtime.quant import QuantSpec  # noqa: E402
@@ -108,7 +109,7 @@ def fill(cache: QuantizedCache, length: int) -> None:
         if stream.body is not None:
             body = stream.body
             body.codes.random_(0, 256)
-            if stream.spec.granularity != "static":
+            if not stream.spec.layout.calibrated_range:
                 body.scale.uniform_(0.01, 0.1)
             if body.slot_index is not None:
                 body.slot_index.random_(0, body.width)
@@ -192,7 +193,7 @@ def dequantized(body: PackedBody, nb: int, dtype, rope: Rope | None):
     """The unfused baseline's first half: positions [0, nb) of every sequence in dtype."""
     codes = unpack(body.codes[:, :, :nb], body.spec.bits, body.width)
     x = body.levels[0][codes.long()]
-    if body.spec.granularity == "static":
+    if body.spec.layout.calibrated_range:
         x = x * body.scale.float()[None, :, None] + body.offset.float()[None, :, None]
     else:
         x = x * body.scale[:, :, :nb].float()
@@ -270,7 +271,7 @@ def bytes_read(cache, batch, heads, d, context, nb) -> dict[str, float]:
     for s in (keys, values):
         body = s.body
         per_slot["codes"] += body.codes[0, :, 0].numel()
-        if body.spec.granularity != "static":
+        if not body.spec.layout.calibrated_range:
             per_slot["metadata"] += body.scale[0, :, 0].numel() * body.scale.element_size()
         if body.slot_index is not None:
             per_slot["slots"] += body.slot_index[0, :, 0].nbytes + body.slot_delta[0, :, 0].nbytes

@@ -46,7 +46,7 @@ def model_summary(spec: str | None, *, trust_remote_code: bool = False) -> str:
         f"  fp16       {elements * 2:>8,} bytes",
     ]
     for bits in (4, 3, 2):
-        bpe = QuantSpec(bits).bits_per_element(head_dim, tokens=1)
+        bpe = QuantSpec(bits).layout.bits_per_element(head_dim, tokens=1)
         lines.append(
             f"  {bits}-bit      {elements * bpe / 8:>8,.0f} bytes  "
             f"({bpe:.2f} bits/element: codes + fp16 scale and offset per token and head)"

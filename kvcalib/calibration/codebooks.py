@@ -9,7 +9,7 @@ weighted histogram of `bins` bins per layer (streaming); a weighted 1-D Lloyd k-
 histogram (initialized uniform, levels sorted) gives [L, 2**bits] levels. A variant is named as
 kvcalib.core.plan.codebook_variant names a recipe's tensor — "tensor:granularity[group]:position
 [:hadamard][:symmetric][:outliers<f>]" — and its elements are normalized exactly as
-kvcalib_runtime.quant normalizes them (the same group ranges, kvcalib_runtime.groups):
+kvcalib_runtime.quant normalizes them (the same group ranges, its layouts'):
 
     static        u = (x - lo) / (hi - lo), [lo, hi] the calibrated non-sink range with the
                   fraction f left out (none without :outliers)
@@ -34,8 +34,9 @@ from kvcalib.core.plan import codebook_variant
 from kvcalib.core.profile import select_range
 from kvcalib.core.recipe import load_recipe, presets
 from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.groups import expand, group_range, to_vector
 from kvcalib_runtime.hadamard import hadamard_transform, is_supported
+from kvcalib_runtime.layouts import LAYOUTS
+from kvcalib_runtime.layouts.vector import to_vector
 from kvcalib_runtime.quant import QuantSpec, uniform_codebook
 
 BITS = (2, 3, 4)
@@ -110,16 +111,16 @@ def _normalized(variant: str, x: dict, g: dict, keep: torch.Tensor, quantiles: d
         v, grad = hadamard_transform(v), hadamard_transform(grad)
     keep = keep.expand(v.shape[:-1])  # [T] -> [L, Hkv, T]
     weight = grad.square() * keep[..., None].to(grad.dtype)
-    if kind == "static":
+    if LAYOUTS[kind].calibrated_range:
         found = select_range(quantiles[position], outliers)
         if found is None:
             raise ValueError(f"variant {variant}: no calibrated range leaves {outliers} out")
         lo, hi = (r[:, :, None, :] for r in found)
     else:
-        if kind == "vector":
+        layout = QuantSpec(2, kind, int(group or 0), outliers=outliers).layout
+        if layout.joins_heads:
             v, weight = to_vector(v), to_vector(weight)
-        spec = QuantSpec(2, kind, int(group or 0), outliers=outliers)
-        lo, hi = (expand(r, spec, v.shape) for r in group_range(v, spec, ~keep))
+        lo, hi = (layout.expand(r, v.shape) for r in layout.group_range(v, ~keep))
     if "symmetric" in rest:
         a = torch.maximum(lo.abs(), hi.abs())
         lo, hi = -a, a

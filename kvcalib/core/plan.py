@@ -17,6 +17,7 @@ from kvcalib.core.recipe import (
 from kvcalib.errors import ProfileError, RecipeError
 from kvcalib_runtime import checks
 from kvcalib_runtime.geometry import Geometry
+from kvcalib_runtime.layouts import Kind
 from kvcalib_runtime.scheme import KVParams, KVScheme
 
 log = logging.getLogger("kvcalib")
@@ -53,7 +54,8 @@ def with_residual(recipe: Recipe, residual: int) -> Recipe:
         raise RecipeError(f"{where}: the residual window is a token count, use >= 0")
     for name in ("key", "value"):  # per-layer overrides are checked when the recipe is planned
         t = getattr(recipe, name)
-        if t.quantized and t.granularity == "channel" and (residual % t.group_size or not residual):
+        channel = t.quantized and t.layout.kind == Kind.CHANNEL
+        if channel and (residual % t.group_size or not residual):
             raise RecipeError(
                 f"{where}: its {name}s are grouped over {t.group_size} tokens and flushed a "
                 f"window at a time; use a positive multiple of {t.group_size}"
@@ -71,7 +73,7 @@ def scheme_with_residual(scheme: KVScheme, residual: int, name: str) -> KVScheme
         flush = {}
         for kind in ("key", "value"):
             spec = getattr(layer, kind)
-            if spec is not None and spec.granularity == "channel":
+            if spec is not None and spec.layout.kind == Kind.CHANNEL:
                 flush[f"{kind}_flush"] = residual
         try:
             layers.append(dataclasses.replace(layer, **flush))
@@ -137,10 +139,8 @@ def plan(
             layers.append(layer_scheme(key, value, recipe.residual, head_dim))
             if head_dim is not None:
                 for spec in (layers[-1].key, layers[-1].value):
-                    if spec is not None and spec.granularity == "token":
-                        spec.channel_group(head_dim)
-                    if spec is not None and spec.method == "turboquant":
-                        spec.sets(head_dim)
+                    if spec is not None:
+                        spec.layout.check_head(head_dim)
         except ValueError as e:
             raise RecipeError(f"{where}, layer {i}: {e}") from None
         if profile is not None:
@@ -180,9 +180,9 @@ def _check_runtime(where: str, scheme, params, geometry: Geometry, profile) -> N
 def _calibrated(params: KVParams, profile, i: int, key, value, head_dim) -> None:
     """Fill layer i's static ranges, codebooks, outlier channels and smoothing scales from the
     profile (key, value: the layer's TensorRecipes; head_dim resolves a split_fraction)."""
-    if key.quantized and key.granularity == "static":
+    if key.quantized and key.layout.calibrated_range:
         params.key_range[i] = profile.range("key", i, position=key.position, outliers=key.outliers)
-    if value.quantized and value.granularity == "static":
+    if value.quantized and value.layout.calibrated_range:
         params.value_range[i] = profile.range("value", i, outliers=value.outliers)
     if key.quantized and key.codebook == "calibrated":
         params.key_codebook[i] = profile.codebook(codebook_variant("key", key), i, key.bits)

@@ -42,6 +42,7 @@ from pathlib import Path
 from kvcalib.core.paths import is_recipe_file
 from kvcalib.errors import RecipeError
 from kvcalib_runtime.checks import MAX_TOKENS
+from kvcalib_runtime.layouts import Kind, Layout, layout_class
 from kvcalib_runtime.scheme import KEY_POSITIONS, KVScheme, LayerScheme
 from kvcalib_runtime.spec import GRANULARITIES, METHODS, SLOT_RULES, QuantSpec
 
@@ -81,6 +82,11 @@ class TensorRecipe:
     @property
     def quantized(self) -> bool:
         return self.bits != FULL_PRECISION
+
+    @property
+    def layout(self) -> type[Layout]:
+        """The stored layout its method and granularity select (kvcalib_runtime.layouts)."""
+        return layout_class(self.method, self.granularity)
 
     def split(self, head_dim: int | None) -> int:
         """The outlier set's channels per head: `split_channels`, or `split_fraction` of
@@ -151,7 +157,7 @@ class Recipe:
             self.sinks_predicted
             or self.allocation is not None
             or any(key.smooth > 0 for key, _ in pairs)
-            or any(t.quantized and t.granularity == "static" for t in tensors)
+            or any(t.quantized and t.layout.calibrated_range for t in tensors)
             or any(t.quantized and t.codebook == "calibrated" for t in tensors)
             or any(t.quantized and (t.split_channels or t.split_fraction) for t in tensors)
         )
@@ -437,7 +443,7 @@ def _check_layer(r: Recipe, k: TensorRecipe, v: TensorRecipe, where: str) -> Non
             "'post_rope'"
         )
     for name, t in (("key", k), ("value", v)):
-        static = t.granularity == "static" and (t.quantized or r.allocation is not None)
+        static = t.layout.calibrated_range and (t.quantized or r.allocation is not None)
         if static and t.rotation != "none":
             fail(
                 f"{name}: static ranges are calibrated unrotated; use rotation 'none' or a "
@@ -490,4 +496,4 @@ def flush_of(t: TensorRecipe, residual: int) -> int:
     """The flush block: as the recipe says, else R for token groups (KIVI's keys), else 1."""
     if t.flush:
         return t.flush
-    return residual if t.granularity == "channel" and residual else 1
+    return residual if t.layout.kind == Kind.CHANNEL and residual else 1

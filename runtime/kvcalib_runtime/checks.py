@@ -107,7 +107,7 @@ def _given(where: str, wanted: bool, found, scheme: str, given: str) -> None:
 
 
 def _check_range(where: str, spec, found, shape) -> None:
-    static = spec is not None and spec.granularity == "static"
+    static = spec is not None and spec.layout.calibrated_range
     scheme = f"is {'' if static else 'not '}'static'"
     _given(where, static, found, scheme, f"{'no' if found is None else 'a'} calibrated range")
     if found is None:
@@ -129,7 +129,7 @@ def _check_codebook(where: str, spec, book, geo: Geometry) -> None:
     _given(where, wanted, book, scheme, "none" if book is None else "one")
     if book is None:
         return
-    rows = 1 if spec.granularity == "vector" else geo.kv_heads
+    rows = spec.layout.row_heads(geo.kv_heads)
     levels = spec.levels
     if (
         book.dim() not in (1, 2)

@@ -550,13 +550,11 @@ def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
                     f"{PARAMS}: layers.{i}.{kind}_split must have shape {want}; convert the "
                     "model again"
                 )
-            if spec is None or spec.granularity not in ("token", "vector"):
+            if spec is None:
                 continue
-            n = spec.vector_size(head_dim, kv_heads)
-            if n % (spec.group_size or n):
-                raise FormatError(
-                    f"{META}: layer {i} groups {spec.group_size} channels, which "
-                    f"does not divide the {n} channels of a row"
-                )
+            try:
+                spec.layout.check_head(head_dim, kv_heads)
+            except ValueError as e:
+                raise FormatError(f"{META}: layer {i} {kind}s: {e}") from None
     transforms = _transforms(meta, scheme, params)
     return Checkpoint(config, meta, geo, scheme, params, transforms)

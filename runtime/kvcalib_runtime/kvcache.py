@@ -4,7 +4,8 @@ It implements the cache interface of `FullPrecisionCache` (positions / attend / 
 commit / view / reset) and follows the decode rule of `kvcalib_runtime.scheme`. Storage, per
 layer, for B sequences of up to N tokens, Hkv KV heads of D channels (`kvstream.Stream`):
 
-    body         kernels.layout.PackedBody (turboquant.TurboBody for "turboquant" specs):
+    body         what the spec's layout allocates (kvcalib_runtime.layouts): a PackedBody
+                 (layouts.turboquant.TurboBody for "turboquant" specs):
                  codes uint8 [B, Hkv, S, ceil(D * bits / 8)] and
                  scale/offset per group of channels of a token [B, Hkv, S, D/g], per group of
                  tokens of a channel [B, Hkv, S/G, D], or per channel ("static", from the
@@ -22,8 +23,8 @@ Keys and values are stored in the scheme's domain (`kvcalib_runtime.transforms`)
 (RoPE is applied when they are read), or post-RoPE; queries meet them in that domain, and an
 attention output over values kept in a rotated domain is rotated back.
 
-Memory is what the buffers hold: `allocated_bytes` walks them; `storage_bits` is the formula
-that plans them (a test holds the two equal for every preset and window).
+Memory is what the buffers hold: `allocated_bytes` walks them, and a plan (`planned_memory`, the
+capacity check, every bit count) walks the same buffers of a cache built on the meta device.
 
 New tokens are held exact until `commit`, when every layer has seen them and the sink predictor
 has flagged them: sinks are decided then (in position order), and each tensor flushes the
@@ -53,7 +54,7 @@ from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels.layout import Sinks, use_triton
 from kvcalib_runtime.kvstream import Stream, kernel_layout
 from kvcalib_runtime.rope import Rope
-from kvcalib_runtime.scheme import KVParams, KVScheme, storage_bits
+from kvcalib_runtime.scheme import KVParams, KVScheme
 from kvcalib_runtime.transforms import Transforms
 
 
@@ -100,11 +101,12 @@ class QuantizedCache:
             raise ValueError(
                 f"use_kernels=True needs a CUDA device or TRITON_INTERPRET=1 (device is {device})"
             )
-        _check_fits(scheme, batch, kv_heads, head_dim, max_len, device, dtype, windows)
         if len(transforms.layers) != num_layers:
             raise FormatError(
                 f"the transforms cover {len(transforms.layers)} layers, the model {num_layers}"
             )
+        sizes = dict(num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
+        _check_fits(scheme, params, transforms, batch, max_len, device, windows, sizes)
         on_meta = torch.device(device).type == "meta"
         if not on_meta and params.key_smooth:  # queries meet them every step: keep them here
             smooth = {i: s.to(device) for i, s in params.key_smooth.items()}
@@ -450,13 +452,15 @@ def _free_bytes(device) -> int | None:
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
-def _check_fits(scheme, batch, kv_heads, head_dim, max_len, device, dtype, windows) -> None:
-    bits = torch.empty((), dtype=dtype).element_size() * 8
-    need = storage_bits(
-        scheme, kv_heads, head_dim, max_len, batch=batch, exact_bits=bits, windows=windows
-    ).bytes
-    free = _free_bytes(device)
-    if free is not None and need > free:
+def _check_fits(scheme, params, transforms, batch, max_len, device, windows, sizes) -> None:
+    free = None if torch.device(device).type == "meta" else _free_bytes(device)  # meta: the plan
+    if free is None:
+        return
+    memory = planned_memory(
+        scheme, params, transforms, context=max_len, batch=batch, windows=windows, **sizes
+    )
+    need = sum(memory.values())
+    if need > free:
         raise CapacityError(
             f"a KV cache for {batch} sequences of max_len = {max_len} needs {need / 2**30:.2f} "
             f"GiB and {device} has {free / 2**30:.2f} GiB free: lower max_len or the batch"

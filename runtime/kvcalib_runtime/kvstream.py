@@ -1,8 +1,9 @@
 """One layer's keys or values in the quantized cache: body + residual ring, and how tokens move
 between them (`kvcalib_runtime.kvcache` owns one per layer and tensor).
 
-    body     kernels.layout.PackedBody [B, heads, S, ...] (turboquant.TurboBody for a
-             "turboquant" spec; exact dtype [B, Hkv, S, D] for a tensor left in full precision),
+    body     what the spec's layout allocates (kvcalib_runtime.layouts: a PackedBody
+             [B, heads, S, ...], or a TurboBody for "turboquant"); exact dtype [B, Hkv, S, D]
+             for a tensor left in full precision,
              S = scheme.body_slots: position t in slot t % S
              (every position, or a ring for a sliding-window layer)
     tail     dtype [B, Hkv, max(R, 1), D]  the residual ring, position t in slot t % R
@@ -19,7 +20,8 @@ import copy
 import torch
 
 from kvcalib_runtime.kernels import quant_pack as qp
-from kvcalib_runtime.kernels.layout import PackedBody, Stored
+from kvcalib_runtime.kernels.layout import Stored
+from kvcalib_runtime.layouts.turboquant import TurboBody
 from kvcalib_runtime.scheme import (
     KVParams,
     KVScheme,
@@ -27,14 +29,13 @@ from kvcalib_runtime.scheme import (
     quantized_prefix,
     quantized_prefix_int,
 )
-from kvcalib_runtime.turboquant import TurboBody
 
 
 def kernel_layout(spec) -> bool:
     """Whether a tensor stored with spec (None: full precision) is laid out as the kernels and
-    their references read it: the "affine" numerics in a PackedBody; `supports()` of each
-    kernel decides the rest. Peers' own numerics (llama.cpp's, TurboQuant's) are not."""
-    return spec is None or spec.method == "affine"
+    their references read it: an affine layout's PackedBody; `supports()` of each kernel
+    decides the rest. Peers' own numerics (llama.cpp's, TurboQuant's) are not."""
+    return spec is None or spec.layout.affine
 
 
 class Stream:
@@ -52,14 +53,14 @@ class Stream:
         self.exact = self.body = None
         if spec is None:
             self.exact = torch.zeros(b, h, self.slots, d, device=device, dtype=dtype)
-        elif spec.method == "turboquant":
-            split = getattr(params, f"{kind}_split").get(i)
-            self.body = TurboBody.allocate(spec, (b, h, self.slots, d), device, dtype, split)
         else:
-            static_range = getattr(params, f"{kind}_range").get(i)
-            codebook = getattr(params, f"{kind}_codebook").get(i)
-            self.body = PackedBody.allocate(
-                spec, (b, h, self.slots, d), device, dtype, static_range, codebook
+            self.body = spec.layout.allocate(
+                (b, h, self.slots, d),
+                device,
+                dtype,
+                static_range=getattr(params, f"{kind}_range").get(i),
+                codebook=getattr(params, f"{kind}_codebook").get(i),
+                split=getattr(params, f"{kind}_split").get(i),
             )
         # quant_pack handles spec
         self.packs = spec is not None and kernel_layout(spec) and qp.supports(spec, d, h)

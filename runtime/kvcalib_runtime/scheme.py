@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvcalib_runtime.closed import closed
-from kvcalib_runtime.quant import QuantSpec, slot_index_dtype
+from kvcalib_runtime.quant import QuantSpec
 
 KEY_POSITIONS = ("pre_rope", "post_rope")
 
@@ -65,10 +65,10 @@ class LayerScheme:
         ):
             if flush < 1:
                 raise ValueError(f"{name} flush = {flush} must be >= 1")
-            if spec is not None and spec.granularity == "channel" and flush % spec.group_size:
+            if spec is not None and flush % spec.layout.token_group():
                 raise ValueError(
                     f"{name} flush = {flush} must be a multiple of its token group "
-                    f"({spec.group_size}), so that flushed blocks hold whole groups"
+                    f"({spec.layout.token_group()}), so that flushed blocks hold whole groups"
                 )
 
 
@@ -173,7 +173,7 @@ def body_slots(
     at p sees p - W < j <= p) keeps a ring, position t in slot t % slots: W exact slots for a
     tensor left in full precision; none when the window never reaches the quantized body
     (W <= R - F + 1: the residual ring always holds the last W positions); else W, at least one
-    flush block F, rounded up to whole token groups ("channel" granularity). Never more than
+    flush block F, rounded up to whole token groups (a layout's `token_group`). Never more than
     `context`.
     """
     if window is None:
@@ -182,100 +182,8 @@ def body_slots(
         return min(window, context)
     if window <= residual - flush + 1:
         return 0
-    group = spec.group_size if spec.granularity == "channel" else 1
+    group = spec.layout.token_group()
     return min(-(-max(window, flush) // group) * group, context)
-
-
-@dataclass(frozen=True)
-class Storage:
-    """What a QuantizedCache for `batch` sequences of `context` tokens allocates, in bits, by
-    part (`storage_bits`); `elements` counts the keys and values it represents.
-
-    body         codes, per-group metadata and outlier slots of every position's body slot, and
-                 tensors left in full precision
-    constants    per-layer calibrated tensors: static ranges with their metadata, codebooks
-    ring         the residual windows (full precision)
-    sinks        the sink slots (full precision) and the positions they hold
-    bookkeeping  lengths, body sizes and the map of which positions are sinks
-    """
-
-    body: float
-    constants: float
-    ring: float
-    sinks: float
-    bookkeeping: float
-    elements: int
-
-    @property
-    def total(self) -> float:
-        return self.body + self.constants + self.ring + self.sinks + self.bookkeeping
-
-    @property
-    def bytes(self) -> float:
-        return self.total / 8
-
-
-def storage_bits(
-    scheme: KVScheme,
-    kv_heads: int,
-    head_dim: int,
-    context: int,
-    *,
-    batch: int = 1,
-    exact_bits: int = 16,
-    windows: tuple[int | None, ...] | None = None,
-) -> Storage:
-    """The bits a QuantizedCache following `scheme` allocates for `batch` sequences of
-    `context` tokens whose exact values take `exact_bits` (16: an fp16/bf16 cache), counted
-    from the layout's rules, not from the buffers (a test holds the two equal).
-
-    Per layer, keys and values each: a ring of max(R, 1) exact tokens; a tensor left in full
-    precision stores every position exactly; a quantized one stores, for every position, a
-    row of packed codes (one per head, or one per token for "vector"), its group metadata
-    (scale, and offset unless symmetric) and its K outlier slots (index + exact delta), plus
-    per-layer constants (a "static" range as float32 lo/hi with its metadata, float32
-    codebook levels and thresholds); a "turboquant" row is each set's codes packed apart and
-    one norm per set, with the int64 outlier channels per head as a constant. Per layer,
-    S = max(sinks_first + sink_budget, 1) exact sink slots for keys and values; per sequence
-    their int64 positions, the is-sink byte of every position and int64 lengths / body sizes.
-    `windows` (per layer, None = global): a windowed layer's body is a ring of `body_slots`
-    positions instead of `context`.
-    """
-    per_seq = batch * kv_heads * head_dim
-    body = constants = ring = 0
-    windows = windows or (None,) * len(scheme.layers)
-    for layer, window in zip(scheme.layers, windows, strict=True):
-        for spec, flush in ((layer.key, layer.key_flush), (layer.value, layer.value_flush)):
-            ring += per_seq * max(scheme.residual, 1) * exact_bits
-            slots = body_slots(spec, flush, scheme.residual, window, context)
-            if spec is None:
-                body += per_seq * slots * exact_bits
-                continue
-            n = spec.vector_size(head_dim, kv_heads)
-            rows = batch * (kv_heads * head_dim // n)  # stored rows per position
-            meta = exact_bits * (1 if spec.symmetric else 2)
-            if spec.method == "turboquant":
-                sets = spec.sets(n)
-                row = sum(math.ceil(c * bits / 8) * 8 + exact_bits for c, bits in sets)
-                body += rows * slots * row
-                constants += kv_heads * spec.split_channels * 64
-                continue
-            body += rows * slots * math.ceil(n * spec.bits / 8) * 8
-            if spec.granularity in ("token", "vector"):
-                body += rows * slots * (n // spec.channel_group(n)) * meta
-            elif spec.granularity == "channel":
-                body += rows * math.ceil(slots / spec.group_size) * n * meta
-            else:
-                constants += kv_heads * head_dim * (meta + 2 * 32)
-            if spec.codebook:
-                constants += rows // batch * (2 * spec.levels - 1) * 32
-            index_bits = torch.empty((), dtype=slot_index_dtype(n)).element_size() * 8
-            body += rows * slots * spec.slots(n) * (index_bits + exact_bits)
-    slots = max(scheme.num_sink_slots, 1)
-    sinks = 2 * len(scheme.layers) * per_seq * slots * exact_bits + batch * slots * 64
-    bookkeeping = batch * (context * 8 + 64 * (1 + 2 * len(scheme.layers)))
-    elements = 2 * len(scheme.layers) * per_seq * context
-    return Storage(body, constants, ring, sinks, bookkeeping, elements)
 
 
 @dataclass(frozen=True)

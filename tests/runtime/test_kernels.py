@@ -18,7 +18,8 @@ import torch
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels import quant_pack as qp
-from kvcalib_runtime.kernels.layout import PackedBody, Sinks, Stored
+from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.quant import QuantSpec
 
 S = QuantSpec
@@ -48,10 +49,10 @@ def _body(spec, shape, dtype, gen, per_head_codebook=False):
     if spec is None:
         return torch.randn(shape, generator=gen).to(dtype)
     static = None
-    if spec.granularity == "static":
+    if spec.layout.calibrated_range:
         static = (-torch.rand(h, d, generator=gen) * 3, torch.rand(h, d, generator=gen) * 3)
     cb = _codebook(spec, h if per_head_codebook else 0, gen) if spec.codebook else None
-    body = PackedBody.allocate(spec, shape, "cpu", dtype, static, cb)
+    body = spec.layout.allocate(shape, "cpu", dtype, static_range=static, codebook=cb)
     body.codes.copy_(torch.randint(0, 256, body.codes.shape, generator=gen))
     if spec.granularity != "static":
         body.scale.copy_(torch.rand(body.scale.shape, generator=gen) * 0.8 + 0.2)
@@ -175,13 +176,13 @@ def test_flush_reads_the_ring_in_place(spec, flush, residual):
 
 def test_quant_pack_refuses_what_it_does_not_handle():
     odd_groups = S(2, group_size=12)  # 12 channels: not a power of two, not the whole row
-    body = PackedBody.allocate(odd_groups, (1, 1, 8, 48), "cpu", torch.float32)
+    body = odd_groups.layout.allocate((1, 1, 8, 48), "cpu", torch.float32)
     assert not qp.supports(odd_groups, 48, 1)
     with pytest.raises(ValueError, match="reference"):
         qp.quant_pack(torch.zeros(1, 1, 1, 48), body, torch.tensor([0]), torch.tensor([0]))
     kivi = S(2, "channel", 4)
-    body = PackedBody.allocate(kivi, (1, 1, 8, 16), "cpu", torch.float32)
-    with pytest.raises(ValueError, match="whole groups"):
+    body = kivi.layout.allocate((1, 1, 8, 16), "cpu", torch.float32)
+    with pytest.raises(ValueError, match="whole token groups"):
         qp.quant_pack(torch.zeros(1, 1, 3, 16), body, torch.tensor([0]), torch.tensor([0]))
 
 
@@ -305,6 +306,17 @@ def test_cpu_dequantize_is_the_bodys_own_bit_for_bit(case, dtype, per_head):
             assert torch.equal(ours, body.dequantize(torch.float32, b, n))
 
 
+@pytest.mark.parametrize("bits", [4, 8], ids=["q4_0", "q8_0"])
+def test_cpu_dequantize_reads_each_layouts_own_levels(bits):
+    # llama.cpp's q4_0 levels are c - 8, not the symmetric grid's c - 7: the CPU path takes the
+    # levels from the layout (before the layouts owned them it read q4_0 bodies a level off).
+    spec = S(bits, group_size=32, symmetric=True, method="ggml")
+    body = _body(spec, (2, 2, 64, 64), torch.float16, torch.Generator().manual_seed(bits))
+    for b, n in ((0, 37), (1, 64)):
+        ours = decode_torch.dequantize(body, torch.float32, b, n)
+        assert torch.equal(ours, body.dequantize(torch.float32, b, n))
+
+
 @pytest.mark.parametrize("window", [None, 50], ids=["no window", "window 50"])
 @pytest.mark.parametrize("case", list(DECODE_CASES))
 def test_cpu_decode_path_matches_the_reference(case, window):
@@ -416,7 +428,8 @@ def compile_instead(self, *args, grid, warmup, **kwargs):  # compile for sm_90, 
 
 JITFunction.run = compile_instead
 from kvcalib_runtime.kernels import decode_attention as dec
-from kvcalib_runtime.kernels.layout import PackedBody, Sinks, Stored
+from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.kernels.quant_pack import flush, quant_pack
 from kvcalib_runtime.quant import QuantSpec
 
@@ -432,7 +445,7 @@ for dtype, key, value, rope in [
     def body(spec):
         if spec is None:
             return torch.zeros(B, H, N, D, dtype=dtype)
-        return PackedBody.allocate(spec, (B, H, N, D), "cpu", dtype, static, book)
+        return spec.layout.allocate((B, H, N, D), "cpu", dtype, static_range=static, codebook=book)
     keys, values = body(key), body(value)
     tail, nb = torch.zeros(B, H, 8, D, dtype=dtype), torch.zeros(B, dtype=torch.long)
     quant_pack(torch.zeros(1, H, 32, D, dtype=dtype), keys, torch.zeros(1, dtype=torch.long),

@@ -99,7 +99,8 @@ def test_vector_groups_store_a_third_of_the_per_head_metadata():
     against per-head groups' three of each and 6 slots (KVQuant's 1% is per vector)."""
     joined = QuantSpec(3, "vector", outliers=0.01)
     per_head = QuantSpec(3, "token", outliers=0.01)
-    assert joined.slots(192) == 2 and per_head.slots(64) == 2
+    assert joined.layout.slots(192) == 2 and per_head.layout.slots(64) == 2
     # codes 3 + scale/offset 32 / 192 + 2 slots x (8-bit index + 16-bit value) / 192
-    assert joined.bits_per_element(64, 1, kv_heads=3) == pytest.approx(3 + 32 / 192 + 48 / 192)
-    assert per_head.bits_per_element(64, 1) == pytest.approx(3 + 32 / 64 + 48 / 64)
+    joined_bits = joined.layout.bits_per_element(64, 1, kv_heads=3)
+    assert joined_bits == pytest.approx(3 + 32 / 192 + 48 / 192)
+    assert per_head.layout.bits_per_element(64, 1) == pytest.approx(3 + 32 / 64 + 48 / 64)

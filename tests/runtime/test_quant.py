@@ -86,7 +86,7 @@ def test_dynamic_outliers_kept_exactly_by_hand():
     x = _t([-50.0, 0.0, 1.0, 2.0, 3.0, 1.5, 0.5, 90.0])
     spec = QuantSpec(2, outliers=0.25)
     q = quantize(x, spec)
-    assert spec.slots(8) == 2 and q.slot_index.dtype == torch.uint8
+    assert spec.layout.slots(8) == 2 and q.slot_index.dtype == torch.uint8
     assert q.slot_index.tolist() == [[7, 0]]  # 90 is 87 outside [0, 3], -50 is 50 outside
     assert q.slot_delta.tolist() == [[87.0, -50.0]]  # x - x_hat: clamped to 3 and to 0
     assert q.offset.item() == 0.0 and q.scale.item() == 1.0
@@ -198,17 +198,23 @@ def test_error_within_half_step(bits, granularity, symmetric, tokens, head_dim, 
 
 
 def test_bits_per_element_accounting():
+    # walked from the buffers of a meta-device body of 1024 tokens, against the count by hand
     d = 64
-    assert QuantSpec(2).bits_per_element(d, 1024) == 2 + 32 / 64  # per-token: scale+offset / head
-    assert QuantSpec(2, "channel", 32).bits_per_element(d, 1024) == 3.0  # KIVI: 32 bits / 32 tokens
-    assert QuantSpec(4, symmetric=True).bits_per_element(d, 1024) == 4 + 16 / 64
+
+    def bits(spec, **kw):
+        return spec.layout.bits_per_element(d, 1024, **kw)
+
+    assert bits(QuantSpec(2)) == 2 + 32 / 64  # per-token: scale + offset per head
+    assert bits(QuantSpec(2, "channel", 32)) == 3.0  # KIVI: 32 bits per 32 tokens
+    assert bits(QuantSpec(4, symmetric=True)) == 4 + 16 / 64
     static = QuantSpec(2, "static", outliers=0.01, outlier_slots=1)
+    # the range per layer (fp16 scale + offset, fp32 lo + hi per channel) over 1024 tokens;
     # one slot per token row: an 8-bit index and a 16-bit delta, used or not
-    assert math.isclose(static.bits_per_element(d, 1024), 2 + 32 / 1024 + 24 / 64)
+    assert math.isclose(bits(static), 2 + (32 + 64) / 1024 + 24 / 64)
     token = QuantSpec(2, group_size=32, outliers=0.01)  # 1 per side per group of 32
-    assert token.bits_per_element(d, 1024) == 2 + 32 / 32 + 4 * 24 / 64
+    assert bits(token) == 2 + 32 / 32 + 4 * 24 / 64
     vector = QuantSpec(3, "vector", outliers=0.01)  # 3 heads: 192 channels, 1 per side
-    assert math.isclose(vector.bits_per_element(d, 1024, kv_heads=3), 3 + 32 / 192 + 48 / 192)
+    assert math.isclose(bits(vector, kv_heads=3), 3 + 32 / 192 + 48 / 192)
 
 
 @pytest.mark.parametrize(

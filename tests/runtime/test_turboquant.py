@@ -11,7 +11,6 @@ import torch
 
 from kvcalib_runtime.codebooks import distortion, lloyd_max, random_rotation
 from kvcalib_runtime.quant import QuantSpec, dequantize, fake_quantize, quantize
-from kvcalib_runtime.turboquant import TurboBody
 
 PAPER = {1: (0.36, 0.01), 2: (0.117, 0.001), 3: (0.03, 0.01), 4: (0.009, 0.001)}  # value, unit
 
@@ -98,7 +97,7 @@ def test_the_body_stores_what_the_quantizer_computes(dtype):
     spec = QuantSpec(2, symmetric=True, method="turboquant", split_channels=16, split_bits=4)
     split = torch.stack([torch.arange(16), torch.arange(48, 64)])
     x = torch.randn(1, 2, 7, 64, dtype=dtype)
-    body = TurboBody.allocate(spec, (1, 2, 9, 64), "cpu", dtype, split)
+    body = spec.layout.allocate((1, 2, 9, 64), "cpu", dtype, split=split)
     assert [c.shape[-1] for c in body.codes] == [8, 12]  # 16 x 4 bits, 48 x 2 bits
     body.write(x, torch.tensor([0]), torch.tensor([2]))
     stored = body.dequantize(dtype, b=0, n=9)

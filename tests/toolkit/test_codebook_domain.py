@@ -11,7 +11,7 @@ import torch
 
 from kvcalib.calibration.codebooks import _normalized
 from kvcalib.core.profile import OUTLIER_FRACTIONS, QUANTILE_LEVELS
-from kvcalib_runtime.groups import expand, group, group_range, to_vector
+from kvcalib_runtime.layouts.vector import to_vector
 from kvcalib_runtime.quant import QuantSpec
 
 L, HKV, T, D = 2, 3, 5, 64
@@ -38,20 +38,21 @@ def test_group_variants_normalize_with_the_quantizers_ranges(variant, spec):
     acts, grads = _window()
     keep = torch.ones(T, dtype=torch.bool)
     u, weight = _normalized(variant, acts, grads, keep, quantiles={})
-    v = to_vector(acts["value"]) if spec.granularity == "vector" else acts["value"]
-    lo, hi = (expand(r, spec, v.shape) for r in group_range(v, spec, None))
+    layout = spec.layout
+    v = to_vector(acts["value"]) if layout.joins_heads else acts["value"]
+    lo, hi = (layout.expand(r, v.shape) for r in layout.group_range(v, None))
     inside = weight > 0
     torch.testing.assert_close(u[inside], ((v - lo) / (hi - lo))[inside], atol=1e-6, rtol=0)
     # left out of the fit: the planted outliers, and in all k at each end of every group
     assert not inside[v.abs() == 50.0].any()
-    g = spec.channel_group(v.shape[-1])
-    assert (~inside).sum() == v.numel() // g * 2 * spec.outliers_per_side(g)
+    g = layout.row_group(v.shape[-1])
+    assert (~inside).sum() == v.numel() // g * 2 * layout.outliers_per_side(g)
     assert u[inside].max() == pytest.approx(1.0) and u[inside].min() == pytest.approx(0.0)
     # the old domain (each group's min-max, outliers in): in a group holding a planted outlier
     # the values the quantizer codes filled less than a fifth of [0, 1]
-    plain = QuantSpec(2, spec.granularity, spec.group_size)
-    old_lo, old_hi = (expand(r, plain, v.shape) for r in group_range(v, plain, None))
-    planted = expand(group(v.abs() == 50.0, plain).any(-1, keepdim=True), plain, v.shape)
+    plain = QuantSpec(2, spec.granularity, spec.group_size).layout
+    old_lo, old_hi = (plain.expand(r, v.shape) for r in plain.group_range(v, None))
+    planted = plain.expand(plain.group(v.abs() == 50.0).any(-1, keepdim=True), v.shape)
     assert planted.any() and ((hi - lo) / (old_hi - old_lo))[planted].max() < 0.2
 
 

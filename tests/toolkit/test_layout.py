@@ -125,3 +125,24 @@ def test_a_missing_path_fails_before_torch_imports(args, message, tmp_path):
     )
     assert result.stdout.split() == ["2", "False", "False"], result.stderr
     assert result.stderr.startswith(f"error: {message.format(x=tmp_path)}")
+
+
+def test_only_the_layouts_compare_granularity_or_method():
+    """A stored layout's behaviour lives in its own module (kvcalib_runtime/layouts/): nowhere
+    else does code branch on a spec's or recipe's `granularity` or `method` string; it asks
+    `spec.layout` (ARCHITECTURE.md), so a new layout is one new module."""
+    import kvcalib_runtime
+
+    runtime = Path(kvcalib_runtime.__file__).parent
+    sources = [*_modules(), *runtime.rglob("*.py"), *(ROOT.parent / "benchmarks").glob("*.py")]
+    found = []
+    for path in sources:
+        if "layouts" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            sides = [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
+            if any(
+                isinstance(s, ast.Attribute) and s.attr in ("granularity", "method") for s in sides
+            ):
+                found.append(f"{path.name}:{node.lineno}")
+    assert not found, found

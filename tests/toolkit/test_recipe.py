@@ -83,8 +83,9 @@ def test_turboquant_splits_a_quarter_of_the_channels(name, bits, outlier_bits, h
     for t in (recipe.key, recipe.value):
         spec = t.spec(head_dim)
         assert spec.method == "turboquant"
-        assert spec.sets(head_dim) == ((quarter, outlier_bits), (head_dim - quarter, bits))
-        assert sum(c * b for c, b in spec.sets(head_dim)) / head_dim == float(name)  # its label
+        assert spec.layout.sets(head_dim) == ((quarter, outlier_bits), (head_dim - quarter, bits))
+        sets = spec.layout.sets(head_dim)
+        assert sum(c * b for c, b in sets) / head_dim == float(name)  # its label
         assert t.rotation == "none" and t.codebook == "uniform"  # the rotation is TurboQuant's
     scheme, params = plan(
         recipe, num_layers=2, head_dim=head_dim, profile=ShapeProfile(1, head_dim)

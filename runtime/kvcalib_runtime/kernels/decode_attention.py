@@ -32,7 +32,9 @@ import triton
 import triton.language as tl
 
 from kvcalib_runtime.kernels import tiles
-from kvcalib_runtime.kernels.layout import PackedBody, Sinks, Stored
+from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.layouts import Kind
+from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.rope import rotate_half
 
 EXACT = tiles.EXACT.value  # StreamLayout.GRAN of a tensor left in full precision
@@ -299,7 +301,7 @@ class StreamLayout(NamedTuple):
     per layout pair).
 
     BITS    code width (16 for an exact body)
-    GRAN    tiles.TOKEN ("token", "vector"), CHANNEL, STATIC or EXACT (left in full precision)
+    GRAN    the layout's Kind: tiles.TOKEN, CHANNEL, STATIC or EXACT (left in full precision)
     GROUP   channels per group of a row (TOKEN), tokens per group (CHANNEL), else 1
     SYM     symmetric levels (no offset)
     CB      codebook levels
@@ -337,19 +339,17 @@ def _stream_args(stored: Stored, head_dim: int, positions: int):
     codes = body.codes.view(torch.int32) if unit == 32 else body.codes
     pointers = [body.scale, body.offset, body.levels, body.slot_index, body.slot_delta]
     pointers = [t if t is not None else codes for t in pointers]
-    group = spec.group_size if spec.granularity == "channel" else 1
-    if spec.granularity in ("token", "vector"):
-        group = spec.channel_group(body.width)
-    meta_rows = body.scale.shape[2] if spec.granularity == "channel" else 1
+    layout = spec.layout
+    meta_rows = body.scale.shape[2] if layout.kind == Kind.CHANNEL else 1
     slots = body.codes.shape[2]
     buffers = StreamBuffers(codes, *pointers, stored.tail, stored.n_body, max(slots, 1), meta_rows)
     layout = StreamLayout(
         BITS=spec.bits,
-        GRAN=tiles.GRAN[spec.granularity].value,
-        GROUP=group,
+        GRAN=layout.kind.value,
+        GROUP=max(layout.metadata_group(body.width), 1),
         SYM=spec.symmetric,
         CB=spec.codebook,
-        K=spec.slots(body.width),
+        K=layout.slots(body.width),
         VEC=body.vector,
         UNIT=unit,
         ROW=codes.shape[-1],

@@ -11,9 +11,10 @@ of its keys, so the result is the reference's to rounding. A body that wraps (a 
 ring of fewer slots than the sequence has positions) goes to the reference.
 
 `dequantize` reads a body as `PackedBody.dequantize` does, bit for bit, with one table lookup per
-packed byte where the codes fill whole bytes (1, 2, 4 or 8 bits; "static" and "token" groups):
-the levels of every byte value's codes, per head (and for "static" per byte position, scale and
-offset folded in), instead of unpacking codes one by one. Keys are rotated as the reference
+packed byte where the codes fill whole bytes (1, 2, 4 or 8 bits; static channels and groups of a
+head's row): the levels of every byte value's codes (the layout's own levels), per head (and for
+static channels per byte position, scale and offset folded in), instead of unpacking codes one
+by one. Keys are rotated as the reference
 rotates them, bit for bit, from one table of angles per frequency set.
 """
 
@@ -21,28 +22,24 @@ import torch
 import torch.nn.functional as F
 
 from kvcalib_runtime.kernels.decode_attention import decode_attention_reference
-from kvcalib_runtime.kernels.layout import PackedBody, Sinks, Stored
+from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.layouts import Kind
+from kvcalib_runtime.layouts.affine import PackedBody
 
 
 def dequantize(body: PackedBody, dtype, b: int, n: int) -> torch.Tensor:
     """`body.dequantize(dtype, b, n)`: slots [0, n) of sequence b, [Hkv, n, D], bit for bit."""
-    spec = body.spec
-    if 8 % spec.bits or spec.granularity not in ("static", "token"):
+    spec, layout = body.spec, body.layout
+    if 8 % spec.bits or layout.joins_heads or layout.kind == Kind.CHANNEL:
         return body.dequantize(dtype, b, n)
     per_byte, mask = 8 // spec.bits, (1 << spec.bits) - 1
-    if body.levels is not None:
-        levels = body.levels.float()  # [H, L]
-    else:
-        levels = torch.arange(2**spec.bits, dtype=torch.float32, device=body.codes.device)
-        if spec.symmetric:
-            levels = levels - (2 ** (spec.bits - 1) - 1)
-        levels = levels.expand(body.codes.shape[1], -1)
-    byte = torch.arange(256, device=levels.device)
-    codes = (byte[:, None] >> (torch.arange(per_byte, device=levels.device) * spec.bits)) & mask
-    table = levels[:, codes]  # [H, 256, per_byte]: the levels of each byte value's codes
     packed = body.codes[b, :, :n]  # [H, n, bytes]
     heads, nbytes = packed.shape[0], packed.shape[2]
-    if spec.granularity == "static":  # the channels' scale and offset folded into the table
+    byte = torch.arange(256, device=packed.device)
+    codes = (byte[:, None] >> (torch.arange(per_byte, device=packed.device) * spec.bits)) & mask
+    # [H, 256, per_byte]: the levels of each byte value's codes, as the layout reads them
+    table = layout.levels(codes.expand(heads, -1, -1), body.levels).expand(heads, -1, -1)
+    if layout.kind == Kind.STATIC:  # the channels' scale and offset folded into the table
         padded = nbytes * per_byte - body.width  # a row's last byte may hold fewer codes
 
         def per_code(t):  # [H, D] -> [H, bytes, 1, per_byte]
@@ -57,7 +54,7 @@ def dequantize(body: PackedBody, dtype, b: int, n: int) -> torch.Tensor:
     index = (packed.long() + rows).view(-1)  # index_select: 3x advanced indexing's speed
     x = torch.index_select(table.reshape(-1, per_byte), 0, index)
     x = x.view(heads, packed.shape[1], nbytes * per_byte)[..., : body.width]
-    if spec.granularity != "static":
+    if layout.kind != Kind.STATIC:
         groups = body.scale.shape[-1]
         x = x.reshape(*x.shape[:2], groups, body.width // groups)
         x = x * body.scale[b, :, :n, :, None].float()

@@ -24,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcalib_runtime.kernels.layout import PackedBody
-from kvcalib_runtime.kernels.tiles import CHANNEL, GRAN, ROUNDING, TOKEN
+from kvcalib_runtime.kernels.tiles import CHANNEL, ROUNDING, TOKEN
+from kvcalib_runtime.layouts import Kind
+from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.packing import pack
 from kvcalib_runtime.quant import QuantSpec, quantize
 
@@ -275,13 +276,14 @@ class PackLayout(NamedTuple):
 
 
 def supports(spec: QuantSpec, head_dim: int, kv_heads: int) -> bool:
-    """Whether the kernel handles spec: row groups ("token", "vector") of a power-of-two number
-    of channels or the whole row; everything else (every granularity, codebook, bit width and
-    outlier rule) it does."""
-    if spec.granularity not in ("token", "vector"):
+    """Whether the kernel handles spec: row groups (Kind.TOKEN) of a power-of-two number of
+    channels or the whole row; everything else (every layout, codebook, bit width and outlier
+    rule) it does."""
+    layout = spec.layout
+    if layout.kind != Kind.TOKEN:
         return True
-    width = spec.vector_size(head_dim, kv_heads)
-    g = spec.channel_group(width)
+    width = layout.width(head_dim, kv_heads)
+    g = layout.row_group(width)
     return g == width or g & (g - 1) == 0
 
 
@@ -289,13 +291,13 @@ def _launch(x, new, lengths, body: PackedBody, seq, start, end, n, exclude) -> N
     spec, d, hkv = body.spec, body.head_dim, body.kv_heads
     if not supports(spec, d, hkv):
         raise ValueError(f"quant_pack does not handle {spec} at head_dim {d}: use the reference")
-    width = body.width
-    heads = 1 if body.vector else hkv
+    layout, width = spec.layout, body.width
+    heads = layout.row_heads(hkv)
     m, slots = len(seq), body.codes.shape[2]
     block_w = max(16, triton.next_power_of_2(width))
-    group = spec.channel_group(width) if spec.granularity in ("token", "vector") else 0
-    if spec.granularity == "channel":
-        group = spec.group_size
+    group = layout.metadata_group(width)
+    channel = layout.kind == Kind.CHANNEL
+    if channel:
         block_t = triton.next_power_of_2(group)
         grid = (n // group, hkv, m)
     else:
@@ -303,7 +305,7 @@ def _launch(x, new, lengths, body: PackedBody, seq, start, end, n, exclude) -> N
         grid = (triton.cdiv(heads * n, block_t), 1, m)
     ring = new is not None
     dummy = body.scale
-    trim = spec.outliers_per_side(group) if spec.granularity in ("token", "vector") else 0
+    trim = layout.outliers_per_side(group)
     lo, hi = body.static_range or (dummy, dummy)
     buffers = BodyBuffers(
         body.codes, body.scale, body.offset if body.offset is not None else dummy,
@@ -315,11 +317,11 @@ def _launch(x, new, lengths, body: PackedBody, seq, start, end, n, exclude) -> N
         HEADS=heads,
         VECTOR=body.vector,
         BITS=spec.bits,
-        GRAN=GRAN[spec.granularity].value,
+        GRAN=layout.kind.value,
         GROUP=max(group, 1),
         SYMMETRIC=spec.symmetric,
         CODEBOOK=spec.codebook,
-        K=spec.slots(width),
+        K=layout.slots(width),
         TRIM=trim,
         ERROR_RULE=spec.slot_rule == "error",
     )
@@ -327,9 +329,8 @@ def _launch(x, new, lengths, body: PackedBody, seq, start, end, n, exclude) -> N
     _quant_pack_kernel[grid](
         x, new if ring else dummy, lengths if ring else dummy,
         seq, start, end if ring else seq, buffers,
-        exclude.view(torch.uint8) if spec.granularity == "channel" and exclude is not None
-        else None,
-        n, hkv, slots, body.scale.shape[2] if spec.granularity == "channel" else 1,
+        exclude.view(torch.uint8) if channel and exclude is not None else None,
+        n, hkv, slots, body.scale.shape[2] if channel else 1,
         x.shape[2] if ring else 1, exclude.shape[1] if exclude is not None else 0, spec.clip,
         layout, D=d, RING=ring, BLOCK_T=block_t, BLOCK_W=block_w,
         BLOCK_G=block_w if group in (0, width) else group,
@@ -365,10 +366,9 @@ def flush(tail, new, lengths, body: PackedBody, start, end, n: int, exclude=None
 
 
 def _check_groups(spec: QuantSpec, n: int) -> None:
-    if spec.granularity == "channel" and n % spec.group_size:
-        raise ValueError(
-            f"a 'channel' block of {n} tokens is not whole groups of {spec.group_size}"
-        )
+    g = spec.layout.token_group()
+    if n % g:
+        raise ValueError(f"a block of {n} tokens is not whole token groups of {g}")
 
 
 def quant_pack_reference(x, body: PackedBody, seq, start, exclude=None, active=None) -> None:
@@ -383,7 +383,7 @@ def quant_pack_reference(x, body: PackedBody, seq, start, exclude=None, active=N
     if body.static_range is not None:
         kwargs["static_range"] = tuple(r[:, None, :] for r in body.static_range)
     pos = start[:, None] + torch.arange(n, device=x.device)  # [M, n]
-    if exclude is not None and spec.granularity == "channel":
+    if exclude is not None and spec.layout.kind == Kind.CHANNEL:
         kwargs["exclude"] = exclude[seq[:, None], pos.clamp(max=exclude.shape[1] - 1)][:, None]
     q = quantize(x, spec, **kwargs)  # rows [M, heads, n, width]
     rows = seq[:, None]
@@ -396,16 +396,11 @@ def quant_pack_reference(x, body: PackedBody, seq, start, exclude=None, active=N
         buffer[rows, :, index] = value
 
     put(body.codes, pack(q.codes, spec.bits), pos % slots)
-    if spec.granularity in ("token", "vector"):
-        put(body.scale, q.scale[..., 0], pos % slots)
+    index = spec.layout.metadata_index(body, start, pos, n)
+    if index is not None:
+        put(body.scale, q.scale[..., 0], index)
         if body.offset is not None:
-            put(body.offset, q.offset[..., 0], pos % slots)
-    elif spec.granularity == "channel":
-        g = spec.group_size
-        groups = (start[:, None] // g + torch.arange(n // g, device=x.device)) % body.scale.shape[2]
-        put(body.scale, q.scale[..., 0], groups)
-        if body.offset is not None:
-            put(body.offset, q.offset[..., 0], groups)
+            put(body.offset, q.offset[..., 0], index)
     if body.slot_index is not None:
         put(body.slot_index, q.slot_index, pos % slots)
         put(body.slot_delta, q.slot_delta, pos % slots)

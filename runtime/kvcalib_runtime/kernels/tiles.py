@@ -23,8 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-TOKEN, CHANNEL, STATIC, EXACT = (tl.constexpr(g) for g in range(4))
-GRAN = {"token": TOKEN, "vector": TOKEN, "channel": CHANNEL, "static": STATIC}  # kernels' switch
+from kvcalib_runtime.layouts import Kind
+
+TOKEN, CHANNEL, STATIC, EXACT = (tl.constexpr(int(k)) for k in Kind)  # the kernels' switch
 INV_TWO_PI = tl.constexpr(0.5 / math.pi)
 TWO_PI_HI = tl.constexpr(float(torch.tensor(2 * math.pi, dtype=torch.float32)))  # + LO = 2 pi
 TWO_PI_LO = tl.constexpr(float(torch.tensor(2 * math.pi - TWO_PI_HI.value, dtype=torch.float32)))
@@ -250,13 +251,12 @@ def unit(bits: int, half: int) -> int:
 
 def readable(spec, head_dim: int, kv_heads: int) -> bool:
     """Whether `half` reads a body stored with spec: halves that start on a byte (whole 8-code
-    words for 3/5/6 bits) and, for "channel", power-of-two token groups."""
+    words for 3/5/6 bits) and power-of-two token groups."""
     c = head_dim // 2
     if head_dim % 2 or c * spec.bits % 8 or (8 % spec.bits and c % 8):
         return False
-    if spec.granularity == "channel":
-        return spec.group_size & (spec.group_size - 1) == 0
-    return True
+    g = spec.layout.token_group()
+    return g & (g - 1) == 0
 
 
 def next_pow2(n: int) -> int:

@@ -1,6 +1,7 @@
-"""TurboQuant_mse (Zandieh et al., ICLR 2026, arXiv:2504.19874, Algorithm 1) as the quantizer of
-KV rows, with the paper's split of a head's channels into an outlier set and a normal set (§4.3:
-"two independent instances of TurboQuant", the outliers at more bits).
+"""method "turboquant": TurboQuant_mse (Zandieh et al., ICLR 2026, arXiv:2504.19874,
+Algorithm 1) as the quantizer of KV rows, with the paper's split of a head's channels into an
+outlier set and a normal set (§4.3: "two independent instances of TurboQuant", the outliers at
+more bits).
 
 A row x of one head (D channels) is cut into S sets: with `split_channels` = n_o, the outlier
 set (the channels `split[h]` names for KV head h) at `split_bits` bits and the other D - n_o
@@ -19,31 +20,39 @@ outlier set's n_o codes first, then the rest's (codes of rotated coordinates, no
 scale [..., T, S, 1], the sets' norms rounded to x's dtype; offset None.
 
 `TurboBody` stores rows of a cache in that layout, each set's codes packed at its own width.
+"turboquant" quantizes whole heads: granularity "token", group_size 0, symmetric, the other
+fields at their defaults. The kernels do not read it.
 """
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvcalib_runtime.codebooks import lloyd_max, random_rotation
+from kvcalib_runtime.layouts.base import Layout, QTensor
 from kvcalib_runtime.packing import pack, packed_size, unpack
-from kvcalib_runtime.spec import QTensor, QuantSpec
+
+if TYPE_CHECKING:
+    from kvcalib_runtime.spec import QuantSpec
+
+TURBO_BITS = (1, 2, 3, 4, 5)  # Lloyd-Max tables TurboQuant's sets use
 
 
-def _sets(x: torch.Tensor, spec: QuantSpec, split: torch.Tensor | None) -> list[torch.Tensor]:
+def _sets(x: torch.Tensor, spec, split: torch.Tensor | None) -> list[torch.Tensor]:
     """x [..., H, T, D] -> the sets' channels [..., H, T, n_s], outlier set first."""
     d = x.shape[-1]
     if not spec.split_channels:
-        spec.sets(d)
+        spec.layout.sets(d)
         return [x]
     outlier = _outlier_mask(spec, split, x.shape[-3], d, x.device)
     order = torch.argsort(~outlier, dim=-1, stable=True)[:, None, :]  # [H, 1, D]: outliers first
     permuted = x.gather(-1, order.expand(x.shape))
-    (n_o, _), _ = spec.sets(d)
+    (n_o, _), _ = spec.layout.sets(d)
     return [permuted[..., :n_o], permuted[..., n_o:]]
 
 
-def _outlier_mask(spec: QuantSpec, split, heads: int, d: int, device) -> torch.Tensor:
+def _outlier_mask(spec, split, heads: int, d: int, device) -> torch.Tensor:
     """bool [H, D]: the outlier set's channels of each head."""
     if split is None:
         raise ValueError(
@@ -61,10 +70,12 @@ def _outlier_mask(spec: QuantSpec, split, heads: int, d: int, device) -> torch.T
     return mask
 
 
-def quantize(x: torch.Tensor, spec: QuantSpec, split: torch.Tensor | None = None) -> QTensor:
+def quantize(x: torch.Tensor, spec, split: torch.Tensor | None = None) -> QTensor:
     """x [..., H, T, D] (float) -> QTensor (module docstring); split int64 [H, n_o]."""
     codes, norms = [], []
-    for part, (n, bits) in zip(_sets(x.float(), spec, split), spec.sets(x.shape[-1]), strict=True):
+    for part, (n, bits) in zip(
+        _sets(x.float(), spec, split), spec.layout.sets(x.shape[-1]), strict=True
+    ):
         scale = part.norm(dim=-1, keepdim=True).to(x.dtype)
         s = scale.float()
         rotation = random_rotation(n).to(device=x.device, dtype=torch.float32)
@@ -75,11 +86,11 @@ def quantize(x: torch.Tensor, spec: QuantSpec, split: torch.Tensor | None = None
     return QTensor(torch.cat(codes, -1).to(torch.uint8), torch.stack(norms, -2), None)
 
 
-def dequantize(q: QTensor, spec: QuantSpec, split: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(q: QTensor, spec, split: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [..., H, T, D] from a QTensor of `quantize` (same spec and split)."""
     d = q.codes.shape[-1]
     parts, start = [], 0
-    for i, (n, bits) in enumerate(spec.sets(d)):
+    for i, (n, bits) in enumerate(spec.layout.sets(d)):
         levels = lloyd_max(n, bits).to(q.codes.device)
         rotation = random_rotation(n).to(device=q.codes.device, dtype=torch.float32)
         y = levels[q.codes[..., start : start + n].long()]
@@ -106,17 +117,17 @@ class TurboBody:
     split      int64 [Hkv, n_o], the outlier channels of each head, or None without a split
     """
 
-    spec: QuantSpec
+    spec: "QuantSpec"
     head_dim: int
     codes: tuple[torch.Tensor, ...]
     scale: torch.Tensor
     split: torch.Tensor | None
 
     @classmethod
-    def allocate(cls, spec: QuantSpec, shape, device, dtype, split=None) -> "TurboBody":
+    def allocate(cls, spec, shape, device, dtype, split=None) -> "TurboBody":
         """Zeroed storage for `shape` = (B, Hkv, N, D)."""
         b, hkv, n, d = shape
-        sets = spec.sets(d)
+        sets = spec.layout.sets(d)
         if spec.split_channels:
             if split is None:
                 raise ValueError(
@@ -152,7 +163,9 @@ class TurboBody:
             q = quantize(xm, self.spec, self.split)
             where = torch.arange(s, s + n, device=x.device) % slots
             first = 0
-            for buf, (c, bits) in zip(self.codes, self.spec.sets(self.head_dim), strict=True):
+            for buf, (c, bits) in zip(
+                self.codes, self.spec.layout.sets(self.head_dim), strict=True
+            ):
                 buf[b, :, where] = pack(q.codes[..., first : first + c], bits)
                 first += c
             self.scale[b, :, where] = q.scale[..., 0]
@@ -172,8 +185,62 @@ class TurboBody:
         [B, Hkv, n, D] ([Hkv, n, D] for one sequence)."""
         rows = slice(None) if b is None else slice(b, b + 1)
         n = self.scale.shape[2] if n is None else n
-        sets = zip(self.codes, self.spec.sets(self.head_dim), strict=True)
+        sets = zip(self.codes, self.spec.layout.sets(self.head_dim), strict=True)
         codes = torch.cat([unpack(buf[rows, :, :n], bits, c) for buf, (c, bits) in sets], -1)
         q = QTensor(codes, self.scale[rows, :, :n, :, None], None)
         out = dequantize(q, self.spec, self.split).to(dtype)
         return out if b is None else out[0]
+
+
+class TurboSets(Layout):
+    name = "turboquant"
+    affine = False
+    splits = True
+    bits = TURBO_BITS
+
+    def check(self) -> None:
+        super().check()
+        spec = self.spec
+        if spec.granularity != "token" or spec.group_size:
+            raise ValueError(
+                "method 'turboquant' quantizes whole heads: granularity 'token', group_size 0"
+            )
+        if (spec.split_channels > 0) != (spec.split_bits > 0) or spec.split_channels < 0:
+            raise ValueError("an outlier set needs both split_channels >= 1 and split_bits")
+        more = spec.split_bits in TURBO_BITS and spec.split_bits > spec.bits
+        if spec.split_bits and not more:
+            raise ValueError(
+                f"split_bits = {spec.split_bits}: the outlier set gets more bits than the "
+                f"rest ({spec.bits}), one of {TURBO_BITS}"
+            )
+
+    def sets(self, n: int) -> tuple[tuple[int, int], ...]:
+        """((channels, bits), ...) of each set of a vector of n channels, the outlier set
+        first."""
+        spec = self.spec
+        if not spec.split_channels:
+            return ((n, spec.bits),)
+        if not 2 <= spec.split_channels <= n - 2:
+            raise ValueError(
+                f"split_channels = {spec.split_channels}: leave at least 2 channels in each set "
+                f"of a vector of {n}"
+            )
+        return ((spec.split_channels, spec.split_bits), (n - spec.split_channels, spec.bits))
+
+    def check_head(self, head_dim: int, kv_heads: int | None = None) -> None:
+        self.sets(head_dim)
+
+    def row_group(self, width: int) -> int:
+        return width
+
+    def slots(self, n: int) -> int:
+        return 0
+
+    def quantize(self, x, *, static_range=None, codebook=None, exclude=None, split=None):
+        return quantize(x, self.spec, split)
+
+    def dequantize(self, q: QTensor, *, codebook=None, split=None) -> torch.Tensor:
+        return dequantize(q, self.spec, split)
+
+    def allocate(self, shape, device, dtype, *, static_range=None, codebook=None, split=None):
+        return TurboBody.allocate(self.spec, shape, device, dtype, split)

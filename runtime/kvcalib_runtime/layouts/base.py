@@ -1,0 +1,168 @@
+"""What every stored layout shares: `Layout` (one layout bound to its QuantSpec), `Kind` (the
+switch the kernels compile on), `QTensor` (a quantized tensor in reference form) and the
+constants of the numerics."""
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+BITS = (2, 3, 4, 5, 6, 8)
+METADATA_BITS = 16  # scales, offsets and exact values in an fp16/bf16 cache
+MAX_SLOTS = 64  # exact slots per vector: beyond this dense storage is cheaper
+
+
+def slot_index_dtype(n: int) -> torch.dtype:
+    """The dtype of a slot's channel index in a vector of n channels."""
+    return torch.uint8 if n <= 256 else torch.int16
+
+
+class Kind(enum.IntEnum):
+    """Where a layout keeps its metadata, as the kernels switch on it."""
+
+    TOKEN = 0  # per group of channels of a stored row
+    CHANNEL = 1  # per group of tokens of a channel
+    STATIC = 2  # per channel, from a calibrated range
+    EXACT = 3  # no metadata: a tensor left in full precision
+
+
+@dataclass
+class QTensor:
+    """A quantized [..., T, D] tensor in reference (unpacked) form; each layout's module
+    docstring gives the shapes of its scale and offset.
+
+    codes:       uint8 [..., T, D], values < 2**bits ("vector": [..., 1, T, H * D]; "turboquant":
+                 the outlier set's codes first)
+    scale:       x.dtype, group-shaped
+    offset:      like scale, or None when symmetric
+    slot_index:  [..., T, K] channel of each exact slot (kvcalib_runtime.quant's docstring), or
+                 None
+    slot_delta:  x.dtype [..., T, K] what the slot adds back, or None
+    heads:       H for "vector" (codes hold the heads joined), else None
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    slot_index: torch.Tensor | None = None
+    slot_delta: torch.Tensor | None = None
+    heads: int | None = None
+
+
+class Layout:
+    """One stored layout, bound to the QuantSpec that selects it (`QuantSpec.layout`).
+
+    A layout owns its validation (`check`), its reference numerics (`quantize`, `dequantize`),
+    its storage (`allocate`: the body a cache holds, whose buffers are its memory) and what the
+    kernels read of it (`kind`, `affine`, `joins_heads`, `row_group`, `token_group`).
+
+    name              the recipe's and side-car's word for it: a granularity, or a peer's method
+    kind              where its metadata lives (Kind)
+    affine            kvcalib's numerics, which the kernels read (peers' own numerics are not)
+    joins_heads       a stored row is one token of every KV head
+    calibrated_range  its ranges come from calibration (KVParams.key_range / value_range)
+    splits            its channels split into sets by calibration (KVParams.key_split / ...)
+    bits              the code widths it supports
+    """
+
+    name: ClassVar[str]
+    kind: ClassVar[Kind] = Kind.TOKEN
+    affine: ClassVar[bool] = True
+    joins_heads: ClassVar[bool] = False
+    calibrated_range: ClassVar[bool] = False
+    splits: ClassVar[bool] = False
+    bits: ClassVar[tuple[int, ...]] = BITS
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def check(self) -> None:
+        """ValueError unless the spec's fields make sense for this layout."""
+        spec = self.spec
+        if spec.outlier_slots and not (self.calibrated_range and spec.outliers):
+            raise ValueError(
+                "outlier_slots is for 'static' granularity with outliers > 0; dynamic groups "
+                "keep ceil(outliers * group / 2) at each end"
+            )
+        if (spec.split_channels or spec.split_bits) and not self.splits:
+            raise ValueError("split_channels / split_bits are TurboQuant's: set method turboquant")
+        if self.affine:
+            return
+        own = ("clip", "codebook", "outliers", "outlier_slots", "slot_rule")
+        default = {f.name: f.default for f in dataclasses.fields(spec)}
+        changed = [name for name in own if getattr(spec, name) != default[name]]
+        if not spec.symmetric or changed:
+            raise ValueError(
+                f"method {spec.method!r} has its own numerics: set symmetric = true and leave "
+                f"{', '.join(changed) or 'clip, codebook, outliers'} at the default"
+            )
+
+    def check_head(self, head_dim: int, kv_heads: int | None = None) -> None:
+        """ValueError unless rows of heads of head_dim channels (kv_heads of them, where the
+        layout joins heads and they are known) can be stored."""
+
+    def width(self, head_dim: int, kv_heads: int = 1) -> int:
+        """Channels of one stored row (one vector): one head's."""
+        return head_dim
+
+    def row_heads(self, kv_heads: int) -> int:
+        """Stored rows per token: one per KV head."""
+        return kv_heads
+
+    def row_group(self, width: int) -> int:
+        """Channels per metadata group of a row of `width` channels (0: not grouped by row)."""
+        g = self.spec.group_size or width
+        if width % g:
+            raise ValueError(f"group_size = {g} does not divide head_dim = {width}")
+        return g
+
+    def token_group(self) -> int:
+        """Tokens that share metadata and move into the body together (1: any token alone)."""
+        return 1
+
+    def outliers_per_side(self, group_numel: int) -> int:
+        f = self.spec.outliers
+        return math.ceil(f * group_numel / 2) if f > 0 else 0
+
+    def slots(self, n: int) -> int:
+        """K, the exact slots of a row of n channels (kvcalib_runtime.quant's docstring)."""
+        if not self.spec.outliers:
+            return 0
+        g = self.row_group(n)
+        return n // g * 2 * self.outliers_per_side(g)
+
+    def quantize(self, x, *, static_range=None, codebook=None, exclude=None, split=None):
+        raise NotImplementedError
+
+    def dequantize(self, q: QTensor, *, codebook=None, split=None) -> torch.Tensor:
+        """float32 x_hat in x's layout."""
+        raise NotImplementedError
+
+    def allocate(self, shape, device, dtype, *, static_range=None, codebook=None, split=None):
+        """Zeroed storage of a cache's body for `shape` = (B, Hkv, N, D) with the calibrated
+        tensors it needs; its `tensors()` are what it allocates."""
+        raise NotImplementedError
+
+    def bits_per_element(
+        self, head_dim: int, tokens: int, kv_heads: int = 1, dtype: torch.dtype = torch.float16
+    ) -> float:
+        """Bits per element of a body of `tokens` tokens of kv_heads heads in a `dtype` cache,
+        walked from the buffers of one allocated on the meta device: codes, metadata, exact
+        slots and the layer's calibrated constants (ranges, codebooks, split channels)."""
+        spec, meta = self.spec, torch.device("meta")
+        found = torch.zeros(kv_heads, head_dim, device=meta)
+        body = self.allocate(
+            (1, kv_heads, tokens, head_dim),
+            meta,
+            dtype,
+            static_range=(found, found) if self.calibrated_range else None,
+            codebook=torch.zeros(spec.levels, device=meta) if spec.codebook else None,
+            split=torch.zeros(kv_heads, spec.split_channels, dtype=torch.long, device=meta),
+        )
+        return sum(t.nbytes for t in body.tensors()) * 8 / (tokens * kv_heads * head_dim)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec})"
