@@ -54,17 +54,17 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from kvcalib_runtime.cache.kvcache import QuantizedCache  # noqa: E402
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme  # noqa: E402
 from kvcalib_runtime.generate import DecodeStep  # noqa: E402
 from kvcalib_runtime.kernels import decode_attention as dec  # noqa: E402
 from kvcalib_runtime.kernels.layout import Sinks  # noqa: E402
-from kvcalib_runtime.kvcache import QuantizedCache  # noqa: E402
 from kvcalib_runtime.layouts.affine import PackedBody  # noqa: E402
-from kvcalib_runtime.model import Transformer  # noqa: E402
-from kvcalib_runtime.packing import unpack  # noqa: E402
-from kvcalib_runtime.quant import QuantSpec  # noqa: E402
-from kvcalib_runtime.rope import Rope  # noqa: E402
-from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme  # noqa: E402
-from kvcalib_runtime.transforms import Transforms  # noqa: E402
+from kvcalib_runtime.layouts.packing import unpack  # noqa: E402
+from kvcalib_runtime.layouts.quant import QuantSpec  # noqa: E402
+from kvcalib_runtime.model.forward import Transformer  # noqa: E402
+from kvcalib_runtime.model.rope import Rope  # noqa: E402
+from kvcalib_runtime.model.transforms import Transforms  # noqa: E402
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 RESIDUAL, SINKS_FIRST, SINK_BUDGET = 128, 1, 8

@@ -36,7 +36,7 @@ from kvcalib.core.recipe import load_recipe
 from kvcalib.evaluation.listing import DEFAULT_GEOMETRY, recipe_bits
 from kvcalib.evaluation.longcontext import PASSKEY_LENGTHS, passkey_accuracy
 from kvcalib.evaluation.score import candidates, format_table, score
-from kvcalib_runtime.geometry import Geometry
+from kvcalib_runtime.model.geometry import Geometry
 
 HERE = Path(__file__).resolve().parent
 TEXTS = {"pydoc": None, "licenses": "builtin:licenses", "chat": "builtin:chat"}

@@ -37,7 +37,7 @@ from kvcalib.errors import ProfileError, RecipeError
 from kvcalib.evaluation import longcontext
 from kvcalib.evaluation.score import Candidate, Result, candidates, score
 from kvcalib.io import atomic
-from kvcalib_runtime.format import META, read_checkpoint
+from kvcalib_runtime.checkpoint.format import META, read_checkpoint
 
 __all__ = ["PHASES", "Settings", "calibrate", "convert", "default_profile", "evaluate"]
 CONVERTED = "converted checkpoint"  # the kind of output convert writes (atomic.KINDS)

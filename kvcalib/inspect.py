@@ -8,12 +8,12 @@ from kvcalib.core import models
 from kvcalib.core.profile import FORMAT_VERSION, Profile
 from kvcalib.core.profile import META as PROFILE_META
 from kvcalib.errors import ProfileError
-from kvcalib_runtime import format
-from kvcalib_runtime.format import META
-from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.kvcache import planned_bits
-from kvcalib_runtime.quant import QuantSpec
-from kvcalib_runtime.transforms import FUSED, KINDS, NONE, ONLINE, LayerTransforms
+from kvcalib_runtime.cache.kvcache import planned_bits
+from kvcalib_runtime.checkpoint import format
+from kvcalib_runtime.checkpoint.format import META
+from kvcalib_runtime.layouts.quant import QuantSpec
+from kvcalib_runtime.model.geometry import Geometry
+from kvcalib_runtime.model.transforms import FUSED, KINDS, NONE, ONLINE, LayerTransforms
 
 SUMMARY_CONTEXT = 4096  # tokens of the one sequence whose cache a checkpoint's summary sizes
 

@@ -48,7 +48,7 @@ from kvcalib.core.recipe import load_recipe
 from kvcalib.errors import DataError, OptionError
 from kvcalib.evaluation.longcontext import Prefill, filled_cache
 from kvcalib.evaluation.score import Candidate, candidates
-from kvcalib_runtime.format import META, read_checkpoint
+from kvcalib_runtime.checkpoint.format import META, read_checkpoint
 
 log = logging.getLogger(__name__)
 NAME = "kvcalib"  # the model type: lm-eval --model kvcalib

@@ -26,9 +26,9 @@ from kvcalib.calibration import run
 from kvcalib.cli import main
 from kvcalib.core import models
 from kvcalib.io import shards
-from kvcalib_runtime import format
+from kvcalib_runtime.checkpoint import format
 from kvcalib_runtime.errors import KvcalibRuntimeError
-from kvcalib_runtime.model import Transformer
+from kvcalib_runtime.model.forward import Transformer
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40  # ASCII: one token per character
 # A refusal says how to get on: one of these words (click's own usage errors end in "see ...").

@@ -105,7 +105,7 @@ def save_with_tokenizer(model, path):
 def fused_kinds(ckpt) -> set[str]:
     """The transforms a converted checkpoint's weights hold, on any layer (and the residual
     rotation, which is the model's)."""
-    from kvcalib_runtime.transforms import FUSED, KINDS
+    from kvcalib_runtime.model.transforms import FUSED, KINDS
 
     kinds = {k for t in ckpt.transforms.layers for k in KINDS if getattr(t, k) == FUSED}
     return kinds | (
@@ -135,7 +135,7 @@ class ShapeProfile:
         return torch.arange(n).expand(self.kv_heads, n).contiguous()
 
     def sink_predictor(self):
-        from kvcalib_runtime.scheme import SinkPredictor
+        from kvcalib_runtime.cache.scheme import SinkPredictor
 
         return SinkPredictor(layer=0, dims=(0,), threshold=38.0)
 

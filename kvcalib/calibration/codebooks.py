@@ -9,7 +9,7 @@ weighted histogram of `bins` bins per layer (streaming); a weighted 1-D Lloyd k-
 histogram (initialized uniform, levels sorted) gives [L, 2**bits] levels. A variant is named as
 kvcalib.core.plan.codebook_variant names a recipe's tensor — "tensor:granularity[group]:position
 [:hadamard][:symmetric][:outliers<f>]" — and its elements are normalized exactly as
-kvcalib_runtime.quant normalizes them (the same group ranges, its layouts'):
+kvcalib_runtime.layouts.quant normalizes them (the same group ranges, its layouts'):
 
     static        u = (x - lo) / (hi - lo), [lo, hi] the calibrated non-sink range with the
                   fraction f left out (none without :outliers)
@@ -33,11 +33,11 @@ import torch
 from kvcalib.core.plan import codebook_variant
 from kvcalib.core.profile import select_range
 from kvcalib.core.recipe import load_recipe, presets
-from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.hadamard import hadamard_transform, is_supported
 from kvcalib_runtime.layouts import LAYOUTS
+from kvcalib_runtime.layouts.quant import QuantSpec, uniform_codebook
 from kvcalib_runtime.layouts.vector import to_vector
-from kvcalib_runtime.quant import QuantSpec, uniform_codebook
+from kvcalib_runtime.model.geometry import Geometry
+from kvcalib_runtime.model.hadamard import hadamard_transform, is_supported
 
 BITS = (2, 3, 4)
 LLOYD_ITERATIONS = 200

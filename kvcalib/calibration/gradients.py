@@ -22,7 +22,7 @@ from kvcalib.calibration.layerwise import ActivationStore, LayerSource
 from kvcalib.calibration.observe import check_finite
 from kvcalib.sim.hooks import Hooks, hidden_of, key_module
 from kvcalib.sim.simulate import Simulator
-from kvcalib_runtime.geometry import Geometry
+from kvcalib_runtime.model.geometry import Geometry
 
 KINDS = ("pre", "key", "value")
 BACKWARD = 3  # a recomputed forward and its backward cost about three forwards

@@ -41,7 +41,7 @@ from kvcalib.errors import ModelError
 from kvcalib.io.atomic import full_disk, full_disk_error
 from kvcalib.io.shards import SourceWeights
 from kvcalib.sim.hooks import decoder_layers
-from kvcalib_runtime import archs
+from kvcalib_runtime.model import archs
 
 HEADROOM = 1.25  # in-memory calibration needs the weights plus about this much for activations
 

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from kvcalib_runtime.scheme import SinkPredictor
+from kvcalib_runtime.cache.scheme import SinkPredictor
 
 FLOOR = 20.0
 F1_SLACK = 0.02

@@ -14,7 +14,7 @@ from kvcalib.calibration.observe import POSITION_BITS
 from kvcalib.calibration.sinks import later_sinks, local_span
 from kvcalib.calibration.stats import outlier_list
 from kvcalib.core.profile import FORMAT_VERSION, OUTLIER_FRACTIONS, QUANTILE_LEVELS
-from kvcalib_runtime.geometry import Geometry
+from kvcalib_runtime.model.geometry import Geometry
 
 
 @dataclasses.dataclass(frozen=True)

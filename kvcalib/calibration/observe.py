@@ -21,8 +21,8 @@ from kvcalib.calibration.stats import ChannelStats
 from kvcalib.errors import NumericsError
 from kvcalib.sim.hooks import hidden_of
 from kvcalib.sim.simulate import Simulator
-from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.quant import QuantSpec, fake_quantize
+from kvcalib_runtime.layouts.quant import QuantSpec, fake_quantize
+from kvcalib_runtime.model.geometry import Geometry
 
 KINDS = ("key_pre_rope", "key_post_rope", "value")
 NAMES = {

@@ -30,8 +30,8 @@ import torch
 
 from kvcalib.calibration.layerwise import ActivationStore, LayerSource
 from kvcalib.sim.simulate import Simulator
-from kvcalib_runtime.quant import QuantSpec, fake_quantize
-from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
+from kvcalib_runtime.layouts.quant import QuantSpec, fake_quantize
 
 BITS = (2, 3, 4, 8)
 METHODS = ("fisher", "probe")

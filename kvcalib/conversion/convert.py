@@ -6,9 +6,9 @@ The source is streamed one group at a time — the embedding, each decoder layer
 the transforms of `kvcalib.conversion.rotate` and into shards written as they fill (`shards`), so
 peak memory is about one layer whatever the model's size. Everything is written into a temporary
 sibling folder (`atomic`), validated with the runtime's one validator
-(`kvcalib_runtime.format.read_checkpoint`), then renamed into place. Every decision — what is fused,
-which tensors go where — is made before the first byte is written. The layout is FORMAT.md's
-(`kvcalib inspect` summarizes it).
+(`kvcalib_runtime.checkpoint.format.read_checkpoint`), then renamed into place. Every
+decision — what is fused, which tensors go where — is made before the first byte is written. The
+layout is FORMAT.md's (`kvcalib inspect` summarizes it).
 """
 
 import dataclasses
@@ -32,12 +32,13 @@ from kvcalib.core.recipe import Recipe, load_recipe
 from kvcalib.errors import ModelError, OptionError, ProfileError, RecipeError
 from kvcalib.io import atomic
 from kvcalib.io.shards import ShardWriter, SourceWeights, TensorSpec, ahead, parse_size
-from kvcalib_runtime import archs, format
+from kvcalib_runtime.checkpoint import format
 from kvcalib_runtime.errors import FormatError
-from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.hadamard import is_supported
 from kvcalib_runtime.loader import check_servable, read_tokenizer
-from kvcalib_runtime.transforms import Transforms
+from kvcalib_runtime.model import archs
+from kvcalib_runtime.model.geometry import Geometry
+from kvcalib_runtime.model.hadamard import is_supported
+from kvcalib_runtime.model.transforms import Transforms
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Copied byte for byte from the source when present (tokenizer.json is required).

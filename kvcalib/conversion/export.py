@@ -21,8 +21,8 @@ import math
 import torch
 
 from kvcalib.errors import ProfileError
-from kvcalib_runtime.scheme import KVParams, KVScheme
-from kvcalib_runtime.transforms import FUSED, Transforms
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme
+from kvcalib_runtime.model.transforms import FUSED, Transforms
 
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 KV_CACHE_SCHEME = {

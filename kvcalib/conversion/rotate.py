@@ -33,9 +33,9 @@ a [vocab, hidden] matrix.
 
 import torch
 
-from kvcalib_runtime import archs
-from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.hadamard import hadamard_transform
+from kvcalib_runtime.model import archs
+from kvcalib_runtime.model.geometry import Geometry
+from kvcalib_runtime.model.hadamard import hadamard_transform
 
 COMPUTE = torch.float32
 CHUNK = 1 << 22  # elements rotated at a time

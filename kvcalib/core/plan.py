@@ -15,10 +15,10 @@ from kvcalib.core.recipe import (
     with_bits,
 )
 from kvcalib.errors import ProfileError, RecipeError
-from kvcalib_runtime import checks
-from kvcalib_runtime.geometry import Geometry
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme
+from kvcalib_runtime.checkpoint import checks
 from kvcalib_runtime.layouts import Kind
-from kvcalib_runtime.scheme import KVParams, KVScheme
+from kvcalib_runtime.model.geometry import Geometry
 
 log = logging.getLogger("kvcalib")
 
@@ -99,8 +99,8 @@ def plan(
     its sliding window or None, `Geometry.windows`, for `quantized_layers = "global"`).
 
     With the model's `geometry` (which then gives all three), the result is also checked as
-    the runtime checks a side-car (kvcalib_runtime.checks): sizes within the model's context
-    (RecipeError), calibrated tensors that mean what they say (ProfileError)."""
+    the runtime checks a side-car (kvcalib_runtime.checkpoint.checks): sizes within the model's
+    context (RecipeError), calibrated tensors that mean what they say (ProfileError)."""
     if geometry is not None:
         num_layers, head_dim, windows = geometry.layers, geometry.head_dim, geometry.windows
     where = f"recipe {recipe.name}"

@@ -20,7 +20,7 @@ from kvcalib.core.data import check_data
 from kvcalib.core.paths import is_recipe_file
 from kvcalib.errors import DataError, ModelError, OptionError
 from kvcalib.io import atomic
-from kvcalib_runtime.format import META
+from kvcalib_runtime.checkpoint.format import META
 
 MODES = ("fake", "decode")
 MAX_SEED = 2**63 - 1

@@ -65,8 +65,8 @@ from safetensors.torch import load_file, save_file
 from kvcalib.core import profile_check
 from kvcalib.errors import ProfileError
 from kvcalib.io import atomic
-from kvcalib_runtime.format import sha256_file
-from kvcalib_runtime.scheme import KEY_POSITIONS, SinkPredictor
+from kvcalib_runtime.cache.scheme import KEY_POSITIONS, SinkPredictor
+from kvcalib_runtime.checkpoint.format import sha256_file
 
 FORMAT_VERSION = 1
 TENSORS = "profile.safetensors"
@@ -279,7 +279,7 @@ class Profile:
         return torch.cat((s, s), -1)
 
     def sink_predictor(self):
-        """The calibrated kvcalib_runtime.scheme.SinkPredictor."""
+        """The calibrated kvcalib_runtime.cache.scheme.SinkPredictor."""
 
         p = self.meta.get("sink_predictor")
         if p is None:

@@ -25,11 +25,11 @@ the per-layer overrides).
 `outliers` is the fraction left out of each range; exact slots per vector keep what the codes
 clamp: `outlier_slots` of them for "static" granularity, chosen by `slot_rule` ("outside": the
 farthest outside the range, KVQuant's; "error": the largest errors, kvcalib's) — see
-kvcalib_runtime.quant. `method` is "affine" (all of the above), "ggml" (llama.cpp's q4_0 / q8_0
-blocks) or "turboquant" (TurboQuant: a random rotation and fixed Lloyd-Max levels per vector,
-with `split_channels` outlier channels per head at `split_bits` bits, chosen from the profile's
-channel statistics; or `split_fraction` of each head's channels, rounded, whatever the model's
-head size: TurboQuant's 2.5 and 3.5 bits are a quarter of the channels at one bit more).
+kvcalib_runtime.layouts.quant. `method` is "affine" (all of the above), "ggml" (llama.cpp's
+q4_0 / q8_0 blocks) or "turboquant" (TurboQuant: a random rotation and fixed Lloyd-Max levels per
+vector, with `split_channels` outlier channels per head at `split_bits` bits, chosen from the
+profile's channel statistics; or `split_fraction` of each head's channels, rounded, whatever the
+model's head size: TurboQuant's 2.5 and 3.5 bits are a quarter of the channels at one bit more).
 """
 
 import dataclasses
@@ -41,10 +41,10 @@ from pathlib import Path
 
 from kvcalib.core.paths import is_recipe_file
 from kvcalib.errors import RecipeError
-from kvcalib_runtime.checks import MAX_TOKENS
+from kvcalib_runtime.cache.scheme import KEY_POSITIONS, KVScheme, LayerScheme
+from kvcalib_runtime.checkpoint.checks import MAX_TOKENS
 from kvcalib_runtime.layouts import Kind, Layout, layout_class
-from kvcalib_runtime.scheme import KEY_POSITIONS, KVScheme, LayerScheme
-from kvcalib_runtime.spec import GRANULARITIES, METHODS, SLOT_RULES, QuantSpec
+from kvcalib_runtime.layouts.spec import GRANULARITIES, METHODS, SLOT_RULES, QuantSpec
 
 MAX_LAYERS = 4096  # an override index beyond this is a typo, not a layer
 MAX_CODEBOOK_BITS = 4
@@ -59,7 +59,10 @@ QUANTIZED_LAYERS = ("all", "global")
 
 @dataclass(frozen=True)
 class TensorRecipe:
-    """How keys (or values) are quantized; see the module docstring for each field."""
+    """How keys (or values) are quantized; see the module docstring for each field. The layout's
+    fields are the runtime QuantSpec's, under the same names (`spec` resolves them; `codebook`
+    names where levels come from, `split_fraction` sizes the split by head); `flush`, `position`,
+    `rotation` and `smooth` place the layout in the model."""
 
     bits: int = FULL_PRECISION
     granularity: str = "token"
@@ -99,20 +102,9 @@ class TensorRecipe:
         """The runtime's QuantSpec; `head_dim` resolves a `split_fraction`."""
         if not self.quantized:
             return None
-        return QuantSpec(
-            bits=self.bits,
-            granularity=self.granularity,
-            group_size=self.group_size,
-            symmetric=self.symmetric,
-            clip=self.clip,
-            codebook=self.codebook == "calibrated",
-            outliers=self.outliers,
-            outlier_slots=self.outlier_slots,
-            slot_rule=self.slot_rule,
-            method=self.method,
-            split_channels=self.split(head_dim),
-            split_bits=self.split_bits,
-        )
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(QuantSpec)}
+        fields.update(codebook=self.codebook == "calibrated", split_channels=self.split(head_dim))
+        return QuantSpec(**fields)
 
 
 @dataclass(frozen=True)

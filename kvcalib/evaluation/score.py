@@ -41,11 +41,11 @@ from kvcalib.evaluation.longcontext import passkey_accuracy
 from kvcalib.evaluation.plots import Recorder
 from kvcalib.io import atomic
 from kvcalib.sim.simulate import Simulator
-from kvcalib_runtime.format import Checkpoint
-from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.kvcache import planned_bits
-from kvcalib_runtime.scheme import KVParams, KVScheme
-from kvcalib_runtime.transforms import Transforms
+from kvcalib_runtime.cache.kvcache import planned_bits
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme
+from kvcalib_runtime.checkpoint.format import Checkpoint
+from kvcalib_runtime.model.geometry import Geometry
+from kvcalib_runtime.model.transforms import Transforms
 
 
 @dataclass

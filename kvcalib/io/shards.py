@@ -34,7 +34,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvcalib.errors import ModelError, OptionError
-from kvcalib_runtime.format import DTYPE_NAMES, DTYPES, INDEX, SINGLE
+from kvcalib_runtime.checkpoint.format import DTYPE_NAMES, DTYPES, INDEX, SINGLE
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip

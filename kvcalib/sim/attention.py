@@ -3,7 +3,7 @@
 scaled_dot_product_attention), which agree to float rounding (tests/toolkit/test_simulate.py).
 
 Query i sees key j quantized when j < n_k(i) and as it is otherwise (the decode rule's quantized
-prefix, kvcalib_runtime.scheme.quantized_prefix; kept sinks are exact in the quantized tensors
+prefix, kvcalib_runtime.cache.scheme.quantized_prefix; kept sinks are exact in the quantized tensors
 already), and value j quantized when j < n_v(i). Fake mode is n = T: everything quantized. Keys
 j >= n(i) = min(n_k(i), n_v(i)) form a band below the diagonal (the residual window and a flush
 block), handled a block of BLOCK queries at a time:

@@ -14,11 +14,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcalib.core.plan import plan_for_model
 from kvcalib.sim.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
-from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.kvcache import QuantizedCache
-from kvcalib_runtime.rope import layer_ropes
-from kvcalib_runtime.scheme import KVParams, KVScheme
-from kvcalib_runtime.transforms import Transforms
+from kvcalib_runtime.cache.kvcache import QuantizedCache
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme
+from kvcalib_runtime.model.geometry import Geometry
+from kvcalib_runtime.model.rope import layer_ropes
+from kvcalib_runtime.model.transforms import Transforms
 
 
 class _Layer(CacheLayerMixin):
@@ -50,7 +50,7 @@ class QuantizedKVCache(Cache):
     """A transformers cache storing keys and values as a KVScheme says.
 
     model:      the transformers model it serves (hooks are attached while the cache is open)
-    transforms: where each layer's smoothing and rotations are (kvcalib_runtime.transforms;
+    transforms: where each layer's smoothing and rotations are (kvcalib_runtime.model.transforms;
                 default: all online, the model's own weights)
     max_len:    tokens per sequence the cache pre-allocates
     """

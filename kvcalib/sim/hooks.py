@@ -11,8 +11,8 @@ with Hooks(model) as hooks:
 import torch
 
 from kvcalib.errors import ModelError
-from kvcalib_runtime import archs
-from kvcalib_runtime.geometry import Geometry
+from kvcalib_runtime.model import archs
+from kvcalib_runtime.model.geometry import Geometry
 
 
 class Hooks:

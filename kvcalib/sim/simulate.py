@@ -6,7 +6,7 @@
 mode "fake":   every position's keys and values are quantized before attention (the QuaRot /
                KVQuant perplexity convention); kept sinks stay exact.
 mode "decode": each query sees exactly what a decoding cache holds at its step (the rule in
-               kvcalib_runtime.scheme): the residual window and kept sinks exact, everything
+               kvcalib_runtime.cache.scheme): the residual window and kept sinks exact, everything
                older as the body stores it.
 
 Both modes attend in one pass over every query (kvcalib.sim.attention): through PyTorch's fused
@@ -19,11 +19,11 @@ stream of the quantized model, which depends on which tokens are kept. Each pass
 the predictor's layer (at most MAX_SINK_PASSES, until the flags repeat); the whole model then runs
 once with the sinks the last pass decided.
 
-All quantization goes through kvcalib_runtime.quant, so what this measures is what the runtime
-stores. Smoothing and rotations go through kvcalib_runtime.transforms: those the weights already
-contain are not applied again, the others are applied before quantization and undone after it
-(the same function), and a transform the weights contain but the recipe does not quantize in is
-undone first.
+All quantization goes through kvcalib_runtime.layouts.quant, so what this measures is what the
+runtime stores. Smoothing and rotations go through kvcalib_runtime.model.transforms: those the
+weights already contain are not applied again, the others are applied before quantization and undone
+after it (the same function), and a transform the weights contain but the recipe does not quantize
+in is undone first.
 """
 
 import contextlib
@@ -37,10 +37,10 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from kvcalib.errors import ModelError
 from kvcalib.sim import attention
 from kvcalib.sim.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
-from kvcalib_runtime.quant import fake_quantize
-from kvcalib_runtime.rope import rotate
-from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, quantized_prefix
-from kvcalib_runtime.transforms import Transforms
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme, quantized_prefix
+from kvcalib_runtime.layouts.quant import fake_quantize
+from kvcalib_runtime.model.rope import rotate
+from kvcalib_runtime.model.transforms import Transforms
 
 ATTENTION = "kvcalib"
 MODES = ("fake", "decode")
@@ -81,7 +81,7 @@ class Simulator:
 
     scheme:    None for full precision (observers still see every layer)
     params:    the calibrated tensors the scheme refers to
-    transforms: where each layer's smoothing and rotations are (kvcalib_runtime.transforms;
+    transforms: where each layer's smoothing and rotations are (kvcalib_runtime.model.transforms;
                default: all online, the model's own weights)
     prefill:   decode mode only: the first `prefill` tokens form one prompt chunk that attends
                to itself exactly (as a runtime prefill does); 0 = token-by-token from the start

@@ -7,7 +7,7 @@ Depends only on torch, safetensors, triton and tokenizers. Owns the quantization
     [ids] = model.generate("Hello", max_new_tokens=16)
 
 The public names load on first use: `import kvcalib_runtime` imports neither torch nor triton
-(the kernels load with the first quantized cache, `kvcalib_runtime.kvcache.QuantizedCache`).
+(the kernels load with the first quantized cache, `kvcalib_runtime.cache.kvcache.QuantizedCache`).
 """
 
 from kvcalib_runtime.lazy import lazy
@@ -18,9 +18,9 @@ __getattr__, __dir__, __all__ = lazy(
     __name__,
     {
         "kvcalib_runtime.errors": ("CapacityError", "FormatError", "KvcalibRuntimeError"),
-        "kvcalib_runtime.fpcache": ("FullPrecisionCache",),
+        "kvcalib_runtime.cache.fpcache": ("FullPrecisionCache",),
         "kvcalib_runtime.loader": ("RuntimeModel", "load"),
-        "kvcalib_runtime.quant": (
+        "kvcalib_runtime.layouts.quant": (
             "QTensor",
             "QuantSpec",
             "dequantize",

@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from kvcalib_runtime.checks import context_of
+from kvcalib_runtime.checkpoint.checks import context_of
+from kvcalib_runtime.checkpoint.format import EXPORT_TENSOR, TOKENIZER, Checkpoint, read_checkpoint
 from kvcalib_runtime.errors import CapacityError, FormatError, KvcalibRuntimeError
-from kvcalib_runtime.format import EXPORT_TENSOR, TOKENIZER, Checkpoint, read_checkpoint
 from kvcalib_runtime.generate import check_options
 from kvcalib_runtime.generate import generate as _generate
 from kvcalib_runtime.kernels.layout import use_triton  # plain torch: no triton import
-from kvcalib_runtime.model import Transformer
+from kvcalib_runtime.model.forward import Transformer
 
 Prompts = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]] | torch.Tensor
 
@@ -35,7 +35,7 @@ class RuntimeModel:
     config:     config.json; meta: kvcalib.json; scheme: the KVScheme the cache follows
     params:     the calibrated tensors the cache uses (KVParams)
     transforms: where each layer's smoothing and rotations are: fused in the weights or applied
-                by the cache (kvcalib_runtime.transforms)
+                by the cache (kvcalib_runtime.model.transforms)
     max_len:    the longest sequence (prompt + generated tokens) a generate call may hold, or
                 None for no limit
     use_kernels: passed to QuantizedCache (None: Triton where it runs)

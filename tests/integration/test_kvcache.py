@@ -20,15 +20,15 @@ import torch
 from tiny import text_key_ranges, tiny_model
 
 from kvcalib.sim.simulate import Simulator
-from kvcalib_runtime import kvcache
+from kvcalib_runtime.cache import kvcache
+from kvcalib_runtime.cache.fpcache import FullPrecisionCache
+from kvcalib_runtime.cache.kvcache import QuantizedCache
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
 from kvcalib_runtime.errors import CapacityError
-from kvcalib_runtime.fpcache import FullPrecisionCache
-from kvcalib_runtime.kvcache import QuantizedCache
-from kvcalib_runtime.model import Transformer
-from kvcalib_runtime.quant import QuantSpec
-from kvcalib_runtime.rope import Rope
-from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
-from kvcalib_runtime.transforms import Transforms
+from kvcalib_runtime.layouts.quant import QuantSpec
+from kvcalib_runtime.model.forward import Transformer
+from kvcalib_runtime.model.rope import Rope
+from kvcalib_runtime.model.transforms import Transforms
 
 RTOL = 1e-5
 T, PROMPT = 24, 9

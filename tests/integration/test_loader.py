@@ -22,10 +22,10 @@ from transformers import AutoModelForCausalLM
 import kvcalib_runtime
 from kvcalib import convert
 from kvcalib.sim.simulate import Simulator
+from kvcalib_runtime.cache.scheme import quantized_prefix_int
+from kvcalib_runtime.checkpoint.format import read_checkpoint, sha256_file
 from kvcalib_runtime.errors import CapacityError, FormatError, KvcalibRuntimeError
-from kvcalib_runtime.format import read_checkpoint, sha256_file
-from kvcalib_runtime.scheme import quantized_prefix_int
-from kvcalib_runtime.transforms import FUSED, ONLINE, LayerTransforms, Transforms
+from kvcalib_runtime.model.transforms import FUSED, ONLINE, LayerTransforms, Transforms
 
 RTOL = 1e-4
 VOCAB = 128

@@ -19,14 +19,14 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from kvcalib_runtime.cache.fpcache import FullPrecisionCache
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
 from kvcalib_runtime.errors import CapacityError, FormatError
-from kvcalib_runtime.fpcache import FullPrecisionCache
-from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.model import Transformer, load_tokenizer
-from kvcalib_runtime.quant import QuantSpec
-from kvcalib_runtime.rope import Rope
-from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme
-from kvcalib_runtime.transforms import Transforms
+from kvcalib_runtime.layouts.quant import QuantSpec
+from kvcalib_runtime.model.forward import Transformer, load_tokenizer
+from kvcalib_runtime.model.geometry import Geometry
+from kvcalib_runtime.model.rope import Rope
+from kvcalib_runtime.model.transforms import Transforms
 
 RTOL = 1e-4
 VOCAB = 128

@@ -13,10 +13,10 @@ import torch
 from tiny import text_key_ranges, tiny_model
 
 from kvcalib.sim.simulate import Simulator
-from kvcalib_runtime.model import Transformer
-from kvcalib_runtime.quant import QuantSpec, uniform_codebook
-from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme
-from kvcalib_runtime.transforms import Transforms
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
+from kvcalib_runtime.layouts.quant import QuantSpec, uniform_codebook
+from kvcalib_runtime.model.forward import Transformer
+from kvcalib_runtime.model.transforms import Transforms
 
 RTOL = 1e-5
 T, PROMPT = 20, 7

@@ -25,13 +25,13 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
-from kvcalib_runtime import format
-from kvcalib_runtime.checks import MAX_TOKENS
+from kvcalib_runtime.cache.kvcache import planned_memory
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
+from kvcalib_runtime.checkpoint import format
+from kvcalib_runtime.checkpoint.checks import MAX_TOKENS
 from kvcalib_runtime.errors import FormatError
-from kvcalib_runtime.kvcache import planned_memory
-from kvcalib_runtime.quant import QuantSpec
-from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
-from kvcalib_runtime.transforms import FUSED, ONLINE, LayerTransforms, Transforms
+from kvcalib_runtime.layouts.quant import QuantSpec
+from kvcalib_runtime.model.transforms import FUSED, ONLINE, LayerTransforms, Transforms
 
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 8
 CONFIG = {

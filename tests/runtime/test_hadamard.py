@@ -1,9 +1,10 @@
-"""Tests for kvcalib_runtime.hadamard: exact Hadamard property, fast transform, signs, errors."""
+"""Tests for kvcalib_runtime.model.hadamard: exact Hadamard property, fast transform, signs and
+errors."""
 
 import pytest
 import torch
 
-from kvcalib_runtime.hadamard import (
+from kvcalib_runtime.model.hadamard import (
     fwht,
     hadamard_matrix,
     hadamard_transform,

@@ -20,7 +20,7 @@ from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels import quant_pack as qp
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts.affine import PackedBody
-from kvcalib_runtime.quant import QuantSpec
+from kvcalib_runtime.layouts.quant import QuantSpec
 
 S = QuantSpec
 BODY = ("codes", "scale", "offset", "slot_index", "slot_delta")
@@ -431,7 +431,7 @@ from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.kernels.quant_pack import flush, quant_pack
-from kvcalib_runtime.quant import QuantSpec
+from kvcalib_runtime.layouts.quant import QuantSpec
 
 dec._config = lambda key, device, launch: dec.CONFIGS[3]
 B, H, N, D = 2, 8, 256, 128

@@ -7,11 +7,11 @@ the same check in tests/toolkit/test_memory.py; on CUDA, torch.cuda.memory_alloc
 import pytest
 import torch
 
-from kvcalib_runtime.fpcache import FullPrecisionCache
-from kvcalib_runtime.kvcache import QuantizedCache, planned_memory
-from kvcalib_runtime.quant import QuantSpec
-from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme
-from kvcalib_runtime.transforms import Transforms
+from kvcalib_runtime.cache.fpcache import FullPrecisionCache
+from kvcalib_runtime.cache.kvcache import QuantizedCache, planned_memory
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
+from kvcalib_runtime.layouts.quant import QuantSpec
+from kvcalib_runtime.model.transforms import Transforms
 
 HKV, D = 3, 64
 LAYOUTS = {

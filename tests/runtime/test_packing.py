@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcalib_runtime.packing import SUPPORTED_BITS, pack, packed_size, unpack
+from kvcalib_runtime.layouts.packing import SUPPORTED_BITS, pack, packed_size, unpack
 
 
 @settings(max_examples=150, deadline=None)

@@ -6,7 +6,7 @@ hand-derived oracle: exact equality (atol = 0), on values chosen so that another
 import pytest
 import torch
 
-from kvcalib_runtime.quant import QuantSpec, dequantize, fake_quantize, quantize
+from kvcalib_runtime.layouts.quant import QuantSpec, dequantize, fake_quantize, quantize
 
 Q4_0 = QuantSpec(4, group_size=32, symmetric=True, method="ggml")
 Q8_0 = QuantSpec(8, group_size=32, symmetric=True, method="ggml")

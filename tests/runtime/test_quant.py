@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcalib_runtime.quant import QTensor, QuantSpec, dequantize, fake_quantize, quantize
+from kvcalib_runtime.layouts.quant import QTensor, QuantSpec, dequantize, fake_quantize, quantize
 
 
 def _t(*rows):

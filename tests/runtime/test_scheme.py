@@ -7,7 +7,7 @@ table; a wrong boundary (t vs t + 1, floor vs ceil) changes at least one entry."
 import pytest
 import torch
 
-from kvcalib_runtime.scheme import quantized_prefix, quantized_prefix_int
+from kvcalib_runtime.cache.scheme import quantized_prefix, quantized_prefix_int
 
 # (R, F): n_q(t) for t = 0, 1, ..., 12
 TABLE = {

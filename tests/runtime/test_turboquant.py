@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from kvcalib_runtime.codebooks import distortion, lloyd_max, random_rotation
-from kvcalib_runtime.quant import QuantSpec, dequantize, fake_quantize, quantize
+from kvcalib_runtime.layouts.codebooks import distortion, lloyd_max, random_rotation
+from kvcalib_runtime.layouts.quant import QuantSpec, dequantize, fake_quantize, quantize
 
 PAPER = {1: (0.36, 0.01), 2: (0.117, 0.001), 3: (0.03, 0.01), 4: (0.009, 0.001)}  # value, unit
 

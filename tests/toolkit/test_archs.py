@@ -24,11 +24,12 @@ from kvcalib.core.recipe import parse_recipe
 from kvcalib.errors import ModelError, RecipeError
 from kvcalib.evaluation.score import candidates, score
 from kvcalib.sim.simulate import Simulator
-from kvcalib_runtime import archs, format
+from kvcalib_runtime.checkpoint import format
 from kvcalib_runtime.errors import FormatError
-from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.model import Transformer
-from kvcalib_runtime.rope import layer_ropes
+from kvcalib_runtime.model import archs
+from kvcalib_runtime.model.forward import Transformer
+from kvcalib_runtime.model.geometry import Geometry
+from kvcalib_runtime.model.rope import layer_ropes
 
 FP32_BOUND = 1e-4
 T = 37  # longer than the tiny models' sliding window (8)

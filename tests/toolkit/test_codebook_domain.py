@@ -1,9 +1,9 @@
 """Codebooks are fitted on the domain the quantizer codes in: each group's range is the one
-kvcalib_runtime.quant computes (after leaving out its outliers, which the cache keeps exactly),
-and a static codebook's range leaves out the fraction its recipe does. Before, token groups were
-normalized by ranges that included the outliers, so the levels sat in a squeezed domain the
-quantizer never uses; a planted outlier makes that visible (the coded values filled under a fifth
-of [0, 1]).
+kvcalib_runtime.layouts.quant computes (after leaving out its outliers, which the cache keeps
+exactly), and a static codebook's range leaves out the fraction its recipe does. Before, token
+groups were normalized by ranges that included the outliers, so the levels sat in a squeezed domain
+the quantizer never uses; a planted outlier makes that visible (the coded values filled under a
+fifth of [0, 1]).
 """
 
 import pytest
@@ -11,8 +11,8 @@ import torch
 
 from kvcalib.calibration.codebooks import _normalized
 from kvcalib.core.profile import OUTLIER_FRACTIONS, QUANTILE_LEVELS
+from kvcalib_runtime.layouts.quant import QuantSpec
 from kvcalib_runtime.layouts.vector import to_vector
-from kvcalib_runtime.quant import QuantSpec
 
 L, HKV, T, D = 2, 3, 5, 64
 

@@ -31,10 +31,10 @@ from kvcalib.conversion import rotate
 from kvcalib.errors import ModelError, OptionError, OutputError, ProfileError
 from kvcalib.io import atomic, shards
 from kvcalib.sim.simulate import Simulator
-from kvcalib_runtime import format
-from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.hadamard import orthogonal_hadamard
-from kvcalib_runtime.transforms import ONLINE
+from kvcalib_runtime.checkpoint import format
+from kvcalib_runtime.model.geometry import Geometry
+from kvcalib_runtime.model.hadamard import orthogonal_hadamard
+from kvcalib_runtime.model.transforms import ONLINE
 
 REPO = Path(conv.__file__).parents[2]
 FP32_BOUND = 1e-4  # relative max error of logits: fp32 forward rounding is ~1e-6

@@ -15,7 +15,7 @@ from kvcalib.api import evaluate
 from kvcalib.conversion.convert import convert
 from kvcalib.core.models import load_model
 from kvcalib.evaluation.score import candidates, score
-from kvcalib_runtime.geometry import Geometry
+from kvcalib_runtime.model.geometry import Geometry
 
 CONVERT_TOML = """name = "smooth-rotate"
 [key]

@@ -14,7 +14,7 @@ from kvcalib.conversion.convert import convert
 from kvcalib.core.data import eval_windows
 from kvcalib.core.plan import plan_for_model
 from kvcalib.sim.simulate import Simulator
-from kvcalib_runtime.format import read_checkpoint
+from kvcalib_runtime.checkpoint.format import read_checkpoint
 
 # Every phase, small: enough windows for ranges, codebooks, a sink predictor and sensitivities.
 FAST = Settings(sensitivity_windows=1, sensitivity_tokens=32, codebook_windows=1)

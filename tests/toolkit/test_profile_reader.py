@@ -23,7 +23,7 @@ from kvcalib.core.plan import codebook_variant, plan
 from kvcalib.core.profile import Profile
 from kvcalib.core.recipe import load_recipe, parse_recipe
 from kvcalib.errors import ProfileError
-from kvcalib_runtime.geometry import Geometry
+from kvcalib_runtime.model.geometry import Geometry
 
 # What plan reads of a profile, all of it: static ranges, codebooks, smoothing, sensitivities.
 ALLOCATED = (

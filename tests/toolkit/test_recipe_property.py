@@ -21,7 +21,7 @@ import kvcalib_runtime
 from kvcalib.conversion.convert import convert
 from kvcalib.core.recipe import parse_recipe
 from kvcalib.errors import RecipeError
-from kvcalib_runtime.scheme import SinkPredictor
+from kvcalib_runtime.cache.scheme import SinkPredictor
 
 LAYERS, KV_HEADS, HEAD_DIM, CONTEXT = 2, 2, 16, 128
 # What only the model can refute: refusals allowed at convert, before any write.

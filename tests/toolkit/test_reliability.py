@@ -33,10 +33,10 @@ from kvcalib.core.plan import plan
 from kvcalib.core.recipe import load_recipe, parse_recipe, presets
 from kvcalib.errors import KvcalibError, ModelError, RecipeError
 from kvcalib.io import atomic
-from kvcalib_runtime import format
-from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.kvcache import planned_memory
-from kvcalib_runtime.transforms import Transforms
+from kvcalib_runtime.cache.kvcache import planned_memory
+from kvcalib_runtime.checkpoint import format
+from kvcalib_runtime.model.geometry import Geometry
+from kvcalib_runtime.model.transforms import Transforms
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 40  # ASCII: one token per character
 REPO = Path(__file__).resolve().parents[2]

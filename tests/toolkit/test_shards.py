@@ -14,7 +14,7 @@ from tiny import save_with_tokenizer, tiny_model
 from kvcalib.cli import main
 from kvcalib.errors import ModelError, OptionError
 from kvcalib.io.shards import TensorSpec, ahead, parse_size, plan_shards
-from kvcalib_runtime import format
+from kvcalib_runtime.checkpoint import format
 
 
 def test_ahead_hands_over_items_in_order_and_the_producers_error():

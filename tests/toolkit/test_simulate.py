@@ -8,8 +8,8 @@ from tiny import tiny_model
 from kvcalib.sim import attention
 from kvcalib.sim.cache import QuantizedKVCache
 from kvcalib.sim.simulate import Simulator
-from kvcalib_runtime.quant import QuantSpec
-from kvcalib_runtime.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
+from kvcalib_runtime.layouts.quant import QuantSpec
 
 T = 45
 

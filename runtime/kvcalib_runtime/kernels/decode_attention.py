@@ -35,7 +35,7 @@ from kvcalib_runtime.kernels import tiles
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts import Kind
 from kvcalib_runtime.layouts.affine import PackedBody
-from kvcalib_runtime.rope import rotate_half
+from kvcalib_runtime.model.rope import rotate_half
 
 EXACT = tiles.EXACT.value  # StreamLayout.GRAN of a tensor left in full precision
 MIXED_N = tl.constexpr(16)  # rows of a tile that mixes body and ring (a few per sequence)

@@ -1,6 +1,6 @@
 """What the kernels read and write: one layer's packed body, its residual ring and the sinks.
 
-The quantized cache (kvcalib_runtime.kvcache) owns these buffers; the kernels and their
+The quantized cache (kvcalib_runtime.cache.kvcache) owns these buffers; the kernels and their
 references take them through the three types below, whose docstrings give every shape.
 """
 

@@ -27,8 +27,8 @@ import triton.language as tl
 from kvcalib_runtime.kernels.tiles import CHANNEL, ROUNDING, TOKEN
 from kvcalib_runtime.layouts import Kind
 from kvcalib_runtime.layouts.affine import PackedBody
-from kvcalib_runtime.packing import pack
-from kvcalib_runtime.quant import QuantSpec, quantize
+from kvcalib_runtime.layouts.packing import pack
+from kvcalib_runtime.layouts.quant import QuantSpec, quantize
 
 
 # fmt: off

@@ -2,8 +2,8 @@
 static; ggml changes only the levels and how codes are taken), and `PackedBody`, the body a cache
 stores them in.
 
-Every group is dequantized as  x_hat = offset + scale * level[code]  (kvcalib_runtime.quant's
-module docstring gives the levels, the clip ratio and the exact slots); a layout says which
+Every group is dequantized as  x_hat = offset + scale * level[code]  (layouts.quant's module
+docstring gives the levels, the clip ratio and the exact slots); a layout says which
 elements form a group: `group`, `ungroup`, `expand` and `group_range` below, and where a body
 keeps the groups' metadata (`metadata_shape`, `metadata_index`, `read_metadata`).
 """
@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcalib_runtime.layouts.base import Kind, Layout, QTensor, slot_index_dtype
-from kvcalib_runtime.packing import packed_size, unpack
+from kvcalib_runtime.layouts.packing import packed_size, unpack
 
 if TYPE_CHECKING:
-    from kvcalib_runtime.spec import QuantSpec
+    from kvcalib_runtime.layouts.spec import QuantSpec
 
 
 def _lookup(codebook: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -214,7 +214,7 @@ class PackedBody:
     head_dim      D
     kv_heads      Hkv
     codes         uint8 [B, heads, N, ceil(width * bits / 8)]  codes of a row, packed along
-                  channels (kvcalib_runtime.packing: code j at bits [j*b, (j+1)*b) of the row)
+                  channels (layouts.packing: code j at bits [j*b, (j+1)*b) of the row)
     scale         dtype [B, heads, N, width / g]       Kind.TOKEN: one per group of g channels
                                                        of a row
                   dtype [B, heads, ceil(N / G), width] Kind.CHANNEL: one per group of G tokens

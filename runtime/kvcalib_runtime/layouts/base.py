@@ -38,8 +38,7 @@ class QTensor:
                  the outlier set's codes first)
     scale:       x.dtype, group-shaped
     offset:      like scale, or None when symmetric
-    slot_index:  [..., T, K] channel of each exact slot (kvcalib_runtime.quant's docstring), or
-                 None
+    slot_index:  [..., T, K] channel of each exact slot (layouts.quant's docstring), or None
     slot_delta:  x.dtype [..., T, K] what the slot adds back, or None
     heads:       H for "vector" (codes hold the heads joined), else None
     """
@@ -128,7 +127,7 @@ class Layout:
         return math.ceil(f * group_numel / 2) if f > 0 else 0
 
     def slots(self, n: int) -> int:
-        """K, the exact slots of a row of n channels (kvcalib_runtime.quant's docstring)."""
+        """K, the exact slots of a row of n channels (kvcalib_runtime.layouts.quant's docstring)."""
         if not self.spec.outliers:
             return 0
         g = self.row_group(n)

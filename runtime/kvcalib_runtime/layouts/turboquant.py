@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcalib_runtime.codebooks import lloyd_max, random_rotation
 from kvcalib_runtime.layouts.base import Layout, QTensor
-from kvcalib_runtime.packing import pack, packed_size, unpack
+from kvcalib_runtime.layouts.codebooks import lloyd_max, random_rotation
+from kvcalib_runtime.layouts.packing import pack, packed_size, unpack
 
 if TYPE_CHECKING:
-    from kvcalib_runtime.spec import QuantSpec
+    from kvcalib_runtime.layouts.spec import QuantSpec
 
 TURBO_BITS = (1, 2, 3, 4, 5)  # Lloyd-Max tables TurboQuant's sets use
 
@@ -112,7 +112,7 @@ class TurboBody:
     spec       QuantSpec (method "turboquant")
     head_dim   D
     codes      per set s (outlier set first): uint8 [B, Hkv, N, packed_size(n_s, bits_s)]
-               (kvcalib_runtime.packing's row layout)
+               (kvcalib_runtime.layouts.packing's row layout)
     scale      dtype [B, Hkv, N, S]  the sets' norms
     split      int64 [Hkv, n_o], the outlier channels of each head, or None without a split
     """

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcalib_runtime.errors import CapacityError
-from kvcalib_runtime.rope import Rope
+from kvcalib_runtime.model.rope import Rope
 
 
 class FullPrecisionCache:

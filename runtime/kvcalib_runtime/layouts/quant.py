@@ -1,9 +1,9 @@
 """Reference quantizers for KV tensors — the single source of truth for kvcalib's numerics.
 
 Every tensor here is laid out [..., T, D]: T tokens, D channels of one head (typically
-[B, H, T, D]). One `QuantSpec` (defined in kvcalib_runtime.spec with `QTensor`, both exported
-here; each granularity is a layout of kvcalib_runtime.layouts) says how such a tensor is cut
-into groups, each group getting its own range:
+[B, H, T, D]). One `QuantSpec` (defined in layouts.spec with `QTensor`, both exported here;
+each granularity is a layout of kvcalib_runtime.layouts) says how such a tensor is cut into
+groups, each group getting its own range:
 
     granularity "token"    groups of `group_size` consecutive channels inside one token
                            (group_size 0 = the whole head: per-token quantization)
@@ -59,8 +59,7 @@ the spec's `layout` binds: this module is their common entry point.
 import torch
 
 from kvcalib_runtime.layouts.affine import select_slots
-from kvcalib_runtime.layouts.vector import from_vector, to_vector
-from kvcalib_runtime.spec import (
+from kvcalib_runtime.layouts.spec import (
     BITS,
     GRANULARITIES,
     MAX_SLOTS,
@@ -70,6 +69,7 @@ from kvcalib_runtime.spec import (
     QuantSpec,
     slot_index_dtype,
 )
+from kvcalib_runtime.layouts.vector import from_vector, to_vector
 
 __all__ = [
     "BITS",

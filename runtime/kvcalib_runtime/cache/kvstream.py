@@ -1,5 +1,5 @@
 """One layer's keys or values in the quantized cache: body + residual ring, and how tokens move
-between them (`kvcalib_runtime.kvcache` owns one per layer and tensor).
+between them (`kvcalib_runtime.cache.kvcache` owns one per layer and tensor).
 
     body     what the spec's layout allocates (kvcalib_runtime.layouts: a PackedBody
              [B, heads, S, ...], or a TurboBody for "turboquant"); exact dtype [B, Hkv, S, D]
@@ -19,16 +19,16 @@ import copy
 
 import torch
 
-from kvcalib_runtime.kernels import quant_pack as qp
-from kvcalib_runtime.kernels.layout import Stored
-from kvcalib_runtime.layouts.turboquant import TurboBody
-from kvcalib_runtime.scheme import (
+from kvcalib_runtime.cache.scheme import (
     KVParams,
     KVScheme,
     body_slots,
     quantized_prefix,
     quantized_prefix_int,
 )
+from kvcalib_runtime.kernels import quant_pack as qp
+from kvcalib_runtime.kernels.layout import Stored
+from kvcalib_runtime.layouts.turboquant import TurboBody
 
 
 def kernel_layout(spec) -> bool:

@@ -1,7 +1,7 @@
 """The quantized KV cache: [sinks | packed quantized body | full-precision residual window].
 
 It implements the cache interface of `FullPrecisionCache` (positions / attend / observe_hidden /
-commit / view / reset) and follows the decode rule of `kvcalib_runtime.scheme`. Storage, per
+commit / view / reset) and follows the decode rule of `kvcalib_runtime.cache.scheme`. Storage, per
 layer, for B sequences of up to N tokens, Hkv KV heads of D channels (`kvstream.Stream`):
 
     body         what the spec's layout allocates (kvcalib_runtime.layouts): a PackedBody
@@ -19,9 +19,9 @@ layer, for B sequences of up to N tokens, Hkv KV heads of D channels (`kvstream.
     lengths      int64 [B] on the device (and its host mirror, Python ints, for capacity
                  checks and the prefill path); n_body int64 [2L, B] on the device
 
-Keys and values are stored in the scheme's domain (`kvcalib_runtime.transforms`): keys pre-RoPE
-(RoPE is applied when they are read), or post-RoPE; queries meet them in that domain, and an
-attention output over values kept in a rotated domain is rotated back.
+Keys and values are stored in the scheme's domain (`kvcalib_runtime.model.transforms`): keys
+pre-RoPE (RoPE is applied when they are read), or post-RoPE; queries meet them in that domain, and
+an attention output over values kept in a rotated domain is rotated back.
 
 Memory is what the buffers hold: `allocated_bytes` walks them, and a plan (`planned_memory`, the
 capacity check, every bit count) walks the same buffers of a cache built on the meta device.
@@ -47,15 +47,15 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from kvcalib_runtime.cache.fpcache import capped_attention
+from kvcalib_runtime.cache.kvstream import Stream, kernel_layout
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme
 from kvcalib_runtime.errors import CapacityError, FormatError
-from kvcalib_runtime.fpcache import capped_attention
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels.layout import Sinks, use_triton
-from kvcalib_runtime.kvstream import Stream, kernel_layout
-from kvcalib_runtime.rope import Rope
-from kvcalib_runtime.scheme import KVParams, KVScheme
-from kvcalib_runtime.transforms import Transforms
+from kvcalib_runtime.model.rope import Rope
+from kvcalib_runtime.model.transforms import Transforms
 
 
 class QuantizedCache:

@@ -1,6 +1,6 @@
-"""The types of kvcalib_runtime.quant: `QuantSpec`, the closed description of how one KV tensor
-is quantized (its fields are defined in quant's module docstring), and `QTensor`, a quantized
-tensor in reference form. A spec's `layout` (kvcalib_runtime.layouts) is what its fields
+"""The types of kvcalib_runtime.layouts.quant: `QuantSpec`, the closed description of how one
+KV tensor is quantized (its fields are defined in quant's module docstring), and `QTensor`, a
+quantized tensor in reference form. A spec's `layout` (kvcalib_runtime.layouts) is what its fields
 select: the stored layout that checks them, quantizes, stores and is read by the kernels."""
 
 import functools

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvcalib_runtime.closed import closed
-from kvcalib_runtime.quant import QuantSpec
+from kvcalib_runtime.checkpoint.closed import closed
+from kvcalib_runtime.layouts.quant import QuantSpec
 
 KEY_POSITIONS = ("pre_rope", "post_rope")
 

@@ -15,9 +15,9 @@ parameters are per layer type (`rope.rope_parameters`): Gemma 3's local and glob
 
 from dataclasses import dataclass
 
-from kvcalib_runtime import archs
 from kvcalib_runtime.errors import FormatError
-from kvcalib_runtime.rope import rope_parameters
+from kvcalib_runtime.model import archs
+from kvcalib_runtime.model.rope import rope_parameters
 
 CONFIG = "config.json"
 LAYER_TYPES = ("full_attention", "sliding_attention")

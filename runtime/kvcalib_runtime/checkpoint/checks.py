@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.hadamard import is_supported
+from kvcalib_runtime.model.geometry import Geometry
+from kvcalib_runtime.model.hadamard import is_supported
 
 MAX_TOKENS = 1 << 24  # the context bound of a config without max_position_embeddings
 _SLACK = 1e-6  # codebook levels may sit this far outside their domain (rounding of fp16 files)

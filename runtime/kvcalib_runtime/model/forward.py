@@ -35,13 +35,13 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from torch import nn
 
-from kvcalib_runtime import archs
+from kvcalib_runtime.cache.fpcache import FullPrecisionCache
+from kvcalib_runtime.checkpoint.format import EXPORT_TENSOR
 from kvcalib_runtime.errors import FormatError, KvcalibRuntimeError
-from kvcalib_runtime.format import EXPORT_TENSOR
-from kvcalib_runtime.fpcache import FullPrecisionCache
 from kvcalib_runtime.generate import generate as _generate
-from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.rope import Rope, layer_ropes
+from kvcalib_runtime.model import archs
+from kvcalib_runtime.model.geometry import Geometry
+from kvcalib_runtime.model.rope import Rope, layer_ropes
 
 INDEX_FILE = "model.safetensors.index.json"
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -269,7 +269,7 @@ class Transformer(nn.Module):
                 windows=geo.windows, softcap=self.attn_softcap,
             )  # fmt: skip
         self._check_quantized(scheme, params)
-        from kvcalib_runtime.kvcache import QuantizedCache  # imports triton: only when needed
+        from kvcalib_runtime.cache.kvcache import QuantizedCache  # imports triton: only when needed
 
         return QuantizedCache(
             scheme,

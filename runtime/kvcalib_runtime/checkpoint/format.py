@@ -22,12 +22,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from kvcalib_runtime import checks
-from kvcalib_runtime.closed import closed
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme
+from kvcalib_runtime.checkpoint import checks
+from kvcalib_runtime.checkpoint.closed import closed
 from kvcalib_runtime.errors import FormatError
-from kvcalib_runtime.geometry import Geometry
-from kvcalib_runtime.scheme import KVParams, KVScheme
-from kvcalib_runtime.transforms import FUSED, NONE, ONLINE, LayerTransforms, Transforms
+from kvcalib_runtime.model.geometry import Geometry
+from kvcalib_runtime.model.transforms import FUSED, NONE, ONLINE, LayerTransforms, Transforms
 
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)

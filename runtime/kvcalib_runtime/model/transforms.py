@@ -30,8 +30,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvcalib_runtime.closed import closed
-from kvcalib_runtime.hadamard import hadamard_transform
+from kvcalib_runtime.checkpoint.closed import closed
+from kvcalib_runtime.model.hadamard import hadamard_transform
 
 NONE, FUSED, ONLINE, UNDONE = "none", "fused", "online", "undone"
 PLACEMENTS = (NONE, FUSED, ONLINE, UNDONE)
