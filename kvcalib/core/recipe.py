@@ -6,10 +6,11 @@ live in `recipes/<name>.toml`; `load_recipe` takes a preset name or a path.
 
     name, description, residual, rotation_seed, external, quantized_layers
     [key]    bits granularity group_size symmetric clip codebook outliers outlier_slots
-             slot_rule method split_channels split_fraction split_bits flush position
-             rotation smooth
+             slot_rule slot_code method split_channels split_fraction split_bits flush
+             position rotation smooth
     [value]  bits granularity group_size symmetric clip codebook outliers outlier_slots
-             slot_rule method split_channels split_fraction split_bits flush rotation
+             slot_rule slot_code method split_channels split_fraction split_bits flush
+             rotation
     [sinks]  first predicted budget
     [allocation]  budget choices            (per-layer bits from the sensitivity profile)
     [[layers]]    index key value           (per-layer overrides of [key] / [value])
@@ -24,12 +25,14 @@ window) and only the global layers follow [key] / [value] (the key is not `layer
 the per-layer overrides).
 `outliers` is the fraction left out of each range; exact slots per vector keep what the codes
 clamp: `outlier_slots` of them for "static" granularity, chosen by `slot_rule` ("outside": the
-farthest outside the range, KVQuant's; "error": the largest errors, kvcalib's) — see
-kvcalib_runtime.layouts.quant. `method` is "affine" (all of the above), "ggml" (llama.cpp's
-q4_0 / q8_0 blocks) or "turboquant" (TurboQuant: a random rotation and fixed Lloyd-Max levels per
-vector, with `split_channels` outlier channels per head at `split_bits` bits, chosen from the
-profile's channel statistics; or `split_fraction` of each head's channels, rounded, whatever the
-model's head size: TurboQuant's 2.5 and 3.5 bits are a quarter of the channels at one bit more).
+farthest outside the range, KVQuant's; "error": the largest errors, kvcalib's) and stored as
+`slot_code` says ("exact": the cache's dtype; "fp8": one byte, the delta in steps of its
+channel's scale as float8 E4M3, within 1/16 of it) — see kvcalib_runtime.layouts.quant.
+`method` is "affine" (all of the above), "ggml" (llama.cpp's q4_0 / q8_0 blocks) or
+"turboquant" (TurboQuant: a random rotation and fixed Lloyd-Max levels per vector, with
+`split_channels` outlier channels per head at `split_bits` bits, chosen from the profile's
+channel statistics; or `split_fraction` of each head's channels, rounded, whatever the model's
+head size: TurboQuant's 2.5 and 3.5 bits are a quarter of the channels at one bit more).
 """
 
 import dataclasses
@@ -44,7 +47,7 @@ from kvcalib.errors import RecipeError
 from kvcalib_runtime.cache.scheme import KEY_POSITIONS, KVScheme, LayerScheme
 from kvcalib_runtime.checkpoint.checks import MAX_TOKENS
 from kvcalib_runtime.layouts import Kind, Layout, layout_class
-from kvcalib_runtime.layouts.spec import GRANULARITIES, METHODS, SLOT_RULES, QuantSpec
+from kvcalib_runtime.layouts.spec import GRANULARITIES, METHODS, SLOT_CODES, SLOT_RULES, QuantSpec
 
 MAX_LAYERS = 4096  # an override index beyond this is a typo, not a layer
 MAX_CODEBOOK_BITS = 4
@@ -73,6 +76,7 @@ class TensorRecipe:
     outliers: float = 0.0
     outlier_slots: int = 0
     slot_rule: str = "outside"
+    slot_code: str = "exact"
     method: str = "affine"
     split_channels: int = 0
     split_fraction: float = 0.0
@@ -195,6 +199,7 @@ _ALLOCATION_KEYS = {"budget": float, "choices": list}
 _CHOICES = {  # the runtime's own tables where the runtime defines the field
     "granularity": GRANULARITIES,
     "slot_rule": SLOT_RULES,
+    "slot_code": SLOT_CODES,
     "method": METHODS,
     "codebook": ("uniform", "calibrated"),
     "position": KEY_POSITIONS,

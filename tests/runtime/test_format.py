@@ -337,6 +337,20 @@ def test_version_1_side_cars_are_still_read(ckpt):
         format.read_checkpoint(ckpt)
 
 
+def test_a_later_spec_field_is_written_only_where_it_is_used():
+    """QuantSpec.slot_code came after format version 3: a scheme at its default writes the
+    spec exactly as before (a runtime that predates the field reads it), one with fp8 slots
+    names it (such a runtime refuses the key instead of serving one-byte slots as exact)."""
+    exact = QuantSpec(2, "static", outliers=0.01, outlier_slots=1, slot_rule="error")
+    fp8 = QuantSpec(2, "static", outliers=0.01, outlier_slots=1, slot_rule="error",
+                    slot_code="fp8")  # fmt: skip
+    for spec in (exact, fp8):
+        scheme = KVScheme((LayerScheme(spec, None),))
+        written = scheme.to_json()["layers"][0]["key"]
+        assert ("slot_code" in written) == (spec is fp8)
+        assert KVScheme.from_json(json.loads(json.dumps(scheme.to_json()))) == scheme
+
+
 def test_unknown_kv_params_are_refused(ckpt):
     tensors = _params().tensors() | {"layers.0.surprise": torch.zeros(2)}
     save_file(tensors, ckpt / format.PARAMS)

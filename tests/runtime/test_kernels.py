@@ -14,11 +14,14 @@ import copy
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kvcalib_runtime.kernels import decode_attention as dec
-from kvcalib_runtime.kernels import decode_torch
+from kvcalib_runtime.kernels import decode_torch, tiles
 from kvcalib_runtime.kernels import quant_pack as qp
 from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.layouts import fp8
 from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.layouts.quant import QuantSpec
 
@@ -60,7 +63,12 @@ def _body(spec, shape, dtype, gen, per_head_codebook=False):
             body.offset.copy_(-torch.rand(body.offset.shape, generator=gen))
     if body.slot_index is not None:
         body.slot_index.copy_(torch.randint(0, body.width, body.slot_index.shape, generator=gen))
-        body.slot_delta.copy_(torch.randn(body.slot_delta.shape, generator=gen) * 10)  # outliers
+        if spec.slot_code == "fp8":  # any E4M3 byte but NaN's: up to 448 steps either way
+            code = torch.randint(0, 127, body.slot_delta.shape, generator=gen)
+            sign = torch.randint(0, 2, body.slot_delta.shape, generator=gen) * 128
+            body.slot_delta.copy_(code + sign)
+        else:
+            body.slot_delta.copy_(torch.randn(body.slot_delta.shape, generator=gen) * 10)
     return body
 
 
@@ -97,6 +105,10 @@ QUANT_PACK_CASES = [
     (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error"), 128, 33,
      torch.float16),
     (S(3, "static", outliers=0.01, outlier_slots=2), 64, 33, torch.float32),
+    # one E4M3 byte a slot, in steps of the channel's scale (kvcalib-2's keys)
+    (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error",
+       slot_code="fp8"), 128, 33, torch.float16),
+    (S(3, "static", outliers=0.01, outlier_slots=2, slot_code="fp8"), 64, 33, torch.float32),
     (S(3, codebook=True, outliers=0.05), 128, 33, torch.float16),
     (S(2, group_size=16, outliers=0.1, slot_rule="error"), 64, 17, torch.float32),
     # rows of every head joined (KVQuant's values), odd bit widths
@@ -149,6 +161,8 @@ def test_quant_pack_wraps_a_ring_body(spec):
 @pytest.mark.parametrize(("spec", "flush", "residual"), [
     (S(2, "channel", 4), 8, 8),  # KIVI keys: a block of R at a time
     (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error"), 1, 8),
+    (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error",
+       slot_code="fp8"), 1, 8),
     (S(3, "vector", outliers=0.02), 2, 4),
     (S(4, symmetric=True), 1, 1),
 ], ids=str)  # fmt: skip
@@ -172,6 +186,39 @@ def test_flush_reads_the_ring_in_place(spec, flush, residual):
         if getattr(ours, name) is not None and getattr(ours, name).dim() == 4:
             assert torch.equal(getattr(ours, name)[2], getattr(before, name)[2]), name
     assert not torch.equal(ours.codes[0], before.codes[0])
+
+
+@triton.jit
+def _codec(X, CODE, Y, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(CODE + i, tiles.fp8_encode(tl.load(X + i)))
+    tl.store(Y + i, tiles.fp8_decode(tl.load(CODE + i)))
+
+
+def test_the_kernels_fp8_codec_is_torchs_bit_for_bit():
+    """tiles.fp8_encode / fp8_decode (E4M3FN by integer bit work) against torch's conversion:
+    every byte but NaN's decodes to torch's value; fp32 inputs from 2**-12 to 1e6 (subnormals,
+    halfway ties, +-0, saturation past 448) encode to torch's byte."""
+    gen = torch.Generator().manual_seed(0)
+    grid = fp8.decode(torch.arange(256, dtype=torch.uint8))
+    grid = grid[grid.isfinite()]
+    ties = (grid[1:] + grid[:-1]) / 2  # halfway between neighbours: round half to even
+    scales = 2.0 ** torch.randint(-12, 20, (2048,), generator=gen)
+    x = torch.cat(
+        [
+            grid,
+            ties,
+            torch.randn(2048, generator=gen) * scales,
+            torch.tensor([0.0, -0.0, 448.0, -448.0, 464.0, 1e6, -1e6]),
+        ]
+    )
+    n = triton.next_power_of_2(len(x))
+    x = torch.nn.functional.pad(x, (0, n - len(x)))
+    code, y = torch.empty(n, dtype=torch.uint8), torch.empty(n)
+    _codec[(1,)](x, code, y, n)
+    assert torch.equal(code, fp8.encode(x))
+    assert torch.equal(y, fp8.decode(code))
+    assert torch.equal(fp8.decode(fp8.encode(grid)), grid)  # the grid itself round-trips
 
 
 def test_quant_pack_refuses_what_it_does_not_handle():
@@ -199,6 +246,10 @@ DECODE_CASES = {
     "kvcalib-4 G8 D256 one KV head": (S(4, "static", codebook=True, outliers=0.01,
                                         outlier_slots=1), S(4, symmetric=True, codebook=True),
                                       8, 1, 256, True, None),
+    "kvcalib-2 fp8 slots G4 D64": (S(2, "static", codebook=True, outliers=0.01, outlier_slots=2,
+                                     slot_rule="error", slot_code="fp8"),
+                                   S(3, "static", outliers=0.01, outlier_slots=1,
+                                     slot_code="fp8"), 8, 2, 64, True, None),
     "kivi-2 G1 D128": (S(2, "channel", 32), S(2, group_size=32), 2, 2, 128, False, None),
     "kivi-4 G3 D64": (S(4, "channel", 16), S(4, group_size=16), 6, 2, 64, False, None),
     "per-token-3 G4 D64": (S(3), S(3), 8, 2, 64, False, None),
@@ -371,7 +422,8 @@ def _cuda(value):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", ["kvcalib-2 G4 D128", "kivi-2 G1 D128", "window pre-RoPE ring",
+@pytest.mark.parametrize("case", ["kvcalib-2 G4 D128", "kvcalib-2 fp8 slots G4 D64",
+                                  "kivi-2 G1 D128", "window pre-RoPE ring",
                                   "kvquant-3 G4 D128"])  # fmt: skip
 def test_decode_attention_on_gpu(case, dtype, monkeypatch):
     """The same rule at fp16 and bf16 on a GPU, for every tile size the tuner may pick."""
@@ -390,7 +442,9 @@ def test_decode_attention_on_gpu(case, dtype, monkeypatch):
 @pytest.mark.parametrize("spec", [S(2, "static"), S(3, group_size=32, clip=0.9),
                                   S(4, "channel", 32, symmetric=True), S(2, codebook=True),
                                   S(2, "static", codebook=True, outliers=0.01, outlier_slots=1,
-                                    slot_rule="error")], ids=str)  # fmt: skip
+                                    slot_rule="error"),
+                                  S(2, "static", codebook=True, outliers=0.01, outlier_slots=1,
+                                    slot_rule="error", slot_code="fp8")], ids=str)  # fmt: skip
 def test_quant_pack_is_bit_exact_on_gpu(spec, dtype):
     """On the GPU too (IEEE division, no FMA contraction): the CPU reference's exact bits."""
     gen = torch.Generator().manual_seed(spec.bits)
@@ -436,9 +490,13 @@ from kvcalib_runtime.layouts.quant import QuantSpec
 dec._config = lambda key, device, launch: dec.CONFIGS[3]
 B, H, N, D = 2, 8, 256, 128
 kvcalib2 = QuantSpec(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error")
+fp8 = QuantSpec(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error",
+                slot_code="fp8")
 for dtype, key, value, rope in [
     (torch.bfloat16, kvcalib2, QuantSpec(2, symmetric=True, codebook=True), True),
     (torch.float16, QuantSpec(3, "channel", 32, symmetric=True), QuantSpec(3, "vector"), False),
+    (torch.float16, fp8, QuantSpec(3, "static", outliers=0.01, outlier_slots=1, slot_code="fp8"),
+     True),
 ]:
     static = (torch.zeros(H, D), torch.ones(H, D))
     book = torch.linspace(-1, 1, 2 ** key.bits)
@@ -476,8 +534,8 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    # quant_pack, flush, split, combine; twice
-    assert done.stdout.split().count("compiled") == 8
+    # quant_pack, flush, split, combine; three times (exact slots, none, fp8 slots)
+    assert done.stdout.split().count("compiled") == 12
 
 
 def test_the_decode_benchmark_runs_its_smoke_configuration():

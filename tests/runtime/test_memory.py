@@ -4,6 +4,8 @@ same cache built on the meta device. The two are held equal here on every layout
 and layouts are counted by hand, so neither can drift without a test failing. Toolkit presets get
 the same check in tests/toolkit/test_memory.py; on CUDA, torch.cuda.memory_allocated agrees too."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,6 +21,11 @@ LAYOUTS = {
     "static-slots": (
         QuantSpec(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error"),
         QuantSpec(2, symmetric=True, codebook=True),
+        dict(key_position="pre_rope"),
+    ),
+    "static-fp8-slots": (
+        QuantSpec(2, "static", outliers=0.01, outlier_slots=2, slot_rule="error", slot_code="fp8"),
+        QuantSpec(3, "static", outliers=0.01, outlier_slots=1, slot_code="fp8"),
         dict(key_position="pre_rope"),
     ),
     "vector": (QuantSpec(3, "static"), QuantSpec(3, "vector", outliers=0.01), {}),
@@ -135,6 +142,20 @@ def test_one_layout_counted_by_hand():
         "bookkeeping": bookkeeping,
     }
     assert cache.bytes_per_token() == (keys + values + ring + sinks + bookkeeping) / 1024
+
+
+def test_fp8_slots_are_one_byte_each():
+    """slot_code "fp8" at 1024 tokens, 3 KV heads of 64 channels, fp16: a key row is 16 bytes of
+    2-bit codes + 2 slots of a 1-byte index and a 1-byte delta, a value row 24 bytes of 3-bit
+    codes + 1 slot; the per-layer constants are fp16 scale + offset and fp32 lo + hi per
+    channel. Exact slots (2-byte deltas) cost a byte more each."""
+    cache = _cache(_scheme("static-fp8-slots", layers=1), 1, 1, 1024, "cpu")
+    rows, constants = 1024 * HKV, HKV * D * (2 + 2 + 4 + 4)
+    assert cache.memory()["body"] == rows * (16 + 2 * 2) + rows * (24 + 2) + 2 * constants
+    key = LAYOUTS["static-fp8-slots"][0]
+    exact = dataclasses.replace(key, slot_code="exact")
+    per_slot = exact.layout.bits_per_element(D, 1024) - key.layout.bits_per_element(D, 1024)
+    assert per_slot == 2 * 8 / D  # two slots, 8 bits fewer each
 
 
 def test_a_window_allocates_its_ring_not_the_context():

@@ -1,6 +1,7 @@
 """Reference quantizers: exact against hand-computed oracles (atol=0), and within the uniform
 quantizer's half-step bound for every element."""
 
+import dataclasses
 import math
 
 import pytest
@@ -122,6 +123,36 @@ def test_the_error_rule_spends_slots_on_the_worst_rounding_too():
         assert q.slot_index[0][used].tolist() == kept
         y = dequantize(q, spec)
         assert torch.equal(y[0, kept], x[0, kept])
+
+
+def test_fp8_slots_restore_a_sixteenth_of_the_delta_in_one_byte():
+    """slot_code "fp8" stores a slot's delta in steps of its channel's scale as one E4M3 byte:
+    rounding to nearest keeps the restored element within 1/16 of the delta (3 mantissa bits)
+    and near zero within 2**-10 steps; a delta beyond 448 steps saturates instead of wrapping."""
+    gen = torch.Generator().manual_seed(5)
+    scale = torch.tensor([0.01, 1.0, 30.0, 0.0]).repeat(16)  # the last: a constant channel
+    x = torch.randn(3, 200, 64, generator=gen) * scale.clamp_min(1e-3) * 4
+    x[0, 0, 2] = 1e6  # far beyond 448 steps of its channel
+    lo, hi = -scale * 1.5, scale * 1.5
+    for rule in ("error", "outside"):
+        exact = QuantSpec(2, "static", outliers=0.01, outlier_slots=2, slot_rule=rule)
+        fp8 = dataclasses.replace(exact, slot_code="fp8")
+        qe, q8 = (quantize(x, s, static_range=(lo, hi)) for s in (exact, fp8))
+        assert q8.slot_delta.dtype == torch.uint8 and torch.equal(q8.slot_index, qe.slot_index)
+        assert torch.equal(q8.codes, qe.codes)
+        at = qe.slot_index.long()
+        ye, y8 = (dequantize(q, s).gather(-1, at) for q, s in ((qe, exact), (q8, fp8)))
+        step = torch.where(scale > 0, scale, 1.0).expand_as(x).gather(-1, at)
+        delta = qe.slot_delta.float()
+        far = delta.abs() / step > 448
+        bound = delta.abs() / 16 + step * 2**-10
+        assert ((y8 - ye).abs() <= bound * 1.0001)[~far].all()
+        assert far[0, 0].any() and (y8 - ye).abs()[far].min() > 0  # saturated, not wrapped
+        assert (y8 - ye).abs()[~far].max() > 0  # not vacuous: the byte does round
+    with pytest.raises(ValueError, match="for 'static' granularity with outlier_slots"):
+        QuantSpec(2, outliers=0.1, slot_rule="error", slot_code="fp8")
+    with pytest.raises(ValueError, match="slot_code = 'fp4' is unknown"):
+        QuantSpec(2, "static", outliers=0.01, outlier_slots=1, slot_code="fp4")
 
 
 def test_vector_granularity_joins_the_heads():

@@ -164,6 +164,11 @@ def test_unknown_keys_are_refused_at_every_depth_by_their_path(doc, path):
         ({"name": "x", "key": {"bits": 2, "flush": 4}}, r"with no residual window"),
         ({"key": {"bits": 2}}, r"missing key 'name'"),
         ({"name": "x", "key": {"bits": 2, "method": "nf4"}}, r"use one of affine, ggml"),
+        ({"name": "x", "key": {"bits": 2, "slot_code": "fp4"}}, r"use one of exact, fp8"),
+        (
+            {"name": "x", "key": {"bits": 2, "outliers": 0.1, "slot_code": "fp8"}},
+            r"slot_code = 'fp8' .* for 'static' granularity with outlier_slots >= 1",
+        ),
         (
             {"name": "x", "key": {"bits": 4, "group_size": 32, "method": "ggml"}},
             r"\[key\] method 'ggml' has its own numerics: set symmetric = true",
@@ -174,6 +179,14 @@ def test_impossible_recipes_say_the_fix(doc, message):
     with pytest.raises(RecipeError, match=message):
         recipe = parse_recipe(doc)
         plan(recipe, num_layers=2)
+
+
+def test_one_byte_slots_reach_the_plan():
+    """slot_code = "fp8" on static keys is the QuantSpec's, layer by layer."""
+    doc = {"bits": 2, "granularity": "static", "outliers": 0.01, "outlier_slots": 1}
+    recipe = parse_recipe({"name": "x", "key": {**doc, "slot_code": "fp8"}})
+    assert recipe.key.spec().slot_code == "fp8"
+    assert parse_recipe({"name": "x", "key": doc}).key.spec().slot_code == "exact"
 
 
 def test_layer_overrides_apply():

@@ -28,6 +28,9 @@ from kvcalib_runtime.checkpoint.closed import closed
 from kvcalib_runtime.layouts.quant import QuantSpec
 
 KEY_POSITIONS = ("pre_rope", "post_rope")
+# QuantSpec fields newer than the side-car's format version 3, written only when they differ
+# from this value: a scheme that does not use them reads in a runtime that predates them.
+LATER_FIELDS = {"slot_code": "exact"}
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ class KVScheme:
             "sinks_first": self.sinks_first,
             "sink_budget": self.sink_budget,
             "rotation_seed": self.rotation_seed,
-            "layers": [asdict(layer) for layer in self.layers],
+            "layers": [_layer_json(layer) for layer in self.layers],
         }
 
     @classmethod
@@ -134,6 +137,16 @@ class KVScheme:
             _layer_from_json(layer, f"scheme.layers[{i}]") for i, layer in enumerate(obj["layers"])
         )
         return cls(**{**obj, "layers": layers})
+
+
+def _layer_json(layer: "LayerScheme") -> dict:
+    obj = asdict(layer)
+    for name in ("key", "value"):
+        if obj[name] is not None:
+            obj[name] = {
+                k: v for k, v in obj[name].items() if k not in LATER_FIELDS or v != LATER_FIELDS[k]
+            }
+    return obj
 
 
 def _typed(obj, fields) -> None:

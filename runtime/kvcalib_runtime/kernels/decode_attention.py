@@ -184,17 +184,18 @@ def _decode_split_kernel(
             s = tl.dot(q_lo, tl.trans(k_lo.to(DT)), input_precision=PRECISION)
             s += tl.dot(q_hi, tl.trans(k_hi.to(DT)), input_precision=PRECISION)
             if KL.K > 0:
-                s += tiles.slot_scores(KS.slot_index, KS.slot_delta, q_rows, g < G,
-                                       k_line * KS.slots + k_slot, k_in, k_base, pos, INV_FREQ,
-                                       KL.K, D, PRE_ROPE)  # fmt: skip
+                s += tiles.slot_scores(KS.slot_index, KS.slot_delta, KS.scale + hk * D, q_rows,
+                                       g < G, k_line * KS.slots + k_slot, k_in, k_base, pos,
+                                       INV_FREQ, KL.K, D, PRE_ROPE, KL.FP8)  # fmt: skip
             s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
             v_lo, v_hi = _stream(VS, VL, v_levels, v_line, kv, v_slot, pos, start, valid, v_in,
                                  v_base, vs_lo, vo_lo, vs_hi, vo_hi, ring_size, pos.shape[0],
                                  BLOCK_C, D, phase == 1)  # fmt: skip
             if VL.K > 0:
                 v_lo, v_hi = tiles.slot_values(v_lo, v_hi, VS.slot_index, VS.slot_delta,
-                                               v_line * VS.slots + v_slot, v_in, v_base, VL.K, D,
-                                               BLOCK_C)  # fmt: skip
+                                               VS.scale + hk * D, v_line * VS.slots + v_slot,
+                                               v_in, v_base, VL.K, D, BLOCK_C,
+                                               VL.FP8)  # fmt: skip
             m_i, l_i, acc_lo, acc_hi = _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT,
                                                PRECISION)  # fmt: skip
     if split == 0:  # exact extras: x < num_sinks the sink slots, x == num_sinks the new token
@@ -306,6 +307,7 @@ class StreamLayout(NamedTuple):
     SYM     symmetric levels (no offset)
     CB      codebook levels
     K       exact slots per row
+    FP8     the slots' deltas are E4M3 bytes in steps of the static scale (slot_code "fp8")
     VEC     a row joins every KV head ("vector")
     UNIT    bits of one code load (tiles.unit)
     ROW     units per stored row
@@ -319,6 +321,7 @@ class StreamLayout(NamedTuple):
     SYM: bool
     CB: bool
     K: int
+    FP8: bool
     VEC: bool
     UNIT: int
     ROW: int
@@ -332,7 +335,9 @@ def _stream_args(stored: Stored, head_dim: int, positions: int):
     if not isinstance(body, PackedBody):
         slots = body.shape[2]
         buffers = StreamBuffers(*[body] * 6, stored.tail, stored.n_body, max(slots, 1), 1)
-        exact = StreamLayout(16, EXACT, 1, True, False, 0, False, 8, 1, head_dim, slots < positions)
+        exact = StreamLayout(
+            16, EXACT, 1, True, False, 0, False, False, 8, 1, head_dim, slots < positions
+        )
         return buffers, exact
     spec = body.spec
     unit = tiles.unit(spec.bits, half)
@@ -350,6 +355,7 @@ def _stream_args(stored: Stored, head_dim: int, positions: int):
         SYM=spec.symmetric,
         CB=spec.codebook,
         K=layout.slots(body.width),
+        FP8=spec.slot_code == "fp8",
         VEC=body.vector,
         UNIT=unit,
         ROW=codes.shape[-1],

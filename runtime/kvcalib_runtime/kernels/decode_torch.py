@@ -63,7 +63,8 @@ def dequantize(body: PackedBody, dtype, b: int, n: int) -> torch.Tensor:
         x = x.reshape(*x.shape[:2], body.width)
     if body.slot_index is not None:
         index, delta = body.slot_index[b, :, :n], body.slot_delta[b, :, :n]
-        x = x.scatter_add(-1, index.long(), delta.float())
+        scale = body.scale[:, None] if layout.kind == Kind.STATIC else None  # "fp8" steps
+        x = layout.add_slots(x, index, delta, scale)
     return x.to(dtype)
 
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcalib_runtime.kernels.tiles import CHANNEL, ROUNDING, TOKEN
+from kvcalib_runtime.kernels.tiles import CHANNEL, ROUNDING, TOKEN, fp8_encode
 from kvcalib_runtime.layouts import Kind
 from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.layouts.packing import pack
@@ -204,10 +204,14 @@ def _quant_pack_kernel(
             top = tl.max(excess, axis=1)
             index = tl.min(tl.where(excess == top[:, None], c[None, :], BLOCK_W), axis=1)
             hit = c[None, :] == index[:, None]
-            delta = tl.sum(tl.where(hit, error, 0.0), axis=1)
-            used = top > 0
-            tl.store(BODY.slot_index + slot + k, tl.where(used, index, 0), mask=rows)
-            tl.store(BODY.slot_delta + slot + k, tl.where(used, delta, 0.0).to(DTYPE), mask=rows)
+            delta = tl.where(top > 0, tl.sum(tl.where(hit, error, 0.0), axis=1), 0.0)
+            tl.store(BODY.slot_index + slot + k, tl.where(top > 0, index, 0), mask=rows)
+            if L.FP8:  # layouts.fp8: steps of the channel's scale, one E4M3 byte
+                step = tl.sum(tl.where(hit, scale, 0.0), axis=1)
+                byte = fp8_encode(tl.math.div_rn(delta, tl.where(step > 0, step, 1.0)))
+                tl.store(BODY.slot_delta + slot + k, byte, mask=rows)
+            else:
+                tl.store(BODY.slot_delta + slot + k, delta.to(DTYPE), mask=rows)
             excess = tl.where(hit, -1.0, excess)
     PB: tl.constexpr = (L.WIDTH * L.BITS + 7) // 8
     dst = BODY.codes + body_row[:, None] * PB
@@ -260,6 +264,7 @@ class PackLayout(NamedTuple):
     K           exact slots per row
     TRIM        elements left out at each end of a TOKEN group's range (outliers)
     ERROR_RULE  slot_rule "error" (else "outside")
+    FP8         slot_code "fp8": a slot's delta as an E4M3 byte in steps of the static scale
     """
 
     WIDTH: int
@@ -273,6 +278,7 @@ class PackLayout(NamedTuple):
     K: int
     TRIM: int
     ERROR_RULE: bool
+    FP8: bool
 
 
 def supports(spec: QuantSpec, head_dim: int, kv_heads: int) -> bool:
@@ -324,6 +330,7 @@ def _launch(x, new, lengths, body: PackedBody, seq, start, end, n, exclude) -> N
         K=layout.slots(width),
         TRIM=trim,
         ERROR_RULE=spec.slot_rule == "error",
+        FP8=spec.slot_code == "fp8",
     )
     # fmt: off
     _quant_pack_kernel[grid](

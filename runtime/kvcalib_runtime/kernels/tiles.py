@@ -10,7 +10,8 @@ channels], in fp32 registers, from what the cache stores (kernels.layout).
                    row ("token", "vector"), per group of tokens ("channel": one row per
                    GROUP positions, broadcast)
     exact slots    x_hat = base + delta at channel index: for values added into the tile, for
-                   keys added to the scores (`slot_scores`), rotated with their RoPE pair
+                   keys added to the scores (`slot_scores`), rotated with their RoPE pair;
+                   an "fp8" delta is its E4M3 byte times the channel's static scale
 
 A head is read as two halves (channels [0, D/2) and [D/2, D)) because RoPE pairs channel c
 with c + D/2: keys stored before RoPE are rotated in registers, R(p0 + j) = R(p0) R(j) with
@@ -30,6 +31,31 @@ INV_TWO_PI = tl.constexpr(0.5 / math.pi)
 TWO_PI_HI = tl.constexpr(float(torch.tensor(2 * math.pi, dtype=torch.float32)))  # + LO = 2 pi
 TWO_PI_LO = tl.constexpr(float(torch.tensor(2 * math.pi - TWO_PI_HI.value, dtype=torch.float32)))
 ROUNDING = tl.constexpr(12582912.0)  # 1.5 * 2**23: fp32 (v + R) - R rounds v half to even
+
+
+@triton.jit
+def fp8_encode(steps):
+    """uint8 E4M3FN bytes of fp32 `steps` saturated at +-448, bit for bit torch's rounding
+    (layouts.fp8.encode): below 2**-6 by adding 2**-5 * 2**9 in fp32, else by rounding the
+    mantissa's 20 dropped bits half to even."""
+    x = tl.minimum(tl.maximum(steps, -448.0), 448.0)
+    f = tl.abs(x)
+    a = f.to(tl.int32, bitcast=True)
+    subnormal = (f + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+    normal = (a + ((-120 << 23) + 0x7FFFF) + ((a >> 20) & 1)) >> 20
+    code = tl.where(a < (121 << 23), subnormal, normal)
+    return (code | tl.where(x.to(tl.int32, bitcast=True) < 0, 0x80, 0)).to(tl.uint8)
+
+
+@triton.jit
+def fp8_decode(code):
+    """fp32 values of uint8 E4M3FN bytes (layouts.fp8.decode), built from their bits."""
+    b = code.to(tl.int32)
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((b & 0x80) != 0, -v, v)
 
 
 @triton.jit
@@ -184,20 +210,28 @@ def static_meta(S, L: tl.constexpr, h, c0, BLOCK_C: tl.constexpr, C: tl.constexp
 
 # fmt: off
 @triton.jit
-def slot(INDEX, DELTA, row, live, base, k, K: tl.constexpr, D: tl.constexpr):
+def slot(INDEX, DELTA, SCALE, row, live, base, k, K: tl.constexpr, D: tl.constexpr,
+         FP8: tl.constexpr):
     # fmt: on
     """Exact slot k of rows `row` [BN]: (channel within this head, fp32 delta), delta 0 where
-    not live or where the slot belongs to another head (base: this head's first channel)."""
+    not live or where the slot belongs to another head (base: this head's first channel). An
+    FP8 delta is an E4M3 byte in steps of SCALE [D] (this head's static scale) at its channel."""
     index = tl.load(INDEX + row * K + k, mask=live, other=0).to(tl.int32) - base
-    delta = tl.load(DELTA + row * K + k, mask=live, other=0.0).to(tl.float32)
     mine = live & (index >= 0) & (index < D)
-    return tl.where(mine, index, 0), tl.where(mine, delta, 0.0)
+    index = tl.where(mine, index, 0)
+    if FP8:
+        delta = fp8_decode(tl.load(DELTA + row * K + k, mask=mine, other=0))
+        step = tl.load(SCALE + index, mask=mine, other=1.0).to(tl.float32)
+        delta = delta * tl.where(step > 0, step, 1.0)
+    else:
+        delta = tl.load(DELTA + row * K + k, mask=live, other=0.0).to(tl.float32)
+    return index, tl.where(mine, delta, 0.0)
 
 
 # fmt: off
 @triton.jit
-def slot_scores(INDEX, DELTA, Q_ROWS, q_mask, row, live, base, pos, INV_FREQ,
-                K: tl.constexpr, D: tl.constexpr, PRE_ROPE: tl.constexpr):
+def slot_scores(INDEX, DELTA, SCALE, Q_ROWS, q_mask, row, live, base, pos, INV_FREQ,
+                K: tl.constexpr, D: tl.constexpr, PRE_ROPE: tl.constexpr, FP8: tl.constexpr):
     # fmt: on
     """What the keys' exact slots add to the scores, fp32 [BLOCK_G, BN]: q . rope(delta e_c)
     for each slot (channel c), from the queries Q_ROWS [BLOCK_G] pointers (rows of D; q_mask
@@ -205,7 +239,7 @@ def slot_scores(INDEX, DELTA, Q_ROWS, q_mask, row, live, base, pos, INV_FREQ,
     delta (q_c cos + q_pair sin) for c < D/2, delta (q_c cos - q_pair sin) otherwise."""
     out = tl.zeros([Q_ROWS.shape[0], row.shape[0]], tl.float32)
     for k in tl.static_range(K):
-        index, delta = slot(INDEX, DELTA, row, live, base, k, K, D)
+        index, delta = slot(INDEX, DELTA, SCALE, row, live, base, k, K, D, FP8)
         q = tl.load(Q_ROWS[:, None] + index[None, :], mask=q_mask[:, None], other=0.0)
         q = q.to(tl.float32)
         if PRE_ROPE:
@@ -222,13 +256,13 @@ def slot_scores(INDEX, DELTA, Q_ROWS, q_mask, row, live, base, pos, INV_FREQ,
 
 # fmt: off
 @triton.jit
-def slot_values(lo, hi, INDEX, DELTA, row, live, base, K: tl.constexpr, D: tl.constexpr,
-                BLOCK_C: tl.constexpr):
+def slot_values(lo, hi, INDEX, DELTA, SCALE, row, live, base, K: tl.constexpr, D: tl.constexpr,
+                BLOCK_C: tl.constexpr, FP8: tl.constexpr):
     # fmt: on
     """Values' exact slots added into the halves lo, hi [BN, BLOCK_C] at their channels."""
     ch = tl.arange(0, BLOCK_C)[None, :]
     for k in tl.static_range(K):
-        index, delta = slot(INDEX, DELTA, row, live, base, k, K, D)
+        index, delta = slot(INDEX, DELTA, SCALE, row, live, base, k, K, D, FP8)
         lo = tl.where(ch == index[:, None], lo + delta[:, None], lo)
         hi = tl.where(ch == index[:, None] - D // 2, hi + delta[:, None], hi)
     return lo, hi

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvcalib_runtime.layouts import fp8
 from kvcalib_runtime.layouts.base import Kind, Layout, QTensor, slot_index_dtype
 from kvcalib_runtime.layouts.packing import packed_size, unpack
 
@@ -30,9 +31,9 @@ def _lookup(codebook: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     return codebook.reshape(-1)[codes + base]
 
 
-def select_slots(xf: torch.Tensor, base: torch.Tensor, excess: torch.Tensor, k: int, dtype):
+def select_slots(xf: torch.Tensor, base: torch.Tensor, excess: torch.Tensor, k: int):
     """The k elements of each vector (last dim) with the largest excess > 0, lower channel first
-    on ties -> (slot_index, slot_delta = x - base in dtype)."""
+    on ties -> (slot_index, slot_delta = x - base in fp32)."""
     if k == 1:  # argmax takes the first of equal maxima: the stable sort's pick, without it
         order = excess.argmax(-1, keepdim=True)
     else:
@@ -40,7 +41,7 @@ def select_slots(xf: torch.Tensor, base: torch.Tensor, excess: torch.Tensor, k: 
     used = excess.gather(-1, order) > 0
     index = torch.where(used, order, 0)
     delta = torch.where(used, (xf - base).gather(-1, order), 0.0)
-    return index.to(slot_index_dtype(xf.shape[-1])), delta.to(dtype)
+    return index.to(slot_index_dtype(xf.shape[-1])), delta
 
 
 class AffineLayout(Layout):
@@ -136,14 +137,31 @@ class AffineLayout(Layout):
                 excess = (xf - base).abs()
             else:
                 excess = (xf - torch.minimum(torch.maximum(xf, lo_e), hi_e)).abs()
-            q.slot_index, q.slot_delta = select_slots(xf, base, excess, k, x.dtype)
+            index, delta = select_slots(xf, base, excess, k)
+            if spec.slot_code == "fp8":
+                delta = fp8.encode(delta / s.gather(-1, index.long()))
+            q.slot_index, q.slot_delta = index, delta.to(self.slot_dtype(x.dtype))
         return q
 
     def dequantize(self, q: QTensor, *, codebook=None, split=None) -> torch.Tensor:
         x = self.base(q.codes, q.scale, q.offset, codebook)
         if q.slot_index is not None:
-            x = x.scatter_add(-1, q.slot_index.long(), q.slot_delta.float())
+            x = self.add_slots(x, q.slot_index, q.slot_delta, q.scale)
         return x
+
+    def slot_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """What a slot's delta is stored as in a `dtype` cache: its E4M3 byte ("fp8"), else
+        dtype."""
+        return torch.uint8 if self.spec.slot_code == "fp8" else dtype
+
+    def add_slots(self, x, index, delta, scale) -> torch.Tensor:
+        """x [..., T, D] with each slot's delta added at its channel; `scale` is the group-shaped
+        metadata the "fp8" deltas count steps of."""
+        index = index.long()
+        if self.spec.slot_code == "fp8":
+            steps = fp8.step(self.expand(scale, x.shape)).gather(-1, index)
+            return x.scatter_add(-1, index, fp8.decode(delta) * steps)
+        return x.scatter_add(-1, index, delta.float())
 
     # -- storage ---------------------------------------------------------------------------------
 
@@ -190,7 +208,7 @@ class AffineLayout(Layout):
         k = self.slots(width)
         if k:
             slot_index = torch.zeros(b, heads, n, k, device=device, dtype=slot_index_dtype(width))
-            slot_delta = torch.zeros(b, heads, n, k, device=device, dtype=dtype)
+            slot_delta = torch.zeros(b, heads, n, k, device=device, dtype=self.slot_dtype(dtype))
         return PackedBody(
             spec, d, hkv, codes, scale, offset, static_range, levels, mids, slot_index, slot_delta
         )
@@ -228,7 +246,8 @@ class PackedBody:
                   computes them, or None
     slot_index    [B, heads, N, K] channel of each exact slot within its row (uint8, int16 past
                   256 channels: slot_index_dtype), or None when the spec keeps no outliers
-    slot_delta    dtype [B, heads, N, K] what each slot adds back
+    slot_delta    dtype [B, heads, N, K] what each slot adds back (uint8 E4M3 bytes in steps
+                  of its channel's scale for slot_code "fp8": layouts.fp8)
     """
 
     spec: "QuantSpec"

@@ -39,7 +39,8 @@ class QTensor:
     scale:       x.dtype, group-shaped
     offset:      like scale, or None when symmetric
     slot_index:  [..., T, K] channel of each exact slot (layouts.quant's docstring), or None
-    slot_delta:  x.dtype [..., T, K] what the slot adds back, or None
+    slot_delta:  x.dtype [..., T, K] what the slot adds back (uint8 E4M3 bytes in steps of the
+                 channel's scale for slot_code "fp8"), or None
     heads:       H for "vector" (codes hold the heads joined), else None
     """
 
@@ -86,11 +87,16 @@ class Layout:
                 "outlier_slots is for 'static' granularity with outliers > 0; dynamic groups "
                 "keep ceil(outliers * group / 2) at each end"
             )
+        if spec.slot_code != "exact" and not (self.kind == Kind.STATIC and spec.outlier_slots):
+            raise ValueError(
+                f"slot_code = {spec.slot_code!r} codes a slot in steps of its channel's static "
+                "scale: it is for 'static' granularity with outlier_slots >= 1"
+            )
         if (spec.split_channels or spec.split_bits) and not self.splits:
             raise ValueError("split_channels / split_bits are TurboQuant's: set method turboquant")
         if self.affine:
             return
-        own = ("clip", "codebook", "outliers", "outlier_slots", "slot_rule")
+        own = ("clip", "codebook", "outliers", "outlier_slots", "slot_rule", "slot_code")
         default = {f.name: f.default for f in dataclasses.fields(spec)}
         changed = [name for name in own if getattr(spec, name) != default[name]]
         if not spec.symmetric or changed:

@@ -33,6 +33,8 @@ and a fixed number K of slots per vector (one token of one head, or of every hea
 
     slot_index  [..., T, K]  channel within the vector (uint8, int16 past 256 channels)
     slot_delta  [..., T, K]  x - x_hat at that channel, in x's dtype; x_hat += delta restores it
+                             (`slot_code` "fp8", static ranges only: delta / scale of its
+                             channel as one float8 E4M3 byte, restored within 1/16; layouts.fp8)
 
 Which elements (`slot_rule`; ties go to the lower channel):
     "outside"  the K farthest outside their range (KVQuant's outliers); a vector with fewer

@@ -15,6 +15,7 @@ from kvcalib_runtime.layouts.turboquant import TURBO_BITS
 GRANULARITIES = layouts.GRANULARITIES
 METHODS = layouts.METHODS
 SLOT_RULES = ("outside", "error")
+SLOT_CODES = ("exact", "fp8")
 
 __all__ = [
     "BITS",
@@ -23,6 +24,7 @@ __all__ = [
     "MAX_SLOTS",
     "METADATA_BITS",
     "METHODS",
+    "SLOT_CODES",
     "SLOT_RULES",
     "TURBO_BITS",
     "QTensor",
@@ -37,9 +39,10 @@ class QuantSpec:
 
     outlier_slots: "static" only, the K exact slots per vector (required when outliers > 0);
     dynamic groups derive K from `outliers` (`layout.slots`). slot_rule: which elements get
-    them. method: "affine", "ggml" or "turboquant" (quant's module docstring). split_channels,
-    split_bits: "turboquant" only, the outlier set's size and bits (0, 0: the whole head is one
-    set).
+    them. slot_code: how a slot's delta is stored, "exact" (the cache's dtype) or "fp8" (one
+    E4M3 byte in steps of its channel's scale, layouts.fp8; "static" only). method: "affine",
+    "ggml" or "turboquant" (quant's module docstring). split_channels, split_bits: "turboquant"
+    only, the outlier set's size and bits (0, 0: the whole head is one set).
     """
 
     bits: int
@@ -51,6 +54,7 @@ class QuantSpec:
     outliers: float = 0.0
     outlier_slots: int = 0
     slot_rule: str = "outside"
+    slot_code: str = "exact"
     method: str = "affine"
     split_channels: int = 0
     split_bits: int = 0
@@ -80,6 +84,8 @@ class QuantSpec:
             raise ValueError(f"outliers = {self.outliers} is a fraction: use 0 <= outliers < 0.5")
         if self.slot_rule not in SLOT_RULES:
             raise ValueError(f"slot_rule = {self.slot_rule!r} is unknown: use one of {SLOT_RULES}")
+        if self.slot_code not in SLOT_CODES:
+            raise ValueError(f"slot_code = {self.slot_code!r} is unknown: use one of {SLOT_CODES}")
         if self.outlier_slots > MAX_SLOTS:
             raise ValueError(f"outlier_slots = {self.outlier_slots}: use at most {MAX_SLOTS}")
         layout.check()
