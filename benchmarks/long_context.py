@@ -30,6 +30,7 @@ from types import SimpleNamespace
 import torch
 
 from kvcalib.evaluation import longcontext
+from kvcalib_runtime.cache.scheme import LATER_FIELDS
 
 HERE = Path(__file__).resolve().parent
 RESIDUAL = 128
@@ -71,15 +72,12 @@ def _setup(args, recipes: list[str]):
     return model, tokenizer, every, tags
 
 
-# QuantSpec fields added after records were written, at the value every older plan had: left
-# out of the digest, so that a plan the new field does not change keeps its records current.
-LATER_FIELDS = (", slot_code='exact'",)
-
-
 def _digest(candidate) -> str:
+    """sha256 of the plan; QuantSpec fields newer than the records (scheme.LATER_FIELDS) at the
+    value every older plan had are left out, so a plan they do not change keeps its records."""
     plan = repr((candidate.scheme, candidate.params.sink_predictor))
-    for field in LATER_FIELDS:
-        plan = plan.replace(field, "")
+    for name, value in LATER_FIELDS.items():
+        plan = plan.replace(f", {name}={value!r}", "")
     h = hashlib.sha256(plan.encode())
     for name, t in sorted(candidate.params.tensors().items()):
         h.update(name.encode())

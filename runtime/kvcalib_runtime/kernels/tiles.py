@@ -24,21 +24,22 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcalib_runtime.layouts import Kind
+from kvcalib_runtime.layouts import Kind, fp8
 
 TOKEN, CHANNEL, STATIC, EXACT = (tl.constexpr(int(k)) for k in Kind)  # the kernels' switch
 INV_TWO_PI = tl.constexpr(0.5 / math.pi)
 TWO_PI_HI = tl.constexpr(float(torch.tensor(2 * math.pi, dtype=torch.float32)))  # + LO = 2 pi
 TWO_PI_LO = tl.constexpr(float(torch.tensor(2 * math.pi - TWO_PI_HI.value, dtype=torch.float32)))
+FP8_MAX = tl.constexpr(fp8.FP8_MAX)  # the largest finite E4M3FN value
 ROUNDING = tl.constexpr(12582912.0)  # 1.5 * 2**23: fp32 (v + R) - R rounds v half to even
 
 
 @triton.jit
 def fp8_encode(steps):
-    """uint8 E4M3FN bytes of fp32 `steps` saturated at +-448, bit for bit torch's rounding
+    """uint8 E4M3FN bytes of fp32 `steps` saturated at +-FP8_MAX, bit for bit torch's rounding
     (layouts.fp8.encode): below 2**-6 by adding 2**-5 * 2**9 in fp32, else by rounding the
     mantissa's 20 dropped bits half to even."""
-    x = tl.minimum(tl.maximum(steps, -448.0), 448.0)
+    x = tl.minimum(tl.maximum(steps, -FP8_MAX), FP8_MAX)
     f = tl.abs(x)
     a = f.to(tl.int32, bitcast=True)
     subnormal = (f + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
