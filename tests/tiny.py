@@ -116,10 +116,12 @@ def fused_kinds(ckpt) -> set[str]:
 class ShapeProfile:
     """The Profile API kvcalib's plan() calls, with tensors of the right shapes and dummy values
     (memory and layout tests: a profile decides values, never sizes). `sensitive` maps
-    (tensor, layer) to a factor on the default sensitivity 2^-bits."""
+    (tensor, layer) to a factor on the default sensitivity 2^-bits; `answer` does the same for
+    the answer-loss sensitivity (None: the profile has none)."""
 
-    def __init__(self, kv_heads: int, head_dim: int, sensitive: dict | None = None):
+    def __init__(self, kv_heads: int, head_dim: int, sensitive=None, answer=None):
         self.kv_heads, self.head_dim, self.sensitive = kv_heads, head_dim, sensitive or {}
+        self.answer = answer
 
     def range(self, tensor, layer, *, position="post_rope", outliers=0.0):
         shape = (self.kv_heads, self.head_dim)
@@ -139,11 +141,12 @@ class ShapeProfile:
 
         return SinkPredictor(layer=0, dims=(0,), threshold=38.0)
 
-    def has_sensitivity(self):
-        return True
+    def has_sensitivity(self, loss="text"):
+        return loss == "text" or self.answer is not None
 
-    def sensitivity(self, tensor, layer, bits):
-        return float(2.0**-bits * self.sensitive.get((tensor, layer), 1.0))
+    def sensitivity(self, tensor, layer, bits, loss="text"):
+        factors = self.sensitive if loss == "text" else self.answer
+        return float(2.0**-bits * factors.get((tensor, layer), 1.0))
 
 
 def text_key_ranges(model, ids, shrink: float = 0.8) -> dict:

@@ -9,6 +9,10 @@ the layer above as grad_outputs, for its input, its pre-RoPE keys, keys and valu
 whole model's backward computed a layer at a time (its own graph, layer by layer), so it runs on
 weights read from the shards as well as in memory.
 
+The retrieval prompts of the answer-loss sensitivity (retrieval.py) take the same pass with a
+loss of their answer tokens alone (`window_loss`'s targets); `keep_inputs`, a plain forward,
+leaves their layer inputs where the statistics pass leaves the text windows'.
+
 Every (window, layer) goes to each consumer as `consumer.add(window, layer, x, g)`: the
 activations and their gradients, "pre" (keys before RoPE), "key" (after RoPE) and "value",
 float32 [Hkv, T, D] on the CPU. The consumers are the codebooks' Fisher-weighted histograms
@@ -34,12 +38,16 @@ def work(lm: LayerSource, windows: int) -> float:
     return BACKWARD * windows * (head + lm.config.num_hidden_layers * layer)
 
 
-def window_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def window_loss(
+    logits: torch.Tensor, ids: torch.Tensor, targets: torch.Tensor | None = None
+) -> torch.Tensor:
     """The LM loss whose gradients are the Fisher weights: summed next-token cross-entropy of
-    one window, logits [1, T, V], ids [1, T]."""
-    return torch.nn.functional.cross_entropy(
-        logits[0, :-1].float(), ids[0, 1:].to(logits.device), reduction="sum"
+    one window, logits [1, T, V], ids [1, T]; targets bool [T]: the tokens whose prediction
+    counts (a retrieval prompt's answer), None: every token after the first."""
+    loss = torch.nn.functional.cross_entropy(
+        logits[0, :-1].float(), ids[0, 1:].to(logits.device), reduction="none"
     )
+    return (loss if targets is None else loss[targets[1:].to(loss.device)]).sum()
 
 
 def fisher_layer(d: int, acts: tuple, grads: tuple) -> tuple[dict, dict]:
@@ -55,12 +63,42 @@ def fisher_layer(d: int, acts: tuple, grads: tuple) -> tuple[dict, dict]:
     return tensors(*acts), tensors(*grads)
 
 
+def keep_inputs(lm: LayerSource, ids: torch.Tensor, store: ActivationStore, advance, predictor):
+    """A plain forward of windows ids [N, T] (the kvcalib attention, nothing observed) that
+    leaves in `store` what the gradient pass reads: ("input", w, i) for every layer i and
+    ("h", w). Returns the windows' predicted sinks, bool [N, T]: `predictor` (profile.json's
+    sink_predictor, or None: no later sinks) on the residual stream after its layer."""
+    n, t = ids.shape
+    sinks = torch.zeros(n, t, dtype=torch.bool)
+    layer_work, _ = lm.work()
+    with torch.no_grad(), Simulator(lm.model, None).layerwise(ids[:1]):
+        for chunk in lm.chunks(n):
+            with lm.embedding():
+                for w in chunk:
+                    hidden, kwargs = lm.inputs(ids[w : w + 1])
+                    store.put(("h", w), hidden)
+            for i in range(lm.config.num_hidden_layers):
+                with lm.layer(i) as layer:
+                    for w in chunk:
+                        h = store.get(("h", w))
+                        store.put(("input", w, i), h)
+                        out = hidden_of(layer(h.to(lm.device), **kwargs[i]))
+                        if predictor is not None and i == predictor["layer"]:
+                            dims = torch.tensor(predictor["dims"], device=out.device)
+                            peak = out[0].index_select(-1, dims).abs().amax(-1)
+                            sinks[w] = (peak > predictor["threshold"]).cpu()
+                        store.put(("h", w), out)
+                        advance(layer_work)
+    return sinks
+
+
 def gradient_pass(
-    lm: LayerSource, ids: torch.Tensor, store: ActivationStore, consumers, advance
+    lm: LayerSource, ids: torch.Tensor, store: ActivationStore, consumers, advance, targets=None
 ) -> None:
     """Hand every consumer the activations and loss gradients of windows ids [N, T], whose
-    ("input", w, i) for every layer i and ("h", w) the statistics pass left in `store` (this
-    pass takes them out); `advance(work)` after each step (see `work`)."""
+    ("input", w, i) for every layer i and ("h", w) the statistics pass (or `keep_inputs`) left
+    in `store` (this pass takes them out); targets bool [N, T] or None: the tokens each window's
+    loss predicts (`window_loss`); `advance(work)` after each step (see `work`)."""
 
     n, t = ids.shape
     num_layers = lm.config.num_hidden_layers
@@ -82,7 +120,9 @@ def gradient_pass(
             with lm.head():
                 for w in chunk:
                     h = store.pop(("h", w)).to(dev).requires_grad_()
-                    (grad[w],) = torch.autograd.grad(window_loss(lm.logits(h), ids[w : w + 1]), h)
+                    counted = None if targets is None else targets[w]
+                    loss = window_loss(lm.logits(h), ids[w : w + 1], counted)
+                    (grad[w],) = torch.autograd.grad(loss, h)
                     advance(BACKWARD * head_work)
             for i in reversed(range(num_layers)):
                 with lm.layer(i) as layer, Hooks(lm.model) as hooks:

@@ -41,6 +41,7 @@ class Findings:
     tensors: dict[str, torch.Tensor]
     massive: Massive
     predictor: dict | None
+    answer: dict | None = None  # the retrieval prompts of the answer-loss sensitivity
 
 
 def profile_meta(lm, tokenizer, source, found: Findings, run: Run) -> dict:
@@ -71,7 +72,7 @@ def profile_meta(lm, tokenizer, source, found: Findings, run: Run) -> dict:
         "outlier_fractions": list(OUTLIER_FRACTIONS),
         "position_error_bits": list(POSITION_BITS),
         "tokens": {"all": n * t, "nonsink": int((found.tensors["sinks.flags"] == 0).sum())},
-        "probe": _probe(run, n, t),
+        "probe": _probe(run, n, t, found.answer),
         "codebooks": _codebooks(lm, run, n),
         "layers": _layers(cfg, found, tokenizer, settings.outlier_ratio),
         "sinks": _sinks(found.tensors, tokenizer, settings),
@@ -97,13 +98,15 @@ def _model(cfg, source) -> dict:
     }
 
 
-def _probe(run: Run, n: int, t: int) -> dict | None:
-    """The sensitivity measurement (kept under its historical name "probe"), or None."""
+def _probe(run: Run, n: int, t: int, answer: dict | None) -> dict | None:
+    """The sensitivity measurement (kept under its historical name "probe"), or None; `answer`
+    describes the retrieval prompts of the answer-loss sensitivity."""
     if "sensitivity" not in run.phases:
         return None
     s = run.settings
     if s.sensitivity == "fisher":
-        return sensitivity.describe("fisher", min(s.sensitivity_windows, n), t)
+        described = sensitivity.describe("fisher", min(s.sensitivity_windows, n), t)
+        return {**described, "answer": answer}
     windows, tokens = min(s.sensitivity_windows, n), min(s.sensitivity_tokens, t)
     return sensitivity.describe("probe", windows, tokens)
 

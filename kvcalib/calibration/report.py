@@ -77,15 +77,20 @@ def summary_lines(profile) -> list[str]:
             f"{p['threshold']:.1f}: precision {p['precision']:.2f}, recall "
             f"{p['recall']:.2f}{held}"
         )
-    if "sensitivity.key" in t:
+    for name, label in (
+        ("sensitivity", "sensitivity  2-bit KL"),
+        ("sensitivity.answer", "             per answer token"),
+    ):
+        if f"{name}.key" not in t:
+            continue
         parts = []
         for tensor in ("key", "value"):
-            kl = t[f"sensitivity.{tensor}"][:, 0]
+            kl = t[f"{name}.{tensor}"][:, 0]
             parts.append(
                 f"{tensor}s max {float(kl.max()):.3g} (layer {int(kl.argmax())}), "
                 f"median {float(kl.median()):.3g}"
             )
-        lines.append("sensitivity  2-bit KL: " + "; ".join(parts))
+        lines.append(f"{label}: " + "; ".join(parts))
     if m["codebooks"]:
         c = m["codebooks"]
         lines.append(
@@ -209,17 +214,21 @@ def _massive(profile, path) -> bool:
 def _sensitivity(profile, path) -> bool:
     if "sensitivity.key" not in profile.tensors:
         return False
-    fig = figure(12, 4)
-    axes = fig.subplots(1, 2, sharey=True)
-    for ax, tensor in zip(axes, ("key", "value"), strict=True):
-        kl = profile.tensors[f"sensitivity.{tensor}"]
-        for j, bits in enumerate(profile.meta["probe"]["bits"]):
-            ax.plot(kl[:, j].clamp_min(1e-8).numpy(), marker=".", label=f"{bits}-bit")
-        ax.set_yscale("log")
-        ax.set_title(f"only this layer's {tensor}s quantized")
-        ax.set_xlabel("layer")
-        ax.legend()
-    axes[0].set_ylabel("KL(p_fp || p_q) per token")
+    losses = [("sensitivity", "per token of text")]
+    if "sensitivity.answer.key" in profile.tensors:
+        losses.append(("sensitivity.answer", "per answer token"))
+    fig = figure(12, 4 * len(losses))
+    axes = fig.subplots(len(losses), 2, sharey="row", squeeze=False)
+    for row, (name, per) in zip(axes, losses, strict=True):
+        for ax, tensor in zip(row, ("key", "value"), strict=True):
+            kl = profile.tensors[f"{name}.{tensor}"]
+            for j, bits in enumerate(profile.meta["probe"]["bits"]):
+                ax.plot(kl[:, j].clamp_min(1e-8).numpy(), marker=".", label=f"{bits}-bit")
+            ax.set_yscale("log")
+            ax.set_title(f"only this layer's {tensor}s quantized")
+            ax.set_xlabel("layer")
+            ax.legend()
+        row[0].set_ylabel(f"KL(p_fp || p_q) {per}")
     fig.savefig(path, dpi=90)
     return True
 
@@ -238,5 +247,6 @@ PLOTS = (  # file, drawing function (returns False when there is nothing to draw
      "the sink predictor reads."),
     ("sensitivity.png", _sensitivity,
      "KL divergence of the logits with only one layer's keys (left) or values (right) "
-     "quantized by the probe: where bits matter."),
+     "quantized by the probe: where bits matter; per token of the calibration text (top) and, "
+     "when calibrated, per answer token of the retrieval prompts (bottom)."),
 )  # fmt: skip

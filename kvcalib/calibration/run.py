@@ -12,6 +12,9 @@ same profile bit for bit. Passes, each with its own progress bar and time:
   gradients  one backward per gradient window (gradients.py), layer by layer: the Fisher
              sensitivity of every layer at every probed width (sensitivity.py) and the
              Fisher-weighted codebooks (codebooks.py) from the same gradients
+  retrieval  with the fisher sensitivity: a plain forward and one backward per retrieval prompt
+             built from the calibration text (retrieval.py), whose answer loss gives the
+             answer-loss sensitivity ("sensitivity.answer.*") that kvcalib-2 allocates from
   probe      with Settings(sensitivity="probe") only: the KL of the logits with one layer's keys
              or values quantized, measured directly (sensitivity.py)
 
@@ -25,7 +28,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from kvcalib.calibration import gradients, sensitivity
+from kvcalib.calibration import gradients, retrieval, sensitivity
 from kvcalib.calibration.codebooks import Codebooks, variants
 from kvcalib.calibration.layerwise import (
     ActivationStore,
@@ -40,7 +43,7 @@ from kvcalib.calibration.progress import Progress
 from kvcalib.calibration.report import write_report
 from kvcalib.calibration.stats import range_ratio
 from kvcalib.core import options, preflight
-from kvcalib.core.data import calibration_windows, describe
+from kvcalib.core.data import calibration_tokens, calibration_windows, describe
 from kvcalib.core.models import load_model
 from kvcalib.core.profile import Profile, select_range
 from kvcalib.errors import DataError, OutputError
@@ -67,6 +70,8 @@ class Settings:
     codebook_windows     windows with a backward for the codebooks' Fisher weights (the gradient
                          pass runs max(sensitivity_windows, codebook_windows) with fisher)
     histogram_bins       bins of the normalized domain [0, 1] for the codebook k-means
+    retrieval_prompts    retrieval prompts for the answer-loss sensitivity (fisher only; 0:
+                         none), each `retrieval_tokens` long (at most the model's context)
     """
 
     outlier_ratio: float = 4.0
@@ -79,6 +84,8 @@ class Settings:
     sensitivity_tokens: int = 256
     codebook_windows: int = 2
     histogram_bins: int = 1024
+    retrieval_prompts: int = 16
+    retrieval_tokens: int = 1024
 
     def __post_init__(self):
         for name in ("outlier_ratio", "sink_ratio", "massive_ratio"):
@@ -95,6 +102,11 @@ class Settings:
             )
         if self.sensitivity_tokens < 2 or self.histogram_bins < 16:
             raise ValueError("sensitivity_tokens must be >= 2 and histogram_bins >= 16")
+        if self.retrieval_prompts < 0 or self.retrieval_tokens < 2 * retrieval.MIN_HAYSTACK:
+            raise ValueError(
+                f"retrieval_prompts = {self.retrieval_prompts}, retrieval_tokens = "
+                f"{self.retrieval_tokens}: use >= 0 prompts of >= {2 * retrieval.MIN_HAYSTACK}"
+            )
 
 
 def calibrate(
@@ -217,6 +229,9 @@ def calibrate_model(
         found = statistics(lm, ids, settings, store, clock, keep)
         if keep:
             fisher(lm, ids[:keep], found, settings, phases, store, clock)
+        if "sensitivity" in phases and settings.sensitivity == "fisher":
+            text = calibration_tokens(tokenizer, data, vocab=lm.config.vocab_size)
+            answer_fisher(lm, tokenizer, text, found, settings, seed, store, clock)
         if "sensitivity" in phases and settings.sensitivity == "probe":
             probe(lm, ids, found, settings, store, clock)
     run = Run(
@@ -279,11 +294,9 @@ def fisher(lm, ids, found: Findings, settings: Settings, phases, store, clock: P
     consumers = []
     if "sensitivity" in phases and settings.sensitivity == "fisher":
         key_range = select_range(quantiles["pre_rope"], sensitivity.KEY_RANGE_OUTLIERS)
-        consumers.append(
-            sensitivity.FisherSensitivity(
-                key_range, flags, settings.sensitivity_windows, ids.shape[1]
-            )
-        )
+        counted = ~flags[: settings.sensitivity_windows]
+        predicted = len(counted) * (ids.shape[1] - 1)
+        consumers.append(sensitivity.FisherSensitivity(key_range, counted, predicted))
     if "codebooks" in phases:
         consumers.append(
             Codebooks(
@@ -300,6 +313,40 @@ def fisher(lm, ids, found: Findings, settings: Settings, phases, store, clock: P
     with clock.timed("results"):  # the codebooks' k-means
         for consumer in consumers:
             t.update(consumer.result())
+
+
+def answer_fisher(lm, tokenizer, text, found: Findings, settings, seed, store, clock) -> None:
+    """The answer-loss sensitivity from retrieval prompts over the calibration text's token ids
+    [n] (retrieval.py) into found.tensors, and what it ran on into found.answer (None: no prompt
+    fits; the reason is recorded instead)."""
+    context = getattr(lm.config, "max_position_embeddings", None) or settings.retrieval_tokens
+    length = min(settings.retrieval_tokens, context)
+    prompts = None
+    if settings.retrieval_prompts:
+        prompts = retrieval.build(tokenizer, text, settings.retrieval_prompts, length, seed)
+    if prompts is None:
+        found.answer = {"skipped": f"no retrieval prompt fits {length} tokens of this text"}
+        return
+    quantiles = found.tensors["key_pre_rope.nonsink.quantiles"]
+    key_range = select_range(quantiles, sensitivity.KEY_RANGE_OUTLIERS)
+    ids = prompts.ids.to(lm.device)
+    layer_work, _ = lm.work()
+    with clock.phase("retrieval", len(ids) * lm.config.num_hidden_layers * layer_work) as advance:
+        sinks = gradients.keep_inputs(lm, ids, store, advance, found.predictor)
+    answers = int(prompts.answer.sum())
+    consumer = sensitivity.FisherSensitivity(
+        key_range, prompts.context & ~sinks, answers, name="sensitivity.answer"
+    )
+    with clock.phase("answer gradients", gradients.work(lm, len(ids))) as advance:
+        gradients.gradient_pass(lm, ids, store, [consumer], advance, targets=prompts.answer)
+    found.tensors.update(consumer.result())
+    found.answer = {
+        "prompts": len(prompts),
+        "tokens": length,
+        "kinds": list(retrieval.KINDS),
+        "answer_tokens": answers,
+        "context_tokens": int((prompts.context & ~sinks).sum()),
+    }
 
 
 def probe(lm, ids, found: Findings, settings: Settings, store, clock: Progress) -> None:

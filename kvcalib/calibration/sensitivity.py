@@ -18,7 +18,10 @@ the damage is measured one of two ways (`kvcalib calibrate --sensitivity`):
             g^2 (x - Q_bits(x))^2, per predicted token — the second-order (Fisher) estimate of
             the mean per-token KL(p_fp || p_quantized) with that tensor of that layer quantized,
             for every width at once (x: pre-RoPE keys, values; g of the window's summed
-            next-token loss).
+            next-token loss). The same estimate on the retrieval prompts (retrieval.py), g of
+            their answer tokens' loss and the sum over their context, is the answer-loss
+            sensitivity ("sensitivity.answer.*"): per answer token, where the text's weighs
+            every token of prose alike.
     probe   the KL itself: mean per-token KL(p_fp || p_q) of the final logits, p_q with only that
             tensor of that layer quantized through the Simulator (fake mode, the first token kept
             exact), on the first `tokens` tokens of the first `windows` windows, batched. Layer by
@@ -75,22 +78,24 @@ class FisherSensitivity:
     """Accumulates the Fisher sensitivity of every layer, window and width from the gradient
     pass (a consumer of gradients.gradient_pass).
 
-    key_range (lo, hi), each [L, Hkv, D]: the pre-RoPE probe ranges; sinks bool [N, T]: the
-    ground-truth sink flags of the windows, left out; the first `windows` windows of seq_len
-    tokens count."""
+    key_range (lo, hi), each [L, Hkv, D]: the pre-RoPE probe ranges; counted bool [W, T]: the
+    positions whose keys and values the first W windows sum over (prose: every non-sink token;
+    retrieval prompts: the context, predicted sinks left out); predicted: how many tokens the
+    windows' loss predicts in all (the per-token normalization); `name` prefixes the result's
+    tensors ("sensitivity", or "sensitivity.answer" for the retrieval prompts' answer loss)."""
 
-    def __init__(self, key_range, sinks: torch.Tensor, windows: int, seq_len: int):
+    def __init__(self, key_range, counted: torch.Tensor, predicted: int, name="sensitivity"):
         self.lo, self.hi = (r.float().cpu() for r in key_range)
-        self.sinks, self.windows, self.seq_len = sinks, windows, seq_len
+        self.counted, self.predicted, self.name = counted, predicted, name
         self.sums = torch.zeros(len(TENSORS), len(self.lo), len(BITS), dtype=torch.float64)
         self.seen = set()
 
     def add(self, window: int, layer: int, x: dict, g: dict) -> None:
         """One window and layer: x and g as gradients.fisher_layer gives them, [Hkv, T, D]."""
-        if window >= self.windows:
+        if window >= len(self.counted):
             return
         self.seen.add(window)
-        keep = ~self.sinks[window]
+        keep = self.counted[window]
         ranges = (self.lo[layer][:, None, :], self.hi[layer][:, None, :])
         specs = {"key": lambda b: QuantSpec(b, "static"), "value": lambda b: QuantSpec(b)}
         for t, (tensor, source) in enumerate((("key", "pre"), ("value", "value"))):
@@ -101,10 +106,10 @@ class FisherSensitivity:
                 self.sums[t, layer, j] += float((weight * error.square()).double().sum())
 
     def result(self) -> dict[str, torch.Tensor]:
-        """{"sensitivity.key", "sensitivity.value"}: float32 [L, len(BITS)]."""
-        predicted = 2 * len(self.seen) * (self.seq_len - 1)
+        """{name.key, name.value}: float32 [L, len(BITS)]."""
+        assert len(self.seen) == len(self.counted), "every counted window went through"
         return {
-            f"sensitivity.{tensor}": (self.sums[t] / predicted).float()
+            f"{self.name}.{tensor}": (self.sums[t] / (2 * self.predicted)).float()
             for t, tensor in enumerate(TENSORS)
         }
 

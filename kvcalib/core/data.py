@@ -217,6 +217,33 @@ def bos_prefix(tokenizer) -> list[int]:
     return [bos] if ids and ids[0] == bos else []
 
 
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of `text`, no special tokens (the pieces a prompt is assembled from)."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_frame(tokenizer, instruction, question, prefix, example=None) -> tuple[list, list]:
+    """(head, tail) token ids: the user turn up to the haystack, and from the question to the
+    assistant's answer prefix; `example` (a user turn, the assistant's answer) is a worked
+    example before them (plain text after the BOS token the tokenizer puts first, `bos_prefix`,
+    when it has no chat template: the template writes its own)."""
+    turns = [] if example is None else [("user", example[0]), ("assistant", example[1])]
+    mark = "\x00HAYSTACK\x00"
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": r, "content": c} for r, c in [*turns, ("user", mark)]],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        bos = []
+    else:
+        text = "".join(f"{c}\n\n" for _, c in turns) + mark + "\n"
+        bos = bos_prefix(tokenizer)
+    before, after = text.split(mark)
+    head = bos + encode(tokenizer, before + instruction)
+    return head, encode(tokenizer, question + after + prefix)
+
+
 def _with_prefix(prefix: list[int], windows: list[torch.Tensor]) -> torch.Tensor:
     """[N, len(prefix) + n]: each window [n] after the prefix tokens."""
     head = torch.tensor(prefix, dtype=torch.long)
@@ -226,6 +253,12 @@ def _with_prefix(prefix: list[int], windows: list[torch.Tensor]) -> torch.Tensor
 def _too_short(data, split, have: int, need: str) -> DataError:
     source = f"--data {data}" if data is not None else f"the built-in {split} text"
     return DataError(f"{source} has {have} tokens; {need}: pass more text or ask for less")
+
+
+def calibration_tokens(tokenizer, data=None, *, vocab: int | None = None) -> torch.Tensor:
+    """The calibration text's token ids [n] (no special tokens), checked as
+    `calibration_windows` checks them."""
+    return _tokens(tokenizer, data, "calibration", vocab)
 
 
 def calibration_windows(

@@ -36,6 +36,9 @@ profile.safetensors (float32 unless noted):
                                                       if none) and on non-sink tokens
   sensitivity.key, sensitivity.value [L, len(bits)]   KL at json "probe.bits" (2, 3, 4, 8),
                                                       estimated (Fisher) or measured (probe)
+  sensitivity.answer.key, .value     [L, len(bits)]   the Fisher estimate of the KL per answer
+                                                      token of retrieval prompts (json
+                                                      "probe.answer"; fisher only)
   codebook.{variant}.{bits}          [L, 2**bits]     sorted levels in [0, 1], or [-1, 1] for
                                                       ":symmetric" variants (phase codebooks)
 
@@ -89,6 +92,9 @@ QUANTILE_LEVELS = (
 )
 # Outlier fraction f excludes f/2 at each end: lo = quantile(f/2), hi = quantile(1 - f/2).
 OUTLIER_FRACTIONS = (0.0, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05)
+# the losses a per-layer sensitivity is measured on, and the tensors holding each
+_SENSITIVITY = {"text": "sensitivity", "answer": "sensitivity.answer"}
+SENSITIVITY_LOSSES = tuple(_SENSITIVITY)
 
 
 def select_range(quantiles: torch.Tensor, fraction: float):
@@ -293,21 +299,23 @@ class Profile:
             int(p["layer"]), tuple(int(d) for d in p["dims"]), float(p["threshold"])
         )
 
-    def has_sensitivity(self) -> bool:
-        """Whether the profile holds per-layer sensitivities (not calibrated with --sensitivity
-        none)."""
-        return "sensitivity.key" in self.tensors
+    def has_sensitivity(self, loss: str = "text") -> bool:
+        """Whether the profile holds per-layer sensitivities of `loss` (SENSITIVITY_LOSSES)."""
+        return f"{_SENSITIVITY[loss]}.key" in self.tensors
 
-    def sensitivity(self, tensor: str, layer: int, bits: int) -> float:
+    def sensitivity(self, tensor: str, layer: int, bits: int, loss: str = "text") -> float:
         """KL divergence of the final logits with only this tensor of this layer quantized
-        (estimated from the loss gradients, or measured; json "probe.method")."""
+        (estimated from the loss gradients, or measured; json "probe.method"): per token of the
+        calibration text (`loss` "text"), or per answer token of the retrieval prompts
+        ("answer")."""
         if tensor not in ("key", "value"):
             raise ProfileError(f"sensitivity of {tensor!r}: use 'key' or 'value'")
-        name = f"sensitivity.{tensor}"
+        name = f"{_SENSITIVITY[loss]}.{tensor}"
         if name not in self.tensors:
+            what = "sensitivity phase" if loss == "text" else "answer-loss sensitivity"
             raise ProfileError(
-                f"profile {self._where} has no sensitivity phase: recalibrate with kvcalib "
-                "calibrate (all phases) to allocate bits per layer"
+                f"profile {self._where} has no {what}: recalibrate with kvcalib calibrate "
+                "(all phases, --sensitivity fisher) to allocate bits per layer"
             )
         widths = self.meta["probe"]["bits"]
         if bits not in widths:

@@ -9,9 +9,9 @@ Hashes prove a file is the one that was written; this checks that what it says m
 - profile.safetensors: every floating tensor is finite (position_error.key_groups alone may
   hold NaN: no later sinks); the per-channel statistics are [L, Hkv, D] (quantiles
   [L, Hkv, D, len(quantile_levels)], non-decreasing along the levels; min <= max; absmax and
-  std >= 0), attention.token0 [L, H], massive.max_abs [L, E],
-  sensitivity.{key,value} [L, len(probe.bits)], codebook.{variant}.{bits} [L, 2**bits], sorted,
-  in [0, 1] ([-1, 1] for ":symmetric" variants); windows.input_ids int64 [num_samples,
+  std >= 0), attention.token0 [L, H], massive.max_abs [L, E], sensitivity.{key,value} and
+  sensitivity.answer.{key,value} [L, len(probe.bits)], codebook.{variant}.{bits} [L, 2**bits],
+  sorted, in [0, 1] ([-1, 1] for ":symmetric" variants); windows.input_ids int64 [num_samples,
   seq_len] with ids >= 0; attention.received, sinks.*, massive.median_abs and position_error.*
   of the dtype and shape kvcalib.core.profile lists;
 - profile.json's structure: no number anywhere is NaN or Inf (with the field's path); the
@@ -39,6 +39,9 @@ _STAT = re.compile(
     r"(key_pre_rope|key_post_rope|value)\.(all|nonsink)\.(\w+)|(key_\w+)\.range_ratio"
 )
 _CODEBOOK = re.compile(r"codebook\.(.+)\.(\d+)")
+_SENSITIVITIES = tuple(
+    f"sensitivity{loss}.{t}" for loss in ("", ".answer") for t in ("key", "value")
+)
 KEYS = {
     "": {
         "format_version", "model", "data", "num_samples", "seq_len", "seed", "device", "dtype",
@@ -133,7 +136,7 @@ def check(
                 f"tensor {name} is {t.dtype} {list(t.shape)}, profile.json implies "
                 f"{dtype} {list(want)}"
             )
-    for name in ("sensitivity.key", "sensitivity.value"):
+    for name in _SENSITIVITIES:
         if name in tensors and bits is None:
             fail(f"tensor {name} without probe.bits to index it")
 
@@ -228,7 +231,7 @@ def _shape(name, L, hkv, d, quantiles, model, bits) -> tuple | None:
         return (L, model["num_heads"])
     if name == "massive.max_abs":
         return (L, model["hidden_size"])
-    if name in ("sensitivity.key", "sensitivity.value") and bits is not None:
+    if name in _SENSITIVITIES and bits is not None:
         return (L, len(bits))
     if m := _CODEBOOK.fullmatch(name):
         return (L, 2 ** int(m.group(2)))

@@ -12,7 +12,9 @@ live in `recipes/<name>.toml`; `load_recipe` takes a preset name or a path.
              slot_rule slot_code method split_channels split_fraction split_bits flush
              rotation
     [sinks]  first predicted budget
-    [allocation]  budget choices            (per-layer bits from the sensitivity profile)
+    [allocation]  budget choices sensitivity   (per-layer bits from the profile's sensitivities:
+                  sensitivity "text", the calibration text's next-token loss, or "answer", the
+                  answer loss of retrieval prompts)
     [[layers]]    index key value           (per-layer overrides of [key] / [value])
 
 bits = 16 means full precision. `rotation` is "none" or "hadamard": for values a Hadamard per KV
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvcalib.core.paths import is_recipe_file
+from kvcalib.core.profile import SENSITIVITY_LOSSES
 from kvcalib.errors import RecipeError
 from kvcalib_runtime.cache.scheme import KEY_POSITIONS, KVScheme, LayerScheme
 from kvcalib_runtime.checkpoint.checks import MAX_TOKENS
@@ -114,10 +117,12 @@ class TensorRecipe:
 @dataclass(frozen=True)
 class Allocation:
     """Per-layer bits for keys and values, chosen from the sensitivity profile so that their
-    mean is at most `budget` bits (codes only)."""
+    mean is at most `budget` bits (codes only); `sensitivity` names the loss it is measured on
+    (kvcalib.core.profile.SENSITIVITY_LOSSES)."""
 
     budget: float
     choices: tuple[int, ...] = (2, 3, 4)
+    sensitivity: str = "text"
 
 
 @dataclass(frozen=True)
@@ -195,7 +200,7 @@ _TOP_KEYS = {
     "layers": list,
 }
 _SINK_KEYS = {"first": int, "predicted": bool, "budget": int}
-_ALLOCATION_KEYS = {"budget": float, "choices": list}
+_ALLOCATION_KEYS = {"budget": float, "choices": list, "sensitivity": str}
 _CHOICES = {  # the runtime's own tables where the runtime defines the field
     "granularity": GRANULARITIES,
     "slot_rule": SLOT_RULES,
@@ -266,7 +271,13 @@ def parse_recipe(data: dict, source: str = "<dict>") -> Recipe:
             raise RecipeError(f"{where}: allocation needs budget = <bits> and integer choices")
         if len(set(choices)) != len(choices):
             raise RecipeError(f"{where}: allocation.choices {list(choices)} repeat a width")
-        allocation = Allocation(float(data["allocation"]["budget"]), choices)
+        loss = data["allocation"].get("sensitivity", "text")
+        if loss not in SENSITIVITY_LOSSES:
+            raise RecipeError(
+                f"{where}: allocation.sensitivity = {loss!r}: use one of "
+                f"{', '.join(SENSITIVITY_LOSSES)}"
+            )
+        allocation = Allocation(float(data["allocation"]["budget"]), choices, loss)
     overrides = tuple(_override(o, i, where) for i, o in enumerate(data.get("layers", [])))
     recipe = Recipe(
         name=data["name"],

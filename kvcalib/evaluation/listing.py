@@ -54,10 +54,10 @@ class PlaceholderProfile:
     def sink_predictor(self):
         return SinkPredictor(0, (0,), float("inf"))
 
-    def has_sensitivity(self):
+    def has_sensitivity(self, loss="text"):
         return True
 
-    def sensitivity(self, tensor, layer, bits):
+    def sensitivity(self, tensor, layer, bits, loss="text"):
         return 2.0**-bits
 
 

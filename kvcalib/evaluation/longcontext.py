@@ -199,7 +199,7 @@ def _likelihood(model, tokenizer, candidate, prefill: Prefill, sample, text: str
     the others on one forward of the continuation through the cache (they attend to the prompt
     as the recipe stores it, and to each other exactly, as inside a residual window). `probe`
     (a longprobe.Probe) records that forward's first step."""
-    ids = longtasks.encode(tokenizer, text)
+    ids = data_mod.encode(tokenizer, text)
     with filled_cache(model, candidate, prefill, len(sample.ids) + len(ids)) as cache:
         x = torch.tensor([ids], device=prefill.logits.device)
         with probe or contextlib.nullcontext():

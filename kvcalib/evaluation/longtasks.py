@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcalib.core.data import bos_prefix
+from kvcalib.core.data import chat_frame, encode
 from kvcalib.errors import DataError
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # of the passkey needle, as a fraction of the haystack
@@ -116,33 +116,6 @@ class Haystack:
         return self.ids[start : start + n].tolist(), starts
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of `text`, no special tokens (the pieces a prompt is assembled from)."""
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def _frame(tokenizer, instruction, question, prefix, example=None) -> tuple[list, list]:
-    """(head, tail) token ids: the user turn up to the haystack, and from the question to the
-    assistant's answer prefix; `example` (a user turn, the assistant's answer) is a worked
-    example before them (plain text after the BOS token the tokenizer puts first, `bos_prefix`,
-    when it has no chat template: the template writes its own)."""
-    turns = [] if example is None else [("user", example[0]), ("assistant", example[1])]
-    mark = "\x00HAYSTACK\x00"
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": r, "content": c} for r, c in [*turns, ("user", mark)]],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        bos = []
-    else:
-        text = "".join(f"{c}\n\n" for _, c in turns) + mark + "\n"
-        bos = bos_prefix(tokenizer)
-    before, after = text.split(mark)
-    head = bos + encode(tokenizer, before + instruction)
-    return head, encode(tokenizer, question + after + prefix)
-
-
 def _assemble(tokenizer, length, new, head, tail, fill, needles, depths):
     """head + a body of `fill(n)` tokens (ids, line starts) with the needles inserted at the line
     starts nearest `depths` + tail: `length - new` tokens, leaving `new` to the answer. Returns
@@ -186,7 +159,7 @@ def passkey(tokenizer, haystack: Haystack, length: int, seed: int, depth: float)
     rng = random.Random(f"passkey-{length}-{seed}-{depth}")
     (key,) = _word_keys(rng, 1)
     value = _number(rng)
-    head, tail = _frame(
+    head, tail = chat_frame(
         tokenizer,
         "A special magic number is hidden within the following text. Make sure to memorize it. "
         "I will quiz you about the number afterwards.\n\n",
@@ -206,7 +179,7 @@ def multikey(tokenizer, haystack: Haystack, length: int, seed: int) -> Sample:
     keys = _word_keys(rng, NEEDLES)
     values = [_number(rng) for _ in keys]
     asked = rng.randrange(NEEDLES)
-    head, tail = _frame(
+    head, tail = chat_frame(
         tokenizer,
         "Some special magic numbers are hidden within the following text. Make sure to memorize "
         "them. I will quiz you about one of them afterwards.\n\n",
@@ -228,7 +201,7 @@ def multivalue(tokenizer, haystack: Haystack, length: int, seed: int) -> Sample:
     rng = random.Random(f"multivalue-{length}-{seed}")
     (key,) = _word_keys(rng, 1)
     values = [_number(rng) for _ in range(VALUES)]
-    head, tail = _frame(
+    head, tail = chat_frame(
         tokenizer,
         "Some special magic numbers are hidden within the following text. Make sure to memorize "
         "them. I will quiz you about them afterwards.\n\n",
@@ -281,7 +254,7 @@ def vartrack(tokenizer, haystack: Haystack, length: int, seed: int) -> Sample:
     question, prefix = _vartrack_question(shown, shown_value)
     answer = " -> ".join(f"VAR {n}" for n in shown)
     example = (f"{_VARTRACK}{context}{_FILLER}{question}", f"{prefix} {answer}")
-    head, tail = _frame(tokenizer, _VARTRACK, *_vartrack_question(names, value), example)
+    head, tail = chat_frame(tokenizer, _VARTRACK, *_vartrack_question(names, value), example)
     chain = _chain(names, value)
     window = lambda n: haystack.window(rng, n)  # noqa: E731
     new, depths = 8 * len(names), _depths(rng, len(chain))
@@ -300,7 +273,7 @@ def freqwords(tokenizer, haystack: Haystack, length: int, seed: int) -> Sample:
     vocab = sorted(vocab)
     rng.shuffle(vocab)
     vocab[0] = _NOISE
-    head, tail = _frame(
+    head, tail = chat_frame(
         tokenizer,
         "Read the following coded text and track the frequency of each coded word. Find the "
         "most frequently appeared coded word.\n\n",

@@ -1,10 +1,12 @@
 """Per-layer bit allocation: the greedy spends the budget where the sensitivity says, and a
 layer given more bits than a codebook covers (2-4) falls back to uniform levels."""
 
+import pytest
 from tiny import ShapeProfile
 
 from kvcalib.core.plan import plan
 from kvcalib.core.recipe import load_recipe, parse_recipe
+from kvcalib.errors import RecipeError
 
 ALLOCATED = {
     "name": "allocated",
@@ -33,3 +35,25 @@ def test_uniform_sensitivity_spends_the_budget_evenly():
     codes = [b for layer in scheme.layers for b in (layer.key.bits, layer.value.bits)]
     assert sum(codes) == int(recipe.allocation.budget * len(codes))
     assert max(codes) - min(codes) <= 1
+
+
+def test_the_answer_loss_allocation_follows_its_own_sensitivity(caplog):
+    """`sensitivity = "answer"` spends on the layers the answer loss names, not the text's; a
+    profile without answer sensitivities plans from the text's and says so."""
+    answer = {**ALLOCATED, "allocation": {**ALLOCATED["allocation"], "sensitivity": "answer"}}
+    text_says, answer_says = {("key", 0): 1000.0}, {("key", 5): 1000.0}
+    profile = ShapeProfile(2, 16, sensitive=text_says, answer=answer_says)
+    for recipe, loud in ((ALLOCATED, 0), (answer, 5)):
+        scheme, _ = plan(parse_recipe(recipe), num_layers=8, head_dim=16, profile=profile)
+        assert [i for i, layer in enumerate(scheme.layers) if layer.key.bits == 8] == [loud]
+    assert "answer loss" not in caplog.text
+    without = ShapeProfile(2, 16, sensitive=text_says)
+    scheme, _ = plan(parse_recipe(answer), num_layers=8, head_dim=16, profile=without)
+    assert scheme.layers[0].key.bits == 8
+    assert "allocating from the calibration text's sensitivity" in caplog.text
+
+
+def test_an_unknown_allocation_loss_is_refused_with_the_choices():
+    bad = {**ALLOCATED, "allocation": {**ALLOCATED["allocation"], "sensitivity": "answers"}}
+    with pytest.raises(RecipeError, match=r"allocation.sensitivity = 'answers': use one of text"):
+        parse_recipe(bad)

@@ -58,10 +58,10 @@ class FakeProfile:
     def sink_predictor(self):
         return SinkPredictor(layer=0, dims=(1, 5), threshold=50.0)
 
-    def has_sensitivity(self):
+    def has_sensitivity(self, loss="text"):
         return True
 
-    def sensitivity(self, tensor, layer, bits):
+    def sensitivity(self, tensor, layer, bits, loss="text"):
         return (layer + 1) / 2**bits
 
 
