@@ -120,9 +120,10 @@ def _view(raw: torch.Tensor, f: Field) -> torch.Tensor:
 
 
 def _gather(t: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """t [blocks, heads, bs, ...] -> [1, heads, m * bs, ...] for the m blocks in order."""
+    """t [blocks, heads, bs, ...] -> [1, heads, m * bs, ...] for the m blocks in order,
+    contiguous as the runtime's buffers are."""
     g = t[blocks].movedim(0, 1)  # [heads, m, bs, ...]
-    return g.reshape(1, t.shape[1], -1, *t.shape[3:])
+    return g.reshape(1, t.shape[1], -1, *t.shape[3:]).contiguous()
 
 
 class PageLayout:
