@@ -30,15 +30,15 @@ from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.kernels.quant_pack import quant_pack_reference
 from kvcalib_runtime.model.rope import layer_ropes
 from kvcalib_vllm.pages import PageLayout, TensorPages
-from kvcalib_vllm.sequences import Sequences
+from kvcalib_vllm.sequences import Row, Sequences
 
 
 @dataclass(frozen=True)
 class Step:
-    """One sequence's part of a step: its state row, its first new position n, its T new
+    """One sequence's part of a step: its state (`Row`), its first new position n, its T new
     tokens at `tokens` of vLLM's flattened batch, and its block table (LongTensor [m])."""
 
-    row: int
+    row: Row
     n: int
     T: int
     tokens: slice
@@ -91,8 +91,8 @@ class Serving:
             if st.T == 1:
                 out = self._decode(layer, st, q, k, v, (kp, kb), (vp, vb))
             else:
-                keys = self._read(layer, st, kp, kb, self.seqs.tail_k, self.seqs.sink_k, k[0])
-                values = self._read(layer, st, vp, vb, self.seqs.tail_v, self.seqs.sink_v, v[0])
+                keys = self._read(layer, st, kp, kb, st.row.tail_k, st.row.sink_k, k[0])
+                values = self._read(layer, st, vp, vb, st.row.tail_v, st.row.sink_v, v[0])
                 if ls.key_position == "pre_rope":
                     keys = rope.apply(keys, torch.arange(keys.shape[2])[None])
                 valid = torch.ones(1, keys.shape[2], dtype=torch.bool)
@@ -113,9 +113,9 @@ class Serving:
             for layer, held in self._pending.items():
                 k, v = held[i]
                 (kp, vp), (kb, vb) = self.pages.tensors[layer], self._bodies[layer]
-                self._flush(layer, st, kp, kb, self.seqs.tail_k, self.seqs.sink_k, k, sink_pos)
-                self._flush(layer, st, vp, vb, self.seqs.tail_v, self.seqs.sink_v, v, sink_pos)
-            self.seqs.lengths[st.row] += st.T
+                self._flush(layer, st, kp, kb, st.row.tail_k, st.row.sink_k, k, sink_pos)
+                self._flush(layer, st, vp, vb, st.row.tail_v, st.row.sink_v, v, sink_pos)
+            st.row.length += st.T
         self._steps, self._flags = [], None
         self._pending.clear()
 
@@ -143,14 +143,14 @@ class Serving:
 
     def _decode(self, layer, st: Step, q, k_new, v_new, keys, values) -> torch.Tensor:
         """One new token: the runtime's CPU decode path over the sequence's pages."""
-        s = self.seqs
+        r = st.row
         stored = [
-            Stored(tp.gather(body, st.blocks), tail[layer, st.row : st.row + 1],
+            Stored(tp.gather(body, st.blocks), tail[layer][None],
                    torch.tensor([_body(tp, self.scheme.residual, st.n)]))
-            for (tp, body), tail in ((keys, s.tail_k), (values, s.tail_v))
+            for (tp, body), tail in ((keys, r.tail_k), (values, r.tail_v))
         ]  # fmt: skip
-        sinks = Sinks(s.sink_k[layer, st.row : st.row + 1], s.sink_v[layer, st.row : st.row + 1],
-                      s.sink_pos[st.row : st.row + 1], s.is_sink[st.row : st.row + 1])  # fmt: skip
+        sinks = Sinks(r.sink_k[layer][None], r.sink_v[layer][None], r.sink_pos[None],
+                      r.is_sink[None])  # fmt: skip
         pre_rope = self.scheme.layers[layer].key_position == "pre_rope"
         return decode_torch.decode_attention_torch(
             q, k_new, v_new, *stored, sinks, torch.tensor([st.n]),
@@ -159,7 +159,8 @@ class Serving:
 
     def _read(self, layer, st: Step, tp: TensorPages, body, tails, sinks, new) -> torch.Tensor:
         """Positions [0, n) of the sequence as stored (body dequantized, sinks exact, ring
-        exact), then its T new ones: [1, Hkv, n + T, D] (the runtime's `_gather`)."""
+        exact), then its T new ones (new [Hkv, T, D]): [1, Hkv, n + T, D] (the runtime's
+        `_gather`); tails, sinks: the row's tail_* and sink_* of this tensor."""
         n = st.n
         out = torch.zeros(1, self.kv_heads, n + st.T, self.head_dim, dtype=self.dtype)
         nb = _body(tp, self.scheme.residual, n)
@@ -168,11 +169,11 @@ class Serving:
             out[0, :, :nb] = (
                 held.dequantize(self.dtype, 0, nb) if tp.const is not None else held[0, :, :nb]
             )
-        for slot, p in enumerate(self.seqs.sink_pos[st.row].tolist()):
+        for slot, p in enumerate(st.row.sink_pos.tolist()):
             if 0 <= p < nb:
-                out[0, :, p] = sinks[layer, st.row, :, slot]
+                out[0, :, p] = sinks[layer, :, slot]
         if n > nb:
-            tail = tails[layer, st.row]
+            tail = tails[layer]
             out[0, :, nb:n] = tail[:, torch.arange(nb, n) % tail.shape[1]]
         out[0, :, n:] = new
         return out
@@ -182,9 +183,9 @@ class Serving:
     def _decide_sinks(self, st: Step, flags) -> list[int]:
         """First-N positions, then flagged ones while the budget lasts, in position order (the
         runtime's `_decide_sinks`); returns the row's sink positions."""
-        s, row = self.scheme, st.row
+        s = self.scheme
         pos = torch.arange(st.n, st.n + st.T)
-        sink_pos = self.seqs.sink_pos[row]
+        sink_pos = st.row.sink_pos
         sink, slot = pos < s.sinks_first, pos.clone()
         if flags is not None:
             candidate = flags & ~sink
@@ -193,20 +194,20 @@ class Serving:
             sink |= taken
             slot = torch.where(taken, s.sinks_first + rank - 1, slot)
         sink_pos[slot[sink]] = pos[sink]
-        self.seqs.is_sink[row, pos[sink]] = True
+        st.row.is_sink[pos[sink]] = True
         return sink_pos.tolist()
 
     def _flush(self, layer, st: Step, tp: TensorPages, body, tails, sinks, new, sink_pos):
         """Store the sequence's T new tokens (new [Hkv, T, D]) of one tensor: sink slots, the
         positions the next token sees quantized into the pages, the rest into the ring (the
-        runtime's `QuantizedCache._flush`)."""
-        n, T, row = st.n, st.T, st.row
+        runtime's `QuantizedCache._flush`); tails, sinks: the row's tail_* and sink_*."""
+        n, T = st.n, st.T
         for slot, p in enumerate(sink_pos):
             if n <= p < n + T:
-                sinks[layer, row, :, slot] = new[:, p - n]
+                sinks[layer, :, slot] = new[:, p - n]
         residual = self.scheme.residual
         nb, target = _body(tp, residual, n), _body(tp, residual, n + T)
-        tail = tails[layer, row]  # [Hkv, R, D]
+        tail = tails[layer]  # [Hkv, R, D]
         ring = tail.shape[1]
         if target > nb:
             old = tail[:, torch.arange(nb, n) % ring] if n > nb else new[:, :0]

@@ -4,7 +4,8 @@ registry live as long as the process): `python engine_child.py JOB.json OUT.json
 JOB: {"folder", "dtype", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_tokens",
 "calls": [[prompt token ids, ...], ...]}. OUT: {"num_blocks", "block_size", "tokens": per call,
 per prompt, the greedy new token ids, "plugin": whether the kvcalib side-car served the model,
-"sequence_bytes": what the plugin keeps per sequence outside the pages (0 without it)}.
+"sequence_bytes": what the plugin keeps per sequence outside the pages, "row_bytes": its page
+bytes per token (both 0 without it)}.
 Set VLLM_PLUGINS="" in the environment to run vLLM without the plugin.
 """
 
@@ -48,6 +49,7 @@ def main(job_path: str, out_path: str) -> None:
         "tokens": tokens,
         "plugin": serving is not None,
         "sequence_bytes": serving.seqs.bytes_per_sequence() if serving else 0,
+        "row_bytes": serving.pages.row_bytes if serving else 0,
     }
     with open(out_path, "w") as f:
         json.dump(out, f)
