@@ -85,9 +85,10 @@ def test_serving_matches_the_runtime_cache(ckpt):
     """Two sequences on interleaved, shuffled blocks, batched in every step: each layer's
     output equals (bit for bit) the runtime cache's for the same sequence alone, through a
     prefill of 120 tokens then 13 decode steps (crossing the residual window of 128 on the
-    9th) and a prefill of 140 (13 positions flushed into pages at once) then 13 steps, with
-    predicted sinks; bit equality holds because reader, writer and attention are the
-    runtime's own and the pages hold the same bytes."""
+    9th) and a prefill of 140 in two chunks (100, then 40 beside the other's first decode
+    step: 13 positions flushed into pages at once) then 12 steps, with predicted sinks. Bit
+    equality holds because reader, writer and attention are the runtime's own and the pages
+    hold the same bytes."""
     geo, dtype, gen = ckpt.geometry, torch.float32, torch.Generator().manual_seed(0)
     serving = Serving(ckpt, dtype=dtype, rows=4, max_len=256)
     kv_cache = torch.zeros(24, 1, BLOCK, serving.pages.row_bytes // dtype.itemsize, dtype=dtype)
@@ -99,13 +100,13 @@ def test_serving_matches_the_runtime_cache(ckpt):
                           device="cpu", dtype=dtype, use_kernels=False)
         for s in tables
     }  # fmt: skip
-    plan = [[(0, 120), (1, 140)], *[[(1, 1), (0, 1)]] * 13]
+    plan = [[(0, 120), (1, 100)], [(1, 40), (0, 1)], *[[(1, 1), (0, 1)]] * 12]
     for step, work in enumerate(plan):
         results = _step(serving, kv_cache, runtimes, tables, work, gen, geo)
         for s, (ours, theirs) in results.items():
             for layer, (a, b) in enumerate(zip(ours, theirs, strict=True)):
                 assert torch.equal(a, b), f"step {step}, sequence {s}, layer {layer}"
     for s, cache in runtimes.items():
-        assert cache.lengths.item() == 120 + 20 * s + 13
+        assert cache.lengths.item() == (133, 152)[s]
         predicted = (cache.sink_pos[0] >= ckpt.scheme.sinks_first).sum().item()
         assert predicted > 0  # the sink path ran: flagged tokens took slots
