@@ -20,7 +20,6 @@ Without a side-car the classes are vLLM's own.
 
 import torch
 from vllm.model_executor.models.llama import LlamaForCausalLM
-from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 
 from kvcalib_vllm.sidecar import activate
 
@@ -68,8 +67,4 @@ class _Served:
 
 
 class KvcalibLlamaForCausalLM(_Served, LlamaForCausalLM):
-    pass
-
-
-class KvcalibQwen2ForCausalLM(_Served, Qwen2ForCausalLM):
     pass

@@ -12,9 +12,10 @@ CHILD = Path(__file__).with_name("engine_child.py")
 
 def run_engine(tmp: Path, folder: Path, calls, *, plugin: bool = True, dtype: str = "float32",
                kv_cache_bytes: int = 64 * 2**20, max_tokens: int = 8, max_num_seqs: int = 4,
-               max_model_len: int = 1024) -> dict:  # fmt: skip
+               max_model_len: int = 1024, **llm_args) -> dict:  # fmt: skip
     """One vLLM engine on `folder` (with the plugin, or without any), greedy `max_tokens` new
-    tokens for each call's prompts (token id lists, batched together): engine_child's OUT."""
+    tokens for each call's prompts (token id lists, batched together): engine_child's OUT.
+    llm_args: other vllm.LLM arguments. AssertionError with the child's stderr if it fails."""
     job = dict(
         folder=str(folder),
         dtype=dtype,
@@ -23,6 +24,7 @@ def run_engine(tmp: Path, folder: Path, calls, *, plugin: bool = True, dtype: st
         max_tokens=max_tokens,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
+        llm_args=llm_args,
     )
     tmp.mkdir(parents=True, exist_ok=True)
     job_path, out_path = tmp / "job.json", tmp / "out.json"

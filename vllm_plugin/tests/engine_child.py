@@ -2,10 +2,10 @@
 registry live as long as the process): `python engine_child.py JOB.json OUT.json`.
 
 JOB: {"folder", "dtype", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_tokens",
-"calls": [[prompt token ids, ...], ...]}. OUT: {"num_blocks", "block_size", "tokens": per call,
-per prompt, the greedy new token ids, "plugin": whether the kvcalib side-car served the model,
-"sequence_bytes": what the plugin keeps per sequence outside the pages, "row_bytes": its page
-bytes per token (both 0 without it)}.
+"calls": [[prompt token ids, ...], ...], "llm_args": other vllm.LLM arguments}.
+OUT: {"num_blocks", "block_size", "tokens": per call, per prompt, the greedy new token ids,
+"plugin": whether the kvcalib side-car served the model, "sequence_bytes": what the plugin keeps
+per sequence outside the pages, "row_bytes": its page bytes per token (both 0 without it)}.
 Set VLLM_PLUGINS="" in the environment to run vLLM without the plugin.
 """
 
@@ -21,8 +21,7 @@ def main(job_path: str, out_path: str) -> None:
 
     with open(job_path) as f:
         job = json.load(f)
-    llm = LLM(
-        job["folder"],
+    args = dict(
         dtype=job["dtype"],
         enforce_eager=True,
         enable_prefix_caching=False,
@@ -31,6 +30,7 @@ def main(job_path: str, out_path: str) -> None:
         max_num_seqs=job["max_num_seqs"],
         seed=0,
     )
+    llm = LLM(job["folder"], **{**args, **job["llm_args"]})
     greedy = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
     tokens = []
     for call in job["calls"]:

@@ -85,3 +85,10 @@ def test_capacity_at_least_4_5x_fp16(kvcalib2, fp16, tmp_path):
     )
     assert ratio >= 4.5
     assert charged / theirs["num_blocks"] >= 4.5
+
+
+def test_refused_at_load_in_one_line(kvcalib2, tmp_path):
+    """vLLM's default prefix caching would share pages between requests: the engine stops
+    before serving, with the plugin's one line naming the fix."""
+    with pytest.raises(AssertionError, match=r"kvcalib: prefix caching .* pass enable_prefix"):
+        run_engine(tmp_path, kvcalib2, [[[1, 2, 3]]], enable_prefix_caching=True)
