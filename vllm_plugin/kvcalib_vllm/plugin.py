@@ -4,6 +4,8 @@ every vLLM process before a model is built."""
 import logging
 
 import vllm
+from vllm import ModelRegistry
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
 from kvcalib_vllm import checks
 
@@ -15,8 +17,6 @@ def register() -> None:
     plugin serves, the attention backend that stores it (`attention`, over CPU_ATTN). In
     another vLLM only the model classes are registered: they refuse a converted folder in one
     line and leave every other model as vLLM builds it."""
-    from vllm import ModelRegistry
-
     for arch in checks.ARCHITECTURES:
         ModelRegistry.register_model(arch, f"kvcalib_vllm.model:Kvcalib{arch}")
     try:
@@ -24,6 +24,4 @@ def register() -> None:
     except checks.KvcalibVllmError as e:
         log.warning("%s", e)
         return
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
     register_backend(AttentionBackendEnum.CPU_ATTN, "kvcalib_vllm.attention.KvcalibBackend")

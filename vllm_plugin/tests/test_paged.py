@@ -53,14 +53,15 @@ def _step(serving, kv_cache, runtimes, tables, work, gen, geo):
                          block_table=torch.stack(rows), num_actual_tokens=starts[-1])  # fmt: skip
     tokens, heads, hkv, d = starts[-1], geo.heads, geo.kv_heads, geo.head_dim
     sp = serving.predictor
-    hidden = torch.zeros(tokens, geo.hidden)
+    dtype = kv_cache.dtype
+    hidden = torch.zeros(tokens, geo.hidden, dtype=dtype)
     hidden[torch.rand(tokens, generator=gen) < 0.05, sp.dims[0]] = sp.threshold + 1  # flagged
     results = {s: ([], []) for s, _ in work}
     for layer in range(len(serving.scheme.layers)):
-        q = torch.randn(tokens, heads, d, generator=gen)
-        k = torch.randn(tokens, hkv, d, generator=gen) * 3
-        v = torch.randn(tokens, hkv, d, generator=gen)
-        out = torch.zeros(tokens, heads, d)
+        q = torch.randn(tokens, heads, d, generator=gen).to(dtype)
+        k = (torch.randn(tokens, hkv, d, generator=gen) * 3).to(dtype)
+        v = torch.randn(tokens, hkv, d, generator=gen).to(dtype)
+        out = torch.zeros(tokens, heads, d, dtype=dtype)
         serving.attend(layer, q, k, v, kv_cache, md, out)
         for i, (s, T) in enumerate(work):
             a, b = starts[i], starts[i + 1]
@@ -81,7 +82,8 @@ def _step(serving, kv_cache, runtimes, tables, work, gen, geo):
     return results
 
 
-def test_serving_matches_the_runtime_cache(ckpt):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_serving_matches_the_runtime_cache(ckpt, dtype):
     """Two sequences on interleaved, shuffled blocks, batched in every step: each layer's
     output equals (bit for bit) the runtime cache's for the same sequence alone, through a
     prefill of 120 tokens then 13 decode steps (crossing the residual window of 128 on the
@@ -89,7 +91,7 @@ def test_serving_matches_the_runtime_cache(ckpt):
     step: 13 positions flushed into pages at once) then 12 steps, with predicted sinks. Bit
     equality holds because reader, writer and attention are the runtime's own and the pages
     hold the same bytes."""
-    geo, dtype, gen = ckpt.geometry, torch.float32, torch.Generator().manual_seed(0)
+    geo, gen = ckpt.geometry, torch.Generator().manual_seed(0)
     serving = Serving(ckpt, dtype=dtype, rows=4, max_len=256)
     kv_cache = torch.zeros(24, 1, BLOCK, serving.pages.row_bytes // dtype.itemsize, dtype=dtype)
     shuffled = torch.randperm(24, generator=gen)
