@@ -14,7 +14,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 OUT ?= out
 MODEL ?= smollm2-135m
 
-.PHONY: setup demo test test-all test-runtime test-vllm lint leaderboard long-context gpu-check
+.PHONY: setup setup-vllm demo test test-all test-runtime test-vllm lint leaderboard long-context gpu-check
 
 $(STAMP): pyproject.toml runtime/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,8 @@ $(VLLM_STAMP): runtime/pyproject.toml vllm_plugin/pyproject.toml
 	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q -e runtime -e 'vllm_plugin[test]'
 	touch $@
+
+setup-vllm: $(VLLM_STAMP)
 
 # The main job on the embedded default model: profile it, convert it with kvcalib-2, measure the
 # converted folder against KIVI-2 (measured as on the original weights) on the held-out text,
