@@ -92,17 +92,23 @@ test-runtime: $(RUNTIME_STAMP)
 	$(RUNTIME_VENV)/bin/python -m pytest tests/runtime
 
 # The vLLM plugin's tests, not part of test-all (its venv is too heavy for CI): the toolkit
-# profiles SmolLM2-135M and converts it with kvcalib-2 and fp16 (kept in $(VLLM_OUT) between
-# runs), then vLLM serves them on CPU through the plugin (~4 minutes on one core).
+# profiles SmolLM2-135M and converts it with kvcalib-2 and fp16, and makes a tiny random Qwen2
+# conversion (all kept in $(VLLM_OUT) between runs), then vLLM serves them on CPU through the
+# plugin (~3 minutes on one core once the folders exist, ~6 for the SmolLM2 profile).
 VLLM_OUT ?= $(OUT)/vllm
 $(VLLM_OUT)/profile/profile.json: $(STAMP)
 	$(BIN)/kvcalib calibrate -o $(VLLM_OUT)/profile --force
 $(VLLM_OUT)/smollm2-%/kvcalib.json: $(VLLM_OUT)/profile/profile.json
 	$(BIN)/kvcalib convert --profile $(VLLM_OUT)/profile --recipe $* -o $(VLLM_OUT)/smollm2-$* --force
 
-test-vllm: $(VLLM_STAMP) $(VLLM_OUT)/smollm2-kvcalib-2/kvcalib.json $(VLLM_OUT)/smollm2-fp16/kvcalib.json
+$(VLLM_OUT)/tiny-qwen2-kvcalib-2/kvcalib.json: $(STAMP) vllm_plugin/tests/make_tiny.py
+	PYTHONPATH=tests $(BIN)/python vllm_plugin/tests/make_tiny.py $(VLLM_OUT)
+
+VLLM_FOLDERS := $(foreach f,smollm2-kvcalib-2 smollm2-fp16 tiny-qwen2-kvcalib-2,$(VLLM_OUT)/$(f)/kvcalib.json)
+test-vllm: $(VLLM_STAMP) $(VLLM_FOLDERS)
 	$(BIN)/ruff check vllm_plugin
 	KVCALIB_VLLM_KVCALIB2=$(VLLM_OUT)/smollm2-kvcalib-2 KVCALIB_VLLM_FP16=$(VLLM_OUT)/smollm2-fp16 \
+		KVCALIB_VLLM_TINY_QWEN2=$(VLLM_OUT)/tiny-qwen2-kvcalib-2 \
 		OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest vllm_plugin/tests
 
 test-all: setup test-runtime

@@ -16,8 +16,8 @@ from kvcalib_runtime.layouts import Kind
 VLLM_RANGE = ((0, 32), (0, 33))
 # the vLLM model classes whose attention the plugin takes over (`model.py`) and has served in
 # its tests: each computes q, k, v, calls `self.rotary_emb(positions, q, k)`, then
-# `self.attn(q, k, v)` (Qwen2ForCausalLM has the same shape, untested: refused until it is)
-ARCHITECTURES = ("LlamaForCausalLM",)
+# `self.attn(q, k, v)`
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 

@@ -20,6 +20,7 @@ Without a side-car the classes are vLLM's own.
 
 import torch
 from vllm.model_executor.models.llama import LlamaForCausalLM
+from vllm.model_executor.models.qwen2 import Qwen2ForCausalLM
 
 from kvcalib_vllm.sidecar import activate
 
@@ -67,4 +68,8 @@ class _Served:
 
 
 class KvcalibLlamaForCausalLM(_Served, LlamaForCausalLM):
+    pass
+
+
+class KvcalibQwen2ForCausalLM(_Served, Qwen2ForCausalLM):
     pass

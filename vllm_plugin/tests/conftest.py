@@ -24,3 +24,9 @@ def kvcalib2() -> Path:
 def fp16() -> Path:
     """SmolLM2-135M converted with the fp16 recipe (no quantization)."""
     return _folder("KVCALIB_VLLM_FP16")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2() -> Path:
+    """A random 2-layer Qwen2 converted with kvcalib-2 less predicted sinks (make_tiny.py)."""
+    return _folder("KVCALIB_VLLM_TINY_QWEN2")

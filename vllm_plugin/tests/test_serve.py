@@ -115,6 +115,20 @@ def test_capacity_at_least_4_5x_fp16(kvcalib2, fp16, tmp_path):
     assert charged / theirs["num_blocks"] >= 4.5
 
 
+def test_qwen2_matches_the_runtime(tiny_qwen2, tmp_path):
+    """vLLM's Qwen2 class (q/k/v biases) takes the side-car as its Llama does: a random tiny
+    Qwen2 gives the runtime's greedy tokens for prompts of 5 to 200 characters (one token
+    each) batched, the longer two crossing the residual window of 128."""
+    runtime = kvcalib_runtime.load(tiny_qwen2, device="cpu", dtype=torch.float32)
+    text = (topics["numbers"] + topics["for"]).replace("\n", " ")  # one token per character
+    prompts = [runtime.encode(text[i : i + n]) for i, n in ((0, 5), (300, 40), (900, 150),
+                                                            (2000, 200))]  # fmt: skip
+    assert [len(p) for p in prompts] == [5, 40, 150, 200]
+    served = run_engine(tmp_path, tiny_qwen2, [prompts], max_tokens=24)
+    assert served["plugin"]
+    assert served["tokens"][0] == runtime.generate(prompts, 24, eos_token_id=[])
+
+
 def test_refused_at_load_in_one_line(kvcalib2, tmp_path):
     """vLLM's default prefix caching would share pages between requests: the engine stops
     before serving, with the plugin's one line naming the fix."""
