@@ -46,8 +46,9 @@ class Step:
 
 
 class Serving:
-    """The side-car of `ckpt` served in pages of `block_size` tokens for up to `rows` running
-    sequences of `max_len` positions, in `dtype` (the model's)."""
+    """The side-car of `ckpt` served in vLLM's pages (their block size read from the cache on
+    the first step) for up to `rows` sequences of `max_len` positions, in `dtype` (the
+    model's)."""
 
     def __init__(self, ckpt: Checkpoint, *, dtype: torch.dtype, rows: int, max_len: int):
         geo = ckpt.geometry
@@ -61,7 +62,7 @@ class Serving:
         sp = self.params.sink_predictor
         self.predictor = sp if sp is not None and self.scheme.sink_budget else None
         self._sink_dims = torch.tensor(sp.dims) if self.predictor else None
-        self._raw_ptr, self._bodies = None, []
+        self._raw_ptr, self._bodies, self.block_size = None, [], None
         self._steps: list[Step] = []
         self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._flags = None
@@ -129,6 +130,8 @@ class Serving:
             self._bodies = [(k.body(raw), v.body(raw)) for k, v in self.pages.tensors]
         self.block_size = raw.shape[1]
         self.seqs.begin_step()
+        self._pending.clear()  # a step that raised before its commit leaves nothing behind
+        self._flags = None
         starts, lengths = md.query_start_loc.tolist(), md.seq_lens.tolist()
         self._steps = []
         for i, length in enumerate(lengths):
