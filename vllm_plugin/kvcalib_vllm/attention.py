@@ -5,7 +5,7 @@ registers this class as CPU_ATTN's override (`plugin.register`). For a model fol
 side-car (`sidecar.active()` is None) every method is vLLM's own. With one:
 
 - `customize_spec` publishes the page: one head slot of `PageLayout.row_bytes` bytes per token
-  (every layer's packed row; the other layers share layer 0's cache, `model.attach`), so vLLM's
+  (every layer's packed row; the other layers share layer 0's cache, `model`), so vLLM's
   block manager counts the bytes kvcalib stores per token;
 - `forward` hands the step to `Serving.attend`; nothing is written at vLLM's cache-update call
   (`do_kv_cache_update`): pages are written when the step commits.

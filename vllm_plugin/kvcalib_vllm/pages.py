@@ -1,11 +1,12 @@
 """kvcalib's packed layout inside vLLM's pages: what one token of every layer occupies.
 
 vLLM hands an attention backend one page per block of `block_size` tokens. Here one page holds
-every layer (layer 0 owns the cache, the others share it: `model.attach`), laid out per token:
+every layer (layer 0 owns the cache, the others share it: `model`), laid out per token:
 
-    page [block_size, C] uint8,  C = sum over layers of the layer's row, padded to `ALIGN`
-    row of layer i = [key fields | value fields], each field of a tensor being one per-token
-    buffer of its layout's body (`kvcalib_runtime.layouts`), every head of the token:
+    page [block_size, C] uint8   per token, the fields of every layer's keys and values;
+                                 C = their bytes, padded to `ALIGN`
+    a field is one per-token buffer of a tensor's layout body (`kvcalib_runtime.layouts`),
+    every head of the token:
         codes        uint8 [heads, ceil(width * bits / 8)]
         scale/offset dtype [heads, width / g]      (per-token groups; per-layer metadata, as
                                                     "static" keeps it, is not in the page)
@@ -15,14 +16,14 @@ every layer (layer 0 owns the cache, the others share it: `model.attach`), laid 
 
 A field's bytes are those of the body the layout allocates for one token (walked on the meta
 device), so the page is what the runtime's cache stores per position, no formula. Fields are
-ordered by element size (largest first) so every view is aligned. What a sequence keeps besides
-its positions (the residual ring, the sink slots) is per sequence, not per token: it lives in
-`sequences.Sequences`, outside the pages.
+placed by element size (largest first, whatever their layer) so every view is aligned. What a
+sequence keeps besides its positions (the residual ring, the sink slots) is per sequence, not
+per token: it lives in `sequences.Sequences`, outside the pages.
 
 `TensorPages.body(raw)` views the whole cache as the runtime's PackedBody with B = blocks and
-N = block_size (slot t of block b: position b * block_size + t of whichever sequence owns b), so
-the runtime's reference writer (`quant_pack_reference`) stores into pages and its readers read
-a sequence's blocks gathered in block-table order (`gather`).
+N = block_size (slot t of block b holds position j * block_size + t of the sequence whose block
+table has b at j), so the runtime's reference writer (`quant_pack_reference`) stores into
+pages and its readers read a sequence's blocks gathered in block-table order (`gather`).
 """
 
 import dataclasses

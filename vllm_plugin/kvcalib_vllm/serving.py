@@ -5,7 +5,7 @@ holds what the runtime's cache holds for it and attends as it does:
 
 - every layer's forward (`attend`) takes the step's new tokens of each sequence (vLLM's batch:
   `query_start_loc`, `seq_lens`, `block_table`), applies kvcalib's RoPE and transforms
-  (`model.attach` leaves q and k pre-RoPE), holds the new keys and values exact until
+  (`model` leaves q and k pre-RoPE), holds the new keys and values exact until
   `commit`, and attends: one new token through the runtime's CPU decode path
   (`kernels.decode_torch`, reading the sequence's pages gathered in block-table order, its ring
   and its sinks); several (a prefill or a chunk of one) in full precision over the new tokens
