@@ -129,6 +129,18 @@ def test_qwen2_matches_the_runtime(tiny_qwen2, tmp_path):
     assert served["tokens"][0] == runtime.generate(prompts, 24, eos_token_id=[])
 
 
+def test_a_folder_without_side_car_is_vllms(tiny_qwen2, tmp_path):
+    """With the plugin installed, a plain checkpoint (the tiny Qwen2 before conversion) is
+    served by vLLM's own attention and cache: the same tokens and blocks as without it."""
+    plain = tiny_qwen2.parent / "tiny-qwen2-src" / "model"
+    calls = [[[ord(c) for c in "The cat sat on the mat. " * 4], [ord(c) for c in "def f(x):"]]]
+    ours = run_engine(tmp_path / "plugin", plain, calls, max_tokens=12)
+    theirs = run_engine(tmp_path / "vllm", plain, calls, max_tokens=12, plugin=False)
+    assert not ours["plugin"]
+    assert ours["tokens"] == theirs["tokens"]
+    assert ours["num_blocks"] == theirs["num_blocks"]
+
+
 def test_refused_at_load_in_one_line(kvcalib2, tmp_path):
     """vLLM's default prefix caching would share pages between requests: the engine stops
     before serving, with the plugin's one line naming the fix."""
