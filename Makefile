@@ -94,7 +94,7 @@ test-runtime: $(RUNTIME_STAMP)
 # The vLLM plugin's tests, not part of test-all (its venv is too heavy for CI): the toolkit
 # profiles SmolLM2-135M and converts it with kvcalib-2 and fp16, and makes a tiny random Qwen2
 # conversion (all kept in $(VLLM_OUT) between runs), then vLLM serves them on CPU through the
-# plugin (~3 minutes on one core once the folders exist, ~6 for the SmolLM2 profile).
+# plugin (~4 minutes on one core once the folders exist, ~6 more for the SmolLM2 profile).
 VLLM_OUT ?= $(OUT)/vllm
 $(VLLM_OUT)/profile/profile.json: $(STAMP)
 	$(BIN)/kvcalib calibrate -o $(VLLM_OUT)/profile --force
