@@ -117,14 +117,14 @@ def plan(
     assert len(windows) == num_layers, "one window (or None) per layer"
     quantized = [recipe.quantized_layers == "all" or w is None for w in windows]
     bits = None
-    loss = recipe.allocation.sensitivity if recipe.allocation else None
-    if loss == "answer" and profile.has_sensitivity() and not profile.has_sensitivity(loss):
+    losses = recipe.allocation.losses if recipe.allocation else ()
+    if "answer" in losses and profile.has_sensitivity() and not profile.has_sensitivity("answer"):
         log.warning(
             f"note: {where} allocates bits per layer from the answer loss of retrieval prompts, "
             "and the profile has none (its calibration text holds no retrieval prompt of "
             "probe.answer's length): allocating from the calibration text's sensitivity"
         )
-        loss = "text"
+        losses = ("text",)
     if recipe.allocation and not profile.has_sensitivity():
         log.warning(
             f"note: {where} allocates bits per layer from sensitivities, and the profile has "
@@ -132,7 +132,7 @@ def plan(
             f"{recipe.value.bits}-bit values in every layer"
         )
     elif recipe.allocation:
-        bits = _allocate(recipe, quantized, profile, loss)
+        bits = _allocate(recipe, quantized, profile, losses)
     layers, params = [], KVParams()
     for i in range(num_layers):
         key, value = recipe.tensor("key", i), recipe.tensor("value", i)
@@ -208,20 +208,28 @@ def _calibrated(params: KVParams, profile, i: int, key, value, head_dim) -> None
         params.key_range[i] = (lo / params.key_smooth[i], hi / params.key_smooth[i])
 
 
-def _allocate(recipe: Recipe, quantized: list[bool], profile, loss: str) -> dict[str, list[int]]:
-    """Per-layer key and value bits minimizing the summed sensitivity to `loss` (KL divergence
-    when only that tensor of that layer is quantized) under a mean-bits budget over the
-    quantized layers: greedy upgrades by the largest KL saved per extra bit, which is optimal
-    for convex per-item costs."""
+def _allocate(recipe: Recipe, quantized: list[bool], profile, losses) -> dict[str, list[int]]:
+    """Per-layer key and value bits minimizing the summed sensitivity (KL divergence when only
+    that tensor of that layer is quantized) under a mean-bits budget over the quantized layers:
+    greedy upgrades by the largest KL saved per extra bit, which is optimal for convex per-item
+    costs. Each of `losses` (kvcalib.core.profile.SENSITIVITY_LOSSES) counts as its share of
+    its own total at the narrowest width, so that several weigh alike (one alone allocates as
+    its raw sensitivities would: the greedy is blind to a common scale)."""
     choices = sorted(recipe.allocation.choices)
     num_layers, count = len(quantized), sum(quantized)
-    kl = {
-        (name, i, b): profile.sensitivity(name, i, b, loss)
+    keys = [
+        (name, i, b)
         for name in ("key", "value")
         for i in range(num_layers)
         for b in choices
         if quantized[i]
-    }
+    ]
+    kl = dict.fromkeys(keys, 0.0)
+    for loss in losses:
+        one = {k: profile.sensitivity(*k, loss) for k in keys}
+        total = sum(v for (_, _, b), v in one.items() if b == choices[0]) or 1.0
+        for k, v in one.items():
+            kl[k] += v / total
     bits = {name: [choices[0]] * num_layers for name in ("key", "value")}
     budget = recipe.allocation.budget * 2 * count
     spent = choices[0] * 2 * count

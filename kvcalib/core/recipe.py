@@ -13,8 +13,8 @@ live in `recipes/<name>.toml`; `load_recipe` takes a preset name or a path.
              rotation
     [sinks]  first predicted budget
     [allocation]  budget choices sensitivity   (per-layer bits from the profile's sensitivities:
-                  sensitivity "text", the calibration text's next-token loss, or "answer", the
-                  answer loss of retrieval prompts)
+                  sensitivity "text", the calibration text's next-token loss, "answer", the
+                  answer loss of retrieval prompts, or "text+answer", both weighed alike)
     [[layers]]    index key value           (per-layer overrides of [key] / [value])
 
 bits = 16 means full precision. `rotation` is "none" or "hadamard": for values a Hadamard per KV
@@ -118,11 +118,15 @@ class TensorRecipe:
 class Allocation:
     """Per-layer bits for keys and values, chosen from the sensitivity profile so that their
     mean is at most `budget` bits (codes only); `sensitivity` names the loss it is measured on
-    (kvcalib.core.profile.SENSITIVITY_LOSSES)."""
+    (kvcalib.core.profile.SENSITIVITY_LOSSES), or several joined by "+", weighed alike."""
 
     budget: float
     choices: tuple[int, ...] = (2, 3, 4)
     sensitivity: str = "text"
+
+    @property
+    def losses(self) -> tuple[str, ...]:
+        return tuple(self.sensitivity.split("+"))
 
 
 @dataclass(frozen=True)
@@ -272,10 +276,11 @@ def parse_recipe(data: dict, source: str = "<dict>") -> Recipe:
         if len(set(choices)) != len(choices):
             raise RecipeError(f"{where}: allocation.choices {list(choices)} repeat a width")
         loss = data["allocation"].get("sensitivity", "text")
-        if loss not in SENSITIVITY_LOSSES:
+        parts = loss.split("+")
+        if not set(parts) <= set(SENSITIVITY_LOSSES) or len(set(parts)) != len(parts):
             raise RecipeError(
                 f"{where}: allocation.sensitivity = {loss!r}: use one of "
-                f"{', '.join(SENSITIVITY_LOSSES)}"
+                f"{', '.join(SENSITIVITY_LOSSES)}, or several joined by '+' ('text+answer')"
             )
         allocation = Allocation(float(data["allocation"]["budget"]), choices, loss)
     overrides = tuple(_override(o, i, where) for i, o in enumerate(data.get("layers", [])))

@@ -1,6 +1,8 @@
 """Per-layer bit allocation: the greedy spends the budget where the sensitivity says, and a
 layer given more bits than a codebook covers (2-4) falls back to uniform levels."""
 
+import re
+
 import pytest
 from tiny import ShapeProfile
 
@@ -53,7 +55,22 @@ def test_the_answer_loss_allocation_follows_its_own_sensitivity(caplog):
     assert "allocating from the calibration text's sensitivity" in caplog.text
 
 
+def test_two_losses_weigh_alike_whatever_their_scales():
+    """ "text+answer": each loss counts as its share of its own total, so a loss measured in
+    larger numbers does not drown the other: the first upgrades go to both losses' sensitive
+    layers, though the answer's sensitivities are 1000x the text's."""
+    both = {**ALLOCATED, "allocation": {"budget": 2.125, "choices": [2, 3],
+                                        "sensitivity": "text+answer"}}  # fmt: skip
+    # two upgrades: summed raw, the answer's 1000s would take both (key layer 5 and another)
+    answer = {("key", i): 1000.0 for i in range(1, 8)} | {("key", 5): 20000.0}
+    profile = ShapeProfile(2, 16, sensitive={("key", 0): 20.0}, answer=answer)
+    scheme, _ = plan(parse_recipe(both), num_layers=8, head_dim=16, profile=profile)
+    assert [i for i, layer in enumerate(scheme.layers) if layer.key.bits == 3] == [0, 5]
+
+
 def test_an_unknown_allocation_loss_is_refused_with_the_choices():
     bad = {**ALLOCATED, "allocation": {**ALLOCATED["allocation"], "sensitivity": "answers"}}
-    with pytest.raises(RecipeError, match=r"allocation.sensitivity = 'answers': use one of text"):
-        parse_recipe(bad)
+    for loss in ("answers", "text+text", "text+"):
+        bad["allocation"]["sensitivity"] = loss
+        with pytest.raises(RecipeError, match=rf"sensitivity = '{re.escape(loss)}': use one of"):
+            parse_recipe(bad)
