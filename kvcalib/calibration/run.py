@@ -14,7 +14,8 @@ same profile bit for bit. Passes, each with its own progress bar and time:
              Fisher-weighted codebooks (codebooks.py) from the same gradients
   retrieval  with the fisher sensitivity: a plain forward and one backward per retrieval prompt
              built from the calibration text (retrieval.py), whose answer loss gives the
-             answer-loss sensitivity ("sensitivity.answer.*") that kvcalib-2 allocates from
+             answer-loss sensitivity ("sensitivity.answer.*"), which kvcalib-2 allocates by
+             together with the text's
   probe      with Settings(sensitivity="probe") only: the KL of the logits with one layer's keys
              or values quantized, measured directly (sensitivity.py)
 
@@ -317,13 +318,14 @@ def fisher(lm, ids, found: Findings, settings: Settings, phases, store, clock: P
 
 def answer_fisher(lm, tokenizer, text, found: Findings, settings, seed, store, clock) -> None:
     """The answer-loss sensitivity from retrieval prompts over the calibration text's token ids
-    [n] (retrieval.py) into found.tensors, and what it ran on into found.answer (None: no prompt
-    fits; the reason is recorded instead)."""
+    [n] (retrieval.py) into found.tensors, and what it ran on into found.answer (or why it did
+    not run: {"skipped": reason})."""
+    if not settings.retrieval_prompts:
+        found.answer = {"skipped": "retrieval_prompts = 0"}
+        return
     context = getattr(lm.config, "max_position_embeddings", None) or settings.retrieval_tokens
     length = min(settings.retrieval_tokens, context)
-    prompts = None
-    if settings.retrieval_prompts:
-        prompts = retrieval.build(tokenizer, text, settings.retrieval_prompts, length, seed)
+    prompts = retrieval.build(tokenizer, text, settings.retrieval_prompts, length, seed)
     if prompts is None:
         found.answer = {"skipped": f"no retrieval prompt fits {length} tokens of this text"}
         return

@@ -99,4 +99,4 @@ def test_calibration_records_the_answer_sensitivity(tmp_path):
 def test_no_retrieval_prompts_means_no_answer_sensitivity(tmp_path):
     profile = _calibrate(tmp_path, Settings(sensitivity_windows=1, retrieval_prompts=0))
     assert profile.has_sensitivity() and not profile.has_sensitivity("answer")
-    assert "skipped" in profile.meta["probe"]["answer"]
+    assert profile.meta["probe"]["answer"] == {"skipped": "retrieval_prompts = 0"}
