@@ -124,7 +124,7 @@ def plan_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec
 
 
 def shard_name(i: int, n: int) -> str:
-    return SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
 def header_bytes(specs: list[TensorSpec]) -> bytes:
@@ -143,7 +143,9 @@ def header_bytes(specs: list[TensorSpec]) -> bytes:
 
 
 class ShardWriter:
-    """Writes planned tensors into model.safetensors or model-0000i-of-0000n shards + index."""
+    """Writes planned tensors into model-0000i-of-0000n shards + index, also when n is 1: vLLM
+    reads a folder without an index as every *.safetensors in it, kv_params.safetensors
+    included (FORMAT.md)."""
 
     def __init__(self, folder: Path, specs: list[TensorSpec], max_bytes: int):
         self.folder = Path(folder)
@@ -193,15 +195,14 @@ class ShardWriter:
     def finish(self) -> dict[str, str]:
         """file name -> sha256 of every weight file written (the index included)."""
         assert self.next == len(self.order), "not every planned tensor was written"
-        if len(self.shards) > 1:
-            weight_map = {s.name: shard_name(i, len(self.shards)) for i, s in self.order}
-            index = {
-                "metadata": {"total_size": sum(s.nbytes for _, s in self.order)},
-                "weight_map": dict(sorted(weight_map.items())),
-            }
-            data = (json.dumps(index, indent=2) + "\n").encode()
-            (self.folder / INDEX).write_bytes(data)
-            self.hashes[INDEX] = hashlib.sha256(data).hexdigest()
+        weight_map = {s.name: shard_name(i, len(self.shards)) for i, s in self.order}
+        index = {
+            "metadata": {"total_size": sum(s.nbytes for _, s in self.order)},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        data = (json.dumps(index, indent=2) + "\n").encode()
+        (self.folder / INDEX).write_bytes(data)
+        self.hashes[INDEX] = hashlib.sha256(data).hexdigest()
         return self.hashes
 
 

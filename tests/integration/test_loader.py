@@ -16,6 +16,7 @@ import shutil
 
 import pytest
 import torch
+from corpus import rebind, remanifest
 from tiny import save_with_tokenizer, tiny_model
 from transformers import AutoModelForCausalLM
 
@@ -197,15 +198,31 @@ def test_fused_key_smoothing_is_not_applied_again(converted):
 
 def test_a_changed_or_missing_file_is_named(converted, tmp_path):
     folder = shutil.copytree(converted["kivi-2"], tmp_path / "copy")
-    weights = folder / "model.safetensors"
+    weights = folder / "model-00001-of-00001.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1  # same size, other sha256
     weights.write_bytes(data)
-    with pytest.raises(FormatError, match=r"^model\.safetensors: changed since it was written"):
+    with pytest.raises(FormatError, match=r"^model-00001-of-00001\.safetensors: changed since"):
         kvcalib_runtime.load(folder, device="cpu")
     (folder / "tokenizer.json").unlink()
     with pytest.raises(FormatError, match=r"^tokenizer\.json: listed in manifest\.json but miss"):
         kvcalib_runtime.load(folder, device="cpu")
+
+
+def test_a_folder_converted_before_the_index_still_loads(converted, tmp_path):
+    """Converters before the index was always written left one model.safetensors and no index
+    (same format version): the runtime reads that layout to the same logits, bit for bit."""
+    new = converted["kivi-2"]
+    old = shutil.copytree(new, tmp_path / "without-index")
+    (old / "model-00001-of-00001.safetensors").rename(old / "model.safetensors")
+    (old / "model.safetensors.index.json").unlink()
+    rebind(old)
+    remanifest(old)
+    ids = _ids(40)
+    assert torch.equal(
+        _decode(kvcalib_runtime.load(old, device="cpu"), ids, 9),
+        _decode(kvcalib_runtime.load(new, device="cpu"), ids, 9),
+    )
 
 
 def test_another_format_version_is_refused(converted, tmp_path):

@@ -308,7 +308,7 @@ LOAD = [
     Case(
         "numbers",
         "load",
-        load(unbound("model.safetensors", lambda t: t["model.norm.weight"].mul_(2))),
+        load(unbound("model-00001-of-00001.safetensors", lambda t: t["model.norm.weight"].mul_(2))),
         "model*.safetensors: not the weights kvcalib.json and kv_params.safetensors were",
     ),
     Case(

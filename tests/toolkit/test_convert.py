@@ -304,6 +304,30 @@ def test_small_shards_index_and_sharded_source(tmp_path):
     assert all(torch.equal(t, expected[k]) for k, t in _weights(again).items())
 
 
+def test_the_index_names_the_weights_and_not_the_side_car(tmp_path):
+    """vLLM reads every *.safetensors of a folder without model.safetensors.index.json as
+    weights and fails on kv_params.safetensors ("no module or parameter named 'layers'"); with
+    an index it reads only the files the index names (`filter_duplicate_safetensors_files` in
+    its weight_utils.py). So the converter writes the index also for one shard, and it names
+    exactly the weight files: the model's tensors and the export's FP8 scales."""
+    model, src = _source(tmp_path)
+    out = conv.convert(
+        src,
+        recipe=_recipe(tmp_path, BOTH_TOML),
+        output=tmp_path / "out",
+        profile=FakeProfile(model),
+        export="vllm-fp8",
+    )
+    with safe_open(out / format.PARAMS, "pt") as f:
+        assert f.keys(), "the side-car holds calibrated tensors, which vLLM failed to load"
+    weight_map = json.loads((out / format.INDEX).read_text())["weight_map"]
+    read = sorted(p.name for p in out.glob("*.safetensors") if p.name in weight_map.values())
+    assert read == ["model-00001-of-00001.safetensors"]  # what vLLM keeps of the glob
+    tensors = _weights(out)
+    assert set(weight_map) == set(tensors)
+    assert {n for n in tensors if not format.EXPORT_TENSOR.fullmatch(n)} == set(model.state_dict())
+
+
 def test_bf16_output_from_fp32_source(tmp_path):
     _, src = _source(tmp_path)
     out = conv.convert(src, recipe="per-token-4", output=tmp_path / "out", dtype="bfloat16")

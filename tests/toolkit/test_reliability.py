@@ -359,13 +359,14 @@ def converted(source, tmp_path_factory) -> Path:
 
 def test_a_file_changed_after_conversion_is_named(converted, tmp_path):
     folder = shutil.copytree(converted, tmp_path / "copy")
-    data = bytearray((folder / "model.safetensors").read_bytes())
+    weights = folder / "model-00001-of-00001.safetensors"
+    data = bytearray(weights.read_bytes())
     data[-1] ^= 1
-    (folder / "model.safetensors").write_bytes(data)
+    weights.write_bytes(data)
     _refused(
         _run("generate", folder, "--prompt", "hi", "--device", "cpu"),
-        "error: model.safetensors: changed since it was written (size or sha256 differs from "
-        "manifest.json); convert the model again",
+        "error: model-00001-of-00001.safetensors: changed since it was written (size or sha256 "
+        "differs from manifest.json); convert the model again",
     )
 
 

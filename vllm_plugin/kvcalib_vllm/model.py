@@ -9,8 +9,9 @@ weight or sizes its cache:
   puts keys (pre-RoPE keys are stored as they are and rotated when read);
 - layers 1.. share layer 0's cache (`kv_sharing_target_layer_name`): one page holds every
   layer's packed row (`pages.PageLayout`), which differs in size from layer to layer;
-- the side-car's own tensors (`kv_params.safetensors`, which vLLM's loader globs with the
-  weights) are left out of `load_weights`;
+- the side-car's own tensors are left out of `load_weights`: vLLM's loader globs
+  `kv_params.safetensors` with the weights in a folder without `model.safetensors.index.json`
+  (converted before the index was always written);
 - a forward hook after the sink predictor's decoder layer hands the residual stream
   (hidden_states + residual, vLLM's deferred add) to `Serving.observe`, and the model's
   forward ends with `Serving.commit`, as the runtime's forward ends with `cache.commit`.

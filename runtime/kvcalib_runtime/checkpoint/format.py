@@ -281,7 +281,8 @@ def _plain_name(name) -> bool:
 
 
 def weight_files(path: Path) -> dict[str, list[str]]:
-    """file -> tensor names of the model weights, validated against the index when sharded."""
+    """file -> tensor names of the model weights: the index's shards, checked against it, or
+    model.safetensors alone in a folder converted before the index was always written."""
     path = Path(path)
     if (path / INDEX).exists():
         index = _json(path / INDEX)
