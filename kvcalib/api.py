@@ -44,8 +44,8 @@ CONVERTED = "converted checkpoint"  # the kind of output convert writes (atomic.
 
 # What the default calibration costs, measured (benchmarks/RESULTS.md, bench_calibrate.py: 36.3 s
 # on the default model, 2.34x a plain forward over its tokens), as the README states it.
-DEFAULT_COST = "421 s on 2 CPU cores shared with other jobs for smollm2-135m"
-OTHER_COST = "about 5x a plain forward over its 16 retrieval prompts of 1024 tokens"
+DEFAULT_COST = "155 s on 2 idle CPU cores for smollm2-135m"
+OTHER_COST = "about 10x a plain forward over 16 x 512 tokens"
 
 
 def _stderr(line: str) -> None:

@@ -270,7 +270,7 @@ def test_the_default_calibration_cost_is_the_readmes():
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     seconds = api.DEFAULT_COST.split(" s ")[0]
-    assert api.DEFAULT_COST.endswith(" s on 2 CPU cores shared with other jobs for smollm2-135m")
+    assert api.DEFAULT_COST.endswith(" s on 2 idle CPU cores for smollm2-135m")
     assert f"the default `kvcalib calibrate` takes {seconds} s," in " ".join(readme.split())
 
 
