@@ -121,8 +121,9 @@ def plan(
     if "answer" in losses and profile.has_sensitivity() and not profile.has_sensitivity("answer"):
         log.warning(
             f"note: {where} allocates bits per layer from the answer loss of retrieval prompts, "
-            "and the profile has none (its calibration text holds no retrieval prompt of "
-            "probe.answer's length): allocating from the calibration text's sensitivity"
+            "and the profile has none (calibrated before them, with the probe, or without a "
+            "prompt that fits: profile.json's probe.answer says which): allocating from the "
+            "calibration text's sensitivity"
         )
         losses = ("text",)
     if recipe.allocation and not profile.has_sensitivity():
