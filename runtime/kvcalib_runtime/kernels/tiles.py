@@ -82,7 +82,8 @@ def rotate(lo, hi, cos, sin):
 def at(STRIDE, blk, head, slot):
     """Element offsets (int64) of rows (blk, head, slot) — scalars or [BN] — of a buffer whose
     strides are STRIDE = (block or sequence, head row, slot)."""
-    return blk.to(tl.int64) * STRIDE[0] + head * STRIDE[1] + slot.to(tl.int64) * STRIDE[2]
+    line = blk.to(tl.int64) * STRIDE[0] + head.to(tl.int64) * STRIDE[1]
+    return line + slot.to(tl.int64) * STRIDE[2]
 
 
 # fmt: off
