@@ -1,17 +1,19 @@
 """The decode kernel reading vLLM-style pages through a block table (TRITON_INTERPRET=1 on CPU).
 
-Each case stores random bits for 4 sequences (lengths 77, 40, 5 and 0: key bodies end 9
-positions before the length, value bodies 14, so a sequence's positions cross from its pages
-into its residual ring mid-block, and one holds only ring positions) in a pool of 16-slot
-blocks handed out shuffled, every field of a token interleaved in one page row as the plugin's
-`PageLayout` places them, the rest of each page random bytes. Two bounds:
+Each case stores random bits for 4 sequences in one batch (lengths 77, 40, 5 and 0: key bodies
+end 9 positions before the length, value bodies 14, so a sequence's positions cross from its
+pages into its residual ring mid-block, and one holds only ring positions; kept sinks in three)
+in a pool of 16-slot blocks handed out shuffled (table entries past a length point at other
+sequences' blocks), every field of a token interleaved in one page row as the plugin's
+`PageLayout` places them, over blocks that first held other bits (what finished sequences
+left) and random padding bytes. Two bounds:
 
 - the paged kernel equals the contiguous kernel on the same bits, torch.equal: the tiles, their
   order and every float operation are the same; only the addresses differ (index math);
 - against the paged reference (gather + `decode_attention_reference`) in float64 it keeps
   flash-attention's rule, the tolerance tests/runtime/test_kernels.py holds the contiguous
-  kernel to: at most twice the error of the reference run in fp16. A block table read one
-  block off (the blocks in the order they were handed out) fails that bound tenfold.
+  kernel to: at most twice the error of the reference run in fp16. The block table rolled by
+  one block (each position read from a neighbouring block) fails that bound tenfold.
 """
 
 import dataclasses
