@@ -94,7 +94,8 @@ test-runtime: $(RUNTIME_STAMP)
 # The vLLM plugin's tests, not part of test-all (its venv is too heavy for CI): the toolkit
 # profiles SmolLM2-135M and converts it with kvcalib-2 and fp16, and makes a tiny random Qwen2
 # conversion (all kept in $(VLLM_OUT) between runs), then vLLM serves them on CPU through the
-# plugin (~4 minutes on one core once the folders exist, ~6 more for the SmolLM2 profile).
+# plugin (~4 minutes on one core once the folders exist, ~6 more for the SmolLM2 profile); then
+# the paged decode kernel serving the tiny Qwen2 through Triton's interpreter (~1 minute).
 VLLM_OUT ?= $(OUT)/vllm
 $(VLLM_OUT)/profile/profile.json: $(STAMP)
 	$(BIN)/kvcalib calibrate -o $(VLLM_OUT)/profile --force
@@ -110,6 +111,8 @@ test-vllm: $(VLLM_STAMP) $(VLLM_FOLDERS)
 	KVCALIB_VLLM_KVCALIB2=$(VLLM_OUT)/smollm2-kvcalib-2 KVCALIB_VLLM_FP16=$(VLLM_OUT)/smollm2-fp16 \
 		KVCALIB_VLLM_TINY_QWEN2=$(VLLM_OUT)/tiny-qwen2-kvcalib-2 \
 		OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest vllm_plugin/tests
+	KVCALIB_VLLM_TINY_QWEN2=$(VLLM_OUT)/tiny-qwen2-kvcalib-2 TRITON_INTERPRET=1 OMP_NUM_THREADS=1 \
+		$(VLLM_VENV)/bin/python -m pytest vllm_plugin/tests/test_paged.py -k paged_kernel
 
 test-all: setup test-runtime
 	$(BIN)/ruff check .

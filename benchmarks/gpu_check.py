@@ -5,7 +5,9 @@
 1. the `gpu`-marked tests (tests/runtime and tests/toolkit): the kernels at fp16/bf16 against
    their references at real sizes, bit-exact packing on the GPU, a decode step under
    torch.cuda.set_sync_debug_mode("error"), generation replayed from a CUDA graph, the CUDA
-   allocator against the cache's walked bytes; at most TEST_SECONDS
+   allocator against the cache's walked bytes, the paged decode kernel reading vLLM-style
+   pages through a block table (tests/runtime/test_paged_decode.py, its first GPU run);
+   at most TEST_SECONDS
 2. benchmarks/bench_decode.py at 4K and 32K contexts, batch 1 and 16, every shape, key
    position and dtype, with the end-to-end rows; at most BENCH_SECONDS (rows print as they
    finish, so a run cut short still reports what it measured)

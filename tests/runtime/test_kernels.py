@@ -466,6 +466,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction, mangle_type
 
+def nested(path, value, mangled, constants):  # a tuple's ints equal to 1: constexpr, as the JIT
+    if isinstance(mangled, tuple):
+        for j, (v, m) in enumerate(zip(value, mangled)):
+            nested((*path, j), v, m, constants)
+    elif mangled == "constexpr":
+        constants[path] = value
+
 def compile_instead(self, *args, grid, warmup, **kwargs):  # compile for sm_90, launch nothing
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion")
                if k in kwargs}
@@ -476,6 +483,7 @@ def compile_instead(self, *args, grid, warmup, **kwargs):  # compile for sm_90, 
             signature[name], constants[(i,)] = "constexpr", value
         else:
             signature[name] = mangle_type(value)
+            nested((i,), value, signature[name], constants)
     source = ASTSource(self, signature, constants)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     print("compiled", self.fn.__name__)
@@ -516,6 +524,13 @@ for dtype, key, value, rope in [
     dec.decode_attention(torch.zeros(B, 4 * H, 1, D, dtype=dtype), new, new, Stored(keys, tail, nb),
                          Stored(values, tail, nb), sinks, nb,
                          inv_freq=torch.ones(D // 2) if rope else None, window=64 if rope else None)
+# paged (kernels.paged): kvcalib-2's bodies as 16-slot blocks read through a block table
+keys, values = (spec.layout.allocate((8, H, 16, D), "cpu", torch.float16, static_range=static,
+                                     codebook=book) for spec in (kvcalib2, QuantSpec(2)))
+table = torch.zeros(B, N // 16, dtype=torch.int32)
+dec.decode_attention(torch.zeros(B, 4 * H, 1, D, dtype=torch.float16), new, new,
+                     Stored(keys, tail, nb), Stored(values, tail, nb), sinks, nb,
+                     inv_freq=torch.ones(D // 2), block_table=table)
 """
 
 
@@ -534,8 +549,9 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    # quant_pack, flush, split, combine; three times (exact slots, none, fp8 slots)
-    assert done.stdout.split().count("compiled") == 12
+    # quant_pack, flush, split, combine; three times (exact slots, none, fp8 slots); paged
+    # split and combine
+    assert done.stdout.split().count("compiled") == 14
 
 
 def test_the_decode_benchmark_runs_its_smoke_configuration():

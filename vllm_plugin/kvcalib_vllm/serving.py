@@ -8,8 +8,10 @@ holds what the runtime's cache holds for it and attends as it does:
   (`model` leaves q and k pre-RoPE), holds the new keys and values exact until
   `commit`, and attends: one new token through the runtime's CPU decode path
   (`kernels.decode_torch`, reading the sequence's pages gathered in block-table order, its ring
-  and its sinks); several (a prefill or a chunk of one) in full precision over the new tokens
-  and the stored ones as they stand, as the runtime's prefill does;
+  and its sinks), or with `kernels` (the default for pages on a CUDA device) through the decode
+  kernel reading its pages in place by its block table (`kernels.paged`); several (a prefill
+  or a chunk of one) in full precision over the new tokens and the stored ones as they stand,
+  as the runtime's prefill does;
 - after the model's forward (`commit`, called by `model`), each sequence decides its sinks
   from the sink predictor's flags (`observe`, a hook after the predictor's layer), fills its
   sink slots, quantizes the positions the next token must see quantized into its pages
@@ -26,6 +28,7 @@ from kvcalib_runtime.cache.kvcache import _attention
 from kvcalib_runtime.cache.scheme import quantized_prefix_int
 from kvcalib_runtime.checkpoint.format import Checkpoint
 from kvcalib_runtime.kernels import decode_torch
+from kvcalib_runtime.kernels.decode_attention import decode_attention
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.kernels.quant_pack import quant_pack_reference
 from kvcalib_runtime.model.rope import layer_ropes
@@ -48,9 +51,11 @@ class Step:
 class Serving:
     """The side-car of `ckpt` served in vLLM's pages (their block size read from the cache on
     the first step) for up to `rows` sequences of `max_len` positions, in `dtype` (the
-    model's)."""
+    model's). kernels: decode through the paged Triton kernel (None: where the pages are on a
+    CUDA device; True on the CPU needs TRITON_INTERPRET=1, as the tests run it)."""
 
-    def __init__(self, ckpt: Checkpoint, *, dtype: torch.dtype, rows: int, max_len: int):
+    def __init__(self, ckpt: Checkpoint, *, dtype: torch.dtype, rows: int, max_len: int,
+                 kernels: bool | None = None):  # fmt: skip
         geo = ckpt.geometry
         self.scheme, self.params, self.transforms = ckpt.scheme, ckpt.params, ckpt.transforms
         self.dtype, self.head_dim, self.kv_heads = dtype, geo.head_dim, geo.kv_heads
@@ -62,10 +67,11 @@ class Serving:
         sp = self.params.sink_predictor
         self.predictor = sp if sp is not None and self.scheme.sink_budget else None
         self._sink_dims = torch.tensor(sp.dims) if self.predictor else None
-        self._raw_ptr, self._bodies, self.block_size = None, [], None
+        self._raw_ptr, self._bodies, self.block_size, self.device = None, [], None, None
         self._steps: list[Step] = []
         self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._flags = None
+        self.kernels = kernels
 
     # -- a step ----------------------------------------------------------------------------
 
@@ -128,7 +134,9 @@ class Serving:
         if raw.data_ptr() != self._raw_ptr:
             self._raw_ptr = raw.data_ptr()
             self._bodies = [(k.body(raw), v.body(raw)) for k, v in self.pages.tensors]
-        self.block_size = raw.shape[1]
+        self.block_size, self.device = raw.shape[1], raw.device
+        if self.kernels is None:
+            self.kernels = raw.device.type == "cuda"
         self.seqs.begin_step()
         self._pending.clear()  # a step that raised before its commit leaves nothing behind
         self._flags = None
@@ -145,20 +153,28 @@ class Serving:
     # -- reading ---------------------------------------------------------------------------
 
     def _decode(self, layer, st: Step, q, k_new, v_new, keys, values) -> torch.Tensor:
-        """One new token: the runtime's CPU decode path over the sequence's pages."""
-        r = st.row
+        """One new token over the sequence's pages: read in place by the paged kernel
+        (`kernels`), else gathered for the runtime's CPU decode path. The row's ring and sinks
+        are copied to the pages' device (nothing to copy on the CPU)."""
+        r, dev = st.row, self.device
         stored = [
-            Stored(tp.gather(body, st.blocks), tail[layer][None],
-                   torch.tensor([_body(tp, self.scheme.residual, st.n)]))
+            Stored(body if self.kernels else tp.gather(body, st.blocks),
+                   tail[layer][None].to(dev),
+                   torch.tensor([_body(tp, self.scheme.residual, st.n)], device=dev))
             for (tp, body), tail in ((keys, r.tail_k), (values, r.tail_v))
         ]  # fmt: skip
-        sinks = Sinks(r.sink_k[layer][None], r.sink_v[layer][None], r.sink_pos[None],
-                      r.is_sink[None])  # fmt: skip
+        sinks = Sinks(*(t[None].to(dev) for t in (r.sink_k[layer], r.sink_v[layer], r.sink_pos,
+                                                  r.is_sink)))  # fmt: skip
         pre_rope = self.scheme.layers[layer].key_position == "pre_rope"
+        inv_freq = self.ropes[layer].inv_freq.to(dev) if pre_rope else None
+        lengths = torch.tensor([st.n], device=dev)
+        if self.kernels:
+            table = st.blocks[None].to(device=dev, dtype=torch.int32)
+            return decode_attention(q, k_new, v_new, *stored, sinks, lengths, inv_freq=inv_freq,
+                                    block_table=table)  # fmt: skip
         return decode_torch.decode_attention_torch(
-            q, k_new, v_new, *stored, sinks, torch.tensor([st.n]),
-            inv_freq=self.ropes[layer].inv_freq if pre_rope else None,
-        )  # fmt: skip
+            q, k_new, v_new, *stored, sinks, lengths, inv_freq=inv_freq
+        )
 
     def _read(self, layer, st: Step, tp: TensorPages, body, tails, sinks, new) -> torch.Tensor:
         """Positions [0, n) of the sequence as stored (body dequantized, sinks exact, ring

@@ -7,6 +7,8 @@
     tiles             how the decode kernel reads a tile of keys or values (unpack, levels,
                       metadata, exact slots, RoPE)
     decode_attention  attention of one new token per sequence over the quantized cache
+    paged             the same kernel over vLLM-style pages, read through a block table, and
+                      its reference (gather, then decode_attention's)
 
 `layout.use_triton(device)` says where they run: CUDA, or anywhere under TRITON_INTERPRET=1.
 """

@@ -47,18 +47,20 @@ INTERPRETED = (32, 4, 1)
 
 # fmt: off
 @triton.jit
-def _stream(S, L: tl.constexpr, LEVELS, line, kv, slot, pos, pos0, live, in_body, base, s_lo,
-            o_lo, s_hi, o_hi, ring_size, BN: tl.constexpr, BLOCK_C: tl.constexpr,
+def _stream(S, L: tl.constexpr, LEVELS, blk, head, kv, slot, pos, pos0, live, in_body, base,
+            s_lo, o_lo, s_hi, o_hi, ring_size, BN: tl.constexpr, BLOCK_C: tl.constexpr,
             D: tl.constexpr, MIXED: tl.constexpr):
     # fmt: on
     """Keys or values (buffers S, layout L; LEVELS: this head's codebook row) at positions pos
     [BN], as two halves fp32 [BN, BLOCK_C]: the body where in_body, with MIXED the residual ring
-    elsewhere (where live). line: the body's rows (sequence, head, or sequence for "vector"),
+    elsewhere (where live). (blk, head, slot): the body's rows (tiles.at; head 0 for "vector"),
     base: where the head's channels start in them; kv: the ring's (sequence, head); s_*, o_*:
     each half's "static" metadata."""
     C: tl.constexpr = D // 2
-    lo = tiles.half(S, L, LEVELS, line, slot, pos0, in_body, base, s_lo, o_lo, BN, BLOCK_C, C)
-    hi = tiles.half(S, L, LEVELS, line, slot, pos0, in_body, base + C, s_hi, o_hi, BN, BLOCK_C, C)
+    lo = tiles.half(S, L, LEVELS, blk, head, slot, pos0, in_body, base, s_lo, o_lo, BN, BLOCK_C,
+                    C)  # fmt: skip
+    hi = tiles.half(S, L, LEVELS, blk, head, slot, pos0, in_body, base + C, s_hi, o_hi, BN,
+                    BLOCK_C, C)  # fmt: skip
     if MIXED:
         ring = live & ~in_body
         lo = tl.where(in_body[:, None], lo, tiles.ring(S.tail, kv, pos, ring, ring_size, 0, D,
@@ -90,16 +92,18 @@ def _decode_split_kernel(
     LENGTHS, INV_FREQ,                     # int64 [B], float32 [D/2]
     PART, STATS,                           # float32 [B, H, splits, D], [B, H, splits, 2]
     KS, VS,                                # keys', values' StreamBuffers
+    BLOCK_TABLE, table_stride,             # int32 [B, blocks per sequence] when PAGED
     num_kv, positions, num_sinks, num_splits, window, sm_scale, ring_size,
     KL: tl.constexpr, VL: tl.constexpr,    # keys', values' StreamLayout
     G: tl.constexpr, D: tl.constexpr, PRE_ROPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
 ):
     """Program (b, KV head hk, split): the split-th chunk of the positions sequence b attends to
     (body, then the ring), plus the sink slots and the new token in split 0, for query heads
     hk * G .. hk * G + G - 1. Writes PART (unnormalized) and STATS (running max in log2 units,
-    sum)."""
+    sum). PAGED: position p of the bodies is slot p % PAGE of block BLOCK_TABLE[b, p // PAGE]
+    (vLLM's pages); else slot p (p % slots for a ring) of sequence b."""
     b, hk, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(LENGTHS + b).to(tl.int32)
     nbk, nbv = tl.load(KS.n_body + b).to(tl.int32), tl.load(VS.n_body + b).to(tl.int32)
@@ -111,12 +115,12 @@ def _decode_split_kernel(
     # [lo, both): whole tiles inside both bodies, read without masks; [both, hi): the rest
     both = lo + tl.maximum(tl.minimum(hi, tl.minimum(nbk, nbv)) - lo, 0) // BLOCK_N * BLOCK_N
     kv = b.to(tl.int64) * num_kv + hk  # this (sequence, KV head)
-    k_line, v_line = kv, kv  # body rows of this (sequence, head): one per token for "vector",
+    k_head, v_head = hk, hk  # the body's head row: every head's channels in one for "vector",
     k_base, v_base = hk * 0, hk * 0  # where this head's channels start in its row
     if KL.VEC:
-        k_line, k_base = b.to(tl.int64), hk * D
+        k_head, k_base = hk * 0, hk * D
     if VL.VEC:
-        v_line, v_base = b.to(tl.int64), hk * D
+        v_head, v_base = hk * 0, hk * D
     C: tl.constexpr = D // 2
     g = tl.arange(0, BLOCK_G)
     ch = tl.arange(0, BLOCK_C)
@@ -165,14 +169,19 @@ def _decode_split_kernel(
                 sink = tl.load(SINKS.is_sink + b * positions + pos, mask=pos < stop_at, other=1)
                 valid = (pos < stop_at) & (pos >= first) & (sink == 0)
                 k_in, v_in = valid & (pos < nbk), valid & (pos < nbv)
-            k_slot, v_slot = pos, pos  # a ring body (sliding window): position % slots
-            if KL.RING:
-                k_slot = pos % KS.slots
-            if VL.RING:
-                v_slot = pos % VS.slots
-            k_lo, k_hi = _stream(KS, KL, k_levels, k_line, kv, k_slot, pos, start, valid, k_in,
-                                 k_base, ks_lo, ko_lo, ks_hi, ko_hi, ring_size, pos.shape[0],
-                                 BLOCK_C, D, phase == 1)  # fmt: skip
+            if PAGED:  # the sequence's blocks up to its length (all of phase 0's tile)
+                page = BLOCK_TABLE + b * table_stride + pos // PAGE
+                blk = tl.load(page, mask=pos < stop_at, other=0)
+                k_blk, v_blk, k_slot, v_slot = blk, blk, pos % PAGE, pos % PAGE
+            else:
+                k_blk, v_blk, k_slot, v_slot = b, b, pos, pos
+                if KL.RING:  # a ring body (sliding window): position % slots
+                    k_slot = pos % KS.slots
+                if VL.RING:
+                    v_slot = pos % VS.slots
+            k_lo, k_hi = _stream(KS, KL, k_levels, k_blk, k_head, kv, k_slot, pos, start, valid,
+                                 k_in, k_base, ks_lo, ko_lo, ks_hi, ko_hi, ring_size,
+                                 pos.shape[0], BLOCK_C, D, phase == 1)  # fmt: skip
             if PRE_ROPE:
                 if phase == 0:  # R(start + j) = R(start) R(j)
                     cos_a, sin_a = tiles.trig((start * 1.0) * freq)
@@ -185,15 +194,19 @@ def _decode_split_kernel(
             s += tl.dot(q_hi, tl.trans(k_hi.to(DT)), input_precision=PRECISION)
             if KL.K > 0:
                 s += tiles.slot_scores(KS.slot_index, KS.slot_delta, KS.scale + hk * D, q_rows,
-                                       g < G, k_line * KS.slots + k_slot, k_in, k_base, pos,
-                                       INV_FREQ, KL.K, D, PRE_ROPE, KL.FP8)  # fmt: skip
+                                       g < G, tiles.at(KS.strides.index, k_blk, k_head, k_slot),
+                                       tiles.at(KS.strides.delta, k_blk, k_head, k_slot), k_in,
+                                       k_base, pos, INV_FREQ, KL.K, D, PRE_ROPE,
+                                       KL.FP8)  # fmt: skip
             s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
-            v_lo, v_hi = _stream(VS, VL, v_levels, v_line, kv, v_slot, pos, start, valid, v_in,
-                                 v_base, vs_lo, vo_lo, vs_hi, vo_hi, ring_size, pos.shape[0],
-                                 BLOCK_C, D, phase == 1)  # fmt: skip
+            v_lo, v_hi = _stream(VS, VL, v_levels, v_blk, v_head, kv, v_slot, pos, start, valid,
+                                 v_in, v_base, vs_lo, vo_lo, vs_hi, vo_hi, ring_size,
+                                 pos.shape[0], BLOCK_C, D, phase == 1)  # fmt: skip
             if VL.K > 0:
                 v_lo, v_hi = tiles.slot_values(v_lo, v_hi, VS.slot_index, VS.slot_delta,
-                                               VS.scale + hk * D, v_line * VS.slots + v_slot,
+                                               VS.scale + hk * D,
+                                               tiles.at(VS.strides.index, v_blk, v_head, v_slot),
+                                               tiles.at(VS.strides.delta, v_blk, v_head, v_slot),
                                                v_in, v_base, VL.K, D, BLOCK_C,
                                                VL.FP8)  # fmt: skip
             m_i, l_i, acc_lo, acc_hi = _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT,
@@ -273,16 +286,29 @@ class SinkBuffers(NamedTuple):
     is_sink: torch.Tensor
 
 
+class Strides(NamedTuple):
+    """Element strides (block or sequence, head row, slot) of a body's per-token buffers, as
+    `tiles.at` reads them: a contiguous body's, or a page view's (its fields interleaved in
+    one row per token). (0, 0, 0) where a buffer is absent or per layer."""
+
+    codes: tuple[int, int, int]
+    meta: tuple[int, int, int]
+    index: tuple[int, int, int]
+    delta: tuple[int, int, int]
+
+
 class StreamBuffers(NamedTuple):
     """One stream's (keys' or values') tensors and sizes as the decode kernel reads them;
     pointers a layout does not use repeat the codes.
 
     codes, scale, offset, levels, slot_index, slot_delta  the PackedBody's (codes as int32
-                  words when the layout's UNIT is 32), or the exact body dtype [B, Hkv, S, D]
-    tail          dtype [B, Hkv, R, D] the residual ring
-    n_body        int64 [B] body sizes
-    slots         body slots per row, at least 1
+                  words when the layout's UNIT is 32), or the exact body dtype [B, Hkv, S, D];
+                  B: sequences, or blocks of a paged body
+    tail          dtype [B, Hkv, R, D] the residual ring (B: sequences)
+    n_body        int64 [B] body sizes (B: sequences)
+    slots         body slots per row (per block when paged), at least 1
     meta_rows     metadata rows of a "channel" body, else 1
+    strides       Strides of codes, scale (and offset), slot_index, slot_delta
     """
 
     codes: torch.Tensor
@@ -295,6 +321,7 @@ class StreamBuffers(NamedTuple):
     n_body: torch.Tensor
     slots: int
     meta_rows: int
+    strides: Strides
 
 
 class StreamLayout(NamedTuple):
@@ -309,10 +336,8 @@ class StreamLayout(NamedTuple):
     K       exact slots per row
     FP8     the slots' deltas are E4M3 bytes in steps of the static scale (slot_code "fp8")
     VEC     a row joins every KV head ("vector")
-    UNIT    bits of one code load (tiles.unit)
-    ROW     units per stored row
-    WIDTH   channels per stored row
-    RING    fewer body slots than positions: a sliding window's ring
+    UNIT    bits of one code load (tiles.unit; 8 where a page's rows do not start on a word)
+    RING    fewer body slots than positions: a sliding window's ring (never paged)
     """
 
     BITS: int
@@ -324,30 +349,52 @@ class StreamLayout(NamedTuple):
     FP8: bool
     VEC: bool
     UNIT: int
-    ROW: int
-    WIDTH: int
     RING: bool
 
 
-def _stream_args(stored: Stored, head_dim: int, positions: int):
-    """One stream's (StreamBuffers, StreamLayout); RING: fewer body slots than `positions`."""
+NONE = (0, 0, 0)
+
+
+def _rows(t: torch.Tensor | None) -> tuple[int, int, int]:
+    """Strides (block or sequence, head row, slot) of t [B, heads, N, ...], or NONE."""
+    return NONE if t is None else tuple(t.stride()[:3])
+
+
+def _words(codes: torch.Tensor) -> torch.Tensor | None:
+    """codes as int32 words (a view), or None where a row does not start on a word (a page
+    field placed at a byte offset that is not a multiple of 4)."""
+    if codes.storage_offset() % 4 or any(s % 4 for s in codes.stride()[:-1]):
+        return None
+    return codes.view(torch.int32)
+
+
+def _stream_args(stored: Stored, head_dim: int, positions: int, paged: bool):
+    """One stream's (StreamBuffers, StreamLayout); RING: fewer body slots than `positions`
+    (a paged body holds every position in its blocks)."""
     body, half = stored.body, head_dim // 2
     if not isinstance(body, PackedBody):
         slots = body.shape[2]
-        buffers = StreamBuffers(*[body] * 6, stored.tail, stored.n_body, max(slots, 1), 1)
-        exact = StreamLayout(
-            16, EXACT, 1, True, False, 0, False, False, 8, 1, head_dim, slots < positions
-        )
+        strides = Strides(_rows(body), NONE, NONE, NONE)
+        buffers = StreamBuffers(*[body] * 6, stored.tail, stored.n_body, max(slots, 1), 1,
+                                strides)  # fmt: skip
+        ring = not paged and slots < positions
+        exact = StreamLayout(16, EXACT, 1, True, False, 0, False, False, 8, ring)
         return buffers, exact
     spec = body.spec
     unit = tiles.unit(spec.bits, half)
-    codes = body.codes.view(torch.int32) if unit == 32 else body.codes
+    words = _words(body.codes) if unit == 32 else None
+    unit = 32 if words is not None else 8
+    codes = words if words is not None else body.codes
     pointers = [body.scale, body.offset, body.levels, body.slot_index, body.slot_delta]
     pointers = [t if t is not None else codes for t in pointers]
     layout = spec.layout
     meta_rows = body.scale.shape[2] if layout.kind == Kind.CHANNEL else 1
+    assert body.offset is None or body.offset.stride() == body.scale.stride()
+    meta = NONE if layout.kind == Kind.STATIC else _rows(body.scale)
+    strides = Strides(_rows(codes), meta, _rows(body.slot_index), _rows(body.slot_delta))
     slots = body.codes.shape[2]
-    buffers = StreamBuffers(codes, *pointers, stored.tail, stored.n_body, max(slots, 1), meta_rows)
+    buffers = StreamBuffers(codes, *pointers, stored.tail, stored.n_body, max(slots, 1),
+                            meta_rows, strides)  # fmt: skip
     layout = StreamLayout(
         BITS=spec.bits,
         GRAN=layout.kind.value,
@@ -358,9 +405,7 @@ def _stream_args(stored: Stored, head_dim: int, positions: int):
         FP8=spec.slot_code == "fp8",
         VEC=body.vector,
         UNIT=unit,
-        ROW=codes.shape[-1],
-        WIDTH=body.width,
-        RING=slots < positions,
+        RING=not paged and slots < positions,
     )
     return buffers, layout
 
@@ -406,14 +451,35 @@ def _config(key, device: torch.device, launch) -> tuple[int, int, int]:
     return best[1]
 
 
+def _page_size(keys: Stored, values: Stored, block_table, batch: int, window) -> int:
+    """The slots per block of paged bodies (vLLM's block_size), after the checks."""
+    sizes = {(s.body.codes if isinstance(s.body, PackedBody) else s.body).shape[2]
+             for s in (keys, values)}  # fmt: skip
+    kinds = [s.body.layout.kind for s in (keys, values) if isinstance(s.body, PackedBody)]
+    if block_table.dim() != 2 or block_table.shape[0] != batch or len(sizes) != 1:
+        raise ValueError(
+            f"decode_attention: block_table {tuple(block_table.shape)} must be [B={batch}, "
+            f"blocks] over key and value bodies of one block size (theirs: {sorted(sizes)})"
+        )
+    if window is not None or Kind.CHANNEL in kinds:
+        raise ValueError(
+            "decode_attention: pages hold every position of per-token and static layouts: "
+            "read a sliding window or a 'channel' body from a contiguous cache"
+        )
+    return sizes.pop()
+
+
 def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks, lengths, *,
-                     inv_freq=None, window: int | None = None):  # fmt: skip
+                     inv_freq=None, window: int | None = None, block_table=None):  # fmt: skip
     """Attention of one new token per sequence over the cache and itself.
 
     q [B, H, 1, D] post-RoPE (rotated, when keys are), in the cache dtype; k_new, v_new
     [B, Hkv, 1, D] the new token's key (in the key domain) and value; lengths int64 [B] on the
     device, tokens stored before the new one; inv_freq float32 [D/2] when keys are stored
     pre-RoPE (RoPE at the position); window: the layer's sliding window, None for global.
+    block_table int32 [B, blocks] on the device: the bodies are pages (their B = blocks, N =
+    block_size, any strides: `kernels.paged`), position p of sequence b at slot p % N of block
+    block_table[b, p // N], read in place; None: contiguous bodies, one sequence a row.
     Returns out [B, H, 1, D] in q's dtype. Launches a fixed grid: nothing read on the host.
     """
     B, H, T, D = q.shape
@@ -425,8 +491,10 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
     G = H // hkv
     q, k_new, v_new = (t.contiguous() for t in (q, k_new, v_new))
     positions = sinks.is_sink.shape[1]
-    k_buffers, k_layout = _stream_args(keys, D, positions)
-    v_buffers, v_layout = _stream_args(values, D, positions)
+    paged = block_table is not None
+    page = _page_size(keys, values, block_table, B, window) if paged else 1
+    k_buffers, k_layout = _stream_args(keys, D, positions, paged)
+    v_buffers, v_layout = _stream_args(values, D, positions, paged)
     sink_buffers = SinkBuffers(sinks.keys, sinks.values, sinks.positions,
                                sinks.is_sink.view(torch.uint8))  # fmt: skip
     span = min(window or positions, positions)
@@ -443,13 +511,14 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
             q, k_new, v_new, sink_buffers,
             lengths, inv_freq if inv_freq is not None else part,
             part, stats, k_buffers, v_buffers,
+            block_table if paged else lengths, block_table.stride(0) if paged else 0,
             hkv, positions, num_sinks, splits, window or 0, D**-0.5 * LOG2E, keys.tail.shape[2],
             k_layout, v_layout,
             G=G, D=D, PRE_ROPE=inv_freq is not None,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             BLOCK_G=tiles.next_pow2(G), BLOCK_C=max(16, tiles.next_pow2(D // 2)),
             BLOCK_N=block_n, BLOCK_X=max(16, tiles.next_pow2(num_sinks + 1)), STAGES=stages,
-            num_warps=warps,
+            PAGED=paged, PAGE=page, num_warps=warps,
         )
         # fmt: on
         _combine_kernel[(B * H,)](
@@ -463,7 +532,7 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
             num_warps=4,
         )  # fmt: skip
 
-    key = (D, G, inv_freq is not None, q.dtype, k_layout, v_layout)
+    key = (D, G, inv_freq is not None, q.dtype, k_layout, v_layout, page)
     launch(_config(key, q.device, launch))
     return out
 

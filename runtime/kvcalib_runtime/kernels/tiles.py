@@ -16,6 +16,11 @@ channels], in fp32 registers, from what the cache stores (kernels.layout).
 A head is read as two halves (channels [0, D/2) and [D/2, D)) because RoPE pairs channel c
 with c + D/2: keys stored before RoPE are rotated in registers, R(p0 + j) = R(p0) R(j) with
 R(j) built once per program and R(p0) once per tile.
+
+A row (one token of one head, or of every head for "vector") is found by its buffer's element
+strides (block or sequence, head row, slot) — `at` — so the same reads serve a contiguous cache
+(one block per sequence) and vLLM's pages (a block per `block_size` positions, the fields of a
+token interleaved in one page row).
 """
 
 import math
@@ -73,22 +78,30 @@ def rotate(lo, hi, cos, sin):
     return lo * cos - hi * sin, hi * cos + lo * sin
 
 
+@triton.jit
+def at(STRIDE, blk, head, slot):
+    """Element offsets (int64) of rows (blk, head, slot) — scalars or [BN] — of a buffer whose
+    strides are STRIDE = (block or sequence, head row, slot)."""
+    line = blk.to(tl.int64) * STRIDE[0] + head.to(tl.int64) * STRIDE[1]
+    return line + slot.to(tl.int64) * STRIDE[2]
+
+
 # fmt: off
 @triton.jit
 def codes(CODES, row, c0, live, BN: tl.constexpr, BLOCK_C: tl.constexpr, C: tl.constexpr,
-          BITS: tl.constexpr, UNIT: tl.constexpr, ROW: tl.constexpr):
+          BITS: tl.constexpr, UNIT: tl.constexpr):
     # fmt: on
-    """int32 codes [BN, BLOCK_C] of channels c0 + [0, C) of body rows `row` [BN] (int64; where
-    `live`). CODES holds rows of ROW units: int32 words (UNIT 32) or bytes (UNIT 8)."""
+    """int32 codes [BN, BLOCK_C] of channels c0 + [0, C) of the body rows starting at element
+    offsets `row` [BN] (int64; where `live`) of CODES: int32 words (UNIT 32) or bytes (UNIT 8)."""
     if 8 % BITS == 0:
         PER: tl.constexpr = UNIT // BITS
         u = tl.arange(0, BLOCK_C // PER)
-        ptr = CODES + row[:, None] * ROW + (c0 * BITS // UNIT + u)[None, :]
+        ptr = CODES + row[:, None] + (c0 * BITS // UNIT + u)[None, :]
         word = tl.load(ptr, mask=live[:, None] & (u < C // PER)[None, :], other=0).to(tl.int32)
     else:  # 8 codes in BITS bytes, little-endian
         PER: tl.constexpr = 8
         u = tl.arange(0, BLOCK_C // 8)
-        ptr = CODES + row[:, None] * ROW + (c0 * BITS // 8 + u * BITS)[None, :]
+        ptr = CODES + row[:, None] + (c0 * BITS // 8 + u * BITS)[None, :]
         mask = live[:, None] & (u < C // 8)[None, :]
         WIDE: tl.constexpr = tl.int64 if BITS > 3 else tl.int32
         word = tl.zeros([BN, BLOCK_C // 8], WIDE)
@@ -130,34 +143,34 @@ def spread(meta, ROWS: tl.constexpr, REPEAT: tl.constexpr, COLS: tl.constexpr):
 
 # fmt: off
 @triton.jit
-def half(S, L: tl.constexpr, LEVELS, line, slot, pos0, live, c0, s_static, o_static,
+def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, o_static,
          BN: tl.constexpr, BLOCK_C: tl.constexpr, C: tl.constexpr):
     # fmt: on
     """One half of a head from the body (buffers S, layout L: decode_attention's StreamBuffers
     and StreamLayout; LEVELS: the codebook row), fp32 [BN, BLOCK_C]: channels c0 + [0, C) of the
-    L.WIDTH-channel rows `slot` [BN] of (sequence, head) line `line` (int64), where `live`.
+    rows (blk, head, slot) (`at`; blk and slot [BN] or scalars), where `live`.
 
     STATIC: s_static, o_static [BLOCK_C] (offset with the symmetric shift folded in) from the
-    caller. CHANNEL: the tile's positions are pos0 + [0, BN), pos0 a multiple of BN. EXACT:
+    caller. CHANNEL (contiguous only: blk a scalar): the tile's positions are pos0 + [0, BN), pos0
+a multiple of BN, the metadata rows groups of GROUP positions. EXACT:
     S.codes holds the values.
     """
     CODES = S.codes
     SCALE = S.scale
     OFFSET = S.offset
-    WIDTH: tl.constexpr = L.WIDTH
     BITS: tl.constexpr = L.BITS
     GRAN: tl.constexpr = L.GRAN
     GROUP: tl.constexpr = L.GROUP
     SYMMETRIC: tl.constexpr = L.SYM
     CODEBOOK: tl.constexpr = L.CB
     ch = tl.arange(0, BLOCK_C)
-    row = line * S.slots + slot
+    row = at(S.strides.codes, blk, head, slot)
     SHIFT: tl.constexpr = 2 ** (BITS - 1) - 1 if SYMMETRIC and not CODEBOOK else 0
     if GRAN == EXACT:
-        x = tl.load(CODES + row[:, None] * WIDTH + (c0 + ch)[None, :],
+        x = tl.load(CODES + row[:, None] + (c0 + ch)[None, :],
                     mask=live[:, None] & (ch < C)[None, :], other=0.0).to(tl.float32)  # fmt: skip
     else:
-        lv = level(codes(CODES, row, c0, live, BN, BLOCK_C, C, BITS, L.UNIT, L.ROW), LEVELS, BITS,
+        lv = level(codes(CODES, row, c0, live, BN, BLOCK_C, C, BITS, L.UNIT), LEVELS, BITS,
                    CODEBOOK)  # fmt: skip
         if GRAN == STATIC:
             x = lv * s_static[None, :] + o_static[None, :]
@@ -172,7 +185,7 @@ def half(S, L: tl.constexpr, LEVELS, line, slot, pos0, live, c0, s_static, o_sta
             else:  # groups straddle the halves: one metadata load per element (L1 hits)
                 index = ((c0 + gi) // GROUP)[None, :]
                 mask = live[:, None] & (gi < C)[None, :]
-            meta = row[:, None] * (WIDTH // GROUP) + index
+            meta = at(S.strides.meta, blk, head, slot)[:, None] + index
             scale = tl.load(SCALE + meta, mask=mask, other=0.0).to(tl.float32)
             offset = -SHIFT * scale
             if not SYMMETRIC:
@@ -184,7 +197,7 @@ def half(S, L: tl.constexpr, LEVELS, line, slot, pos0, live, c0, s_static, o_sta
         else:  # CHANNEL: one metadata row per GROUP positions (broadcast when GROUP >= BN)
             NGB: tl.constexpr = BN // GROUP if GROUP < BN else 1
             group = (pos0 // GROUP + tl.arange(0, NGB)) % S.meta_rows
-            meta = (line * S.meta_rows + group)[:, None] * WIDTH + (c0 + ch)[None, :]
+            meta = at(S.strides.meta, blk, head, group)[:, None] + (c0 + ch)[None, :]
             scale = tl.load(SCALE + meta, mask=(ch < C)[None, :], other=0.0).to(tl.float32)
             offset = -SHIFT * scale
             if not SYMMETRIC:
@@ -211,36 +224,36 @@ def static_meta(S, L: tl.constexpr, h, c0, BLOCK_C: tl.constexpr, C: tl.constexp
 
 # fmt: off
 @triton.jit
-def slot(INDEX, DELTA, SCALE, row, live, base, k, K: tl.constexpr, D: tl.constexpr,
-         FP8: tl.constexpr):
+def slot(INDEX, DELTA, SCALE, i_row, d_row, live, base, k, FP8: tl.constexpr, D: tl.constexpr):
     # fmt: on
-    """Exact slot k of rows `row` [BN]: (channel within this head, fp32 delta), delta 0 where
+    """Exact slot k of the rows at element offsets i_row of INDEX and d_row of DELTA [BN]:
+    (channel within this head, fp32 delta), delta 0 where
     not live or where the slot belongs to another head (base: this head's first channel). An
     FP8 delta is an E4M3 byte in steps of SCALE [D] (this head's static scale) at its channel."""
-    index = tl.load(INDEX + row * K + k, mask=live, other=0).to(tl.int32) - base
+    index = tl.load(INDEX + i_row + k, mask=live, other=0).to(tl.int32) - base
     mine = live & (index >= 0) & (index < D)
     index = tl.where(mine, index, 0)
     if FP8:
-        delta = fp8_decode(tl.load(DELTA + row * K + k, mask=mine, other=0))
+        delta = fp8_decode(tl.load(DELTA + d_row + k, mask=mine, other=0))
         step = tl.load(SCALE + index, mask=mine, other=1.0).to(tl.float32)
         delta = delta * tl.where(step > 0, step, 1.0)
     else:
-        delta = tl.load(DELTA + row * K + k, mask=live, other=0.0).to(tl.float32)
+        delta = tl.load(DELTA + d_row + k, mask=live, other=0.0).to(tl.float32)
     return index, tl.where(mine, delta, 0.0)
 
 
 # fmt: off
 @triton.jit
-def slot_scores(INDEX, DELTA, SCALE, Q_ROWS, q_mask, row, live, base, pos, INV_FREQ,
+def slot_scores(INDEX, DELTA, SCALE, Q_ROWS, q_mask, i_row, d_row, live, base, pos, INV_FREQ,
                 K: tl.constexpr, D: tl.constexpr, PRE_ROPE: tl.constexpr, FP8: tl.constexpr):
     # fmt: on
     """What the keys' exact slots add to the scores, fp32 [BLOCK_G, BN]: q . rope(delta e_c)
     for each slot (channel c), from the queries Q_ROWS [BLOCK_G] pointers (rows of D; q_mask
     the real heads). Before RoPE, delta at channel c lands on c and its pair c +- D/2:
     delta (q_c cos + q_pair sin) for c < D/2, delta (q_c cos - q_pair sin) otherwise."""
-    out = tl.zeros([Q_ROWS.shape[0], row.shape[0]], tl.float32)
+    out = tl.zeros([Q_ROWS.shape[0], pos.shape[0]], tl.float32)
     for k in tl.static_range(K):
-        index, delta = slot(INDEX, DELTA, SCALE, row, live, base, k, K, D, FP8)
+        index, delta = slot(INDEX, DELTA, SCALE, i_row, d_row, live, base, k, FP8, D)
         q = tl.load(Q_ROWS[:, None] + index[None, :], mask=q_mask[:, None], other=0.0)
         q = q.to(tl.float32)
         if PRE_ROPE:
@@ -257,13 +270,14 @@ def slot_scores(INDEX, DELTA, SCALE, Q_ROWS, q_mask, row, live, base, pos, INV_F
 
 # fmt: off
 @triton.jit
-def slot_values(lo, hi, INDEX, DELTA, SCALE, row, live, base, K: tl.constexpr, D: tl.constexpr,
-                BLOCK_C: tl.constexpr, FP8: tl.constexpr):
+def slot_values(lo, hi, INDEX, DELTA, SCALE, i_row, d_row, live, base, K: tl.constexpr,
+                D: tl.constexpr, BLOCK_C: tl.constexpr, FP8: tl.constexpr):
     # fmt: on
-    """Values' exact slots added into the halves lo, hi [BN, BLOCK_C] at their channels."""
+    """Values' exact slots added into the halves lo, hi [BN, BLOCK_C] at their channels (rows
+    at element offsets i_row of INDEX, d_row of DELTA)."""
     ch = tl.arange(0, BLOCK_C)[None, :]
     for k in tl.static_range(K):
-        index, delta = slot(INDEX, DELTA, SCALE, row, live, base, k, K, D, FP8)
+        index, delta = slot(INDEX, DELTA, SCALE, i_row, d_row, live, base, k, FP8, D)
         lo = tl.where(ch == index[:, None], lo + delta[:, None], lo)
         hi = tl.where(ch == index[:, None] - D // 2, hi + delta[:, None], hi)
     return lo, hi

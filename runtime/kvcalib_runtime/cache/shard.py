@@ -1,0 +1,64 @@
+"""Tensor-parallel head sharding of a side-car's calibrated tensors.
+
+Under tensor parallelism rank r of a world of w holds KV heads [r * Hkv / w, (r + 1) * Hkv / w)
+(how vLLM splits k_proj and v_proj) and their query heads. Everything kvcalib calibrates per KV
+head moves with its heads (`KVParams`' docstring gives the shapes):
+
+    key_range, value_range  (lo, hi) [Hkv, D]   sliced
+    key_codebook, ...       [Hkv, L] per head   sliced; [L] per layer: shared
+    key_smooth              [Hkv, D]            sliced
+    key_split, value_split  [Hkv, n_o]          sliced (channels within a head: unchanged)
+    sink_predictor          on the residual stream, which every rank holds whole: shared
+
+Attention never mixes KV heads, so each rank's cache, built from its share, attends exactly as
+the unsharded cache does on those heads. A layout whose stored row joins every head
+("vector") quantizes across heads and cannot be split by them: refused, as is a world size
+that does not divide the KV heads.
+"""
+
+from dataclasses import replace
+
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme
+
+
+def head_share(kv_heads: int, rank: int, world: int) -> slice:
+    """The KV heads rank `rank` of `world` holds."""
+    if world < 1 or kv_heads % world or not 0 <= rank < world:
+        raise ValueError(
+            f"tensor parallelism: {world} ranks (rank {rank}) cannot share {kv_heads} KV heads: "
+            f"use a world size that divides {kv_heads}"
+        )
+    per = kv_heads // world
+    return slice(rank * per, (rank + 1) * per)
+
+
+def shard_params(scheme: KVScheme, params: KVParams, *, kv_heads: int, rank: int,
+                 world: int) -> KVParams:  # fmt: skip
+    """Rank `rank`'s share of `params` (see the module docstring): a KVParams for a cache of
+    kv_heads / world KV heads."""
+    heads = head_share(kv_heads, rank, world)
+    for i, layer in enumerate(scheme.layers):
+        for name, spec in (("key", layer.key), ("value", layer.value)):
+            if spec is not None and spec.layout.joins_heads:
+                raise ValueError(
+                    f"tensor parallelism: layer {i} {name}s are stored as {spec.layout.name!r}, "
+                    "one row across every KV head, which cannot be split by heads: convert "
+                    "with a per-head layout"
+                )
+
+    def rows(table: dict, per_layer: bool = False) -> dict:
+        return {i: t if per_layer and t.dim() == 1 else t[heads] for i, t in table.items()}
+
+    def pairs(table: dict) -> dict:
+        return {i: (lo[heads], hi[heads]) for i, (lo, hi) in table.items()}
+
+    return replace(
+        params,
+        key_range=pairs(params.key_range),
+        value_range=pairs(params.value_range),
+        key_codebook=rows(params.key_codebook, per_layer=True),
+        value_codebook=rows(params.value_codebook, per_layer=True),
+        key_smooth=rows(params.key_smooth),
+        key_split=rows(params.key_split),
+        value_split=rows(params.value_split),
+    )
