@@ -24,7 +24,9 @@ phi3 keeps q/k/v as row blocks [q; k; v] of one `qkv_proj` and gate/up as [gate;
 of that block), and the residual rotation treats each fused matrix as one reader.
 
 Layer dicts are keyed by names relative to `model.layers.{i}.` (archs.py's names + ".weight").
-Transforms compute in float32 (COMPUTE) and leave the result there; the caller casts.
+Transforms compute in float32 (COMPUTE) and leave the result there; the caller casts. They never
+write into a tensor they are given (it maps the source file): every result is a new tensor, and
+the converter copies one that comes back as the same object byte for byte from the source.
 
 Q is `orthogonal_hadamard(n, seed)`, applied by the runtime's `hadamard_transform` (one small
 matmul per Kronecker factor of H_n) on CHUNK elements at a time, which bounds the temporaries of
@@ -61,7 +63,8 @@ def _left(w: torch.Tensor, seed: int | None) -> torch.Tensor:
 
 
 def _get(t: dict, name: str) -> torch.Tensor:
-    return t[name].to(COMPUTE)
+    """A new COMPUTE copy of t[name], to write into."""
+    return t[name].to(COMPUTE, copy=True)
 
 
 def _rows(geo: Geometry, which: str) -> tuple[str, slice]:
