@@ -17,10 +17,10 @@ each header, then the tensor bytes as they arrive, PIECE bytes at a time: each p
 a second thread while it is written (hashlib and file writes release the GIL). The hasher may
 fall up to DEPTH pieces behind before the writer waits for it, so that neither thread waits on
 the other's every turn on a busy machine. A tensor that passes through unchanged is a `Span` of
-its source file, read a piece at a time into DEPTH + 1 reused buffers: its bytes are copied
-exactly, with no float round-trip and no fresh memory. Peak memory is what the caller holds
-plus (DEPTH + 1) * PIECE bytes, never a shard. `ahead` runs the producer of the tensors (reading
-and transforming them) on its own thread, so that it never waits for a write.
+its source file, written and hashed from the file's mapped pages: its bytes are copied exactly,
+with no float round-trip, no fresh memory and no copy in user space. Peak memory is what the
+caller holds, never a shard. `ahead` runs the producer of the tensors (reading and transforming
+them) on its own thread, so that it never waits for a write.
 """
 
 import collections
@@ -200,8 +200,6 @@ class ShardWriter:
         self.hashes: dict[str, str] = {}
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvcalib-sha256")
         self._pending = collections.deque()  # the hashes of written pieces, oldest first
-        self._buffers = [memoryview(bytearray(PIECE)) for _ in range(DEPTH + 1)]  # for Spans
-        self._turn = 0
 
     def write(self, name: str, data: torch.Tensor | Span) -> None:
         """The next planned tensor: its values, or the Span of a source file holding its bytes
@@ -236,18 +234,16 @@ class ShardWriter:
             self._wait(DEPTH)
 
     def _copy(self, span: Span) -> None:
+        """Write and hash the span's bytes straight from the source's pages (mapped: no copy
+        into a buffer first); the mapping closes when its last piece is hashed."""
+        if not span.nbytes:
+            return
+        start = span.offset - span.offset % mmap.ALLOCATIONGRANULARITY
         with open(span.path, "rb") as f:
-            f.seek(span.offset)
-            left = span.nbytes
-            while left:
-                # the buffer of DEPTH + 1 pieces ago: hashed, since _put leaves DEPTH pending
-                buffer = self._buffers[self._turn]
-                self._turn = (self._turn + 1) % len(self._buffers)
-                n = f.readinto(buffer[: min(left, PIECE)])
-                if not n:
-                    raise ModelError(f"model: {span.path} ended while it was read (changed?)")
-                self._put(buffer[:n])
-                left -= n
+            data = mmap.mmap(
+                f.fileno(), span.offset + span.nbytes - start, access=mmap.ACCESS_READ, offset=start
+            )
+        self._put(memoryview(data)[span.offset - start :])
 
     def _wait(self, depth: int = 0) -> None:
         """Until at most `depth` written pieces are not yet hashed."""
