@@ -349,20 +349,31 @@ def _transform(group: _Group, tensors: dict, job: _Job) -> dict[str, torch.Tenso
 
 def _write_weights(tmp: Path, weights, groups, job: _Job, max_bytes: int) -> dict[str, str]:
     """Every group read, transformed and cast on a producer thread (up to AHEAD tensors ahead),
-    written and hashed as it arrives: the transforms stay off the write path."""
+    written and hashed as it arrives: the transforms stay off the write path. A tensor that
+    comes back from `_transform` as it was read (the same object, never written to: see
+    `rotate`) in its own dtype is written as the Span of its source bytes. Torch runs one
+    thread meanwhile (restored after): the writer and the hasher hold the other cores."""
 
     def produce():
         for group in groups:
-            out = _transform(group, weights.read(group.reads), job)
+            source = weights.read(group.reads)
+            out = _transform(group, source, job)
             for s in group.specs:
-                yield s.name, out.pop(s.name).to(s.dtype)
+                read, tensor = source.get(s.name), out.pop(s.name)  # out may be source itself
+                if tensor is read and tensor.dtype == s.dtype:
+                    yield s.name, weights.span(s.name)  # untouched: its bytes, copied unread
+                else:
+                    yield s.name, tensor.to(s.dtype)
 
     writer = ShardWriter(tmp, [s for g in groups for s in g.specs], max_bytes)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # also the producer's: a new thread starts with the last setting
     try:
         with ahead(produce(), AHEAD) as tensors:
             for name, tensor in tensors:
                 writer.write(name, tensor)
     finally:
+        torch.set_num_threads(threads)
         writer.close()
     return writer.finish()
 

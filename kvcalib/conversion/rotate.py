@@ -24,44 +24,56 @@ phi3 keeps q/k/v as row blocks [q; k; v] of one `qkv_proj` and gate/up as [gate;
 of that block), and the residual rotation treats each fused matrix as one reader.
 
 Layer dicts are keyed by names relative to `model.layers.{i}.` (archs.py's names + ".weight").
-Transforms compute in float32 (COMPUTE) and leave the result there; the caller casts.
+Transforms compute in float32 (COMPUTE) and leave the result there; the caller casts. They never
+write into a tensor they are given (it maps the source file): every result is a new tensor, and
+the converter copies one that comes back as the same object byte for byte from the source.
 
-Q is `orthogonal_hadamard(n, seed)`, applied by the runtime's `hadamard_transform` (one small
-matmul per Kronecker factor of H_n) on CHUNK elements at a time, which bounds the temporaries of
-a [vocab, hidden] matrix.
+Q is `orthogonal_hadamard(n, seed)`, applied by the runtime's `rotate_columns` (Walsh-Hadamard
+butterflies, O(n log n) per vector) on CHUNK elements at a time: 1 MiB of float32 and its
+temporaries stay in cache, and a [vocab, hidden] matrix never has a full-size temporary.
 """
+
+import math
 
 import torch
 
 from kvcalib_runtime.model import archs
 from kvcalib_runtime.model.geometry import Geometry
-from kvcalib_runtime.model.hadamard import hadamard_transform
+from kvcalib_runtime.model.hadamard import rotate_columns
 
 COMPUTE = torch.float32
-CHUNK = 1 << 22  # elements rotated at a time
+CHUNK = 1 << 18  # elements rotated at a time
 
 
 def _right(x: torch.Tensor, seed: int | None, pre: torch.Tensor | None = None) -> torch.Tensor:
-    """(x * pre) @ Q along the last dim, in COMPUTE precision, CHUNK elements at a time."""
+    """(x * pre) @ Q along the last dim, in COMPUTE precision, CHUNK elements at a time (each
+    row block's transpose is rotated as columns)."""
     n = x.shape[-1]
     flat = x.reshape(-1, n)
     out = torch.empty(flat.shape, dtype=COMPUTE)
     rows = max(1, CHUNK // n)
     for i in range(0, flat.shape[0], rows):
-        block = flat[i : i + rows].to(COMPUTE)
-        out[i : i + rows] = hadamard_transform(block * pre if pre is not None else block, seed=seed)
+        block = flat[i : i + rows]
+        block = block * pre if pre is not None else block
+        out[i : i + rows] = rotate_columns(block.mT, seed=seed).mT
     return out.reshape(x.shape)
 
 
 def _left(w: torch.Tensor, seed: int | None) -> torch.Tensor:
-    """Q^T W: rotate the output side of W [..., n, in]; a bias [n] becomes Q^T b = b @ Q."""
+    """Q^T W: rotate the output side of W [..., n, in], CHUNK elements (whole columns) at a
+    time; a bias [n] becomes Q^T b = b @ Q."""
     if w.dim() == 1:
         return _right(w, seed)
-    return _right(w.transpose(-1, -2).contiguous(), seed).transpose(-1, -2)
+    out = torch.empty(w.shape, dtype=COMPUTE)
+    cols = max(1, CHUNK // max(1, math.prod(w.shape[:-1])))
+    for j in range(0, w.shape[-1], cols):
+        out[..., j : j + cols] = rotate_columns(w[..., j : j + cols], seed=seed)
+    return out
 
 
 def _get(t: dict, name: str) -> torch.Tensor:
-    return t[name].to(COMPUTE)
+    """A new COMPUTE copy of t[name], to write into."""
+    return t[name].to(COMPUTE, copy=True)
 
 
 def _rows(geo: Geometry, which: str) -> tuple[str, slice]:
@@ -94,7 +106,7 @@ def rotate_values(t: dict, geo: Geometry, seed: int | None) -> None:
 
     _update_rows(t, geo, "v", rotate)
     name = archs.O_PROJ + ".weight"
-    o = _get(t, name)  # [hidden, H * D]: the columns of head j are j * D ... (j + 1) * D - 1
+    o = t[name]  # [hidden, H * D]: the columns of head j are j * D ... (j + 1) * D - 1
     t[name] = _right(o.view(o.shape[0], geo.heads, d), seed).reshape(o.shape)
 
 
@@ -147,7 +159,7 @@ def rotate_residual(t: dict, geo: Geometry, seed: int) -> None:
     for writer in archs.WRITES:
         for suffix in (".weight", ".bias"):
             if writer + suffix in t:
-                t[writer + suffix] = _left(_get(t, writer + suffix), seed)
+                t[writer + suffix] = _left(t[writer + suffix], seed)
 
 
 def rotate_embedding(e: torch.Tensor, seed: int) -> torch.Tensor:

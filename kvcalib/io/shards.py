@@ -1,10 +1,11 @@
 """Stream safetensors: read a source folder a few tensors at a time, write shards as they fill.
 
     source = SourceWeights(folder)            # name -> (file, shape, dtype); nothing loaded
-    tensors = source.read(names)              # opens the files holding them, closes after
+    tensors = source.read(names)              # mapped from the files, copy-on-write
+    span = source.span(name)                  # where its bytes are, to copy them unread
 
     writer = ShardWriter(out, specs, max_bytes)    # specs: every output tensor, in write order
-    writer.write(name, tensor)                # in that order; each shard's header is known up
+    writer.write(name, tensor or span)        # in that order; each shard's header is known up
     files = writer.finish()                   # front, so bytes go straight to disk -> sha256
 
     with ahead(produce(), depth) as items:    # produce() runs on a thread, `depth` items ahead
@@ -12,16 +13,22 @@
 
 The writer plans the shards from the specs before any data exists (HF's rule: a shard takes
 tensors until the next would pass max_bytes; a larger tensor gets a shard of its own), writes
-each header, then the tensor bytes as they arrive, hashing each buffer on a second thread while
-the next is written (hashlib and file writes release the GIL). Peak memory is what the caller
-holds plus at most one tensor being hashed, never a shard. `ahead` runs the producer of the
-tensors (reading and transforming them) on its own thread, so that it never waits for a write.
+each header, then the tensor bytes as they arrive, PIECE bytes at a time: each piece is hashed on
+a second thread while it is written (hashlib and file writes release the GIL). The hasher may
+fall up to DEPTH pieces behind before the writer waits for it, so that neither thread waits on
+the other's every turn on a busy machine. A tensor that passes through unchanged is a `Span` of
+its source file, written and hashed from the file's mapped pages: its bytes are copied exactly,
+with no float round-trip, no fresh memory and no copy in user space. Peak memory is what the
+caller holds, never a shard. `ahead` runs the producer of the tensors (reading and transforming
+them) on its own thread, so that it never waits for a write.
 """
 
+import collections
 import contextlib
 import hashlib
 import json
 import math
+import mmap
 import queue
 import re
 import threading
@@ -34,10 +41,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvcalib.errors import ModelError, OptionError
-from kvcalib_runtime.checkpoint.format import DTYPE_NAMES, DTYPES, INDEX, SINGLE
+from kvcalib_runtime.checkpoint.format import DTYPE_NAMES, DTYPES, INDEX, SINGLE, read_header
+from kvcalib_runtime.errors import FormatError
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+PIECE = 1 << 22  # bytes written and hashed at a time
+DEPTH = 8  # pieces written and not yet hashed, at most
 
 
 def parse_size(size: int | str) -> int:
@@ -64,6 +74,15 @@ class TensorSpec:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+@dataclass(frozen=True)
+class Span:
+    """The bytes of one stored tensor: `nbytes` from byte `offset` of the file at `path`."""
+
+    path: Path
+    offset: int
+    nbytes: int
+
+
 class SourceWeights:
     """The tensors of a Hugging Face folder (single file or index + shards), read on demand."""
 
@@ -81,8 +100,10 @@ class SourceWeights:
         else:
             files = sorted(p.name for p in self.folder.glob("*.safetensors"))
         self.entries: dict[str, tuple[str, tuple[int, ...], torch.dtype]] = {}
+        self._offsets: dict[str, int] = {}  # name -> its first byte in its file
         for file in files:
             try:
+                self._offsets |= _offsets(self.folder / file)
                 with safe_open(self.folder / file, framework="pt") as f:
                     for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                         if name in self.entries:
@@ -98,18 +119,40 @@ class SourceWeights:
                                 f"{sl.get_dtype()}, which kvcalib does not read"
                             )
                         self.entries[name] = (file, tuple(sl.get_shape()), dtype)
-            except (SafetensorError, OSError) as e:
+            except (SafetensorError, FormatError, OSError) as e:
                 raise ModelError(f"model {self.folder}: cannot read {file} ({e})") from None
 
     def read(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The named tensors, in memory; their files are mapped only for the duration."""
+        """The named tensors, mapped from their files: no byte is copied until used, and
+        copy-on-write (writing to a tensor leaves the file alone). A file stays mapped until
+        the last of its tensors is freed."""
         out = {}
         for file in sorted({self.entries[n][0] for n in names}):
-            with safe_open(self.folder / file, framework="pt") as f:
-                for name in names:
-                    if self.entries[name][0] == file:
-                        out[name] = f.get_tensor(name)
+            with open(self.folder / file, "rb") as f:
+                data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            for name in (n for n in names if self.entries[n][0] == file):
+                _, shape, dtype = self.entries[name]
+                count, offset = math.prod(shape), self._offsets[name]
+                flat = (
+                    torch.frombuffer(data, dtype=dtype, count=count, offset=offset)
+                    if count
+                    else torch.empty(0, dtype=dtype)
+                )
+                out[name] = flat.view(shape)
         return out
+
+    def span(self, name: str) -> Span:
+        file, shape, dtype = self.entries[name]
+        nbytes = math.prod(shape) * dtype.itemsize
+        return Span(self.folder / file, self._offsets[name], nbytes)
+
+
+def _offsets(path: Path) -> dict[str, int]:
+    """name -> the offset of its first byte in the safetensors file `path`."""
+    tensors, _ = read_header(path, fix="save the model again")
+    with open(path, "rb") as f:
+        start = 8 + int.from_bytes(f.read(8), "little")  # the data section follows the header
+    return {name: start + info.begin for name, info in tensors.items()}
 
 
 def plan_shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
@@ -156,17 +199,25 @@ class ShardWriter:
         self.hash = None
         self.hashes: dict[str, str] = {}
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="kvcalib-sha256")
-        self._pending = None
+        self._pending = collections.deque()  # the hashes of written pieces, oldest first
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, data: torch.Tensor | Span) -> None:
+        """The next planned tensor: its values, or the Span of a source file holding its bytes
+        (the source's dtype and shape are the plan's: the caller checks)."""
         i, spec = self.order[self.next]
         assert name == spec.name, f"wrote {name}, planned {spec.name}"
-        assert tuple(tensor.shape) == spec.shape and tensor.dtype == spec.dtype, name
+        if isinstance(data, Span):
+            assert data.nbytes == spec.nbytes, name
+        else:
+            assert tuple(data.shape) == spec.shape and data.dtype == spec.dtype, name
         if self.file is None:
             self.file = open(self.folder / shard_name(i, len(self.shards)), "wb")  # noqa: SIM115
             self.hash = hashlib.sha256()
             self._put(header_bytes(self.shards[i]))
-        self._put(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        if isinstance(data, Span):
+            self._copy(data)
+        else:
+            self._put(data.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         self.next += 1
         if self.next == len(self.order) or self.order[self.next][0] != i:
             self.file.close()
@@ -175,14 +226,29 @@ class ShardWriter:
             self.hashes[shard_name(i, len(self.shards))] = self.hash.hexdigest()
 
     def _put(self, data) -> None:
-        self._wait()  # one buffer in flight: hashed in order, memory bounded
-        self._pending = self._hasher.submit(self.hash.update, data)
-        self.file.write(data)
+        view = memoryview(data).cast("B")
+        for i in range(0, len(view), PIECE):
+            piece = view[i : i + PIECE]
+            self._pending.append(self._hasher.submit(self.hash.update, piece))  # in order
+            self.file.write(piece)
+            self._wait(DEPTH)
 
-    def _wait(self) -> None:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
+    def _copy(self, span: Span) -> None:
+        """Write and hash the span's bytes straight from the source's pages (mapped: no copy
+        into a buffer first); the mapping closes when its last piece is hashed."""
+        if not span.nbytes:
+            return
+        start = span.offset - span.offset % mmap.ALLOCATIONGRANULARITY
+        with open(span.path, "rb") as f:
+            data = mmap.mmap(
+                f.fileno(), span.offset + span.nbytes - start, access=mmap.ACCESS_READ, offset=start
+            )
+        self._put(memoryview(data)[span.offset - start :])
+
+    def _wait(self, depth: int = 0) -> None:
+        """Until at most `depth` written pieces are not yet hashed."""
+        while len(self._pending) > depth:
+            self._pending.popleft().result()
 
     def close(self) -> None:
         """Release the file and the hashing thread (also on failure; then the caller removes

@@ -11,6 +11,7 @@ from kvcalib_runtime.model.hadamard import (
     is_supported,
     orthogonal_hadamard,
     random_signs,
+    rotate_columns,
 )
 
 # (n, base order h of H_n = kron(H_h, Sylvester_{n/h}), model that uses n)
@@ -114,6 +115,33 @@ def test_inverse_roundtrip_and_norm(n: int, seed: int | None) -> None:
     # Q is orthonormal, so only float64 round-off (~1e-15 relative) may separate these.
     assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-12, atol=0)
     assert torch.allclose(hadamard_transform(y, seed=seed, inverse=True), x, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+@pytest.mark.parametrize("m", [1, 97])
+@pytest.mark.parametrize("n", [64, 80, 96, 128, 576, 896, 2048])
+def test_rotate_columns_is_the_dense_rotation(n: int, m: int, seed: int | None) -> None:
+    """The converter's butterflies against Q^T x in float64. Bound (flash-attention's rule): the
+    float32 error is at most twice that of the dense float32 matmul with the same Q, which is
+    ~1e-7 relative; a wrong sign, order or scale is O(1)."""
+    x = torch.randn(3, n, m, dtype=torch.float64, generator=torch.Generator().manual_seed(n + m))
+    q = orthogonal_hadamard(n, seed=seed, dtype=torch.float64)
+    reference = q.T @ x
+    y = rotate_columns(x.float(), seed=seed)
+    assert (y.shape, y.dtype) == (x.shape, torch.float32)
+    dense = orthogonal_hadamard(n, seed=seed).T @ x.float()
+    error, dense_error = ((t.double() - reference).abs().max() for t in (y, dense))
+    assert error <= 2 * dense_error, (error, dense_error)
+    assert (x - reference).abs().max() > 0.1  # a no-op could not pass
+    # Strided and low-precision inputs: read as they are, computed in float32.
+    assert torch.equal(rotate_columns(x.float().mT.contiguous().mT, seed=seed), y)
+    x16 = x.bfloat16()
+    assert torch.equal(rotate_columns(x16, seed=seed), rotate_columns(x16.float(), seed=seed))
+    assert torch.equal(x16, x.bfloat16())  # the input is not modified
+
+
+def test_rotate_columns_of_an_empty_matrix() -> None:
+    assert rotate_columns(torch.zeros(128, 0)).shape == (128, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -231,17 +231,31 @@ def test_simulation_of_converted_equals_simulation_of_source(tmp_path, arch):
     assert _rel(online, exact) > 1e-3  # the 4-bit cache does change the logits
 
 
+PROMPTS = [
+    "The capital of France is Paris. The capital of Italy is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "Water boils at 100 degrees Celsius at sea level, but on a high mountain it boils at",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+]
+
+
 @pytest.mark.slow
 def test_real_model_fp32_and_bf16(tmp_path, real_model):
     """The default model with value + residual rotation. fp32: 1e-4. bf16 (flash-attention's
-    rule): its error against the fp32 reference is at most twice the plain bf16 model's."""
+    rule): its error against the fp32 reference, over the logits of every position of four
+    prompts, is at most twice the plain bf16 model's. One prompt alone is too few: moving a
+    random 0.04% of the converted bf16 weights by one ulp (rounding noise) spread that ratio
+    over 1.3-2.2 on the first prompt, 0.8-1.4 on the four (benchmarks/RESULTS.md, issue 27)."""
     model, tokenizer = real_model
-    ids = tokenizer("The capital of France is Paris. The capital of Italy is", return_tensors="pt")
-    ids = ids.input_ids
+    prompts = [tokenizer(p, return_tensors="pt").input_ids for p in PROMPTS]
+
+    def logits(m):
+        return torch.cat([m(ids).logits[0].double() for ids in prompts])
+
     out = conv.convert(None, recipe="quarot-kv4", output=tmp_path / "fp32", rotate_residual=True)
     with torch.no_grad():
-        reference = model(ids).logits.double()
-        assert _rel(_load(out)(ids).logits, reference) < FP32_BOUND
+        reference = logits(model)
+        assert _rel(logits(_load(out)), reference) < FP32_BOUND
         bf16 = conv.convert(
             None,
             recipe="quarot-kv4",
@@ -249,8 +263,8 @@ def test_real_model_fp32_and_bf16(tmp_path, real_model):
             rotate_residual=True,
             dtype="bfloat16",
         )
-        rotated = _load(bf16, torch.bfloat16)(ids).logits.double()
-        plain = _load(model.kvcalib_source.path, torch.bfloat16)(ids).logits.double()
+        rotated = logits(_load(bf16, torch.bfloat16))
+        plain = logits(_load(model.kvcalib_source.path, torch.bfloat16))
     assert json.loads((bf16 / "config.json").read_text())["dtype"] == "bfloat16"
     assert _rel(rotated, reference) <= 2 * _rel(plain, reference)
 

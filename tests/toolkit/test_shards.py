@@ -9,11 +9,21 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors import safe_open
+from safetensors.torch import save_file
 from tiny import save_with_tokenizer, tiny_model
 
+import kvcalib
 from kvcalib.cli import main
 from kvcalib.errors import ModelError, OptionError
-from kvcalib.io.shards import TensorSpec, ahead, parse_size, plan_shards
+from kvcalib.io import shards
+from kvcalib.io.shards import (
+    ShardWriter,
+    SourceWeights,
+    TensorSpec,
+    ahead,
+    parse_size,
+    plan_shards,
+)
 from kvcalib_runtime.checkpoint import format
 
 
@@ -113,3 +123,63 @@ def test_cli_max_shard_size_from_a_sharded_source(tmp_path):
         data = (out / name).read_bytes()
         assert files[name] == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
     format.read_checkpoint(out)  # the runtime's validator, hashes included
+
+
+def test_source_tensors_are_mapped_copy_on_write(tmp_path):
+    """read() maps the file: the tensors equal what safetensors loads (odd and empty shapes
+    too), and writing into one changes neither the file nor a second read."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "a": torch.randn(97, 3, generator=g).bfloat16(),
+        "b": torch.randn(1, generator=g),
+        "c": torch.zeros(0, 5, dtype=torch.float16),
+        "d": torch.arange(257, dtype=torch.int64),
+    }
+    save_file(tensors, tmp_path / "model.safetensors")
+    before = (tmp_path / "model.safetensors").read_bytes()
+    source = SourceWeights(tmp_path)
+    read = source.read(sorted(tensors))
+    assert all(read[k].dtype == v.dtype and torch.equal(read[k], v) for k, v in tensors.items())
+    read["a"].mul_(2)
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+    assert torch.equal(source.read(["a"])["a"], tensors["a"])
+
+
+@pytest.mark.parametrize("piece", [7, 1 << 22])  # many pieces per tensor, or one
+def test_spans_are_copied_byte_for_byte_and_hashed(tmp_path, monkeypatch, piece):
+    """A Span is written as the source's bytes, exactly, and hashed as written: the shard is
+    byte-identical to one written from the tensors themselves."""
+    monkeypatch.setattr(shards, "PIECE", piece)
+    g = torch.Generator().manual_seed(1)
+    tensors = {"x": torch.randn(1025, generator=g).bfloat16(), "y": torch.randn(3, 97)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    source = SourceWeights(tmp_path)
+    specs = [TensorSpec(n, tuple(t.shape), t.dtype) for n, t in tensors.items()]
+    written = {}
+    for way in ("tensors", "spans"):
+        out = tmp_path / way
+        out.mkdir()
+        writer = ShardWriter(out, specs, max_bytes=10**6)
+        for s in specs:
+            writer.write(s.name, source.span(s.name) if way == "spans" else tensors[s.name])
+        writer.close()
+        hashes = writer.finish()
+        written[way] = (out / shards.shard_name(0, 1)).read_bytes()
+        assert hashes[shards.shard_name(0, 1)] == hashlib.sha256(written[way]).hexdigest()
+    assert written["spans"] == written["tensors"]
+
+
+def test_untouched_tensors_are_the_source_bytes(tmp_path):
+    """With the value rotation alone, every tensor but v_proj and o_proj passes through: its
+    bytes in the output are the source's, bit for bit (bf16: no float round-trip)."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    src = save_with_tokenizer(model, tmp_path / "src")
+    out = kvcalib.convert(src, recipe="quarot-kv4", output=tmp_path / "out")
+    source, converted = SourceWeights(src), SourceWeights(out)
+    names = sorted(source.entries)
+    assert sorted(converted.entries) == names
+    before, after = source.read(names), converted.read(names)
+    rotated = {n for n in names if n.endswith(("v_proj.weight", "o_proj.weight"))}
+    assert rotated and all(not torch.equal(after[n], before[n]) for n in rotated)
+    for n in sorted(set(names) - rotated):
+        assert torch.equal(after[n].view(torch.uint8), before[n].view(torch.uint8)), n

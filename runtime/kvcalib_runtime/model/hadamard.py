@@ -8,7 +8,9 @@ use fits: 80 = 20·4, 96 = 12·8, 576 = 36·16, 896 = 28·32 (GF(27)), 11008 = 3
 18944 = 148·128, ...
 
 The rotation Q = diag(s) @ H / sqrt(n) (s random ±1 signs) is orthonormal; `hadamard_transform`
-applies it in O(n log n + n h) through the Kronecker structure instead of a dense n x n matmul.
+applies it in O(n log n + n h) through the Kronecker structure instead of a dense n x n matmul,
+and `rotate_columns` applies Q^T to every column of a matrix by butterflies (what the converter
+fuses into weights).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "is_supported",
     "orthogonal_hadamard",
     "random_signs",
+    "rotate_columns",
 ]
 
 
@@ -256,3 +259,46 @@ def hadamard_transform(
     if signs is not None and inverse:
         y = y * signs
     return y
+
+
+@functools.lru_cache(maxsize=64)
+def _column_factors(
+    n: int, seed: int | None, device: torch.device
+) -> tuple[int, int, torch.Tensor, torch.Tensor | None]:
+    """Internal cache: (h, t) with H_n = kron(B_h, S_t), the float32 (n, 1) row scale s / sqrt(n)
+    and the float32 (h, h) B_h^T (None when h == 1)."""
+    h, t = _decompose(n)
+    scale = torch.full((n, 1), n**-0.5, dtype=torch.float64)
+    if seed is not None:
+        scale *= random_signs(n, seed).double()[:, None]
+    base = _base_matrix(h).T.float().to(device) if h > 1 else None
+    return h, t, scale.float().to(device), base
+
+
+def rotate_columns(x: torch.Tensor, *, seed: int | None = None) -> torch.Tensor:
+    """Q^T x for x (..., n, m), Q = orthogonal_hadamard(n, seed): every column of x rotated.
+
+    Fresh float32 (..., n, m), whatever x's floating dtype or strides (x is not modified).
+        Q^T x = H_n^T diag(s) x / sqrt(n),   H_n = kron(B_h, S_t)   (S_t Sylvester, t = 2^a)
+    S_t (symmetric) by log2(t) butterfly passes (Walsh-Hadamard: each pass adds and subtracts
+    the two halves of every block of rows, runs of whole rows), then B_h^T by one (h, h) matmul:
+    O(n m (log2 t + h)) adds instead of the dense O(n^2 m). x @ Q is rotate_columns(x.mT).mT.
+    """
+    n, m = x.shape[-2:]
+    h, t, scale, base = _column_factors(n, seed, x.device)
+    a = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    torch.mul(x, scale, out=a)
+    if a.numel() == 0:
+        return a
+    b = torch.empty_like(a)
+    k = 1
+    while k < t:  # rows i and i + k of every block of 2k rows -> their sum and difference
+        src = a.view(-1, h, t // (2 * k), 2, k * m)
+        dst = b.view(-1, h, t // (2 * k), 2, k * m)
+        torch.add(src[..., 0, :], src[..., 1, :], out=dst[..., 0, :])
+        torch.sub(src[..., 0, :], src[..., 1, :], out=dst[..., 1, :])
+        a, b = b, a
+        k *= 2
+    if base is not None:
+        a = base @ a.view(-1, h, t * m)
+    return a.view(x.shape)
