@@ -6,9 +6,9 @@ into a buffer indexed by position, whatever the lengths. Here each sequence is r
 lies: the positions both its key and value bodies hold (dequantized up to its own n_body, or an
 exact body read in place), then in one span the few after them in order (body or ring), the
 sink slots and the new token, each span scored against the query separately and one softmax
-taken over both; RoPE and the mask follow each span's positions. Attention does not depend on the order
-of its keys, so the result is the reference's to rounding. A body that wraps (a sliding window's
-ring of fewer slots than the sequence has positions) goes to the reference.
+taken over both; RoPE and the mask follow each span's positions. Attention does not depend on
+the order of its keys, so the result is the reference's to rounding. A body that wraps (a
+sliding window's ring of fewer slots than the sequence has positions) goes to the reference.
 
 `dequantize` reads a body as `PackedBody.dequantize` does, bit for bit, with one table lookup per
 window of a packed row — a byte (1, 2, 4 or 8-bit codes), or a quarter of a 3-byte word (3 or
@@ -44,9 +44,10 @@ def _window(body: PackedBody) -> int:
 
 
 def _windows(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 [..., W]: the `bits`-bit windows of uint8 rows [..., bytes], in stream order."""
+    """[..., W]: the `bits`-bit windows of uint8 rows [..., bytes], in stream order (the bytes
+    themselves, or int32)."""
     if bits == 8:
-        return packed.int()
+        return packed
     word = packed.view(*packed.shape[:-1], packed.shape[-1] // 3, 3).int()  # little-endian
     word = word[..., 0] | word[..., 1] << 8 | word[..., 2] << 16
     shifts = torch.arange(0, 24, bits, dtype=torch.int32, device=packed.device)
@@ -109,7 +110,7 @@ def dequantize(body: PackedBody, dtype, b: int, n: int) -> torch.Tensor:
     packed = body.codes[b, :, :n]  # [H, n, bytes]
     heads = packed.shape[0]
     windows = _windows(packed, bits)  # [H, n, W]
-    index = (windows + rows).view(-1)  # index_select: 3x advanced indexing's speed
+    index = (windows + rows).view(-1)  # int32; index_select: 3x advanced indexing's speed
     x = torch.index_select(table, 0, index).view(heads, n, windows.shape[-1] * table.shape[1])
     x = x[..., : body.width]
     if layout.kind != Kind.STATIC:
