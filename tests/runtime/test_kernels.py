@@ -11,6 +11,7 @@ ignoring the window moves the exact result by more than ten times the bound.
 """
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -403,6 +404,23 @@ def test_cpu_decode_path_matches_the_reference(case, window):
     assert low.dtype == args[0].dtype
     bound = 2 * (_ref(args, options).double() - exact).abs().max() + 1e-3
     assert (low.double() - exact).abs().max() <= bound  # in fp16: no worse than the reference
+
+
+def test_cpu_decode_path_results_outlive_its_scratch(monkeypatch):
+    # The CPU path reads bodies into scratch buffers reused across layers and steps: a result
+    # must stand when another call (another layout, other lengths) reuses them, the same call
+    # again gives the same bits, and buffers first made in inference mode serve outside it.
+    monkeypatch.setattr(decode_torch, "_SCRATCH", threading.local())  # none made yet
+    gen = torch.Generator().manual_seed(5)
+    args, options = _decode_inputs("kvcalib-2 fp8 slots G4 D64", gen)
+    other, other_options = _decode_inputs("kvcalib-3 G3 D64", gen)
+    with torch.inference_mode():
+        first = decode_torch.decode_attention_torch(*args, **options, dtype=torch.float32)
+    kept = first.clone()
+    again = decode_torch.decode_attention_torch(*args, **options, dtype=torch.float32)
+    decode_torch.decode_attention_torch(*other, **other_options, dtype=torch.float32)
+    last = decode_torch.decode_attention_torch(*args, **options, dtype=torch.float32)
+    assert torch.equal(first, kept) and torch.equal(again, kept) and torch.equal(last, kept)
 
 
 def test_supports_every_preset_layout():

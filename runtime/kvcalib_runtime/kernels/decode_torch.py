@@ -116,7 +116,8 @@ def _scratch(name: str, shape, dtype, device) -> torch.Tensor:
     buf = pool.get(key)
     if buf is None or buf.numel() < numel:
         size = max(numel, 2 * buf.numel() if buf is not None else 0)
-        buf = pool[key] = torch.empty(size, dtype=dtype, device=device)
+        with torch.inference_mode(False):  # a normal tensor: written in and out of the mode
+            buf = pool[key] = torch.empty(size, dtype=dtype, device=device)
     return buf[:numel].view(shape)
 
 
