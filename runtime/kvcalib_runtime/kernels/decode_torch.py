@@ -121,7 +121,7 @@ def _scratch(name: str, shape, dtype, device) -> torch.Tensor:
     return buf[:numel].view(shape)
 
 
-def dequantize(body: PackedBody, dtype, b: int, n: int, scratch: str | None = None):
+def dequantize(body: PackedBody, dtype, b: int, n: int, scratch: str | None = None) -> torch.Tensor:
     """`body.dequantize(dtype, b, n)`: slots [0, n) of sequence b, [Hkv, n, D], bit for bit;
     read into the scratch buffer `scratch` (valid until the next read into it) where named."""
     bits = _window(body)
