@@ -11,6 +11,7 @@ ignoring the window moves the exact result by more than ten times the bound.
 """
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -357,6 +358,23 @@ def test_cpu_dequantize_is_the_bodys_own_bit_for_bit(case, dtype, per_head):
             assert torch.equal(ours, body.dequantize(torch.float32, b, n))
 
 
+@pytest.mark.parametrize("d", [64, 72, 80])
+@pytest.mark.parametrize("bits", [3, 5, 6])
+def test_cpu_dequantize_reads_codes_across_bytes_bit_for_bit(bits, d):
+    # 3 and 6-bit codes straddle bytes: the CPU path reads a row's 3-byte words as four 6-bit
+    # windows (72 channels of 6 bits: 54 bytes; 80 of 3: 30), 5-bit rows go to the body's own
+    # read; static channels with slots and token groups alike must equal it bit for bit.
+    gen = torch.Generator().manual_seed(bits * d)
+    book = bits <= 4  # codebooks are for 2-4 bits
+    for spec in (S(bits, "static", codebook=book, outliers=0.01, outlier_slots=1,
+                   slot_code="fp8"), S(bits, group_size=d // 2), S(bits, symmetric=True,
+                                                                   codebook=book)):  # fmt: skip
+        body = _body(spec, (2, 3, 40, d), torch.float16, gen)
+        for b, n in ((0, 37), (1, 40), (1, 0)):
+            ours = decode_torch.dequantize(body, torch.float32, b, n)
+            assert torch.equal(ours, body.dequantize(torch.float32, b, n)), spec
+
+
 @pytest.mark.parametrize("bits", [4, 8], ids=["q4_0", "q8_0"])
 def test_cpu_dequantize_reads_each_layouts_own_levels(bits):
     # llama.cpp's q4_0 levels are c - 8, not the symmetric grid's c - 7: the CPU path takes the
@@ -386,6 +404,23 @@ def test_cpu_decode_path_matches_the_reference(case, window):
     assert low.dtype == args[0].dtype
     bound = 2 * (_ref(args, options).double() - exact).abs().max() + 1e-3
     assert (low.double() - exact).abs().max() <= bound  # in fp16: no worse than the reference
+
+
+def test_cpu_decode_path_results_outlive_its_scratch(monkeypatch):
+    # The CPU path reads bodies into scratch buffers reused across layers and steps: a result
+    # must stand when another call (another layout, other lengths) reuses them, the same call
+    # again gives the same bits, and buffers first made in inference mode serve outside it.
+    monkeypatch.setattr(decode_torch, "_SCRATCH", threading.local())  # none made yet
+    gen = torch.Generator().manual_seed(5)
+    args, options = _decode_inputs("kvcalib-2 fp8 slots G4 D64", gen)
+    other, other_options = _decode_inputs("kvcalib-3 G3 D64", gen)
+    with torch.inference_mode():
+        first = decode_torch.decode_attention_torch(*args, **options, dtype=torch.float32)
+    kept = first.clone()
+    again = decode_torch.decode_attention_torch(*args, **options, dtype=torch.float32)
+    decode_torch.decode_attention_torch(*other, **other_options, dtype=torch.float32)
+    last = decode_torch.decode_attention_torch(*args, **options, dtype=torch.float32)
+    assert torch.equal(first, kept) and torch.equal(again, kept) and torch.equal(last, kept)
 
 
 def test_supports_every_preset_layout():

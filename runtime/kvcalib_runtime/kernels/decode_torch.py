@@ -4,19 +4,25 @@ at a fraction of its work.
 The reference (the spec) dequantizes every slot of every body and scatters body, ring and sinks
 into a buffer indexed by position, whatever the lengths. Here each sequence is read where it
 lies: the positions both its key and value bodies hold (dequantized up to its own n_body, or an
-exact body read in place), then the few after them in order (body or ring), the sink slots and
-the new token, each span scored against the query separately and one softmax taken over all
-of them; RoPE and the mask follow each span's positions. Attention does not depend on the order
-of its keys, so the result is the reference's to rounding. A body that wraps (a sliding window's
-ring of fewer slots than the sequence has positions) goes to the reference.
+exact body read in place), then in one span the few after them in order (body or ring), the
+sink slots and the new token, each span scored against the query separately and one softmax
+taken over both; RoPE and the mask follow each span's positions. Attention does not depend on
+the order of its keys, so the result is the reference's to rounding. A body that wraps (a
+sliding window's ring of fewer slots than the sequence has positions) goes to the reference.
 
 `dequantize` reads a body as `PackedBody.dequantize` does, bit for bit, with one table lookup per
-packed byte where the codes fill whole bytes (1, 2, 4 or 8 bits; static channels and groups of a
-head's row): the levels of every byte value's codes (the layout's own levels), per head (and for
-static channels per byte position, scale and offset folded in), instead of unpacking codes one
-by one. Keys are rotated as the reference
-rotates them, bit for bit, from one table of angles per frequency set.
+window of a packed row — a byte (1, 2, 4 or 8-bit codes), or a quarter of a 3-byte word (3 or
+6-bit codes) — for static channels and groups of a head's row: the levels of every window
+value's codes (the layout's own levels), per head (and for static channels per window, scale
+and offset folded in), built once per body, instead of unpacking codes one by one; exact slots
+are added in place. The positions both bodies hold are scored without rotating their keys
+(RoPE moves onto the query, `_scores_rotated`), where nothing rounds the rotated keys (float32
+and float64); the few others are rotated as the reference rotates them.
 """
+
+import math
+import threading
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -27,40 +33,118 @@ from kvcalib_runtime.layouts import Kind
 from kvcalib_runtime.layouts.affine import PackedBody
 
 
-def dequantize(body: PackedBody, dtype, b: int, n: int) -> torch.Tensor:
-    """`body.dequantize(dtype, b, n)`: slots [0, n) of sequence b, [Hkv, n, D], bit for bit."""
+def _window(body: PackedBody) -> int:
+    """The bits of the windows a table reads a stored row's codes by: 8, a byte (1, 2, 4 or
+    8-bit codes), or 6 (3 or 6-bit codes, rows of whole 3-byte words: four windows a word), for
+    static channels or groups of a head's own row; 0 where no table reads the body."""
     spec, layout = body.spec, body.layout
-    if 8 % spec.bits or layout.joins_heads or layout.kind == Kind.CHANNEL:
-        return body.dequantize(dtype, b, n)
-    per_byte, mask = 8 // spec.bits, (1 << spec.bits) - 1
-    packed = body.codes[b, :, :n]  # [H, n, bytes]
-    heads, nbytes = packed.shape[0], packed.shape[2]
-    byte = torch.arange(256, device=packed.device)
-    codes = (byte[:, None] >> (torch.arange(per_byte, device=packed.device) * spec.bits)) & mask
-    # [H, 256, per_byte]: the levels of each byte value's codes, as the layout reads them
-    table = layout.levels(codes.expand(heads, -1, -1), body.levels).expand(heads, -1, -1)
-    if layout.kind == Kind.STATIC:  # the channels' scale and offset folded into the table
-        padded = nbytes * per_byte - body.width  # a row's last byte may hold fewer codes
+    if layout.joins_heads or layout.kind == Kind.CHANNEL:
+        return 0
+    if 8 % spec.bits == 0:
+        return 8
+    return 6 if 6 % spec.bits == 0 and body.codes.shape[-1] % 3 == 0 else 0
 
-        def per_code(t):  # [H, D] -> [H, bytes, 1, per_byte]
-            return F.pad(t.float(), (0, padded)).view(heads, nbytes, 1, per_byte)
+
+def _windows(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """[..., W]: the `bits`-bit windows of uint8 rows [..., bytes], in stream order (the bytes
+    themselves, or int32)."""
+    if bits == 8:
+        return packed
+    word = packed.view(*packed.shape[:-1], packed.shape[-1] // 3, 3).int()  # little-endian
+    word = word[..., 0] | word[..., 1] << 8 | word[..., 2] << 16
+    shifts = torch.arange(0, 24, bits, dtype=torch.int32, device=packed.device)
+    return ((word[..., None] >> shifts) & (1 << bits) - 1).flatten(-2)
+
+
+_WINDOW_TABLES: dict = {}
+
+
+def _window_table(body: PackedBody, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table fp32 [R * 2**bits, per], rows int32 [H, 1, W]): row rows[h, 0, j] + v of the table
+    holds the levels of the `per` codes of value v in window j of head h's stored row, as the
+    layout reads them (static channels: scale and offset folded in, R = H * W; else R = H).
+    Built once per body and kept while the tensors it reads (codebook, static scale and offset)
+    live unchanged."""
+    spec, layout = body.spec, body.layout
+    static = layout.kind == Kind.STATIC
+    heads, dev = body.codes.shape[1], body.codes.device
+    count, per = body.codes.shape[3] * 8 // bits, bits // spec.bits
+    read = (body.levels, *((body.scale, body.offset) if static else ()))
+    deps = [t for t in read if t is not None]
+    key = (spec, heads, count, body.width, dev, *(id(t) for t in deps))
+    versions = [t._version for t in deps]
+    found = _WINDOW_TABLES.get(key)
+    alive = found and all(r() is t for r, t in zip(found[1], deps, strict=True))
+    if alive and found[0] == versions:
+        return found[2]
+    size = 1 << bits
+    value = torch.arange(size, device=dev)
+    codes = (value[:, None] >> (torch.arange(per, device=dev) * spec.bits)) & spec.levels - 1
+    # [H, size, per]: the levels of each window value's codes, as the layout reads them
+    table = layout.levels(codes.expand(heads, -1, -1), body.levels).expand(heads, -1, -1)
+    if static:  # the channels' scale and offset folded into the table
+        padded = count * per - body.width  # a row's last window may hold fewer codes
+
+        def per_code(t):  # [H, D] -> [H, W, 1, per]
+            return F.pad(t.float(), (0, padded)).view(heads, count, 1, per)
 
         table = table[:, None] * per_code(body.scale)
         if body.offset is not None:
-            table = table + per_code(body.offset)  # [H, bytes, 256, per_byte]
-        rows = torch.arange(heads * nbytes, device=packed.device).view(heads, 1, nbytes) * 256
+            table = table + per_code(body.offset)  # [H, W, size, per]
+        rows = torch.arange(heads * count, device=dev).view(heads, 1, count) * size
     else:
-        rows = torch.arange(heads, device=packed.device).view(heads, 1, 1) * 256
-    index = (packed.long() + rows).view(-1)  # index_select: 3x advanced indexing's speed
-    x = torch.index_select(table.reshape(-1, per_byte), 0, index)
-    x = x.view(heads, packed.shape[1], nbytes * per_byte)[..., : body.width]
+        rows = torch.arange(heads, device=dev).view(heads, 1, 1) * size
+    rows = rows.int()
+    made = (table.reshape(-1, per).contiguous(), rows)
+    _WINDOW_TABLES[key] = (versions, [weakref.ref(t) for t in deps], made)
+    if deps:  # else uniform levels: the table is the spec's own, kept for good
+        weakref.finalize(deps[0], _WINDOW_TABLES.pop, key, None)
+    return made
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, shape, dtype, device) -> torch.Tensor:
+    """A `shape` buffer for one use of `name` at a time, kept on this thread across layers and
+    steps (grown by doubling: at most twice the largest asked for): a decode step's large
+    temporaries (a body's levels, the keys times cos and sin) reuse memory, where each fresh
+    allocation of megabytes pays its page faults again (one layer at 4K context in
+    SmolLM2-135M's shapes, one thread: 8.7 ms with fresh buffers, 3.3 ms reusing them)."""
+    pool = _SCRATCH.__dict__.setdefault("pool", {})
+    numel, key = math.prod(shape), (name, dtype, torch.device(device))
+    buf = pool.get(key)
+    if buf is None or buf.numel() < numel:
+        size = max(numel, 2 * buf.numel() if buf is not None else 0)
+        with torch.inference_mode(False):  # a normal tensor: written in and out of the mode
+            buf = pool[key] = torch.empty(size, dtype=dtype, device=device)
+    return buf[:numel].view(shape)
+
+
+def dequantize(body: PackedBody, dtype, b: int, n: int, scratch: str | None = None) -> torch.Tensor:
+    """`body.dequantize(dtype, b, n)`: slots [0, n) of sequence b, [Hkv, n, D], bit for bit;
+    read into the scratch buffer `scratch` (valid until the next read into it) where named."""
+    bits = _window(body)
+    if not bits:
+        return body.dequantize(dtype, b, n)
+    layout = body.layout
+    table, rows = _window_table(body, bits)
+    packed = body.codes[b, :, :n]  # [H, n, bytes]
+    heads = packed.shape[0]
+    windows = _windows(packed, bits)  # [H, n, W]
+    index = windows + rows  # int32; index_select: 3x advanced indexing's speed
+    out = None if scratch is None else _scratch(scratch, (index.numel(), table.shape[1]),
+                                                table.dtype, table.device)  # fmt: skip
+    x = torch.index_select(table, 0, index.view(-1), out=out)
+    x = x.view(heads, n, windows.shape[-1] * table.shape[1])
+    x = x[..., : body.width]
     if layout.kind != Kind.STATIC:
         groups = body.scale.shape[-1]
-        x = x.reshape(*x.shape[:2], groups, body.width // groups)
-        x = x * body.scale[b, :, :n, :, None].float()
+        x = x.reshape(heads, n, groups, body.width // groups)
+        x.mul_(body.scale[b, :, :n, :, None].float())
         if body.offset is not None:
-            x = x + body.offset[b, :, :n, :, None].float()
-        x = x.reshape(*x.shape[:2], body.width)
+            x.add_(body.offset[b, :, :n, :, None].float())
+        x = x.view(heads, n, body.width)
     if body.slot_index is not None:
         index, delta = body.slot_index[b, :, :n], body.slot_delta[b, :, :n]
         scale = body.scale[:, None] if layout.kind == Kind.STATIC else None  # "fp8" steps
@@ -91,12 +175,13 @@ def _slots(stored: Stored) -> int:
     return (body.codes if isinstance(body, PackedBody) else body).shape[2]
 
 
-def _held(stored: Stored, b: int, n: int, dtype) -> tuple[torch.Tensor, int]:
+def _held(stored: Stored, b: int, n: int, dtype, name: str) -> tuple[torch.Tensor, int]:
     """(x, nb): sequence b's body positions [0, nb) (nb = its n_body, at most n) as [Hkv, nb,
-    D] in dtype — dequantized, or a view of an exact body — and nb."""
+    D] in dtype — dequantized (into the scratch buffer `name`), or a view of an exact body — and
+    nb."""
     nb = min(int(stored.n_body[b]), n)
     if isinstance(stored.body, PackedBody):
-        return dequantize(stored.body, dtype, b, nb), nb
+        return dequantize(stored.body, dtype, b, nb, scratch=name), nb
     return stored.body[b, :, :nb].to(dtype), nb
 
 
@@ -106,42 +191,46 @@ def _after(stored: Stored, b: int, body: torch.Tensor, nb: int, lo: int, n: int,
     return torch.cat([body[:, lo:nb], stored.tail[b][:, ring].to(dtype)], 1)
 
 
-def _rotate(k: torch.Tensor, pos, inv_freq, n: int, dtype) -> torch.Tensor:
-    """Pre-RoPE keys [Hkv, L, D] at positions pos (LongTensor [L], or an int L for 0..L-1; an
-    empty sink slot, -1, is masked: any angle serves) rotated as the reference rotates them,
-    bit for bit: x * cos + rotate_half(x) * sin, one half at a time."""
-    wide = torch.float64 if dtype == torch.float64 else torch.float32
+def _rotate(k: torch.Tensor, pos, inv_freq, n: int, wide) -> torch.Tensor:
+    """Pre-RoPE keys [Hkv, L, D] at positions pos (LongTensor [L]; an empty sink slot, -1, is
+    masked: any angle serves) rotated as the reference rotates them, in `wide`:
+    x * cos + rotate_half(x) * sin, one half at a time."""
     cos, sin = _rope_table(inv_freq, wide, n + 1)
     half = k.shape[-1] // 2
-    if isinstance(pos, int):
-        cos, sin = cos[:pos, :half], sin[:pos, :half]
-    else:
-        at = pos.clamp(0, n)
-        cos, sin = cos[at, :half], sin[at, :half]
+    at = pos.clamp(0, n)
+    cos, sin = cos[at, :half], sin[at, :half]
     x1, x2 = k.to(wide).split(half, -1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(dtype)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
-def _attend(q: torch.Tensor, parts) -> torch.Tensor:
-    """softmax(q K^T / sqrt(D)) V over `parts` [(k [Hkv, L, D], v, ok bool [L]), ...] taken as
-    one set of keys, none of them copied where they are float32 already: q [H, D] (query head h
-    reads KV head h // G); computed in float32 at least (as SDPA accumulates), returned in q's
-    dtype."""
-    wide = torch.float64 if q.dtype == torch.float64 else torch.float32
-    hkv, d = parts[0][0].shape[0], q.shape[-1]
-    qg = q.to(wide).reshape(hkv, -1, d) * d**-0.5  # [Hkv, G, D]
-    scores = [
-        (qg @ k.to(wide).transpose(1, 2)).masked_fill(~ok, float("-inf")) for k, _, ok in parts
-    ]  # fmt: skip
-    p = torch.softmax(torch.cat(scores, -1), -1).split([k.shape[1] for k, _, _ in parts], -1)
-    out = sum(pi @ v.to(wide) for pi, (_, v, _) in zip(p, parts, strict=True))
-    return out.reshape(q.shape).to(q.dtype)
+def _scores_rotated(qg: torch.Tensor, k: torch.Tensor, inv_freq, n: int) -> torch.Tensor:
+    """qg [Hkv, G, D] . rope(k) for pre-RoPE keys k [Hkv, L, D] at positions 0..L-1, in qg's
+    dtype, without rotating k: the rotation moves onto the query at each position,
+
+        q . (k cos + rotate_half(k) sin) = (k cos) . q + (k sin) . q',   q' = [q2, -q1],
+
+    (the angles of channels i and i + D/2 are equal), two products with q instead of the
+    rotation's six passes over the keys and their concatenation."""
+    cos, sin = _rope_table(inv_freq, qg.dtype, n + 1)
+    length = k.shape[1]
+    k = k.to(qg.dtype)
+    q1, q2 = qg.chunk(2, -1)
+    turned = torch.cat([q2, -q1], -1)
+    kc, ks = (torch.mul(k, t[:length], out=_scratch(name, k.shape, k.dtype, k.device))
+              for name, t in (("cos", cos), ("sin", sin)))  # fmt: skip
+    return (qg @ kc.transpose(1, 2)).baddbmm_(turned, ks.transpose(1, 2))
 
 
 def decode_attention_torch(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks, lengths,
                            *, inv_freq=None, window=None, dtype=None):  # fmt: skip
     """`decode_attention_reference` (same arguments, same result to rounding), one sequence at
-    a time over the positions it holds. Synchronizes with the host: meant for the CPU."""
+    a time over the positions it holds. Synchronizes with the host: meant for the CPU.
+
+    Per sequence, two spans of keys: the positions both bodies hold (read in place, RoPE moved
+    onto the query: `_scores_rotated`), and the few others in one set (the body's past the
+    other body's end and the ring, the sink slots, the new token), rotated as the reference
+    rotates them. Scores are taken in float32 at least (as SDPA accumulates), one softmax over
+    both spans, the output returned in `dtype` (default q's)."""
     n_of = lengths.tolist()
     if any(n > min(_slots(keys), _slots(values)) for n in n_of):
         return decode_attention_reference(
@@ -149,32 +238,41 @@ def decode_attention_torch(q, k_new, v_new, keys: Stored, values: Stored, sinks:
             inv_freq=inv_freq, window=window, dtype=dtype,
         )  # fmt: skip
     dtype = dtype or q.dtype
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    d = q.shape[-1]
     out = []
     for b, n in enumerate(n_of):
-        (kb, nbk), (vb, nbv) = _held(keys, b, n, dtype), _held(values, b, n, dtype)
+        (kb, nbk), (vb, nbv) = (
+            _held(keys, b, n, dtype, "keys"),
+            _held(values, b, n, dtype, "values"),
+        )
         lo = min(nbk, nbv)  # below it both bodies hold the positions: read in place
-        dev = kb.device
-        sink_pos = sinks.positions[b]
-        spans = (  # (positions (an int L: 0..L-1), keys, values, what of them the token sees)
-            (lo, kb[:, :lo], vb[:, :lo], ~sinks.is_sink[b, :lo]),
-            (
-                torch.arange(lo, n, device=dev),
-                _after(keys, b, kb, nbk, lo, n, dtype),
-                _after(values, b, vb, nbv, lo, n, dtype),
-                ~sinks.is_sink[b, lo:n],
-            ),
-            (sink_pos, sinks.keys[b].to(dtype), sinks.values[b].to(dtype),
-             (sink_pos >= 0) & (sink_pos < n)),
-            (torch.tensor([n], device=dev), k_new[b].to(dtype), v_new[b].to(dtype),
-             torch.ones(1, dtype=torch.bool, device=dev)),
-        )  # fmt: skip
-        parts = []
-        for pos, k, v, ok in spans:
-            if window:
-                at = torch.arange(pos, device=dev) if isinstance(pos, int) else pos
-                ok = ok & (at > n - window)
-            if inv_freq is not None:
-                k = _rotate(k, pos, inv_freq, n, dtype)
-            parts.append((k, v, ok))
-        out.append(_attend(q[b, :, 0].to(dtype), parts)[:, None])
+        dev, sink_pos = kb.device, sinks.positions[b]
+        pos = torch.cat([torch.arange(lo, n, device=dev), sink_pos, sink_pos.new_tensor([n])])
+        k = torch.cat([_after(keys, b, kb, nbk, lo, n, dtype), sinks.keys[b].to(dtype),
+                       k_new[b].to(dtype)], 1)  # fmt: skip
+        v = torch.cat([_after(values, b, vb, nbv, lo, n, dtype), sinks.values[b].to(dtype),
+                       v_new[b].to(dtype)], 1)  # fmt: skip
+        seen = ~sinks.is_sink[b, :n]
+        ok = torch.cat([seen[lo:], (sink_pos >= 0) & (sink_pos < n), seen.new_ones(1)])
+        held = seen[:lo]
+        if window:
+            held = held & (torch.arange(lo, device=dev) > n - window)
+            ok = ok & (pos > n - window)
+        qg = q[b, :, 0].to(wide).reshape(kb.shape[0], -1, d) * d**-0.5  # [Hkv, G, D]
+        if inv_freq is None:
+            body = qg @ kb[:, :lo].to(wide).transpose(1, 2)
+        elif dtype == wide:  # nothing rounds the rotated keys: the query turns instead
+            body = _scores_rotated(qg, kb[:, :lo], inv_freq, n)
+        else:  # the reference rounds rotated keys to dtype, and so does this path
+            at = torch.arange(lo, device=dev)
+            body = qg @ _rotate(kb[:, :lo], at, inv_freq, n, wide).to(dtype).to(wide).mT
+        if inv_freq is not None:
+            k = _rotate(k, pos, inv_freq, n, wide).to(dtype)
+        rest = qg @ k.to(wide).transpose(1, 2)
+        scores = torch.cat([body.masked_fill_(~held, float("-inf")),
+                            rest.masked_fill_(~ok, float("-inf"))], -1)  # fmt: skip
+        p = torch.softmax(scores, -1)
+        o = torch.baddbmm(p[..., lo:] @ v.to(wide), p[..., :lo], vb[:, :lo].to(wide))
+        out.append(o.reshape(q.shape[1], 1, d).to(dtype))
     return torch.stack(out)

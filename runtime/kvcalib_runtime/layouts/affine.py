@@ -155,13 +155,14 @@ class AffineLayout(Layout):
         return torch.uint8 if self.spec.slot_code == "fp8" else dtype
 
     def add_slots(self, x, index, delta, scale) -> torch.Tensor:
-        """x [..., T, D] with each slot's delta added at its channel; `scale` is the group-shaped
-        metadata the "fp8" deltas count steps of."""
+        """x [..., T, D] with each slot's delta added at its channel, in place (x is returned);
+        `scale` is the group-shaped metadata the "fp8" deltas count steps of. Only the T * K
+        slots are touched: a slot's step is read at its own channel."""
         index = index.long()
         if self.spec.slot_code == "fp8":
-            steps = fp8.step(self.expand(scale, x.shape)).gather(-1, index)
-            return x.scatter_add(-1, index, fp8.decode(delta) * steps)
-        return x.scatter_add(-1, index, delta.float())
+            steps = fp8.step(self.expand(scale, x.shape).gather(-1, index))
+            return x.scatter_add_(-1, index, fp8.decode(delta) * steps)
+        return x.scatter_add_(-1, index, delta.float())
 
     # -- storage ---------------------------------------------------------------------------------
 
