@@ -292,9 +292,22 @@ def convert(model, no_calibrate, **options):
     default=None,
     help="Windows of the codebooks' Fisher weights (overrides --gradient-windows; default 2).",
 )
+@click.option(
+    "--vector-ablation",
+    is_flag=True,
+    help="Also fit the vector codebooks of the kvcalib-1.5 ablation "
+    "(benchmarks/kvcalib-1.5-ablation/), not only those the presets use.",
+)
 @TRUST_REMOTE_CODE
 def calibrate_(
-    model, output, sensitivity, gradient_windows, sensitivity_windows, codebook_windows, **options
+    model,
+    output,
+    sensitivity,
+    gradient_windows,
+    sensitivity_windows,
+    codebook_windows,
+    vector_ablation,
+    **options,
 ):
     """Profile MODEL's KV cache on calibration text (default: smollm2-135m): ranges, outlier
     channels, attention sinks, sink predictor, sensitivity and codebooks."""
@@ -310,6 +323,7 @@ def calibrate_(
         sensitivity="fisher" if sensitivity == "none" else sensitivity,
         sensitivity_windows=sensitivity_windows or gradient_windows or default.sensitivity_windows,
         codebook_windows=codebook_windows or gradient_windows or default.codebook_windows,
+        vector_ablation=vector_ablation,
     )
     phases = tuple(p for p in PHASES if p != "sensitivity" or sensitivity != "none")
 

@@ -130,6 +130,10 @@ class ShapeProfile:
     def codebook(self, variant, layer, bits):
         return torch.linspace(-1.0 if variant.endswith(":symmetric") else 0.0, 1.0, 2**bits)
 
+    def vector_codebook(self, variant, layer, bits):
+        w = int(variant.split(":")[1].removeprefix("vq"))
+        return torch.rand(self.kv_heads if ":head:" in variant else 1, 2**bits, w)
+
     def smoothing(self, layer, alpha, *, position):
         return torch.ones(self.kv_heads, self.head_dim)
 

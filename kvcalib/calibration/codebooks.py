@@ -23,7 +23,7 @@ kvcalib_runtime.layouts.quant normalizes them (the same group ranges, its layout
 
 Elements outside their range (the outliers, which the cache keeps exactly) and sink tokens (the
 ground-truth flags: recipes keep them exact) are left out. The variants calibrated by default
-are those the shipped presets use (`preset_variants`).
+are those the shipped presets use (`preset_variants`; codebooks of vectors: vectorbooks.py).
 """
 
 import re
@@ -52,7 +52,7 @@ def preset_variants() -> tuple[str, ...]:
         recipe = load_recipe(name)
         for tensor in ("key", "value"):
             t = recipe.tensor(tensor, 0)
-            if t.quantized and t.codebook == "calibrated":
+            if t.quantized and t.codebook == "calibrated" and not t.layout.vectors:
                 out.add(codebook_variant(tensor, t))
     return tuple(sorted(out))
 

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from kvcalib import __version__
-from kvcalib.calibration import codebooks, sensitivity
+from kvcalib.calibration import codebooks, sensitivity, vectorbooks
 from kvcalib.calibration.massive import Massive
 from kvcalib.calibration.observe import POSITION_BITS
 from kvcalib.calibration.sinks import later_sinks, local_span
@@ -119,6 +119,9 @@ def _codebooks(lm, run: Run, n: int) -> dict | None:
         "bits": list(codebooks.BITS),
         "windows": min(run.settings.codebook_windows, n),
         "bins": run.settings.histogram_bins,
+        "vectors": {
+            v: list(bits) for v, bits in vectorbooks.wanted(run.settings.vector_ablation).items()
+        },
     }
 
 

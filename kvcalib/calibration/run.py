@@ -11,7 +11,8 @@ same profile bit for bit. Passes, each with its own progress bar and time:
              massive activations and the sink predictor, per-position key error
   gradients  one backward per gradient window (gradients.py), layer by layer: the Fisher
              sensitivity of every layer at every probed width (sensitivity.py) and the
-             Fisher-weighted codebooks (codebooks.py) from the same gradients
+             Fisher-weighted codebooks (codebooks.py; of vectors, vectorbooks.py) from the
+             same gradients
   retrieval  with the fisher sensitivity: a plain forward and one backward per retrieval prompt
              built from the calibration text (retrieval.py), whose answer loss gives the
              answer-loss sensitivity ("sensitivity.answer.*"), which kvcalib-2 allocates by
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from kvcalib.calibration import gradients, retrieval, sensitivity
+from kvcalib.calibration import gradients, retrieval, sensitivity, vectorbooks
 from kvcalib.calibration.codebooks import Codebooks, variants
 from kvcalib.calibration.layerwise import (
     ActivationStore,
@@ -73,6 +74,8 @@ class Settings:
     histogram_bins       bins of the normalized domain [0, 1] for the codebook k-means
     retrieval_prompts    retrieval prompts for the answer-loss sensitivity (fisher only; 0:
                          none), each `retrieval_tokens` long (at most the model's context)
+    vector_ablation      also fit the vector codebooks of kvcalib-1.5's one-factor neighbours
+                         (benchmarks/kvcalib-1.5-ablation/), not only the presets' own
     """
 
     outlier_ratio: float = 4.0
@@ -87,6 +90,7 @@ class Settings:
     histogram_bins: int = 1024
     retrieval_prompts: int = 16
     retrieval_tokens: int = 1024
+    vector_ablation: bool = False
 
     def __post_init__(self):
         for name in ("outlier_ratio", "sink_ratio", "massive_ratio"):
@@ -309,10 +313,20 @@ def fisher(lm, ids, found: Findings, settings: Settings, phases, store, clock: P
                 settings.codebook_windows,
             )
         )
+        consumers.append(
+            vectorbooks.VectorBooks(
+                vectorbooks.wanted(settings.vector_ablation),
+                lm.config.num_hidden_layers,
+                flags,
+                vectorbooks.ranges(t),
+                settings.codebook_windows,
+            )
+        )
     with clock.phase("gradients", gradients.work(lm, len(ids))) as advance:
         gradients.gradient_pass(lm, ids, store, consumers, advance)
-    with clock.timed("results"):  # the codebooks' k-means
-        for consumer in consumers:
+    for consumer in consumers:  # the codebooks' k-means, the vector codebooks' timed apart
+        vectors = isinstance(consumer, vectorbooks.VectorBooks)
+        with clock.timed("vector codebooks" if vectors else "results"):
             t.update(consumer.result())
 
 

@@ -29,7 +29,13 @@ def codebook_variant(name: str, t: TensorRecipe) -> str:
     fraction, e.g. "key:channel64:pre_rope", "value:token:hadamard:symmetric" or
     "value:vector:outliers0.01". Levels are fitted where the quantizer uses them: on each
     group's range with its outliers left out (for "static", the calibrated range with that
-    fraction left out). The clip ratio does not enter."""
+    fraction left out). The clip ratio does not enter. A "vq" tensor's codebook of vectors
+    (profile tensor vqbook.{variant}.{bits}) is named by its vectors, their pairing, scope and
+    weighting, e.g. "key:vq2:pre_rope:rope:head:fisher" or "value:vq4:layer:plain"."""
+    if t.layout.vectors:
+        parts = [name, f"vq{t.group_size}"] + ([t.position] if name == "key" else [])
+        parts += ["rope"] if t.pairing == "rope" else []
+        return ":".join([*parts, t.codebook_scope, t.codebook_weight])
     parts = [name, f"{t.granularity}{t.group_size or ''}"]
     if name == "key":
         parts.append(t.position)
@@ -193,10 +199,10 @@ def _calibrated(params: KVParams, profile, i: int, key, value, head_dim) -> None
         params.key_range[i] = profile.range("key", i, position=key.position, outliers=key.outliers)
     if value.quantized and value.layout.calibrated_range:
         params.value_range[i] = profile.range("value", i, outliers=value.outliers)
-    if key.quantized and key.codebook == "calibrated":
-        params.key_codebook[i] = profile.codebook(codebook_variant("key", key), i, key.bits)
-    if value.quantized and value.codebook == "calibrated":
-        params.value_codebook[i] = profile.codebook(codebook_variant("value", value), i, value.bits)
+    for name, t in (("key", key), ("value", value)):
+        if t.quantized and t.codebook == "calibrated":
+            read = profile.vector_codebook if t.layout.vectors else profile.codebook
+            getattr(params, f"{name}_codebook")[i] = read(codebook_variant(name, t), i, t.bits)
     if key.quantized and key.split(head_dim):
         n = key.split(head_dim)
         params.key_split[i] = profile.outlier_channels("key", i, n, position=key.position)

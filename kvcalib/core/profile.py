@@ -41,6 +41,9 @@ profile.safetensors (float32 unless noted):
                                                       "probe.answer"; fisher only)
   codebook.{variant}.{bits}          [L, 2**bits]     sorted levels in [0, 1], or [-1, 1] for
                                                       ":symmetric" variants (phase codebooks)
+  vqbook.{variant}.{bits}            [L, Hc, 2**bits, w]  entries of vectors of w channels
+                                                      ("vq", calibration.vectorbooks; Hc 1 or
+                                                      Hkv; phase codebooks)
 
 profile.json: format_version; model {spec, path, fingerprint, model_type, num_layers,
 num_heads, num_kv_heads, head_dim, hidden_size}; data; num_samples, seq_len, seed, device,
@@ -257,6 +260,19 @@ class Profile:
             raise ProfileError(
                 f"profile {self._where} has no {bits}-bit codebook for {variant!r}; it has "
                 f"{what}: use a uniform codebook or one of these"
+            )
+        return self.tensors[name][self._layer(layer)].clone()
+
+    def vector_codebook(self, variant: str, layer: int, bits: int) -> torch.Tensor:
+        """Entries float32 [Hc, 2**bits, w] of a "vq" codebook `variant` (as named by
+        kvcalib.core.plan.codebook_variant)."""
+        name = f"vqbook.{variant}.{bits}"
+        if name not in self.tensors:
+            have = sorted(n[len("vqbook.") :] for n in self.tensors if n.startswith("vqbook."))
+            raise ProfileError(
+                f"profile {self._where} has no {bits}-bit vector codebook for {variant!r}; it "
+                f"has {', '.join(have) or 'none (calibrated before vector codebooks)'}: "
+                "calibrate again, or use one of these"
             )
         return self.tensors[name][self._layer(layer)].clone()
 

@@ -11,14 +11,16 @@ Hashes prove a file is the one that was written; this checks that what it says m
   [L, Hkv, D, len(quantile_levels)], non-decreasing along the levels; min <= max; absmax and
   std >= 0), attention.token0 [L, H], massive.max_abs [L, E], sensitivity.{key,value} and
   sensitivity.answer.{key,value} [L, len(probe.bits)], codebook.{variant}.{bits} [L, 2**bits],
-  sorted, in [0, 1] ([-1, 1] for ":symmetric" variants); windows.input_ids int64 [num_samples,
-  seq_len] with ids >= 0; attention.received, sinks.*, massive.median_abs and position_error.*
-  of the dtype and shape kvcalib.core.profile lists;
+  sorted, in [0, 1] ([-1, 1] for ":symmetric" variants), vqbook.{variant}.{bits}
+  [L, Hc, 2**bits, w] (w and Hc, 1 or Hkv, as the variant names them); windows.input_ids
+  int64 [num_samples, seq_len] with ids >= 0; attention.received, sinks.*, massive.median_abs
+  and position_error.* of the dtype and shape kvcalib.core.profile lists;
 - profile.json's structure: no number anywhere is NaN or Inf (with the field's path); the
   top level, model, tokens, codebooks, layers[i], sinks, massive and sink_predictor hold only
   the keys the writer writes (`KEYS`; settings, versions, probe and timings are descriptive);
   layers has one entry per layer, in order, with a weight per head and outlier lists per KV
-  head; codebooks names bit widths in [1, 8] and a positive count of windows and bins;
+  head; codebooks names bit widths in [1, 8] and a positive count of windows and bins, and
+  its vector variants ({variant: [bits, ...]}) widths in [1, 8];
 - the binding: profile.json's tensors_sha256 is the sha256 of profile.safetensors (checked
   last, so that a damaged file is named by what is wrong in it; a profile written before the
   binding has none).
@@ -39,6 +41,7 @@ _STAT = re.compile(
     r"(key_pre_rope|key_post_rope|value)\.(all|nonsink)\.(\w+)|(key_\w+)\.range_ratio"
 )
 _CODEBOOK = re.compile(r"codebook\.(.+)\.(\d+)")
+_VQBOOK = re.compile(r"vqbook\.(?:key|value):vq(\d+):(?:.+:)?(layer|head):(?:fisher|plain)\.(\d+)")
 _SENSITIVITIES = tuple(
     f"sensitivity{loss}.{t}" for loss in ("", ".answer") for t in ("key", "value")
 )
@@ -51,7 +54,7 @@ KEYS = {
     },
     "model": {"spec", "path", "fingerprint", "model_type", *_SIZES},
     "tokens": {"all", "nonsink"},
-    "codebooks": {"variants", "bits", "windows", "bins"},
+    "codebooks": {"variants", "bits", "windows", "bins", "vectors"},
     "layers[]": {
         "index", "token0_attention", "token0_sink", "key_outlier_channels_pre_rope",
         "key_outlier_channels_post_rope", "massive_dims", "massive_tokens",
@@ -109,6 +112,8 @@ def check(
         m = _CODEBOOK.fullmatch(name)
         if m and not 1 <= int(m.group(2)) <= 8:
             fail(f"tensor {name}: a codebook of {m.group(2)} bits")
+        if name.startswith("vqbook.") and not _VQBOOK.fullmatch(name):
+            fail(f"tensor {name} names no vector codebook kvcalib reads")
         want = _shape(name, L, hkv, d, len(quantile_levels), model, bits)
         if want is not None and (tuple(t.shape) != want or not t.is_floating_point()):
             fail(f"tensor {name} is {t.dtype} {list(t.shape)}, profile.json implies {list(want)}")
@@ -167,6 +172,13 @@ def _check_structure(meta: dict, fail) -> None:
         for k in ("windows", "bins"):
             if not _int(books.get(k)) or books[k] < 1:
                 fail(f"codebooks.{k} = {books.get(k)!r} is not a positive integer")
+        vectors = books.get("vectors", {})
+        ok = isinstance(vectors, dict) and all(
+            isinstance(b, list) and all(_int(x) and 1 <= x <= 8 for x in b)
+            for b in vectors.values()
+        )
+        if not ok:
+            fail(f"codebooks.vectors = {str(vectors)[:40]} is not {{variant: [bits, ...]}}")
 
 
 def _check_layers(layers, model: dict, fail) -> None:
@@ -235,6 +247,9 @@ def _shape(name, L, hkv, d, quantiles, model, bits) -> tuple | None:
         return (L, len(bits))
     if m := _CODEBOOK.fullmatch(name):
         return (L, 2 ** int(m.group(2)))
+    if m := _VQBOOK.fullmatch(name):
+        w, scope, bits = m.groups()
+        return (L, hkv if scope == "head" else 1, 2 ** int(bits), int(w))
     return None
 
 

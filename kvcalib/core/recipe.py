@@ -6,11 +6,11 @@ live in `recipes/<name>.toml`; `load_recipe` takes a preset name or a path.
 
     name, description, residual, rotation_seed, external, quantized_layers
     [key]    bits granularity group_size symmetric clip codebook outliers outlier_slots
-             slot_rule slot_code method split_channels split_fraction split_bits flush
-             position rotation smooth
+             slot_rule slot_code method split_channels split_fraction split_bits pairing
+             codebook_scope codebook_weight flush position rotation smooth
     [value]  bits granularity group_size symmetric clip codebook outliers outlier_slots
-             slot_rule slot_code method split_channels split_fraction split_bits flush
-             rotation
+             slot_rule slot_code method split_channels split_fraction split_bits pairing
+             codebook_scope codebook_weight flush rotation
     [sinks]  first predicted budget
     [allocation]  budget choices sensitivity   (per-layer bits from the profile's sensitivities:
                   sensitivity "text", the calibration text's next-token loss, "answer", the
@@ -34,7 +34,12 @@ channel's scale as float8 E4M3, within 1/16 of it) — see kvcalib_runtime.layou
 "turboquant" (TurboQuant: a random rotation and fixed Lloyd-Max levels per vector, with
 `split_channels` outlier channels per head at `split_bits` bits, chosen from the profile's
 channel statistics; or `split_fraction` of each head's channels, rounded, whatever the model's
-head size: TurboQuant's 2.5 and 3.5 bits are a quarter of the channels at one bit more).
+head size: TurboQuant's 2.5 and 3.5 bits are a quarter of the channels at one bit more), or
+"vq" (kvcalib-1.5's vector codes: `bits` index bits per vector of `group_size` channels,
+normalized by calibrated "static" ranges; `pairing` "adjacent" or "rope", RoPE's channel pairs
+for pre-RoPE keys; its calibrated codebook is one per layer or per KV head, `codebook_scope`
+"layer" / "head", fitted by k-means weighted by the Fisher information or not,
+`codebook_weight` "fisher" / "plain"; kvcalib_runtime.layouts.vq).
 """
 
 import dataclasses
@@ -50,7 +55,14 @@ from kvcalib.errors import RecipeError
 from kvcalib_runtime.cache.scheme import KEY_POSITIONS, KVScheme, LayerScheme
 from kvcalib_runtime.checkpoint.checks import MAX_TOKENS
 from kvcalib_runtime.layouts import Kind, Layout, layout_class
-from kvcalib_runtime.layouts.spec import GRANULARITIES, METHODS, SLOT_CODES, SLOT_RULES, QuantSpec
+from kvcalib_runtime.layouts.spec import (
+    GRANULARITIES,
+    METHODS,
+    PAIRINGS,
+    SLOT_CODES,
+    SLOT_RULES,
+    QuantSpec,
+)
 
 MAX_LAYERS = 4096  # an override index beyond this is a typo, not a layer
 MAX_CODEBOOK_BITS = 4
@@ -84,6 +96,9 @@ class TensorRecipe:
     split_channels: int = 0
     split_fraction: float = 0.0
     split_bits: int = 0
+    pairing: str = "adjacent"
+    codebook_scope: str = "layer"
+    codebook_weight: str = "fisher"
     flush: int = 0
     position: str = "post_rope"
     rotation: str = "none"
@@ -213,6 +228,9 @@ _CHOICES = {  # the runtime's own tables where the runtime defines the field
     "codebook": ("uniform", "calibrated"),
     "position": KEY_POSITIONS,
     "rotation": ("none", "hadamard"),
+    "pairing": PAIRINGS,
+    "codebook_scope": ("layer", "head"),
+    "codebook_weight": ("fisher", "plain"),
 }
 
 
@@ -465,6 +483,12 @@ def _check_layer(r: Recipe, k: TensorRecipe, v: TensorRecipe, where: str) -> Non
     if k.smooth and k.rotation != "none":
         fail("key.smooth scales channels, which a Hadamard rotation would mix: pick one")
     for name, t in (("key", k), ("value", v)):
+        own = (t.codebook_scope, t.codebook_weight) != ("layer", "fisher")
+        if own and not t.layout.vectors:
+            fail(
+                f"{name}: codebook_scope and codebook_weight choose a 'vq' codebook: set method "
+                "'vq', or leave them at 'layer' and 'fisher'"
+            )
         if t.split_fraction and t.split_channels:
             fail(f"{name}: give split_channels or split_fraction, not both")
         if not 0 <= t.split_fraction < 1:
@@ -499,9 +523,9 @@ def layer_scheme(
 
 
 def with_bits(t: TensorRecipe, bits: int) -> TensorRecipe:
-    """An allocated width: calibrated codebooks exist for 2-4 bits only, so a wider layer of a
-    codebook recipe takes uniform levels."""
-    codebook = t.codebook if bits <= MAX_CODEBOOK_BITS else "uniform"
+    """An allocated width: calibrated codebooks of levels exist for 2-4 bits only, so a wider
+    layer of a codebook recipe takes uniform levels (vector codes keep their codebook)."""
+    codebook = t.codebook if bits <= MAX_CODEBOOK_BITS or t.layout.vectors else "uniform"
     return dataclasses.replace(t, bits=bits, codebook=codebook)
 
 

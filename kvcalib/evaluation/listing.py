@@ -32,8 +32,9 @@ CONTEXT = 4096
 
 class PlaceholderProfile:
     """What kvcalib.core.plan asks of a profile, with the shapes of a real one and placeholder
-    values: ranges [-1, 1], uniform codebooks, unit smoothing scales, the first channels as
-    outlier channels, a sink predictor that never fires, sensitivities 2**-bits everywhere."""
+    values: ranges [-1, 1], uniform codebooks (random entries of vector codebooks), unit
+    smoothing scales, the first channels as outlier channels, a sink predictor that never fires,
+    sensitivities 2**-bits everywhere."""
 
     def __init__(self, kv_heads: int, head_dim: int):
         self.kv_heads, self.head_dim = kv_heads, head_dim
@@ -44,6 +45,11 @@ class PlaceholderProfile:
 
     def codebook(self, variant, layer, bits):
         return uniform_codebook(bits, symmetric=":symmetric" in variant)
+
+    def vector_codebook(self, variant, layer, bits):
+        w = int(variant.split(":")[1].removeprefix("vq"))
+        rows = self.kv_heads if ":head:" in variant else 1
+        return torch.rand(rows, 2**bits, w, generator=torch.Generator().manual_seed(0))
 
     def smoothing(self, layer, alpha, *, position):
         return torch.ones(self.kv_heads, self.head_dim)

@@ -94,6 +94,16 @@ SCHEMES = {
         sinks_first=1,
         layer=dict(key_position="pre_rope"),
     ),
+    # kvcalib-1.5's layout: vector codes of RoPE-pair quads for pre-RoPE keys (a codebook per KV
+    # head), of adjacent pairs for values (one per layer), first and predicted sinks
+    "vq": dict(
+        key=QuantSpec(6, "static", 4, codebook=True, method="vq", pairing="rope"),
+        value=QuantSpec(3, "static", 2, codebook=True, method="vq"),
+        residual=4,
+        sinks_first=1,
+        sink_budget=2,
+        layer=dict(key_position="pre_rope", key_flush=2),
+    ),
 }
 
 
@@ -118,9 +128,17 @@ def _scheme_and_params(hf, name, ids):
     params = KVParams()
     if key.granularity == "static":  # per-channel pre-RoPE ranges of this text, shrunk a bit
         params.key_range = text_key_ranges(hf, ids)
+    if value.granularity == "static":  # fixed ranges that leave some values outside
+        one = torch.ones(hf.config.num_key_value_heads, 16)
+        params.value_range = {i: (-0.1 * one, 0.1 * one) for i in range(n)}
     gen = torch.Generator().manual_seed(7)
     for name, spec in (("key", key), ("value", value)):
-        if spec.codebook:  # sorted levels per layer, in [0, 1] or [-1, 1]
+        if spec.codebook and spec.layout.vectors:  # random entries: keys' per KV head, values'
+            rows = hf.config.num_key_value_heads if name == "key" else 1  # per layer
+            shape = (rows, spec.levels, spec.group_size)
+            books = {i: torch.rand(shape, generator=gen) for i in range(n)}
+            getattr(params, f"{name}_codebook").update(books)
+        elif spec.codebook:  # sorted levels per layer, in [0, 1] or [-1, 1]
             books = {i: torch.rand(spec.levels, generator=gen).sort().values for i in range(n)}
             if spec.symmetric:
                 books = {i: b * 2 - 1 for i, b in books.items()}

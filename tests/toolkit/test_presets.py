@@ -41,7 +41,7 @@ def _kl(p_logits, q_logits) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["kvcalib-2", "kvcalib-3", "kvcalib-4"])
+@pytest.mark.parametrize("name", ["kvcalib-1.5", "kvcalib-2", "kvcalib-3", "kvcalib-4"])
 def test_converted_preset_evaluates_as_the_online_recipe(name, real_model, profile, tmp_path):
     model, tokenizer = real_model
     out = convert(None, recipe=name, output=tmp_path / name, profile=profile)

@@ -2,8 +2,8 @@
 between them (`kvcalib_runtime.cache.kvcache` owns one per layer and tensor).
 
     body     what the spec's layout allocates (kvcalib_runtime.layouts: a PackedBody
-             [B, heads, S, ...], or a TurboBody for "turboquant"); exact dtype [B, Hkv, S, D]
-             for a tensor left in full precision,
+             [B, heads, S, ...], a TurboBody for "turboquant", a CodeBody for "vq"); exact
+             dtype [B, Hkv, S, D] for a tensor left in full precision,
              S = scheme.body_slots: position t in slot t % S
              (every position, or a ring for a sliding-window layer)
     tail     dtype [B, Hkv, max(R, 1), D]  the residual ring, position t in slot t % R
@@ -29,13 +29,17 @@ from kvcalib_runtime.cache.scheme import (
 from kvcalib_runtime.kernels import quant_pack as qp
 from kvcalib_runtime.kernels.layout import Stored
 from kvcalib_runtime.layouts.turboquant import TurboBody
+from kvcalib_runtime.layouts.vq import CodeBody
+
+ROW_BODIES = (TurboBody, CodeBody)  # bodies that quantize and store rows themselves
 
 
 def kernel_layout(spec) -> bool:
-    """Whether a tensor stored with spec (None: full precision) is laid out as the kernels and
-    their references read it: an affine layout's PackedBody; `supports()` of each kernel
-    decides the rest. Peers' own numerics (llama.cpp's, TurboQuant's) are not."""
-    return spec is None or spec.layout.affine
+    """Whether a tensor stored with spec (None: full precision) is laid out as the decode
+    attention and its references read it: an affine layout's PackedBody, or a "vq" CodeBody
+    (the torch paths only); `supports()` of each kernel decides the rest. Peers' own numerics
+    (llama.cpp's, TurboQuant's) are not."""
+    return spec is None or spec.layout.decoded
 
 
 class Stream:
@@ -63,7 +67,7 @@ class Stream:
                 split=getattr(params, f"{kind}_split").get(i),
             )
         # quant_pack handles spec
-        self.packs = spec is not None and kernel_layout(spec) and qp.supports(spec, d, h)
+        self.packs = spec is not None and spec.layout.affine and qp.supports(spec, d, h)
 
     def host_body(self, stored: int) -> int:
         """Body size once `stored` tokens are in: what the next token must see quantized
@@ -87,7 +91,7 @@ class Stream:
         if self.spec is None:
             pos = start[:, None] + torch.arange(x.shape[2], device=x.device)
             self.exact[seq[:, None], :, pos % self.slots] = x.transpose(1, 2)
-        elif isinstance(self.body, TurboBody):
+        elif isinstance(self.body, ROW_BODIES):
             self.body.write(x, seq, start)
         elif kernel and self.packs:
             qp.quant_pack(x, self.body, seq, start, is_sink)
@@ -104,7 +108,7 @@ class Stream:
             if self.slots:
                 self.exact[rows, :, n % self.slots] = new
         else:
-            if self.slots and isinstance(self.body, TurboBody):
+            if self.slots and isinstance(self.body, ROW_BODIES):
                 self.body.flush(self.tail, new, n, self.n_body, target, self.flush)
             elif self.slots:
                 flush = qp.flush if kernel and self.packs else qp.flush_reference

@@ -30,7 +30,7 @@ from kvcalib_runtime.layouts.quant import QuantSpec
 KEY_POSITIONS = ("pre_rope", "post_rope")
 # QuantSpec fields newer than the side-car's format version 3, written only when they differ
 # from this value: a scheme that does not use them reads in a runtime that predates them.
-LATER_FIELDS = {"slot_code": "exact"}
+LATER_FIELDS = {"slot_code": "exact", "pairing": "adjacent"}
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,8 @@ class KVParams:
     """Calibrated tensors, per layer index (absent when the scheme needs none).
 
     key_range / value_range: (lo, hi), each float [Hkv, D], static per-channel ranges
-    key_codebook / value_codebook: float [L] or [Hkv, L], sorted normalized levels
+    key_codebook / value_codebook: float [L] or [Hkv, L], sorted normalized levels ("vq":
+                  float [1 or Hkv, L, w], entries of vectors of w channels)
     key_smooth: float [Hkv, D], keys are divided by it and queries multiplied (RoPE-pair equal)
     key_split / value_split: int64 [Hkv, n_o], the outlier set's channels per KV head of a
         "turboquant" spec with split_channels = n_o

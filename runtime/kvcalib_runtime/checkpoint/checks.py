@@ -11,7 +11,8 @@ planner (numbers that came from a profile) and its converter (before any weight 
 - static ranges: [Hkv, D], finite, lo <= hi, present exactly for the "static" layers;
 - codebooks: 2^bits levels for the layer's spec, [L] or [rows, L] (rows 1 or Hkv; 1 for
   "vector"), finite, sorted, in [0, 1] ([-1, 1] when symmetric), present exactly for the layers
-  whose spec has a codebook;
+  whose spec has a codebook; a "vq" codebook: 2^bits finite entries of group_size coordinates,
+  [1 or Hkv, 2^bits, group_size];
 - key smoothing: [Hkv, D], finite, positive, equal on RoPE pairs (j, j + D/2);
 - sink predictor: a finite threshold >= 0, a layer and distinct dims of the model;
 - scheme: the residual window, the sink slots and every flush block fit in the model's context
@@ -129,18 +130,13 @@ def _check_codebook(where: str, spec, book, geo: Geometry) -> None:
     _given(where, wanted, book, scheme, "none" if book is None else "one")
     if book is None:
         return
-    rows = spec.layout.row_heads(geo.kv_heads)
-    levels = spec.levels
-    if (
-        book.dim() not in (1, 2)
-        or book.shape[-1] != levels
-        or (book.dim() == 2 and book.shape[0] not in (1, rows))
-    ):
-        raise ValueError(
-            f"{where} codebook has shape {list(book.shape)}; {spec.bits} bits need "
-            f"[{levels}] or [{rows}, {levels}] levels"
-        )
+    try:
+        spec.layout.check_codebook(book, geo.kv_heads)
+    except ValueError as e:
+        raise ValueError(f"{where} {e}") from None
     _finite(f"{where} codebook", book)
+    if spec.layout.vectors:  # entries of vectors: no order, any finite coordinates
+        return
     if bool((book.diff(dim=-1) < 0).any()):
         raise ValueError(f"{where} codebook levels are not sorted in increasing order")
     low = -1.0 if spec.symmetric else 0.0

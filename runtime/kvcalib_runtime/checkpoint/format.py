@@ -59,8 +59,8 @@ _PARAM_SHAPES = {
     "dims": ("[n]", lambda shape: len(shape) == 1),
     "threshold": ("[1]", lambda shape: shape == (1,)),
     "layer": ("[1]", lambda shape: shape == (1,)),
-    "key_codebook": ("[L] or [Hkv, L]", lambda shape: len(shape) in (1, 2)),
-    "value_codebook": ("[L] or [Hkv, L]", lambda shape: len(shape) in (1, 2)),
+    "key_codebook": ("[L], [Hkv, L] or [Hkv, L, w]", lambda shape: len(shape) in (1, 2, 3)),
+    "value_codebook": ("[L], [Hkv, L] or [Hkv, L, w]", lambda shape: len(shape) in (1, 2, 3)),
     "key_split": ("[Hkv, n]", lambda shape: len(shape) == 2),
     "value_split": ("[Hkv, n]", lambda shape: len(shape) == 2),
 }

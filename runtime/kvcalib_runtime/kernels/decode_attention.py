@@ -273,7 +273,7 @@ def supports(spec, head_dim: int, kv_heads: int = 1) -> bool:
     """Whether `decode_attention` reads a tensor stored with spec (None: full precision): every
     layout kvcalib's presets and its peers use; odd head widths (a half row of codes that does
     not start on a byte) and non-power-of-two "channel" groups go to the reference."""
-    return spec is None or tiles.readable(spec, head_dim, kv_heads)
+    return spec is None or (spec.layout.affine and tiles.readable(spec, head_dim, kv_heads))
 
 
 class SinkBuffers(NamedTuple):
@@ -541,7 +541,7 @@ def _entries(stored: Stored, lengths, is_sink, dtype):
     """Every position a stream holds, scattered by position: (x [B, Hkv, P + 1, D] in dtype,
     held bool [B, P + 1]) with P = is_sink.shape[1]; column P collects the empty slots."""
     body, tail = stored.body, stored.tail
-    x_body = body.dequantize(dtype) if isinstance(body, PackedBody) else body.to(dtype)
+    x_body = body.to(dtype) if isinstance(body, torch.Tensor) else body.dequantize(dtype)
     n, nb, P = lengths[:, None], stored.n_body[:, None], is_sink.shape[1]
     dev = tail.device
 

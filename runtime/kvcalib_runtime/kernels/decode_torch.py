@@ -31,6 +31,7 @@ from kvcalib_runtime.kernels.decode_attention import decode_attention_reference
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts import Kind
 from kvcalib_runtime.layouts.affine import PackedBody
+from kvcalib_runtime.layouts.vq import CodeBody
 
 
 def _window(body: PackedBody) -> int:
@@ -172,7 +173,7 @@ def _rope_table(inv_freq: torch.Tensor, wide, length: int):
 
 def _slots(stored: Stored) -> int:
     body = stored.body
-    return (body.codes if isinstance(body, PackedBody) else body).shape[2]
+    return (body if isinstance(body, torch.Tensor) else body.codes).shape[2]
 
 
 def _held(stored: Stored, b: int, n: int, dtype, name: str) -> tuple[torch.Tensor, int]:
@@ -182,6 +183,8 @@ def _held(stored: Stored, b: int, n: int, dtype, name: str) -> tuple[torch.Tenso
     nb = min(int(stored.n_body[b]), n)
     if isinstance(stored.body, PackedBody):
         return dequantize(stored.body, dtype, b, nb, scratch=name), nb
+    if isinstance(stored.body, CodeBody):  # vector codes: its own lookup
+        return stored.body.dequantize(dtype, b, nb), nb
     return stored.body[b, :, :nb].to(dtype), nb
 
 

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from kvcalib_runtime.layouts.affine import PackedBody
+from kvcalib_runtime.layouts.vq import CodeBody
 
 
 def use_triton(device: torch.device | str) -> bool:
@@ -21,14 +22,15 @@ def use_triton(device: torch.device | str) -> bool:
 class Stored(NamedTuple):
     """One layer's keys or values as the decode kernel reads them.
 
-    body     PackedBody, or dtype [B, Hkv, N, D] exact values (a tensor left in full precision);
+    body     PackedBody, a "vq" CodeBody (the torch paths only), or dtype [B, Hkv, N, D] exact
+             values (a tensor left in full precision);
              position t at slot t % N (N < every position: a sliding-window ring)
     tail     dtype [B, Hkv, R, D]  the residual ring: position t at slot t % R
     n_body   int64 [B] on the device: positions [0, n_body) are read from the body, the
              others (up to the sequence's length) from the tail
     """
 
-    body: PackedBody | torch.Tensor
+    body: PackedBody | CodeBody | torch.Tensor
     tail: torch.Tensor
     n_body: torch.Tensor
 

@@ -9,9 +9,11 @@ kernels read of it (base.Kind and a few typed attributes):
     static      StaticChannels  calibrated per-channel ranges (KVQuant's keys, kvcalib's)
     ggml        GgmlBlocks      llama.cpp's q4_0 / q8_0 blocks
     turboquant  TurboSets       TurboQuant's rotated sets with Lloyd-Max levels
+    vq          VectorCodes     one index per vector of channels into a calibrated codebook
 
 A QuantSpec names its layout by `granularity` under kvcalib's affine numerics (`method`
-"affine"), or by a peer's `method`; `QuantSpec.layout` is `bind(spec)`. A new layout is one new
+"affine"), or by a `method` of its own (a peer's, or kvcalib's vector codes); `QuantSpec.layout`
+is `bind(spec)`. A new layout is one new
 module and one line in LAYOUTS.
 """
 
@@ -22,12 +24,13 @@ from kvcalib_runtime.layouts.static import StaticChannels
 from kvcalib_runtime.layouts.token import TokenGroups
 from kvcalib_runtime.layouts.turboquant import TurboSets
 from kvcalib_runtime.layouts.vector import VectorGroups
+from kvcalib_runtime.layouts.vq import VectorCodes
 
 AFFINE = {cls.name: cls for cls in (TokenGroups, ChannelGroups, StaticChannels, VectorGroups)}
-PEERS = {cls.name: cls for cls in (GgmlBlocks, TurboSets)}
+OWN = {cls.name: cls for cls in (GgmlBlocks, TurboSets, VectorCodes)}  # methods of their own
 GRANULARITIES = tuple(AFFINE)
-METHODS = ("affine", *PEERS)
-LAYOUTS = {**AFFINE, **PEERS}
+METHODS = ("affine", *OWN)
+LAYOUTS = {**AFFINE, **OWN}
 
 __all__ = ["GRANULARITIES", "LAYOUTS", "METHODS", "Kind", "Layout", "bind", "layout_class"]
 
@@ -38,7 +41,7 @@ def layout_class(method: str, granularity: str) -> type[Layout]:
         raise ValueError(f"method = {method!r} is unknown: use one of {METHODS}")
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity = {granularity!r} is unknown: use one of {GRANULARITIES}")
-    return AFFINE[granularity] if method == "affine" else PEERS[method]
+    return AFFINE[granularity] if method == "affine" else OWN[method]
 
 
 def bind(spec) -> Layout:

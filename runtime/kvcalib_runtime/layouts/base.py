@@ -62,6 +62,9 @@ class Layout:
     name              the recipe's and side-car's word for it: a granularity, or a peer's method
     kind              where its metadata lives (Kind)
     affine            kvcalib's numerics, which the kernels read (peers' own numerics are not)
+    decoded           the decode attention's reference and CPU path read its body (a layer whose
+                      layouts are not decodes through dequantize-then-attend)
+    vectors           a code indexes a vector of group_size channels (`pairing` applies)
     joins_heads       a stored row is one token of every KV head
     calibrated_range  its ranges come from calibration (KVParams.key_range / value_range)
     splits            its channels split into sets by calibration (KVParams.key_split / ...)
@@ -71,6 +74,7 @@ class Layout:
     name: ClassVar[str]
     kind: ClassVar[Kind] = Kind.TOKEN
     affine: ClassVar[bool] = True
+    vectors: ClassVar[bool] = False
     joins_heads: ClassVar[bool] = False
     calibrated_range: ClassVar[bool] = False
     splits: ClassVar[bool] = False
@@ -92,6 +96,8 @@ class Layout:
                 f"slot_code = {spec.slot_code!r} codes a slot in steps of its channel's static "
                 "scale: it is for 'static' granularity with outlier_slots >= 1"
             )
+        if spec.pairing != "adjacent" and not self.vectors:
+            raise ValueError("pairing groups the channels of vector codes: set method 'vq'")
         if (spec.split_channels or spec.split_bits) and not self.splits:
             raise ValueError("split_channels / split_bits are TurboQuant's: set method turboquant")
         if self.affine:
@@ -104,6 +110,28 @@ class Layout:
                 f"method {spec.method!r} has its own numerics: set symmetric = true and leave "
                 f"{', '.join(changed) or 'clip, codebook, outliers'} at the default"
             )
+
+    @property
+    def decoded(self) -> bool:
+        return self.affine
+
+    def check_codebook(self, book: torch.Tensor, kv_heads: int) -> None:
+        """ValueError unless `book` holds 2**bits levels, [L] or [rows, L] (rows 1 or this
+        layout's rows per token of kv_heads heads); checkpoint.checks checks the levels."""
+        rows, levels = self.row_heads(kv_heads), self.spec.levels
+        if (
+            book.dim() not in (1, 2)
+            or book.shape[-1] != levels
+            or (book.dim() == 2 and book.shape[0] not in (1, rows))
+        ):
+            raise ValueError(
+                f"codebook has shape {list(book.shape)}; {self.spec.bits} bits need "
+                f"[{levels}] or [{rows}, {levels}] levels"
+            )
+
+    def codebook_shape(self, kv_heads: int) -> tuple[int, ...]:
+        """The shape of a codebook of this layout for kv_heads heads (one per layer)."""
+        return (self.spec.levels,)
 
     def check_head(self, head_dim: int, kv_heads: int | None = None) -> None:
         """ValueError unless rows of heads of head_dim channels (kv_heads of them, where the
@@ -164,7 +192,9 @@ class Layout:
             meta,
             dtype,
             static_range=(found, found) if self.calibrated_range else None,
-            codebook=torch.zeros(spec.levels, device=meta) if spec.codebook else None,
+            codebook=torch.zeros(self.codebook_shape(kv_heads), device=meta)
+            if spec.codebook
+            else None,
             split=torch.zeros(kv_heads, spec.split_channels, dtype=torch.long, device=meta),
         )
         return sum(t.nbytes for t in body.tensors()) * 8 / (tokens * kv_heads * head_dim)

@@ -52,7 +52,9 @@ Methods (`method`): everything above is "affine". Two peers' own numerics are me
 "ggml" (llama.cpp's q4_0 / q8_0 blocks, kvcalib_runtime.layouts.ggml) and "turboquant"
 (TurboQuant_mse: per vector the L2 norm, a random rotation and fixed Lloyd-Max levels, with an
 outlier set of `split_channels` channels at `split_bits` bits; kvcalib_runtime.layouts.
-turboquant). Both store no outliers and no offset.
+turboquant). Both store no outliers and no offset. "vq" (kvcalib-1.5's vector codes,
+kvcalib_runtime.layouts.vq) gives each vector of `group_size` channels, normalized by its
+calibrated "static" range, one index into a calibrated codebook of 2**bits vectors.
 
 Each granularity and method is a stored layout (kvcalib_runtime.layouts, one module each), which
 the spec's `layout` binds: this module is their common entry point.
@@ -105,7 +107,8 @@ def quantize(
 
     static_range: (lo, hi), each broadcastable to [..., 1, D] — required for "static".
     codebook:     float [L] or [H, L] sorted levels (heads at dim -3 of x) — required when
-                  spec.codebook; levels in [0, 1] (asymmetric) or [-1, 1] (symmetric).
+                  spec.codebook; levels in [0, 1] (asymmetric) or [-1, 1] (symmetric); for
+                  "vq" float [1 or H, 2**bits, group_size] entries.
     exclude:      bool [..., T], tokens left out of "channel" ranges (kept sinks); they still get
                   codes, which the caller ignores.
     split:        int64 [H, n_o], the outlier set's channels of each head (heads at dim -3) —

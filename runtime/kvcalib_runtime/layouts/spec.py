@@ -11,6 +11,7 @@ from kvcalib_runtime import layouts
 from kvcalib_runtime.layouts.base import BITS, MAX_SLOTS, METADATA_BITS, QTensor, slot_index_dtype
 from kvcalib_runtime.layouts.ggml import GGML_GROUP
 from kvcalib_runtime.layouts.turboquant import TURBO_BITS
+from kvcalib_runtime.layouts.vq import PAIRINGS, VQ_BITS
 
 GRANULARITIES = layouts.GRANULARITIES
 METHODS = layouts.METHODS
@@ -24,9 +25,11 @@ __all__ = [
     "MAX_SLOTS",
     "METADATA_BITS",
     "METHODS",
+    "PAIRINGS",
     "SLOT_CODES",
     "SLOT_RULES",
     "TURBO_BITS",
+    "VQ_BITS",
     "QTensor",
     "QuantSpec",
     "slot_index_dtype",
@@ -41,8 +44,10 @@ class QuantSpec:
     dynamic groups derive K from `outliers` (`layout.slots`). slot_rule: which elements get
     them. slot_code: how a slot's delta is stored, "exact" (the cache's dtype) or "fp8" (one
     E4M3 byte in steps of its channel's scale, layouts.fp8; "static" only). method: "affine",
-    "ggml" or "turboquant" (quant's module docstring). split_channels, split_bits: "turboquant"
-    only, the outlier set's size and bits (0, 0: the whole head is one set).
+    "ggml", "turboquant" or "vq" (quant's module docstring). split_channels, split_bits:
+    "turboquant" only, the outlier set's size and bits (0, 0: the whole head is one set).
+    pairing: "vq" only, which channels form a vector of group_size ("adjacent" or "rope":
+    RoPE's pairs, layouts.vq).
     """
 
     bits: int
@@ -58,6 +63,7 @@ class QuantSpec:
     method: str = "affine"
     split_channels: int = 0
     split_bits: int = 0
+    pairing: str = "adjacent"
 
     def __post_init__(self):
         for name in ("bits", "group_size", "outlier_slots", "split_channels", "split_bits"):
@@ -78,7 +84,9 @@ class QuantSpec:
             raise ValueError(f"group_size = {self.group_size} must be >= 0")
         if not 0.0 < self.clip <= 1.0:
             raise ValueError(f"clip = {self.clip} must be in (0, 1]")
-        if self.codebook and self.bits > 4:
+        if self.pairing not in PAIRINGS:
+            raise ValueError(f"pairing = {self.pairing!r} is unknown: use one of {PAIRINGS}")
+        if self.codebook and self.bits > 4 and not layout.vectors:
             raise ValueError(f"codebook with bits = {self.bits}: codebooks are for 2-4 bits")
         if not 0.0 <= self.outliers < 0.5:
             raise ValueError(f"outliers = {self.outliers} is a fraction: use 0 <= outliers < 0.5")
