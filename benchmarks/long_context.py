@@ -12,9 +12,10 @@ next. A calibrated recipe's record carries the digest of what its plan resolved 
 (scheme and calibrated tensors, "plan"): scored under another plan (another calibration, or
 before records carried one), it is scored again; the others' records stand.
 At the end (or with --report-only) every prompt present for the grid is tabulated into
---out/long_context.md and .json (accuracy with Wilson 95% intervals; paired differences to fp16
-with bootstrap intervals and exact McNemar p; answer NLL; what failed prompts' first answer step
-shows) and --out/long_context.png, long_context_probe.png. The prompts are
+--out/NAME.md and .json (--name, default long_context: another recipe set's table beside it;
+accuracy with Wilson 95% intervals; paired differences to fp16 with bootstrap intervals and
+exact McNemar p; answer NLL; what failed prompts' first answer step shows) and --out/NAME.png,
+NAME_probe.png. The prompts are
 `kvcalib.evaluation.longcontext.grid`'s: passkey cycles over 5 depths, the others a seed each.
 """
 
@@ -194,11 +195,11 @@ def report(args, tags: dict, hours: float) -> str:
             ),
             "",
         ]
-    out.joinpath("long_context.md").write_text("\n".join(text))
+    out.joinpath(f"{args.name}.md").write_text("\n".join(text))
     doc = {"setup": setup, "rows": [vars(r) for r in rows]}
-    out.joinpath("long_context.json").write_text(json.dumps(doc, indent=1) + "\n")
-    longreport.plot(rows, out / "long_context.png")
-    longreport.plot_probe(rows, out / "long_context_probe.png")
+    out.joinpath(f"{args.name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    longreport.plot(rows, out / f"{args.name}.png")
+    longreport.plot_probe(rows, out / f"{args.name}_probe.png")
     return "\n".join(text)
 
 
@@ -214,6 +215,11 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=1, help="Processes, each its model.")
     parser.add_argument("--out", default=None, help="Default: benchmarks/long_context/MODEL.")
     parser.add_argument("--report-only", action="store_true", help="Tabulate what is done.")
+    parser.add_argument(
+        "--name",
+        default="long_context",
+        help="The report's file stem under --out (another recipe set's table beside the default).",
+    )
     args = parser.parse_args()
     args.lengths = [int(n) for n in args.lengths.split(",")]
     args.tasks = args.tasks.split(",")
