@@ -3,7 +3,12 @@ window, one full-precision prefill per prompt shared by all of them, greedy answ
 expected answer's teacher-forced likelihood through each recipe's cache, paired against fp16.
 
     OMP_NUM_THREADS=1 python benchmarks/long_context.py --model qwen2.5-0.5b --lengths 4096 \
-        --prompts 30 [--tasks passkey,...] [--recipe NAME ...] [--threads 1] [--processes 2]
+        --prompts 30 [--tasks passkey,...] [--recipe NAME ...] [--split NAME ...] [--threads 1] \
+        [--processes 2]
+
+--split NAME adds NAME:keys and NAME:values, NAME's plan (allocation included) with only its
+keys, or only its values, quantized and the other kept exact in every layer: which of the two
+loses what NAME loses.
 
 One JSON per prompt under --out/cells/<task>-<length>/ (the prompt's token ids' sha256, every
 recipe's record, the seconds it took), written as it finishes and skipped when present with the
@@ -20,6 +25,7 @@ NAME_probe.png. The prompts are
 """
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import multiprocessing
@@ -37,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 RESIDUAL = 128
 RECIPES = ("fp16", "kivi-2", "turboquant-2.5", "kvcalib-2", "kvcalib-3")
 VERSUS, VERSUS_PEER = "kvcalib-2", "turboquant-2.5"  # also paired against each other
+SIDES = ("keys", "values")
 
 
 def cell_file(out: Path, task, n, seed, depth) -> Path:
@@ -69,8 +76,23 @@ def _setup(args, recipes: list[str]):
     model, tokenizer = load_model(args.model, dtype=torch.float32)
     profile = default_profile(resolve(args.model), args.profile)
     every = candidates(model, recipes, profile, residual=RESIDUAL)
+    split = [c for r, c in zip(recipes, every, strict=True) if r in args.split]
+    every += [coded_alone(c, side) for c in split for side in SIDES]
     tags = {c.name: _digest(c) if c.recipe.needs_profile else None for c in every}
     return model, tokenizer, every, tags
+
+
+def coded_alone(candidate, side: str):
+    """`candidate` with only its keys (side "keys") or only its values ("values") quantized, the
+    other left exact in every layer; named NAME:side."""
+    exact = {"keys": "value", "values": "key"}[side]
+    scheme = candidate.scheme
+    layers = tuple(dataclasses.replace(layer, **{exact: None}) for layer in scheme.layers)
+    return dataclasses.replace(
+        candidate,
+        name=f"{candidate.name}:{side}",
+        scheme=dataclasses.replace(scheme, layers=layers),
+    )
 
 
 def _digest(candidate) -> str:
@@ -211,6 +233,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=50, help="Prompts per task and length.")
     parser.add_argument("--tasks", default=",".join(longcontext.TASKS), help="Comma-separated.")
     parser.add_argument("--recipe", action="append", help="Recipes (repeat; default: 5).")
+    parser.add_argument(
+        "--split",
+        action="append",
+        default=[],
+        help="Also score this recipe with only its keys, and only its values, quantized (repeat).",
+    )
     parser.add_argument("--threads", type=int, default=1, help="Torch threads per process.")
     parser.add_argument("--processes", type=int, default=1, help="Processes, each its model.")
     parser.add_argument("--out", default=None, help="Default: benchmarks/long_context/MODEL.")
@@ -225,6 +253,7 @@ def main() -> None:
     args.tasks = args.tasks.split(",")
     args.out = args.out or str(HERE / "long_context" / args.model)
     recipes = args.recipe or list(RECIPES)
+    recipes += [r for r in args.split if r not in recipes]
     start = time.perf_counter()
     setup = _setup(args, recipes)
     tags = setup[-1]

@@ -314,3 +314,31 @@ def test_benchmark_rescores_a_record_from_another_calibration_only():
     assert bench._current(known, tags) == {"fp16"}
     del known["recipes"]["kvcalib-2"]["plan"]  # scored before records carried a plan
     assert bench._current(known, tags) == {"fp16"}
+
+
+def test_benchmark_split_quantizes_one_side_of_the_plan():
+    # --split scores a recipe's plan with only its keys, or only its values, quantized: the
+    # coded side must be the parent's own specs (allocation included), and the other side must be
+    # stored exact, which the walked buffers show: each layer's coded stream holds the parent's
+    # bytes, the exact one the full-precision cache's.
+    from tests.tiny import ShapeProfile
+
+    bench = _bench()
+    model = tiny_model("llama", num_attention_heads=2, num_key_value_heads=1)
+    fp, kv2 = candidates(model, ["fp16", "kvcalib-2"], ShapeProfile(1, 32), residual=16)
+    keys, values = (bench.coded_alone(kv2, side) for side in bench.SIDES)
+    assert (keys.name, values.name) == ("kvcalib-2:keys", "kvcalib-2:values")
+    assert len({bench._digest(c) for c in (kv2, keys, values)}) == 3
+    ids = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(0))
+    prefill = longcontext.Prefill(model, ids, longcontext.sinks_read([kv2]))
+
+    def stream_bytes(c):
+        with longcontext.filled_cache(model, c, prefill, 96) as cache:
+            return [
+                [sum(t.untyped_storage().nbytes() for t in s.tensors()) for s in streams]
+                for streams in (cache.store.keys, cache.store.values)
+            ]
+
+    full, parent, k, v = (stream_bytes(c) for c in (fp, kv2, keys, values))
+    assert k == [parent[0], full[1]] and v == [full[0], parent[1]]
+    assert all(p < f for p, f in zip(parent[0] + parent[1], full[0] + full[1], strict=True))
