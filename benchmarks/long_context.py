@@ -253,7 +253,7 @@ def main() -> None:
     args.tasks = args.tasks.split(",")
     args.out = args.out or str(HERE / "long_context" / args.model)
     recipes = args.recipe or list(RECIPES)
-    recipes += [r for r in args.split if r not in recipes]
+    recipes = recipes + [r for r in args.split if r not in recipes]
     start = time.perf_counter()
     setup = _setup(args, recipes)
     tags = setup[-1]
