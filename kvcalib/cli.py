@@ -274,6 +274,15 @@ def convert(model, no_calibrate, **options):
     "(allocating recipes then use uniform bits).",
 )
 @click.option(
+    "--answer-sensitivity",
+    type=click.Choice(["probe", "fisher"]),
+    default="probe",
+    show_default=True,
+    help="The answer-loss sensitivity on retrieval prompts: measured, the answer's likelihood "
+    "with each layer's keys or values quantized in turn (probe), or estimated from its "
+    "gradients (fisher).",
+)
+@click.option(
     "--gradient-windows",
     type=click.IntRange(min=1),
     default=None,
@@ -303,6 +312,7 @@ def calibrate_(
     model,
     output,
     sensitivity,
+    answer_sensitivity,
     gradient_windows,
     sensitivity_windows,
     codebook_windows,
@@ -321,6 +331,7 @@ def calibrate_(
     settings = dataclasses.replace(
         default,
         sensitivity="fisher" if sensitivity == "none" else sensitivity,
+        answer_sensitivity=answer_sensitivity,
         sensitivity_windows=sensitivity_windows or gradient_windows or default.sensitivity_windows,
         codebook_windows=codebook_windows or gradient_windows or default.codebook_windows,
         vector_ablation=vector_ablation,

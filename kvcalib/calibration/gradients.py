@@ -63,31 +63,39 @@ def fisher_layer(d: int, acts: tuple, grads: tuple) -> tuple[dict, dict]:
     return tensors(*acts), tensors(*grads)
 
 
-def keep_inputs(lm: LayerSource, ids: torch.Tensor, store: ActivationStore, advance, predictor):
+def keep_inputs(
+    lm: LayerSource, ids: torch.Tensor, store: ActivationStore | None, advance, predictor
+) -> torch.Tensor:
     """A plain forward of windows ids [N, T] (the kvcalib attention, nothing observed) that
     leaves in `store` what the gradient pass reads: ("input", w, i) for every layer i and
     ("h", w). Returns the windows' predicted sinks, bool [N, T]: `predictor` (profile.json's
-    sink_predictor, or None: no later sinks) on the residual stream after its layer."""
+    sink_predictor, or None: no later sinks) on the residual stream after its layer. `store`
+    None: the sinks alone, from a forward that stops at the predictor's layer."""
     n, t = ids.shape
     sinks = torch.zeros(n, t, dtype=torch.bool)
     layer_work, _ = lm.work()
+    layers = lm.config.num_hidden_layers
+    if store is None:
+        layers = predictor["layer"] + 1 if predictor is not None else 0
+    streams = store if store is not None else ActivationStore()  # in memory, dropped after
     with torch.no_grad(), Simulator(lm.model, None).layerwise(ids[:1]):
-        for chunk in lm.chunks(n):
+        for chunk in lm.chunks(n) if layers else ():
             with lm.embedding():
                 for w in chunk:
                     hidden, kwargs = lm.inputs(ids[w : w + 1])
-                    store.put(("h", w), hidden)
-            for i in range(lm.config.num_hidden_layers):
+                    streams.put(("h", w), hidden)
+            for i in range(layers):
                 with lm.layer(i) as layer:
                     for w in chunk:
-                        h = store.get(("h", w))
-                        store.put(("input", w, i), h)
+                        h = streams.get(("h", w))
+                        if store is not None:
+                            store.put(("input", w, i), h)
                         out = hidden_of(layer(h.to(lm.device), **kwargs[i]))
                         if predictor is not None and i == predictor["layer"]:
                             dims = torch.tensor(predictor["dims"], device=out.device)
                             peak = out[0].index_select(-1, dims).abs().amax(-1)
                             sinks[w] = (peak > predictor["threshold"]).cpu()
-                        store.put(("h", w), out)
+                        streams.put(("h", w), out)
                         advance(layer_work)
     return sinks
 

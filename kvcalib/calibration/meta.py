@@ -106,9 +106,10 @@ def _probe(run: Run, n: int, t: int, answer: dict | None) -> dict | None:
     s = run.settings
     if s.sensitivity == "fisher":
         described = sensitivity.describe("fisher", min(s.sensitivity_windows, n), t)
-        return {**described, "answer": answer}
-    windows, tokens = min(s.sensitivity_windows, n), min(s.sensitivity_tokens, t)
-    return sensitivity.describe("probe", windows, tokens)
+    else:
+        windows, tokens = min(s.sensitivity_windows, n), min(s.sensitivity_tokens, t)
+        described = sensitivity.describe("probe", windows, tokens)
+    return {**described, "answer": answer}
 
 
 def _codebooks(lm, run: Run, n: int) -> dict | None:

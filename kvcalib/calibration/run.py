@@ -13,10 +13,12 @@ same profile bit for bit. Passes, each with its own progress bar and time:
              sensitivity of every layer at every probed width (sensitivity.py) and the
              Fisher-weighted codebooks (codebooks.py; of vectors, vectorbooks.py) from the
              same gradients
-  retrieval  with the fisher sensitivity: a plain forward and one backward per retrieval prompt
-             built from the calibration text (retrieval.py), whose answer loss gives the
-             answer-loss sensitivity ("sensitivity.answer.*"), which kvcalib-2 allocates by
-             together with the text's
+  retrieval  with the sensitivity: retrieval prompts built from the calibration text
+             (retrieval.py) and the loss of their answers, measured with each layer's keys or
+             values quantized in turn (answerprobe.py: a forward and the answer's rows once per
+             probe) or estimated from its gradients (Settings(answer_sensitivity="fisher"): a
+             forward and a backward): the answer-loss sensitivity ("sensitivity.answer.*"),
+             which kvcalib-2 allocates by together with the text's
   probe      with Settings(sensitivity="probe") only: the KL of the logits with one layer's keys
              or values quantized, measured directly (sensitivity.py)
 
@@ -30,7 +32,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from kvcalib.calibration import gradients, retrieval, sensitivity, vectorbooks
+from kvcalib.calibration import answerprobe, gradients, retrieval, sensitivity, vectorbooks
 from kvcalib.calibration.codebooks import Codebooks, variants
 from kvcalib.calibration.layerwise import (
     ActivationStore,
@@ -72,8 +74,11 @@ class Settings:
     codebook_windows     windows with a backward for the codebooks' Fisher weights (the gradient
                          pass runs max(sensitivity_windows, codebook_windows) with fisher)
     histogram_bins       bins of the normalized domain [0, 1] for the codebook k-means
-    retrieval_prompts    retrieval prompts for the answer-loss sensitivity (fisher only; 0:
-                         none), each `retrieval_tokens` long (at most the model's context)
+    retrieval_prompts    retrieval prompts for the answer-loss sensitivity (0: none), each
+                         `retrieval_tokens` long (at most the model's context)
+    answer_sensitivity   how it is measured: "probe" (the answer's NLL with each layer's keys
+                         or values quantized in turn, answerprobe.py) or "fisher" (the Fisher
+                         estimate from the answer loss's gradients, sensitivity.py)
     vector_ablation      also fit the vector codebooks of kvcalib-1.5's one-factor neighbours
                          (benchmarks/kvcalib-1.5-ablation/), not only the presets' own
     """
@@ -90,6 +95,7 @@ class Settings:
     histogram_bins: int = 1024
     retrieval_prompts: int = 16
     retrieval_tokens: int = 1024
+    answer_sensitivity: str = "probe"
     vector_ablation: bool = False
 
     def __post_init__(self):
@@ -104,6 +110,11 @@ class Settings:
         if self.sensitivity not in sensitivity.METHODS:
             raise ValueError(
                 f"sensitivity = {self.sensitivity!r}: use one of {', '.join(sensitivity.METHODS)}"
+            )
+        if self.answer_sensitivity not in sensitivity.METHODS:
+            raise ValueError(
+                f"answer_sensitivity = {self.answer_sensitivity!r}: use one of "
+                f"{', '.join(sensitivity.METHODS)}"
             )
         if self.sensitivity_tokens < 2 or self.histogram_bins < 16:
             raise ValueError("sensitivity_tokens must be >= 2 and histogram_bins >= 16")
@@ -234,9 +245,9 @@ def calibrate_model(
         found = statistics(lm, ids, settings, store, clock, keep)
         if keep:
             fisher(lm, ids[:keep], found, settings, phases, store, clock)
-        if "sensitivity" in phases and settings.sensitivity == "fisher":
+        if "sensitivity" in phases:
             text = calibration_tokens(tokenizer, data, vocab=lm.config.vocab_size)
-            answer_fisher(lm, tokenizer, text, found, settings, seed, store, clock)
+            answer_sensitivity(lm, tokenizer, text, found, settings, seed, store, clock)
         if "sensitivity" in phases and settings.sensitivity == "probe":
             probe(lm, ids, found, settings, store, clock)
     run = Run(
@@ -330,7 +341,7 @@ def fisher(lm, ids, found: Findings, settings: Settings, phases, store, clock: P
             t.update(consumer.result())
 
 
-def answer_fisher(lm, tokenizer, text, found: Findings, settings, seed, store, clock) -> None:
+def answer_sensitivity(lm, tokenizer, text, found: Findings, settings, seed, store, clock):
     """The answer-loss sensitivity from retrieval prompts over the calibration text's token ids
     [n] (retrieval.py) into found.tensors, and what it ran on into found.answer (or why it did
     not run: {"skipped": reason})."""
@@ -347,21 +358,34 @@ def answer_fisher(lm, tokenizer, text, found: Findings, settings, seed, store, c
     key_range = select_range(quantiles, sensitivity.KEY_RANGE_OUTLIERS)
     ids = prompts.ids.to(lm.device)
     layer_work, _ = lm.work()
-    with clock.phase("retrieval", len(ids) * lm.config.num_hidden_layers * layer_work) as advance:
-        sinks = gradients.keep_inputs(lm, ids, store, advance, found.predictor)
     answers = int(prompts.answer.sum())
-    consumer = sensitivity.FisherSensitivity(
-        key_range, prompts.context & ~sinks, answers, name="sensitivity.answer"
-    )
-    with clock.phase("answer gradients", gradients.work(lm, len(ids))) as advance:
-        gradients.gradient_pass(lm, ids, store, [consumer], advance, targets=prompts.answer)
-    found.tensors.update(consumer.result())
+    if settings.answer_sensitivity == "probe":
+        predictor = found.predictor
+        depth = predictor["layer"] + 1 if predictor is not None else 0
+        with clock.phase("retrieval", len(ids) * depth * layer_work) as advance:
+            sinks = gradients.keep_inputs(lm, ids, None, advance, predictor)
+        counted = prompts.context & ~sinks
+        work = answerprobe.work(lm, len(ids), length, answers)
+        with clock.phase("answer probe", work) as advance:
+            found.tensors.update(answerprobe.answer_pass(lm, prompts, counted, key_range, advance))
+    else:
+        work = len(ids) * lm.config.num_hidden_layers * layer_work
+        with clock.phase("retrieval", work) as advance:
+            sinks = gradients.keep_inputs(lm, ids, store, advance, found.predictor)
+        counted = prompts.context & ~sinks
+        consumer = sensitivity.FisherSensitivity(
+            key_range, counted, answers, name="sensitivity.answer"
+        )
+        with clock.phase("answer gradients", gradients.work(lm, len(ids))) as advance:
+            gradients.gradient_pass(lm, ids, store, [consumer], advance, targets=prompts.answer)
+        found.tensors.update(consumer.result())
     found.answer = {
+        "method": settings.answer_sensitivity,
         "prompts": len(prompts),
         "tokens": length,
         "kinds": list(retrieval.KINDS),
         "answer_tokens": answers,
-        "context_tokens": int((prompts.context & ~sinks).sum()),
+        "context_tokens": int(counted.sum()),
     }
 
 

@@ -19,9 +19,10 @@ the damage is measured one of two ways (`kvcalib calibrate --sensitivity`):
             the mean per-token KL(p_fp || p_quantized) with that tensor of that layer quantized,
             for every width at once (x: pre-RoPE keys, values; g of the window's summed
             next-token loss). The same estimate on the retrieval prompts (retrieval.py), g of
-            their answer tokens' loss and the sum over their context, is the answer-loss
-            sensitivity ("sensitivity.answer.*"): per answer token, where the text's weighs
-            every token of prose alike.
+            their answer tokens' loss and the sum over their context, is one answer-loss
+            sensitivity ("sensitivity.answer.*", Settings(answer_sensitivity="fisher")): per
+            answer token, where the text's weighs every token of prose alike. By default the
+            answer loss is measured instead, with these quantizers (answerprobe.py).
     probe   the KL itself: mean per-token KL(p_fp || p_q) of the final logits, p_q with only that
             tensor of that layer quantized through the Simulator (fake mode, the first token kept
             exact), on the first `tokens` tokens of the first `windows` windows, batched. Layer by

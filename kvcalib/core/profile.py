@@ -36,9 +36,10 @@ profile.safetensors (float32 unless noted):
                                                       if none) and on non-sink tokens
   sensitivity.key, sensitivity.value [L, len(bits)]   KL at json "probe.bits" (2, 3, 4, 8),
                                                       estimated (Fisher) or measured (probe)
-  sensitivity.answer.key, .value     [L, len(bits)]   the Fisher estimate of the KL per answer
-                                                      token of retrieval prompts (json
-                                                      "probe.answer"; fisher only)
+  sensitivity.answer.key, .value     [L, len(bits)]   per answer token of retrieval prompts
+                                                      (json "probe.answer"): the increase in
+                                                      its NLL, measured (method "probe"), or
+                                                      the Fisher estimate of the KL ("fisher")
   codebook.{variant}.{bits}          [L, 2**bits]     sorted levels in [0, 1], or [-1, 1] for
                                                       ":symmetric" variants (phase codebooks)
   vqbook.{variant}.{bits}            [L, Hc, 2**bits, w]  entries of vectors of w channels

@@ -55,7 +55,7 @@ def test_sequential_profile_equals_in_memory(tmp_path, arch):
         offload.mkdir()  # a folder the user made stays; one that calibrate made goes
     layered = calibrate(src, tmp_path / "layered", sequential=True, offload_dir=offload, **SMALL)
     assert not memory.meta["sequential"] and layered.meta["sequential"]
-    assert {"sensitivity.key", "sensitivity.value"} <= layered.tensors.keys()
+    assert {"sensitivity.key", "sensitivity.answer.value"} <= layered.tensors.keys()
     assert any(k.startswith("codebook.") for k in layered.tensors)
     _assert_same(memory, layered)
     assert memory.meta["sink_predictor"] == layered.meta["sink_predictor"]

@@ -1,0 +1,252 @@
+"""The answer-loss sensitivity measured: how much a retrieval answer's log-likelihood drops when one
+layer's keys (or values) of its context are quantized, at every probed width.
+
+The Fisher estimate of the answer loss (sensitivity.FisherSensitivity on the retrieval prompts)
+is second order: it sees small, spread-out errors well and the few large ones that lose a
+retrieval badly. On SmolLM2-135M the tensors whose exact storage recovers most of what
+kvcalib-2 loses on the long-context suite are, by the measured answer loss, 7 of its top 8 of 60;
+the Fisher estimate ranks three of them 12th, 14th and 39th. So this measures it, as a serving
+runtime would see it: the prompt is prefilled exact, the answer is teacher-forced through a cache
+whose context (the retrieval prompt's haystack and records, predicted sinks left out) is stored by
+the probe quantizers of sensitivity.py, and
+
+    sensitivity.answer.{key,value}[layer, bits] = (NLL of the answer with only that tensor of
+        that layer quantized - NLL with nothing quantized), summed over prompts, per answer token
+
+(mean nats per answer token; the answer's first token is predicted by the exact prefill and
+counts in the denominator only, as in kvcalib.evaluation.longcontext).
+
+Cost: one forward over the prompts, plus the answer's rows alone through the layers from the
+quantized one up — layer by layer, every probe a branch of the answer rows that continues exact
+(what quantizing one layer changes is the answer's residual stream; the context's stays the
+prefill's). A branch attends to the prompt's exact keys and values of its layer (those of its own
+probe at its branching layer) and to its own answer rows, in two parts merged by their softmax
+sums, so the prompt is never copied per branch.
+"""
+
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+from kvcalib.calibration.layerwise import LayerSource
+from kvcalib.calibration.sensitivity import BITS, TENSORS
+from kvcalib.errors import ModelError
+from kvcalib.sim.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
+from kvcalib_runtime.layouts.quant import QuantSpec, fake_quantize
+from kvcalib_runtime.model.rope import rotate
+
+ATTENTION = "kvcalib-answer"
+ROWS = 2048  # query rows per attention block over the prompt (bounds the scores' memory)
+_STATE: ContextVar["_Layer | None"] = ContextVar("kvcalib_answer_layer", default=None)
+
+
+@dataclass
+class _Group:
+    """Branches rows[0]:rows[1] of a batch, attending to one version of the prompt's keys and
+    values [1, Hkv, P, D]."""
+
+    rows: tuple[int, int]
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+@dataclass
+class _Layer:
+    """What the attention of the layer running now does: `groups` None: a full forward of the
+    prompt (recorded into `key`, `value`); else the branches, each group over its prompt."""
+
+    groups: list[_Group] | None = None
+    key: torch.Tensor | None = None
+    value: torch.Tensor | None = None
+
+
+def work(lm: LayerSource, prompts: int, length: int, answer: int) -> float:
+    """What `answer_pass` costs, in the units its `advance` counts: parameters run per token
+    (`answer`: the prompts' answer rows in all)."""
+    layer, head = lm.work()
+    n = lm.config.num_hidden_layers
+    probes = len(TENSORS) * len(BITS)
+    branch_layers = sum(1 + probes * (1 + i) for i in range(n))  # the reference, the probes
+    heads = 1 + probes * n
+    return layer * (prompts * length * n + answer * branch_layers) + head * answer * heads
+
+
+def answer_pass(lm: LayerSource, prompts, quantized: torch.Tensor, key_range, advance) -> dict:
+    """{"sensitivity.answer.key", "sensitivity.answer.value"}: float32 [L, len(BITS)] for
+    `prompts` (retrieval.Prompts, each answer its last tokens); quantized bool [R, T]: the
+    positions a probe quantizes (the context, sinks left out); key_range (lo, hi), each
+    [L, Hkv, D]: the pre-RoPE probe ranges."""
+    num_layers = lm.config.num_hidden_layers
+    dev = lm.device
+    layer_work, head_work = lm.work()
+    ids = prompts.ids.to(dev)
+    count, t = ids.shape
+    starts = [int(a.nonzero()[0]) for a in prompts.answer]
+    names = [None]  # branch b of every prompt: None (nothing quantized) or (tensor, layer, bits)
+    with torch.no_grad(), Hooks(lm.model) as hooks:
+        hooks.attention(ATTENTION)
+        kwargs = lm.layer_kwargs(1, t)
+        with lm.embedding():
+            hidden = [lm.inputs(ids[w : w + 1])[0] for w in range(count)]
+        branches = [h[:, p:] for h, p in zip(hidden, starts, strict=True)]
+        for i in range(num_layers):
+            with lm.layer(i) as layer, Hooks(lm.model) as inner:
+                pre, rope = {}, {}
+                inner.forward(key_module(lm.model, i), capture_keys(lm.model, pre, i))
+                inner.pre_forward(decoder_layers(lm.model)[i].self_attn, _keep_rope(rope))
+                for w, p in enumerate(starts):
+                    x = hidden[w].to(dev)
+                    state = _Layer()
+                    with _running(state):
+                        hidden[w] = hidden_of(layer(x, **kwargs[i]))
+                    versions = _versions(state, pre[i], rope.get(i), quantized[w, :p], key_range, i)
+                    old = len(branches[w])
+                    state.groups = [_Group((0, old), *versions[0])] + [
+                        _Group((old + j, old + j + 1), *kv) for j, kv in enumerate(versions[1:])
+                    ]
+                    rows = torch.cat([branches[w], x[:, p:].expand(len(versions) - 1, -1, -1)])
+                    with _running(state):
+                        branches[w] = hidden_of(layer(rows, **_rows(kwargs[i], p)))
+                    advance(layer_work * (t + rows.shape[0] * rows.shape[1]))
+            names += [(tensor, i, j) for tensor in TENSORS for j in range(len(BITS))]
+        with lm.head():
+            nll = sum(
+                _nll(lm, b, ids[w, p:])
+                for w, (b, p) in enumerate(zip(branches, starts, strict=True))
+            )
+            advance(head_work * sum(b.shape[0] * b.shape[1] for b in branches))
+    answers = int(prompts.answer.sum())
+    out = {tensor: torch.zeros(num_layers, len(BITS)) for tensor in TENSORS}
+    for b, (tensor, i, j) in enumerate(names[1:], 1):
+        out[tensor][i, j] = float(nll[b] - nll[0]) / answers
+    return {f"sensitivity.answer.{tensor}": v for tensor, v in out.items()}
+
+
+def _versions(state: _Layer, key_pre, rope, quantized, key_range, layer: int) -> list[tuple]:
+    """[(key, value) of the prompt's first P positions, [1, Hkv, P, D], as branches read them]:
+    exact (every branch so far), then one per probe of this layer (keys at every width of
+    BITS, then values at every width), quantized where `quantized` bool [P] says."""
+    p = len(quantized)
+    key, value = state.key[:, :, :p], state.value[:, :, :p]
+    where = quantized.to(key.device)[None, None, :, None]
+    lo, hi = (r[layer].to(key.device)[None, :, None, :] for r in key_range)
+    out = [(key, value)]
+    for bits in BITS:
+        k = fake_quantize(key_pre[:, :, :p], QuantSpec(bits, "static"), static_range=(lo, hi))
+        if rope is not None:
+            k = rotate(k, *(c[:, None, :p] for c in rope))
+        out.append((torch.where(where, k.to(key.dtype), key), value))
+    for bits in BITS:
+        out.append((key, torch.where(where, fake_quantize(value, QuantSpec(bits)), value)))
+    return out
+
+
+def _nll(lm: LayerSource, rows: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+    """Per branch, the summed NLL of the answer's tokens after its first, float64 [branches]:
+    rows [branches, a, E] out of the last layer, answer int64 [a]."""
+    out = []
+    for chunk in rows.split(max(1, ROWS // rows.shape[1])):
+        logp = torch.log_softmax(lm.logits(chunk[:, :-1]).float(), -1)
+        out.append(-logp.gather(-1, answer[1:].expand(len(chunk), -1)[..., None]).sum((1, 2)))
+    return torch.cat(out).double()
+
+
+def _keep_rope(store: dict):
+    def hook(module, args, kwargs):
+        store[module.layer_idx] = kwargs.get("position_embeddings")  # None: no RoPE
+
+    return hook
+
+
+def _rows(kwargs: dict, start: int) -> dict:
+    """A layer's keyword arguments for the prompt [1, T] cut to its rows from `start` on (the
+    attention mask keeps every column: the branch attention reads the prompt's part)."""
+    out = {}
+    for name, v in kwargs.items():
+        if name == "attention_mask":
+            out[name] = v[..., start:, :]
+        elif name == "position_embeddings" and v is not None:
+            out[name] = tuple(c[:, start:] for c in v)
+        elif name == "position_ids":
+            out[name] = v[:, start:]
+        elif isinstance(v, torch.Tensor):
+            raise ModelError(f"layer argument {name!r}: the answer probe cannot cut it to rows")
+        else:
+            out[name] = v
+    return out
+
+
+@contextlib.contextmanager
+def _running(state: _Layer):
+    token = _STATE.set(state)
+    try:
+        yield
+    finally:
+        _STATE.reset(token)
+
+
+def _attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs
+):
+    """transformers' attention interface: query [B, H, a, D], key and value [B, Hkv, a, D] of
+    the rows running, attention_mask additive [1, 1, a, T] (T: the whole prompt, whose first
+    T - a positions a branch reads from its group's version)."""
+    state = _STATE.get()
+    assert state is not None, "the answer probe's attention runs only inside answer_pass"
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    b, h, a, d = query.shape
+    hkv = key.shape[1]
+    q = query.view(b, hkv, h // hkv, a, d).float()
+    k, v = key[:, :, None].float(), value[:, :, None].float()
+    mask = attention_mask[:, :, None].float()
+    if state.groups is None:  # the prompt's own forward
+        state.key, state.value = key, value
+        m, z, o = _part(q, k, v, mask, scaling, softcap)
+        return _out(o / z, query), None
+    own = _part(q, k, v, mask[..., -a:], scaling, softcap)
+    prompt = mask[..., :-a]
+    out = torch.empty_like(q)
+    for g in state.groups:
+        r0, r1 = g.rows
+        n = r1 - r0
+        folded = q[r0:r1].permute(1, 2, 0, 3, 4).reshape(1, hkv, h // hkv, n * a, d)
+        kp, vp = g.key[:, :, None].float(), g.value[:, :, None].float()
+        m, z, o = _part(folded, kp, vp, prompt.repeat(1, 1, 1, n, 1), scaling, softcap)
+        m, z, o = (x.view(hkv, h // hkv, n, a, -1).permute(2, 0, 1, 3, 4) for x in (m, z, o))
+        m2, z2, o2 = (x[r0:r1] for x in own)
+        top = torch.maximum(m, m2)
+        e, e2 = (m - top).exp(), (m2 - top).exp()
+        out[r0:r1] = (o * e + o2 * e2) / (z * e + z2 * e2)
+    return _out(out, query), None
+
+
+def _part(q, k, v, mask, scaling: float, softcap) -> tuple:
+    """Softmax attention of q [B, Hkv, G, R, D] over k, v [B, Hkv, 1, K, D] with an additive
+    mask [B', 1, 1, R, K], in parts that merge: (m, z, o), the row's largest score, its
+    exp(score - m) summed and its exp(score - m)-weighted values, [B, Hkv, G, R, 1 / 1 / D]; a
+    block of ROWS rows at a time."""
+    parts = []
+    for r in range(0, q.shape[3], ROWS):
+        s = q[..., r : r + ROWS, :] @ k.transpose(-1, -2) * scaling
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        s = s + mask[..., r : r + ROWS, :]
+        m = s.amax(-1, keepdim=True)
+        p = (s - m).exp()
+        parts.append((m, p.sum(-1, keepdim=True), p @ v))
+    return tuple(torch.cat(x, 3) for x in zip(*parts, strict=True))
+
+
+def _out(out: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, G, a, D] -> [B, a, H, D], as transformers' attention functions return it."""
+    b, h, a, d = query.shape
+    return out.reshape(b, h, a, d).transpose(1, 2).contiguous().to(query.dtype)
+
+
+AttentionInterface.register(ATTENTION, _attention)
+AttentionMaskInterface.register(ATTENTION, eager_mask)
