@@ -44,8 +44,8 @@ CONVERTED = "converted checkpoint"  # the kind of output convert writes (atomic.
 
 # What the default calibration costs, measured (benchmarks/RESULTS.md, bench_calibrate.py: 36.3 s
 # on the default model, 2.34x a plain forward over its tokens), as the README states it.
-DEFAULT_COST = "313 s on 2 idle CPU cores for smollm2-135m"
-OTHER_COST = "about 10x a plain forward over 16 x 512 tokens"
+DEFAULT_COST = "390 s on 2 idle CPU cores for smollm2-135m"
+OTHER_COST = "about 16x a plain forward over 16 x 512 tokens on smollm2-135m"
 
 
 def _stderr(line: str) -> None:

@@ -2,13 +2,13 @@
 layer's keys (or values) of its context are quantized, at every probed width.
 
 The Fisher estimate of the answer loss (sensitivity.FisherSensitivity on the retrieval prompts)
-is second order: it sees small, spread-out errors well and the few large ones that lose a
-retrieval badly. On SmolLM2-135M the tensors whose exact storage recovers most of what
-kvcalib-2 loses on the long-context suite are, by the measured answer loss, 7 of its top 8 of 60;
-the Fisher estimate ranks three of them 12th, 14th and 39th. So this measures it, as a serving
-runtime would see it: the prompt is prefilled exact, the answer is teacher-forced through a cache
-whose context (the retrieval prompt's haystack and records, predicted sinks left out) is stored by
-the probe quantizers of sensitivity.py, and
+is second order: it sees small, spread-out errors well and misjudges the few large ones that lose
+a retrieval. On SmolLM2-135M, of the 8 tensors whose exact storage recovers most of what kvcalib-2
+loses on the long-context suite, this measurement ranks 6 in its top 7 of 60 and the other two
+12th and 13th; the Fisher estimate ranks the three value tensors among them 12th, 14th and 39th.
+So this measures it, as a serving runtime would see it: the prompt is prefilled exact, the answer
+is teacher-forced through a cache whose context (the retrieval prompt's haystack and records,
+predicted sinks left out) is stored by the probe quantizers of sensitivity.py, and
 
     sensitivity.answer.{key,value}[layer, bits] = (NLL of the answer with only that tensor of
         that layer quantized - NLL with nothing quantized), summed over prompts, per answer token

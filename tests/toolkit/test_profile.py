@@ -284,17 +284,23 @@ def test_cli_calibrate_sensitivity_and_window_options(tmp_path, monkeypatch):
         [],
         ["--sensitivity", "none", "--gradient-windows", "3"],
         ["--sensitivity", "probe", "--gradient-windows", "3", "--codebook-windows", "1"],
+        ["--answer-sensitivity", "fisher"],
     ):
         CliRunner().invoke(main, base + extra)
     got = [(k["phases"], k["settings"]) for k in seen]
-    assert [(s.sensitivity, s.sensitivity_windows, s.codebook_windows) for _, s in got] == [
-        ("fisher", Settings().sensitivity_windows, Settings().codebook_windows),
-        ("fisher", 3, 3),
-        ("probe", 3, 1),
+    assert [
+        (s.sensitivity, s.sensitivity_windows, s.codebook_windows, s.answer_sensitivity)
+        for _, s in got
+    ] == [
+        ("fisher", Settings().sensitivity_windows, Settings().codebook_windows, "probe"),
+        ("fisher", 3, 3, "probe"),
+        ("probe", 3, 1, "probe"),
+        ("fisher", Settings().sensitivity_windows, Settings().codebook_windows, "fisher"),
     ]
     assert [phases for phases, _ in got] == [
         ("stats", "sensitivity", "codebooks"),
         ("stats", "codebooks"),
+        ("stats", "sensitivity", "codebooks"),
         ("stats", "sensitivity", "codebooks"),
     ]
 
