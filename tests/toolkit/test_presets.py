@@ -16,8 +16,15 @@ from kvcalib.core.plan import plan_for_model
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.checkpoint.format import read_checkpoint
 
-# Every phase, small: enough windows for ranges, codebooks, a sink predictor and sensitivities.
-FAST = Settings(sensitivity_windows=1, sensitivity_tokens=32, codebook_windows=1)
+# Every phase, small: enough windows for ranges, codebooks, a sink predictor and sensitivities,
+# and three short retrieval prompts for the answer-loss sensitivity kvcalib-2 allocates by.
+FAST = Settings(
+    sensitivity_windows=1,
+    sensitivity_tokens=32,
+    codebook_windows=1,
+    retrieval_prompts=3,
+    retrieval_tokens=512,
+)
 
 
 @pytest.fixture(scope="module")
