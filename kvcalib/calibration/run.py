@@ -359,20 +359,20 @@ def answer_sensitivity(lm, tokenizer, text, found: Findings, settings, seed, sto
     ids = prompts.ids.to(lm.device)
     layer_work, _ = lm.work()
     answers = int(prompts.answer.sum())
-    if settings.answer_sensitivity == "probe":
-        predictor = found.predictor
+    measured = settings.answer_sensitivity == "probe"
+    predictor = found.predictor
+    # the probe needs only the sinks; the gradient pass also the inputs of every layer
+    depth = lm.config.num_hidden_layers
+    if measured:
         depth = predictor["layer"] + 1 if predictor is not None else 0
-        with clock.phase("retrieval", len(ids) * depth * layer_work) as advance:
-            sinks = gradients.keep_inputs(lm, ids, None, advance, predictor)
-        counted = prompts.context & ~sinks
+    with clock.phase("retrieval", len(ids) * depth * layer_work) as advance:
+        sinks = gradients.keep_inputs(lm, ids, None if measured else store, advance, predictor)
+    counted = prompts.context & ~sinks
+    if measured:
         work = answerprobe.work(lm, len(ids), length, answers)
         with clock.phase("answer probe", work) as advance:
             found.tensors.update(answerprobe.answer_pass(lm, prompts, counted, key_range, advance))
     else:
-        work = len(ids) * lm.config.num_hidden_layers * layer_work
-        with clock.phase("retrieval", work) as advance:
-            sinks = gradients.keep_inputs(lm, ids, store, advance, found.predictor)
-        counted = prompts.context & ~sinks
         consumer = sensitivity.FisherSensitivity(
             key_range, counted, answers, name="sensitivity.answer"
         )
