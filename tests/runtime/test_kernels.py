@@ -189,6 +189,38 @@ def test_flush_reads_the_ring_in_place(spec, flush, residual):
     assert not torch.equal(ours.codes[0], before.codes[0])
 
 
+@pytest.mark.parametrize(("spec", "dtype"), [
+    (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error",
+       slot_code="fp8"), torch.float32),  # kvcalib-2's keys
+    (S(3, "static", outliers=0.02, outlier_slots=1), torch.float16),
+    (S(2, codebook=True), torch.float32),  # kvcalib-2's values
+    (S(4, group_size=16, outliers=0.1, slot_rule="error"), torch.float16),
+], ids=str)  # fmt: skip
+def test_flush_many_is_each_bodys_own_flush_bit_for_bit(spec, dtype):
+    """A decode step's flushes of several layers stacked into one quantize (the cache's torch
+    path) write what each layer's own flush_reference writes: each body keeps its own ranges and
+    levels, its own n_body and its own inactive sequences."""
+    gen = torch.Generator().manual_seed(spec.bits)
+    B, H, D, R = 3, 2, 64, 8
+    lengths = torch.tensor([20, 13, 30])
+    flushes, refs = [], []
+    for i in range(3):  # three layers' bodies of one spec: their own ranges, levels and rings
+        body = _body(spec, (B, H, 64, D), dtype, gen, per_head_codebook=i != 1)
+        if body.levels is not None and i == 1:  # one layer's levels shared by its heads
+            assert torch.equal(body.levels[0], body.levels[1])
+        tail, new = _data((B, H, R, D), gen, dtype) * (i + 1), _data((B, H, D), gen, dtype)
+        start = lengths + 1 - R + torch.tensor([0, 0, i])  # a body behind the others (i = 2)
+        end = start + torch.tensor([1, 0, 1])  # the second sequence has nothing due
+        flushes.append((tail, new, body, start, end))
+        refs.append(copy.deepcopy(body))
+    qp.flush_many(flushes, lengths, 1)
+    for (tail, new, body, start, end), ref in zip(flushes, refs, strict=True):
+        before = copy.deepcopy(ref)
+        qp.flush_reference(tail, new, lengths, ref, start, end, 1)
+        _assert_same_body(body, ref)
+        assert not torch.equal(ref.codes, before.codes)  # not vacuous: the flush wrote
+
+
 @triton.jit
 def _codec(X, CODE, Y, N: tl.constexpr):
     i = tl.arange(0, N)

@@ -442,9 +442,16 @@ class QuantizedCache:
                 slots[layers] = held.scatter(3, index, kept)
             else:
                 slots.scatter_(3, index, kept)
+        batches: dict = {}  # the torch path flushes the streams of one spec as one
         for layer, (k, v) in self._pending.items():
-            self.keys[layer].append(k[:, :, 0], n, self.is_sink, self.kernels)
-            self.values[layer].append(v[:, :, 0], n, self.is_sink, self.kernels)
+            for stream, new in ((self.keys[layer], k[:, :, 0]), (self.values[layer], v[:, :, 0])):
+                key = None if self.kernels and stream.packs else stream.batch_key()
+                if key is None:
+                    stream.append(new, n, self.is_sink, self.kernels)
+                else:
+                    batches.setdefault(key, []).append((stream, new))
+        for streams in batches.values():
+            Stream.append_many(streams, n)
 
 
 def _free_bytes(device) -> int | None:

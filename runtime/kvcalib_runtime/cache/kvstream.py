@@ -28,6 +28,7 @@ from kvcalib_runtime.cache.scheme import (
 )
 from kvcalib_runtime.kernels import quant_pack as qp
 from kvcalib_runtime.kernels.layout import Stored
+from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.layouts.turboquant import TurboBody
 from kvcalib_runtime.layouts.vq import CodeBody
 
@@ -103,19 +104,38 @@ class Stream:
         n [B] (device); the body grows to targets(n + 1) (0 or `flush` positions, read from the
         ring and new), new enters the ring, n_body follows. Device work only."""
         target = torch.maximum(self.targets(n + 1), self.n_body)
-        rows = torch.arange(len(n), device=n.device)
         if self.spec is None:
             if self.slots:
-                self.exact[rows, :, n % self.slots] = new
-        else:
-            if self.slots and isinstance(self.body, ROW_BODIES):
-                self.body.flush(self.tail, new, n, self.n_body, target, self.flush)
-            elif self.slots:
-                flush = qp.flush if kernel and self.packs else qp.flush_reference
-                flush(self.tail, new, n, self.body, self.n_body, target, self.flush, is_sink)
-            if self.residual:
-                self.tail[rows, :, n % self.tail.shape[2]] = new
+                self.exact[torch.arange(len(n), device=n.device), :, n % self.slots] = new
+        elif self.slots and isinstance(self.body, ROW_BODIES):
+            self.body.flush(self.tail, new, n, self.n_body, target, self.flush)
+        elif self.slots:
+            flush = qp.flush if kernel and self.packs else qp.flush_reference
+            flush(self.tail, new, n, self.body, self.n_body, target, self.flush, is_sink)
+        self._enter(new, n, target)
+
+    def _enter(self, new: torch.Tensor, n: torch.Tensor, target: torch.Tensor) -> None:
+        """After the flush: new into the ring, n_body to target."""
+        if self.spec is not None and self.residual:
+            self.tail[torch.arange(len(n), device=n.device), :, n % self.tail.shape[2]] = new
         self.n_body.copy_(target)
+
+    def batch_key(self):
+        """Streams with equal keys flush as one through `append_many`; None: `append` alone."""
+        if self.spec is None or not isinstance(self.body, PackedBody):
+            return None
+        return qp.batch_key(self.body, self.flush)
+
+    @staticmethod
+    def append_many(streams: list[tuple["Stream", torch.Tensor]], n: torch.Tensor) -> None:
+        """`append` (its torch path) of several streams with one `batch_key`, each with its new
+        token [B, Hkv, D]: their flushes quantized in one call (`quant_pack.flush_many`)."""
+        targets = [torch.maximum(s.targets(n + 1), s.n_body) for s, _ in streams]
+        pairs = list(zip(streams, targets, strict=True))
+        flushes = [(s.tail, new, s.body, s.n_body, t) for (s, new), t in pairs]
+        qp.flush_many(flushes, n, streams[0][0].flush)
+        for (s, new), t in pairs:
+            s._enter(new, n, t)
 
     def read(self, b: int, nb: int, dtype) -> tuple[int, torch.Tensor]:
         """The body positions of sequence b that are still held, below nb: (first position,

@@ -389,21 +389,29 @@ def quant_pack_reference(x, body: PackedBody, seq, start, exclude=None, active=N
     kwargs = {"codebook": body.levels}
     if body.static_range is not None:
         kwargs["static_range"] = tuple(r[:, None, :] for r in body.static_range)
-    pos = start[:, None] + torch.arange(n, device=x.device)  # [M, n]
     if exclude is not None and spec.layout.kind == Kind.CHANNEL:
+        pos = start[:, None] + torch.arange(n, device=x.device)
         kwargs["exclude"] = exclude[seq[:, None], pos.clamp(max=exclude.shape[1] - 1)][:, None]
-    q = quantize(x, spec, **kwargs)  # rows [M, heads, n, width]
-    rows = seq[:, None]
+    q = quantize(x, spec, **kwargs)
+    _store(body, q, pack(q.codes, spec.bits), slice(None), seq, start, n, active)
+
+
+def _store(body: PackedBody, q, packed, heads: slice, seq, start, n: int, active) -> None:
+    """Write rows `heads` of q (quantized blocks [M, rows, n, width] of n tokens at positions
+    start [M] of sequences seq [M]; `packed` its codes packed) into body: codes, metadata,
+    exact slots; where `active` (bool [M], None: all) is False the body keeps what it holds."""
+    rows, pos = seq[:, None], start[:, None] + torch.arange(n, device=start.device)
 
     def put(buffer, value, index):  # buffer[seq, :, index] = value [M, heads, k, ...]
-        value = value.transpose(1, 2)
+        value = value[:, heads].transpose(1, 2)
         if active is not None:
             value = torch.where(active.view(-1, *[1] * (value.dim() - 1)), value,
                                 buffer[rows, :, index])  # fmt: skip
         buffer[rows, :, index] = value
 
-    put(body.codes, pack(q.codes, spec.bits), pos % slots)
-    index = spec.layout.metadata_index(body, start, pos, n)
+    slots = body.codes.shape[2]
+    put(body.codes, packed, pos % slots)
+    index = body.spec.layout.metadata_index(body, start, pos, n)
     if index is not None:
         put(body.scale, q.scale[..., 0], index)
         if body.offset is not None:
@@ -413,12 +421,56 @@ def quant_pack_reference(x, body: PackedBody, seq, start, exclude=None, active=N
         put(body.slot_delta, q.slot_delta, pos % slots)
 
 
+def _flushed(tail, new, lengths, start, n: int) -> torch.Tensor:
+    """The n positions from start [B] on of every sequence, [B, Hkv, n, D]: from the residual
+    ring `tail`, or `new` (the token at position lengths [B])."""
+    seq = torch.arange(len(start), device=start.device)
+    pos = start[:, None] + torch.arange(n, device=start.device)  # [B, n]
+    old = tail[seq[:, None], :, pos % tail.shape[2]]  # [B, n, Hkv, D]
+    return torch.where((pos < lengths[:, None])[..., None, None], old, new[:, None]).transpose(1, 2)
+
+
 def flush_reference(tail, new, lengths, body: PackedBody, start, end, n: int, exclude=None):
     """`flush` in plain torch: the ring and the new token gathered, then quant_pack_reference."""
     if not body.codes.shape[2]:
         return
     seq = torch.arange(len(start), device=start.device)
-    pos = start[:, None] + torch.arange(n, device=start.device)  # [B, n]
-    old = tail[seq[:, None], :, pos % tail.shape[2]]  # [B, n, Hkv, D]
-    x = torch.where((pos < lengths[:, None])[..., None, None], old, new[:, None])
-    quant_pack_reference(x.transpose(1, 2), body, seq, start, exclude, active=start < end)
+    x = _flushed(tail, new, lengths, start, n)
+    quant_pack_reference(x, body, seq, start, exclude, active=start < end)
+
+
+def batch_key(body: PackedBody, n: int):
+    """What bodies must share for `flush_many` to quantize their flushes as one (spec, block,
+    slots and which buffers they keep), or None where it does not apply: a body without slots,
+    tokens grouped over channels' tokens (whose kept sinks are excluded per body), heads joined
+    into a row."""
+    spec = body.spec
+    if not body.codes.shape[2] or spec.layout.kind == Kind.CHANNEL or spec.layout.joins_heads:
+        return None
+    kept = tuple(t is not None for t in (body.static_range, body.levels, body.offset,
+                                         body.slot_index))  # fmt: skip
+    return spec, n, body.codes.shape[1:], kept
+
+
+def flush_many(flushes, lengths, n: int) -> None:
+    """`flush_reference` of several bodies with one `batch_key` (a decode step's flushes of one
+    spec across layers), bit for bit: each body's block gathered as flush_reference gathers it,
+    the blocks stacked along the heads axis (each head quantizes with its own range and levels)
+    and quantized in one call, then each body's rows written. flushes: (tail, new, body, start,
+    end) per body, as flush_reference takes them."""
+    body = flushes[0][2]
+    spec, heads = body.spec, body.codes.shape[1]
+    _check_groups(spec, n)
+    x = torch.cat([_flushed(tail, new, lengths, start, n) for tail, new, _, start, _ in flushes], 1)
+    kwargs = {}
+    if body.levels is not None:
+        kwargs["codebook"] = torch.cat([f[2].levels for f in flushes])
+    if body.static_range is not None:
+        kwargs["static_range"] = tuple(
+            torch.cat([f[2].static_range[i] for f in flushes])[:, None, :] for i in range(2)
+        )
+    q = quantize(x, spec, **kwargs)
+    packed = pack(q.codes, spec.bits)
+    for i, (_, _, body, start, end) in enumerate(flushes):
+        seq = torch.arange(len(start), device=start.device)
+        _store(body, q, packed, slice(i * heads, (i + 1) * heads), seq, start, n, start < end)
