@@ -15,7 +15,8 @@ contraction), so codes, metadata and slots are bit-identical to `quant_pack_refe
 Two sources, one kernel: `quant_pack` takes dense blocks (a prefill); `flush` reads the residual
 ring and the new token in place (a decode step: no copy, no host synchronization, blocks whose
 sequence has nothing to flush return at once). Position p goes to body slot p % slots (a ring
-for sliding-window layers, slot p otherwise).
+for sliding-window layers, slot p otherwise). Without the kernel, a decode step's flushes of one
+spec across layers are quantized in one call (`flush_many`): one token a stream is all overhead.
 """
 
 from typing import NamedTuple
@@ -441,9 +442,9 @@ def flush_reference(tail, new, lengths, body: PackedBody, start, end, n: int, ex
 
 def batch_key(body: PackedBody, n: int):
     """What bodies must share for `flush_many` to quantize their flushes as one (spec, block,
-    slots and which buffers they keep), or None where it does not apply: a body without slots,
-    tokens grouped over channels' tokens (whose kept sinks are excluded per body), heads joined
-    into a row."""
+    buffer shapes and which buffers they keep), or None where it does not apply: a body without
+    slots, groups that span tokens (Kind.CHANNEL: each body excludes its own kept sinks), rows
+    that join the KV heads."""
     spec = body.spec
     if not body.codes.shape[2] or spec.layout.kind == Kind.CHANNEL or spec.layout.joins_heads:
         return None
