@@ -1,7 +1,5 @@
-"""The Triton kernels against their plain-torch references (TRITON_INTERPRET=1 on CPU).
-
-quant_pack and flush are index and rounding math: codes, metadata and exact slots must be
-bit-identical to quant.quantize + packing.pack (torch.equal), every other byte left alone.
+"""The decode kernel against its plain-torch reference (TRITON_INTERPRET=1 on CPU; the writers'
+tests are in test_quant_pack.py).
 
 decode_attention is float math, held to flash-attention's rule: against the reference run in
 float64 on the same stored bits (the exact result), its error is at most twice that of the
@@ -15,255 +13,16 @@ import threading
 
 import pytest
 import torch
-import triton
-import triton.language as tl
+from bodies import random_body, to_cuda
 
 from kvcalib_runtime.kernels import decode_attention as dec
-from kvcalib_runtime.kernels import decode_torch, tiles
+from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels import quant_pack as qp
 from kvcalib_runtime.kernels.layout import Sinks, Stored
-from kvcalib_runtime.layouts import fp8
 from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.layouts.quant import QuantSpec
 
 S = QuantSpec
-BODY = ("codes", "scale", "offset", "slot_index", "slot_delta")
-
-
-def _data(shape, gen, dtype=torch.float32):
-    """Key-like data: channels of very different ranges and offsets, some huge outliers."""
-    d = shape[-1]
-    spread = torch.exp(torch.randn(d, generator=gen))
-    x = torch.randn(shape, generator=gen) * spread + torch.randn(d, generator=gen)
-    x.view(-1, d)[::7, 3] *= 20
-    return x.to(dtype)
-
-
-def _codebook(spec, heads, gen):
-    """Sorted levels in [0, 1] (asymmetric) or [-1, 1]; per head when `heads`, else per layer."""
-    lv = torch.rand(heads or 1, spec.levels, generator=gen).sort(-1).values
-    lv = lv * 2 - 1 if spec.symmetric else lv
-    return lv if heads else lv[0]
-
-
-def _body(spec, shape, dtype, gen, per_head_codebook=False):
-    """A body of shape (B, Hkv, slots, D) filled with random bits: codes, positive scales,
-    offsets, slots at random channels with random deltas (or exact values when spec is None)."""
-    _b, h, _, d = shape
-    if spec is None:
-        return torch.randn(shape, generator=gen).to(dtype)
-    static = None
-    if spec.layout.calibrated_range:
-        static = (-torch.rand(h, d, generator=gen) * 3, torch.rand(h, d, generator=gen) * 3)
-    cb = _codebook(spec, h if per_head_codebook else 0, gen) if spec.codebook else None
-    body = spec.layout.allocate(shape, "cpu", dtype, static_range=static, codebook=cb)
-    body.codes.copy_(torch.randint(0, 256, body.codes.shape, generator=gen))
-    if spec.granularity != "static":
-        body.scale.copy_(torch.rand(body.scale.shape, generator=gen) * 0.8 + 0.2)
-        if body.offset is not None:
-            body.offset.copy_(-torch.rand(body.offset.shape, generator=gen))
-    if body.slot_index is not None:
-        body.slot_index.copy_(torch.randint(0, body.width, body.slot_index.shape, generator=gen))
-        if spec.slot_code == "fp8":  # any E4M3 byte but NaN's: up to 448 steps either way
-            code = torch.randint(0, 127, body.slot_delta.shape, generator=gen)
-            sign = torch.randint(0, 2, body.slot_delta.shape, generator=gen) * 128
-            body.slot_delta.copy_(code + sign)
-        else:
-            body.slot_delta.copy_(torch.randn(body.slot_delta.shape, generator=gen) * 10)
-    return body
-
-
-def _assert_same_body(ours: PackedBody, ref: PackedBody):
-    for name in BODY:
-        a, b = getattr(ours, name), getattr(ref, name)
-        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
-
-
-# -- quant_pack and flush: bit-exact -----------------------------------------------------------
-
-QUANT_PACK_CASES = [
-    # (spec, head_dim, tokens per block, dtype)
-    (S(2), 64, 33, torch.float32),
-    (S(3), 128, 97, torch.float32),
-    (S(4, group_size=32), 128, 1, torch.float16),
-    (S(8, symmetric=True), 64, 33, torch.float32),
-    (S(2, group_size=16, symmetric=True), 80, 33, torch.float16),
-    (S(3, symmetric=True, clip=0.9), 64, 97, torch.float16),
-    (S(4, group_size=16, clip=0.85), 64, 33, torch.float32),
-    (S(2, codebook=True), 64, 33, torch.float32),
-    (S(3, codebook=True, symmetric=True), 128, 33, torch.float16),
-    (S(4, group_size=32, codebook=True), 64, 1, torch.float32),
-    (S(2, "channel", 32), 128, 64, torch.float16),
-    (S(3, "channel", 4, symmetric=True), 64, 8, torch.float32),
-    (S(4, "channel", 8, clip=0.9), 80, 16, torch.float16),
-    (S(8, "channel", 16), 64, 32, torch.float32),
-    (S(2, "channel", 4, codebook=True, symmetric=True), 64, 12, torch.float32),
-    (S(2, "static"), 128, 97, torch.float16),
-    (S(3, "static", symmetric=True, clip=0.9), 64, 33, torch.float32),
-    (S(4, "static", codebook=True), 64, 1, torch.float32),
-    (S(8, "static"), 80, 33, torch.float16),
-    # exact slots: kvcalib's keys (largest error), KVQuant's (outside the range), dynamic groups
-    (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error"), 128, 33,
-     torch.float16),
-    (S(3, "static", outliers=0.01, outlier_slots=2), 64, 33, torch.float32),
-    # one E4M3 byte a slot, in steps of the channel's scale (kvcalib-2's keys)
-    (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error",
-       slot_code="fp8"), 128, 33, torch.float16),
-    (S(3, "static", outliers=0.01, outlier_slots=2, slot_code="fp8"), 64, 33, torch.float32),
-    (S(3, codebook=True, outliers=0.05), 128, 33, torch.float16),
-    (S(2, group_size=16, outliers=0.1, slot_rule="error"), 64, 17, torch.float32),
-    # rows of every head joined (KVQuant's values), odd bit widths
-    (S(3, "vector"), 64, 33, torch.float16),
-    (S(2, "vector", group_size=64, outliers=0.01), 64, 17, torch.float32),
-    (S(5, symmetric=True), 64, 33, torch.float32),
-    (S(6, "static"), 64, 17, torch.float16),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize(("spec", "d", "n", "dtype"), QUANT_PACK_CASES, ids=str)
-def test_quant_pack_is_bit_exact(spec, d, n, dtype):
-    gen = torch.Generator().manual_seed(n * d + spec.bits)
-    heads, batch, slots = 3, 2, 128
-    ours = _body(
-        spec, (batch, heads, slots, d), dtype, gen, d == 128 and spec.granularity != "vector"
-    )
-    ref = copy.deepcopy(ours)
-    x = _data((2, heads, n, d), gen, dtype)
-    g = spec.group_size if spec.granularity == "channel" else 1
-    seq, start = torch.tensor([1, 0]), torch.tensor([g * 2, 0])  # two blocks, two sequences
-    exclude = torch.rand(batch, slots, generator=gen) < 0.15  # kept sinks
-    exclude[0, :4] = True  # a whole channel group excluded
-    qp.quant_pack(x, ours, seq, start, exclude)
-    qp.quant_pack_reference(x, ref, seq, start, exclude)
-    _assert_same_body(ours, ref)
-    # not vacuous: the written codes use the whole grid, the slots hold something
-    assert len(ours.codes[1, :, g * 2 : g * 2 + n].unique()) > spec.levels // 2
-    if ours.slot_delta is not None:
-        assert ours.slot_delta[1, :, g * 2 : g * 2 + n].abs().max() > 0
-
-
-@pytest.mark.parametrize("spec", [S(2, "channel", 8), S(3, "static", outliers=0.02,
-                                  outlier_slots=1), S(4, group_size=16)], ids=str)  # fmt: skip
-def test_quant_pack_wraps_a_ring_body(spec):
-    """A sliding window's body: position p in slot p % slots, blocks that wrap around."""
-    gen = torch.Generator().manual_seed(spec.bits)
-    ours = _body(spec, (2, 2, 48, 64), torch.float32, gen)
-    ref, before = copy.deepcopy(ours), copy.deepcopy(ours)
-    x = _data((2, 2, 16, 64), gen)
-    seq, start = torch.tensor([0, 1]), torch.tensor([40, 96])  # slots 40..55 % 48, 96..111
-    exclude = torch.rand(2, 128, generator=gen) < 0.1
-    qp.quant_pack(x, ours, seq, start, exclude)
-    qp.quant_pack_reference(x, ref, seq, start, exclude)
-    _assert_same_body(ours, ref)
-    assert not torch.equal(ours.codes[0, :, :8], before.codes[0, :, :8])  # 48..55 wrapped to 0..7
-    assert torch.equal(ours.codes[0, :, 8:40], before.codes[0, :, 8:40])  # the rest untouched
-
-
-@pytest.mark.parametrize(("spec", "flush", "residual"), [
-    (S(2, "channel", 4), 8, 8),  # KIVI keys: a block of R at a time
-    (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error"), 1, 8),
-    (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error",
-       slot_code="fp8"), 1, 8),
-    (S(3, "vector", outliers=0.02), 2, 4),
-    (S(4, symmetric=True), 1, 1),
-], ids=str)  # fmt: skip
-def test_flush_reads_the_ring_in_place(spec, flush, residual):
-    """A decode step's flush: positions [start, start + flush) from the ring (below the length)
-    and the new token, only for the sequences whose block is due; the others keep every bit."""
-    gen = torch.Generator().manual_seed(flush)
-    B, H, D = 3, 3, 64
-    ours = _body(spec, (B, H, 64, D), torch.float16, gen)
-    ref, before = copy.deepcopy(ours), copy.deepcopy(ours)
-    tail = _data((B, H, residual, D), gen, torch.float16)
-    new = _data((B, H, D), gen, torch.float16)
-    lengths = torch.tensor([flush * 5 + flush - 1, flush * 3 + flush - 1, 20])
-    start = lengths + 1 - flush  # the block ending with the new token
-    end = start + torch.tensor([flush, flush, 0])  # the third sequence has nothing due
-    exclude = torch.rand(B, 64, generator=gen) < 0.1
-    qp.flush(tail, new, lengths, ours, start, end, flush, exclude)
-    qp.flush_reference(tail, new, lengths, ref, start, end, flush, exclude)
-    _assert_same_body(ours, ref)
-    for name in BODY:
-        if getattr(ours, name) is not None and getattr(ours, name).dim() == 4:
-            assert torch.equal(getattr(ours, name)[2], getattr(before, name)[2]), name
-    assert not torch.equal(ours.codes[0], before.codes[0])
-
-
-@pytest.mark.parametrize(("spec", "dtype"), [
-    (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error",
-       slot_code="fp8"), torch.float32),  # kvcalib-2's keys
-    (S(3, "static", outliers=0.02, outlier_slots=1), torch.float16),
-    (S(2, codebook=True), torch.float32),  # kvcalib-2's values
-    (S(4, group_size=16, outliers=0.1, slot_rule="error"), torch.float16),
-], ids=str)  # fmt: skip
-def test_flush_many_is_each_bodys_own_flush_bit_for_bit(spec, dtype):
-    """A decode step's flushes of several layers stacked into one quantize (the cache's torch
-    path) write what each layer's own flush_reference writes: each body keeps its own ranges and
-    levels, its own n_body and its own inactive sequences."""
-    gen = torch.Generator().manual_seed(spec.bits)
-    B, H, D, R = 3, 2, 64, 8
-    lengths = torch.tensor([20, 13, 30])
-    flushes, refs = [], []
-    for i in range(3):  # three layers' bodies of one spec: their own ranges, levels and rings
-        body = _body(spec, (B, H, 64, D), dtype, gen, per_head_codebook=i != 1)
-        if body.levels is not None and i == 1:  # one layer's levels shared by its heads
-            assert torch.equal(body.levels[0], body.levels[1])
-        tail, new = _data((B, H, R, D), gen, dtype) * (i + 1), _data((B, H, D), gen, dtype)
-        start = lengths + 1 - R + torch.tensor([0, 0, i])  # a body behind the others (i = 2)
-        end = start + torch.tensor([1, 0, 1])  # the second sequence has nothing due
-        flushes.append((tail, new, body, start, end))
-        refs.append(copy.deepcopy(body))
-    qp.flush_many(flushes, lengths, 1)
-    for (tail, new, body, start, end), ref in zip(flushes, refs, strict=True):
-        before = copy.deepcopy(ref)
-        qp.flush_reference(tail, new, lengths, ref, start, end, 1)
-        _assert_same_body(body, ref)
-        assert not torch.equal(ref.codes, before.codes)  # not vacuous: the flush wrote
-
-
-@triton.jit
-def _codec(X, CODE, Y, N: tl.constexpr):
-    i = tl.arange(0, N)
-    tl.store(CODE + i, tiles.fp8_encode(tl.load(X + i)))
-    tl.store(Y + i, tiles.fp8_decode(tl.load(CODE + i)))
-
-
-def test_the_kernels_fp8_codec_is_torchs_bit_for_bit():
-    """tiles.fp8_encode / fp8_decode (E4M3FN by integer bit work) against torch's conversion:
-    every byte but NaN's decodes to torch's value; fp32 inputs from 2**-12 to 1e6 (subnormals,
-    halfway ties, +-0, saturation past 448) encode to torch's byte."""
-    gen = torch.Generator().manual_seed(0)
-    grid = fp8.decode(torch.arange(256, dtype=torch.uint8))
-    grid = grid[grid.isfinite()]
-    ties = (grid[1:] + grid[:-1]) / 2  # halfway between neighbours: round half to even
-    scales = 2.0 ** torch.randint(-12, 20, (2048,), generator=gen)
-    x = torch.cat(
-        [
-            grid,
-            ties,
-            torch.randn(2048, generator=gen) * scales,
-            torch.tensor([0.0, -0.0, 448.0, -448.0, 464.0, 1e6, -1e6]),
-        ]
-    )
-    n = triton.next_power_of_2(len(x))
-    x = torch.nn.functional.pad(x, (0, n - len(x)))
-    code, y = torch.empty(n, dtype=torch.uint8), torch.empty(n)
-    _codec[(1,)](x, code, y, n)
-    assert torch.equal(code, fp8.encode(x))
-    assert torch.equal(y, fp8.decode(code))
-    assert torch.equal(fp8.decode(fp8.encode(grid)), grid)  # the grid itself round-trips
-
-
-def test_quant_pack_refuses_what_it_does_not_handle():
-    odd_groups = S(2, group_size=12)  # 12 channels: not a power of two, not the whole row
-    body = odd_groups.layout.allocate((1, 1, 8, 48), "cpu", torch.float32)
-    assert not qp.supports(odd_groups, 48, 1)
-    with pytest.raises(ValueError, match="reference"):
-        qp.quant_pack(torch.zeros(1, 1, 1, 48), body, torch.tensor([0]), torch.tensor([0]))
-    kivi = S(2, "channel", 4)
-    body = kivi.layout.allocate((1, 1, 8, 16), "cpu", torch.float32)
-    with pytest.raises(ValueError, match="whole token groups"):
-        qp.quant_pack(torch.zeros(1, 1, 3, 16), body, torch.tensor([0]), torch.tensor([0]))
 
 
 # -- decode attention: the kernel against its reference ----------------------------------------
@@ -307,7 +66,7 @@ def _decode_inputs(case, gen, dtype=torch.float16):
     key, value, H, hkv, D, pre_rope, window = DECODE_CASES[case]
     B, P, R = 3, 151, 16
     slots = P if window is None else 64  # a window's ring body: position p in slot p % 64
-    kb, vb = (_body(s, (B, hkv, slots, D), dtype, gen) for s in (key, value))
+    kb, vb = (random_body(s, (B, hkv, slots, D), dtype, gen) for s in (key, value))
     lengths = torch.tensor([150, 61, 0])
     k_nb, v_nb = ((lengths - r).clamp(min=0) for r in (9, 14))
     keys = Stored(kb, torch.randn(B, hkv, R, D, generator=gen).to(dtype), k_nb)
@@ -384,7 +143,7 @@ def test_cpu_dequantize_is_the_bodys_own_bit_for_bit(case, dtype, per_head):
     for spec in (key, value):
         if spec is None:
             continue
-        body = _body(spec, (2, hkv, 64, d), dtype, gen, per_head_codebook=per_head)
+        body = random_body(spec, (2, hkv, 64, d), dtype, gen, per_head_codebook=per_head)
         for b, n in ((0, 37), (1, 64), (1, 0)):
             ours = decode_torch.dequantize(body, torch.float32, b, n)
             assert torch.equal(ours, body.dequantize(torch.float32, b, n))
@@ -401,7 +160,7 @@ def test_cpu_dequantize_reads_codes_across_bytes_bit_for_bit(bits, d):
     for spec in (S(bits, "static", codebook=book, outliers=0.01, outlier_slots=1,
                    slot_code="fp8"), S(bits, group_size=d // 2), S(bits, symmetric=True,
                                                                    codebook=book)):  # fmt: skip
-        body = _body(spec, (2, 3, 40, d), torch.float16, gen)
+        body = random_body(spec, (2, 3, 40, d), torch.float16, gen)
         for b, n in ((0, 37), (1, 40), (1, 0)):
             ours = decode_torch.dequantize(body, torch.float32, b, n)
             assert torch.equal(ours, body.dequantize(torch.float32, b, n)), spec
@@ -412,7 +171,7 @@ def test_cpu_dequantize_reads_each_layouts_own_levels(bits):
     # llama.cpp's q4_0 levels are c - 8, not the symmetric grid's c - 7: the CPU path takes the
     # levels from the layout (before the layouts owned them it read q4_0 bodies a level off).
     spec = S(bits, group_size=32, symmetric=True, method="ggml")
-    body = _body(spec, (2, 2, 64, 64), torch.float16, torch.Generator().manual_seed(bits))
+    body = random_body(spec, (2, 2, 64, 64), torch.float16, torch.Generator().manual_seed(bits))
     for b, n in ((0, 37), (1, 64)):
         ours = decode_torch.dequantize(body, torch.float32, b, n)
         assert torch.equal(ours, body.dequantize(torch.float32, b, n))
@@ -475,18 +234,6 @@ def test_supports_every_preset_layout():
 # -- real sizes on a GPU, and a compile check that needs none ----------------------------------
 
 
-def _cuda(value):
-    if isinstance(value, torch.Tensor):
-        return value.cuda()
-    if isinstance(value, tuple):
-        return tuple(_cuda(v) for v in value)
-    if isinstance(value, PackedBody):
-        return PackedBody(*(_cuda(getattr(value, f)) for f in PackedBody.__dataclass_fields__))
-    if isinstance(value, Stored | Sinks):
-        return type(value)(*(_cuda(v) for v in value))
-    return value
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", ["kvcalib-2 G4 D128", "kvcalib-2 fp8 slots G4 D64",
@@ -495,36 +242,13 @@ def _cuda(value):
 def test_decode_attention_on_gpu(case, dtype, monkeypatch):
     """The same rule at fp16 and bf16 on a GPU, for every tile size the tuner may pick."""
     args, options = _decode_inputs(case, torch.Generator().manual_seed(1), dtype)
-    args, options = _cuda(args), {k: _cuda(v) for k, v in options.items()}
+    args, options = to_cuda(args), {k: to_cuda(v) for k, v in options.items()}
     exact = _ref(args, options, dtype=torch.float64)
     bound = 2 * (_ref(args, options).double() - exact).abs().max()
     for config in dec.CONFIGS:
         monkeypatch.setattr(dec, "_config", lambda key, device, launch, config=config: config)
         ours = dec.decode_attention(*args, **options)
         assert (ours.double() - exact).abs().max() <= bound, config
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("spec", [S(2, "static"), S(3, group_size=32, clip=0.9),
-                                  S(4, "channel", 32, symmetric=True), S(2, codebook=True),
-                                  S(2, "static", codebook=True, outliers=0.01, outlier_slots=1,
-                                    slot_rule="error"),
-                                  S(2, "static", codebook=True, outliers=0.01, outlier_slots=1,
-                                    slot_rule="error", slot_code="fp8")], ids=str)  # fmt: skip
-def test_quant_pack_is_bit_exact_on_gpu(spec, dtype):
-    """On the GPU too (IEEE division, no FMA contraction): the CPU reference's exact bits."""
-    gen = torch.Generator().manual_seed(spec.bits)
-    ref = _body(spec, (4, 8, 4096, 128), dtype, gen)
-    ours = _cuda(copy.deepcopy(ref))
-    x = _data((4, 8, 4096, 128), gen, dtype)
-    exclude = torch.rand(4, 4096, generator=gen) < 0.01
-    seq, start = torch.arange(4), torch.zeros(4, dtype=torch.long)
-    qp.quant_pack(x.cuda(), ours, seq.cuda(), start.cuda(), exclude.cuda())
-    qp.quant_pack_reference(x, ref, seq, start, exclude)
-    for name in BODY:
-        if getattr(ref, name) is not None:
-            assert torch.equal(getattr(ours, name).cpu(), getattr(ref, name)), name
 
 
 COMPILE_SCRIPT = """

@@ -1,0 +1,71 @@
+"""Random stored bits for the runtime's kernel tests: key-like data, codebooks, bodies filled
+with random codes, metadata and slots, a body's buffers compared bit for bit, and all of it moved
+to the GPU."""
+
+import torch
+
+from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.layouts.affine import PackedBody
+
+BODY = ("codes", "scale", "offset", "slot_index", "slot_delta")
+
+
+def random_data(shape, gen, dtype=torch.float32):
+    """Key-like data: channels of very different ranges and offsets, some huge outliers."""
+    d = shape[-1]
+    spread = torch.exp(torch.randn(d, generator=gen))
+    x = torch.randn(shape, generator=gen) * spread + torch.randn(d, generator=gen)
+    x.view(-1, d)[::7, 3] *= 20
+    return x.to(dtype)
+
+
+def random_codebook(spec, heads, gen):
+    """Sorted levels in [0, 1] (asymmetric) or [-1, 1]; per head when `heads`, else per layer."""
+    lv = torch.rand(heads or 1, spec.levels, generator=gen).sort(-1).values
+    lv = lv * 2 - 1 if spec.symmetric else lv
+    return lv if heads else lv[0]
+
+
+def random_body(spec, shape, dtype, gen, per_head_codebook=False):
+    """A body of shape (B, Hkv, slots, D) filled with random bits: codes, positive scales,
+    offsets, slots at random channels with random deltas (or exact values when spec is None)."""
+    _b, h, _, d = shape
+    if spec is None:
+        return torch.randn(shape, generator=gen).to(dtype)
+    static = None
+    if spec.layout.calibrated_range:
+        static = (-torch.rand(h, d, generator=gen) * 3, torch.rand(h, d, generator=gen) * 3)
+    cb = random_codebook(spec, h if per_head_codebook else 0, gen) if spec.codebook else None
+    body = spec.layout.allocate(shape, "cpu", dtype, static_range=static, codebook=cb)
+    body.codes.copy_(torch.randint(0, 256, body.codes.shape, generator=gen))
+    if spec.granularity != "static":
+        body.scale.copy_(torch.rand(body.scale.shape, generator=gen) * 0.8 + 0.2)
+        if body.offset is not None:
+            body.offset.copy_(-torch.rand(body.offset.shape, generator=gen))
+    if body.slot_index is not None:
+        body.slot_index.copy_(torch.randint(0, body.width, body.slot_index.shape, generator=gen))
+        if spec.slot_code == "fp8":  # any E4M3 byte but NaN's: up to 448 steps either way
+            code = torch.randint(0, 127, body.slot_delta.shape, generator=gen)
+            sign = torch.randint(0, 2, body.slot_delta.shape, generator=gen) * 128
+            body.slot_delta.copy_(code + sign)
+        else:
+            body.slot_delta.copy_(torch.randn(body.slot_delta.shape, generator=gen) * 10)
+    return body
+
+
+def assert_same_body(ours: PackedBody, ref: PackedBody):
+    for name in BODY:
+        a, b = getattr(ours, name), getattr(ref, name)
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+
+
+def to_cuda(value):
+    if isinstance(value, torch.Tensor):
+        return value.cuda()
+    if isinstance(value, tuple):
+        return tuple(to_cuda(v) for v in value)
+    if isinstance(value, PackedBody):
+        return PackedBody(*(to_cuda(getattr(value, f)) for f in PackedBody.__dataclass_fields__))
+    if isinstance(value, Stored | Sinks):
+        return type(value)(*(to_cuda(v) for v in value))
+    return value
