@@ -2,10 +2,13 @@
 with random codes, metadata and slots, a body's buffers compared bit for bit, and all of it moved
 to the GPU."""
 
+import dataclasses
+
 import torch
 
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts.affine import PackedBody
+from kvcalib_runtime.layouts.vq import CodeBody
 
 BODY = ("codes", "scale", "offset", "slot_index", "slot_delta")
 
@@ -64,8 +67,9 @@ def to_cuda(value):
         return value.cuda()
     if isinstance(value, tuple):
         return tuple(to_cuda(v) for v in value)
-    if isinstance(value, PackedBody):
-        return PackedBody(*(to_cuda(getattr(value, f)) for f in PackedBody.__dataclass_fields__))
+    if isinstance(value, PackedBody | CodeBody):
+        fields = dataclasses.fields(value)
+        return type(value)(*(to_cuda(getattr(value, f.name)) for f in fields))
     if isinstance(value, Stored | Sinks):
         return type(value)(*(to_cuda(v) for v in value))
     return value

@@ -223,11 +223,14 @@ def test_supports_every_preset_layout():
         S(2, "channel", 32), S(4, group_size=32), S(3), S(4), S(3, codebook=True, outliers=0.01),
         S(3, "vector", outliers=0.01),
     ]  # fmt: skip
+    vq = [S(6, "static", 4, codebook=True, method="vq", pairing=p) for p in ("rope", "adjacent")]
     for d in (64, 80, 96, 128, 256):
         for spec in layouts:
             if spec.group_size and d % spec.group_size:
                 continue
             assert dec.supports(spec, d, 8) and qp.supports(spec, d, 8), (spec, d)
+        for spec in vq:  # kvcalib-1.5: written by its body's own quantize, read by the kernel
+            assert dec.supports(spec, d, 8), (spec, d)
     assert not dec.supports(S(3), 72, 1)  # 36 3-bit codes a half: not whole bytes, reference
 
 
@@ -322,6 +325,14 @@ table = torch.zeros(B, N // 16, dtype=torch.int32)
 dec.decode_attention(torch.zeros(B, 4 * H, 1, D, dtype=torch.float16), new, new,
                      Stored(keys, tail, nb), Stored(values, tail, nb), sinks, nb,
                      inv_freq=torch.ones(D // 2), block_table=table)
+# vector codes (kvcalib-1.5): 6-bit indices of RoPE-pair quads (keys) and adjacent quads (values)
+vq = [QuantSpec(6, "static", 4, codebook=True, method="vq", pairing=p)
+      for p in ("rope", "adjacent")]
+keys, values = (spec.layout.allocate((B, H, N, D), "cpu", torch.float16, static_range=static,
+                                     codebook=torch.rand(H, 64, 4)) for spec in vq)
+dec.decode_attention(torch.zeros(B, 4 * H, 1, D, dtype=torch.float16), new, new,
+                     Stored(keys, tail, nb), Stored(values, tail, nb), sinks, nb,
+                     inv_freq=torch.ones(D // 2))
 """
 
 
@@ -341,8 +352,8 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                           text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     # quant_pack, flush, split, combine; three times (exact slots, none, fp8 slots); paged
-    # split and combine
-    assert done.stdout.split().count("compiled") == 14
+    # split and combine; vector codes' split and combine
+    assert done.stdout.split().count("compiled") == 16
 
 
 def test_the_decode_benchmark_runs_its_smoke_configuration():

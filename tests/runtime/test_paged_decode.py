@@ -26,6 +26,7 @@ from kvcalib_runtime.kernels import paged
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.layouts.quant import QuantSpec as S
+from kvcalib_runtime.layouts.vq import CodeBody
 
 PAGE, POOL, R = 16, 16, 16  # slots per block, blocks in the pool, residual ring
 LENGTHS = (77, 40, 5, 0)
@@ -42,6 +43,8 @@ CASES = {
     "per-token-4 groups of 16, D80": (S(4, group_size=16), S(4, group_size=16), 4, 2, 80, False),
     "vector values": (S(2, "static"), S(3, "vector", outliers=0.01), 4, 2, 64, True),
     "fp16 (exact)": (None, None, 4, 2, 64, True),
+    "kvcalib-1.5 vector codes": (S(6, "static", 4, codebook=True, method="vq", pairing="rope"),
+                                 S(6, "static", 4, codebook=True, method="vq"), 6, 2, 64, True),
 }  # fmt: skip
 
 
@@ -54,7 +57,9 @@ def _body(spec, shape, dtype, gen):
     static = book = None
     if spec.layout.calibrated_range:
         static = (-torch.rand(h, d, generator=gen) * 3, torch.rand(h, d, generator=gen) * 3)
-    if spec.codebook:
+    if spec.layout.vectors:  # a codebook of vectors per KV head
+        book = torch.rand(h, spec.levels, spec.group_size, generator=gen)
+    elif spec.codebook:
         book = torch.rand(spec.levels, generator=gen).sort().values * 2 - 1
     body = spec.layout.allocate(shape, "cpu", dtype, static_range=static, codebook=book)
     body.codes.copy_(torch.randint(0, 256, body.codes.shape, generator=gen))
@@ -62,7 +67,7 @@ def _body(spec, shape, dtype, gen):
         body.scale.copy_(torch.rand(body.scale.shape, generator=gen) * 0.8 + 0.2)
         if body.offset is not None:
             body.offset.copy_(-torch.rand(body.offset.shape, generator=gen))
-    if body.slot_index is not None:
+    if getattr(body, "slot_index", None) is not None:
         body.slot_index.copy_(torch.randint(0, body.width, body.slot_index.shape, generator=gen))
         if spec.slot_code == "fp8":
             code = torch.randint(0, 127, body.slot_delta.shape, generator=gen)
@@ -107,9 +112,9 @@ def _to(x, device):
     """Tensors, bodies, tuples of them on `device` (copies)."""
     if isinstance(x, torch.Tensor):
         return x.to(device)
-    if isinstance(x, PackedBody):
+    if isinstance(x, PackedBody | CodeBody):
         fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
-        return PackedBody(**{k: _to(v, device) for k, v in fields.items()})
+        return type(x)(**{k: _to(v, device) for k, v in fields.items()})
     if isinstance(x, Sinks):
         return Sinks(*(_to(v, device) for v in x))
     if isinstance(x, tuple | list):

@@ -2,8 +2,11 @@
 cache body's lookup against the reference, the walked bits, the CPU decode path against the
 decode reference, and the refusal of malformed specs and codebooks."""
 
+import dataclasses
+
 import pytest
 import torch
+from bodies import to_cuda
 
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
 from kvcalib_runtime.checkpoint import checks
@@ -128,13 +131,14 @@ def test_walked_bits_are_the_hand_count_and_at_most_1_6(w, bits):
     assert walked <= 1.6  # issue 26's budget: codes 1.5 + constants amortized
 
 
-def _decode_inputs(spec, gen, dtype=torch.float16):
+def _decode_inputs(spec, gen, dtype=torch.float16, per_head=True):
     """Random stored codes for 3 sequences (lengths 150, 61, 0), key and value bodies that end at
-    different positions, a ring of 16, 3 sink slots, pre-RoPE keys (D 64, Hkv 3, H 9)."""
+    different positions, a ring of 16, 3 sink slots, pre-RoPE keys (D 64, Hkv 3, H 9); a codebook
+    per KV head, or one per layer."""
     B, P, R, hkv, D, H = 3, 151, 16, 3, 64, 9
     bodies = []
     for _ in range(2):
-        _, rng, book = _inputs(spec, hkv, D, 4, gen, dtype=dtype)
+        _, rng, book = _inputs(spec, hkv, D, 4, gen, per_head=per_head, dtype=dtype)
         body = CodeBody.allocate(spec, (B, hkv, P, D), "cpu", dtype, rng, book)
         body.codes.copy_(torch.randint(0, 256, body.codes.shape, generator=gen))
         bodies.append(body)
@@ -162,7 +166,6 @@ def test_cpu_decode_path_matches_the_reference(pairing):
     # twice the reference's own fp16 error. A no-op cannot pass: zeroing the key codes moves the
     # output by far more than the bound.
     spec = S(6, 4, pairing)
-    assert not dec.supports(spec, 64, 3)  # the Triton kernel does not read vq: torch paths
     args, options = _decode_inputs(spec, torch.Generator().manual_seed(11))
     exact = dec.decode_attention_reference(*args, **options, dtype=torch.float64)
     ours = decode_torch.decode_attention_torch(*args, **options, dtype=torch.float64)
@@ -175,6 +178,57 @@ def test_cpu_decode_path_matches_the_reference(pairing):
     keys.body.codes.zero_()
     moved = decode_torch.decode_attention_torch(*args, **options, dtype=torch.float64)
     assert (moved - exact).abs().max() > 10 * bound
+
+
+@pytest.mark.parametrize(("bits", "w", "pairing", "per_head", "config", "splits"), [
+    (6, 4, "rope", True, (32, 4, 1), 1),        # kvcalib-1.5: indices straddle bytes
+    (6, 4, "adjacent", False, (16, 4, 1), 3),   # one codebook per layer, 3 splits
+    (3, 2, "rope", True, (64, 4, 1), 2),        # 3-bit pairs
+    (4, 4, "adjacent", True, (32, 4, 1), 1),    # indices on nibbles
+    (8, 8, "rope", False, (32, 4, 1), 1),       # one index a byte
+])  # fmt: skip
+def test_decode_kernel_reads_vector_codes(bits, w, pairing, per_head, config, splits,
+                                          monkeypatch):  # fmt: skip
+    # The Triton kernel looks each channel's coordinate up in its head's codebook in the tile. As
+    # for every layout (test_kernels): against the reference in float64 on the same stored bits,
+    # its error is at most twice the reference's own in fp16. The bound can fail: a wrong channel
+    # order (pairing swapped), another head's codebook or shifted index bits move the exact result
+    # by more than ten times it.
+    monkeypatch.setattr(dec, "INTERPRETED", config)
+    monkeypatch.setattr(dec, "num_splits", lambda *a: splits)
+    spec = S(bits, w, pairing)
+    assert dec.supports(spec, 64, 3)
+    args, options = _decode_inputs(spec, torch.Generator().manual_seed(bits + w), per_head=per_head)
+    ours = dec.decode_attention(*args, **options).double()
+    exact = dec.decode_attention_reference(*args, **options, dtype=torch.float64)
+    bound = 2 * (dec.decode_attention_reference(*args, **options).double() - exact).abs().max()
+    assert (ours - exact).abs().max() <= bound
+    keys = args[3]
+    other = "adjacent" if pairing == "rope" else "rope"
+    wrong = [dataclasses.replace(keys.body, spec=S(bits, w, other)),
+             dataclasses.replace(keys.body, codes=keys.body.codes.roll(1, -1))]  # fmt: skip
+    if per_head:
+        wrong.append(dataclasses.replace(keys.body, book=keys.body.book.roll(1, 0)))
+    for body in wrong:
+        broken = (*args[:3], keys._replace(body=body), *args[4:])
+        moved = dec.decode_attention_reference(*broken, **options, dtype=torch.float64)
+        assert (moved - exact).abs().max() > 10 * bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("pairing", ["rope", "adjacent"])
+def test_decode_kernel_reads_vector_codes_on_gpu(pairing, dtype, monkeypatch):
+    """The same bound on a GPU (`make gpu-check`) at fp16 and bf16, for every tile size the tuner
+    may pick."""
+    args, options = _decode_inputs(S(6, 4, pairing), torch.Generator().manual_seed(3), dtype)
+    args, options = to_cuda(args), {k: to_cuda(v) for k, v in options.items()}
+    exact = dec.decode_attention_reference(*args, **options, dtype=torch.float64)
+    bound = 2 * (dec.decode_attention_reference(*args, **options).double() - exact).abs().max()
+    for config in dec.CONFIGS:
+        monkeypatch.setattr(dec, "_config", lambda key, device, launch, config=config: config)
+        ours = dec.decode_attention(*args, **options)
+        assert (ours.double() - exact).abs().max() <= bound, config
 
 
 def test_malformed_specs_are_refused_with_the_fix():

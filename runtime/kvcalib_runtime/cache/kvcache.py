@@ -355,10 +355,9 @@ class QuantizedCache:
         if self.kernels and not self._warned:
             self._warned = True
             warnings.warn(
-                f"layer {layer} stores what the decode kernel does not read (vector codes, a "
-                "half head of codes that is not whole bytes, or token groups of a "
-                "non-power-of-two size per channel): such layers decode through the slower "
-                "torch reference",
+                f"layer {layer} stores what the decode kernel does not read (a half head of "
+                "codes that is not whole bytes, or token groups of a non-power-of-two size "
+                "per channel): such layers decode through the slower torch reference",
                 stacklevel=3,
             )
         if q.device.type == "cpu":

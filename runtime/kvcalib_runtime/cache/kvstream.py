@@ -37,8 +37,8 @@ ROW_BODIES = (TurboBody, CodeBody)  # bodies that quantize and store rows themse
 
 def kernel_layout(spec) -> bool:
     """Whether a tensor stored with spec (None: full precision) is laid out as the decode
-    attention and its references read it: an affine layout's PackedBody, or a "vq" CodeBody
-    (the torch paths only); `supports()` of each kernel decides the rest. Peers' own numerics
+    attention and its references read it: an affine layout's PackedBody, or a "vq" CodeBody;
+    `supports()` of each kernel decides the rest. Peers' own numerics
     (llama.cpp's, TurboQuant's) are not."""
     return spec is None or spec.layout.decoded
 

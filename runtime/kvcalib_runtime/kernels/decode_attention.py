@@ -13,10 +13,10 @@ same grid whatever the lengths: no host synchronization, capturable in a CUDA gr
 
 Keys and values are each read as their own scheme says (kernels.tiles): "token", "vector",
 "channel" or "static" groups, uniform or codebook levels, asymmetric or symmetric, 2-8 bits, exact
-slots (keys: a score correction q . rope(delta e_c); values: added into the tile), or left
-exact; each up to its own body boundary (key and value flushes may differ), then from the
-residual ring. Keys pre-RoPE (rotated in registers) or post-RoPE (and maybe Hadamard-rotated:
-the caller rotates q).
+slots (keys: a score correction q . rope(delta e_c); values: added into the tile), vector codes
+("vq": a codebook entry per vector of channels, looked up in the tile), or left exact; each up
+to its own body boundary (key and value flushes may differ), then from the residual ring. Keys
+pre-RoPE (rotated in registers) or post-RoPE (and maybe Hadamard-rotated: the caller rotates q).
 
 `decode_attention_reference` is the spec in plain torch (the fallback off the CPU, where the kernel
 does not run; on the CPU the cache decodes through kernels.decode_torch, held to it); the tests
@@ -34,10 +34,11 @@ import triton.language as tl
 from kvcalib_runtime.kernels import tiles
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts import Kind
-from kvcalib_runtime.layouts.affine import PackedBody
+from kvcalib_runtime.layouts.vq import CodeBody
 from kvcalib_runtime.model.rope import rotate_half
 
 EXACT = tiles.EXACT.value  # StreamLayout.GRAN of a tensor left in full precision
+VECTORS = tiles.VECTORS.value  # ... of vector codes ("vq")
 MIXED_N = tl.constexpr(16)  # rows of a tile that mixes body and ring (a few per sequence)
 LOG2E = 1.4426950408889634
 # (BLOCK_N, num_warps, num_stages): what `tune` times on a GPU, per (D, G, schemes, dtype)
@@ -137,17 +138,14 @@ def _decode_split_kernel(
     # hoisted out of the loop: static metadata, codebook rows, R(j) for j < BLOCK_N
     zero = tl.zeros([BLOCK_C], tl.float32)
     ks_lo, ko_lo, ks_hi, ko_hi, vs_lo, vo_lo, vs_hi, vo_hi = (zero,) * 8
-    if KL.GRAN == tiles.STATIC:
+    if KL.GRAN == tiles.STATIC or KL.GRAN == tiles.VECTORS:
         ks_lo, ko_lo = tiles.static_meta(KS, KL, hk, 0, BLOCK_C, C, D)
         ks_hi, ko_hi = tiles.static_meta(KS, KL, hk, C, BLOCK_C, C, D)
-    if VL.GRAN == tiles.STATIC:
+    if VL.GRAN == tiles.STATIC or VL.GRAN == tiles.VECTORS:
         vs_lo, vo_lo = tiles.static_meta(VS, VL, hk, 0, BLOCK_C, C, D)
         vs_hi, vo_hi = tiles.static_meta(VS, VL, hk, C, BLOCK_C, C, D)
-    k_levels, v_levels = KS.levels, VS.levels  # this head's codebook row
-    if not KL.VEC:
-        k_levels = KS.levels + hk * 2**KL.BITS
-    if not VL.VEC:
-        v_levels = VS.levels + hk * 2**VL.BITS
+    k_levels = KS.levels + hk * KL.BOOK  # this head's codebook row
+    v_levels = VS.levels + hk * VL.BOOK
     freq = zero
     cos_j = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
     sin_j = cos_j
@@ -271,9 +269,12 @@ def _combine_kernel(
 
 def supports(spec, head_dim: int, kv_heads: int = 1) -> bool:
     """Whether `decode_attention` reads a tensor stored with spec (None: full precision): every
-    layout kvcalib's presets and its peers use; odd head widths (a half row of codes that does
-    not start on a byte) and non-power-of-two "channel" groups go to the reference."""
-    return spec is None or (spec.layout.affine and tiles.readable(spec, head_dim, kv_heads))
+    layout kvcalib's presets and its peers use, vector codes included; odd head widths (a half
+    row of codes that does not start on a byte) and non-power-of-two "channel" groups go to the
+    reference."""
+    if spec is None or spec.layout.kind == Kind.VECTORS:
+        return True
+    return spec.layout.affine and tiles.readable(spec, head_dim, kv_heads)
 
 
 class SinkBuffers(NamedTuple):
@@ -302,7 +303,8 @@ class StreamBuffers(NamedTuple):
     pointers a layout does not use repeat the codes.
 
     codes, scale, offset, levels, slot_index, slot_delta  the PackedBody's (codes as int32
-                  words when the layout's UNIT is 32), or the exact body dtype [B, Hkv, S, D];
+                  words when the layout's UNIT is 32), a CodeBody's (levels: its codebook
+                  [Hc, E, w]), or the exact body dtype [B, Hkv, S, D];
                   B: sequences, or blocks of a paged body
     tail          dtype [B, Hkv, R, D] the residual ring (B: sequences)
     n_body        int64 [B] body sizes (B: sequences)
@@ -329,8 +331,10 @@ class StreamLayout(NamedTuple):
     per layout pair).
 
     BITS    code width (16 for an exact body)
-    GRAN    the layout's Kind: tiles.TOKEN, CHANNEL, STATIC or EXACT (left in full precision)
-    GROUP   channels per group of a row (TOKEN), tokens per group (CHANNEL), else 1
+    GRAN    the layout's Kind: tiles.TOKEN, CHANNEL, STATIC, VECTORS or EXACT (left in full
+            precision)
+    GROUP   channels per group of a row (TOKEN), tokens per group (CHANNEL), channels per
+            vector (VECTORS), else 1
     SYM     symmetric levels (no offset)
     CB      codebook levels
     K       exact slots per row
@@ -338,6 +342,8 @@ class StreamLayout(NamedTuple):
     VEC     a row joins every KV head ("vector")
     UNIT    bits of one code load (tiles.unit; 8 where a page's rows do not start on a word)
     RING    fewer body slots than positions: a sliding window's ring (never paged)
+    BOOK    elements of one KV head's codebook row (0: every head reads the first row)
+    PAIRS   VECTORS: a vector is GROUP / 2 RoPE pairs (c, c + D/2), not GROUP adjacent channels
     """
 
     BITS: int
@@ -350,6 +356,8 @@ class StreamLayout(NamedTuple):
     VEC: bool
     UNIT: int
     RING: bool
+    BOOK: int
+    PAIRS: bool
 
 
 NONE = (0, 0, 0)
@@ -372,14 +380,25 @@ def _stream_args(stored: Stored, head_dim: int, positions: int, paged: bool):
     """One stream's (StreamBuffers, StreamLayout); RING: fewer body slots than `positions`
     (a paged body holds every position in its blocks)."""
     body, half = stored.body, head_dim // 2
-    if not isinstance(body, PackedBody):
+    if isinstance(body, torch.Tensor):
         slots = body.shape[2]
         strides = Strides(_rows(body), NONE, NONE, NONE)
         buffers = StreamBuffers(*[body] * 6, stored.tail, stored.n_body, max(slots, 1), 1,
                                 strides)  # fmt: skip
         ring = not paged and slots < positions
-        exact = StreamLayout(16, EXACT, 1, True, False, 0, False, False, 8, ring)
+        exact = StreamLayout(16, EXACT, 1, True, False, 0, False, False, 8, ring, 0, False)
         return buffers, exact
+    if isinstance(body, CodeBody):
+        codes, slots, spec = body.codes, body.codes.shape[2], body.spec
+        book = body.book.contiguous()
+        strides = Strides(_rows(codes), NONE, NONE, NONE)
+        buffers = StreamBuffers(codes, body.scale, body.offset, book, codes, codes, stored.tail,
+                                stored.n_body, max(slots, 1), 1, strides)  # fmt: skip
+        per_head = book[0].numel() if book.shape[0] > 1 else 0
+        vectors = StreamLayout(spec.bits, VECTORS, spec.group_size, False, True, 0, False, False,
+                               8, not paged and slots < positions, per_head,
+                               spec.pairing == "rope")  # fmt: skip
+        return buffers, vectors
     spec = body.spec
     unit = tiles.unit(spec.bits, half)
     words = _words(body.codes) if unit == 32 else None
@@ -406,6 +425,8 @@ def _stream_args(stored: Stored, head_dim: int, positions: int, paged: bool):
         VEC=body.vector,
         UNIT=unit,
         RING=not paged and slots < positions,
+        BOOK=spec.levels if spec.codebook and not body.vector else 0,
+        PAIRS=False,
     )
     return buffers, layout
 
@@ -453,9 +474,10 @@ def _config(key, device: torch.device, launch) -> tuple[int, int, int]:
 
 def _page_size(keys: Stored, values: Stored, block_table, batch: int, window) -> int:
     """The slots per block of paged bodies (vLLM's block_size), after the checks."""
-    sizes = {(s.body.codes if isinstance(s.body, PackedBody) else s.body).shape[2]
+    sizes = {(s.body if isinstance(s.body, torch.Tensor) else s.body.codes).shape[2]
              for s in (keys, values)}  # fmt: skip
-    kinds = [s.body.layout.kind for s in (keys, values) if isinstance(s.body, PackedBody)]
+    kinds = [s.body.spec.layout.kind for s in (keys, values)
+             if not isinstance(s.body, torch.Tensor)]  # fmt: skip
     if block_table.dim() != 2 or block_table.shape[0] != batch or len(sizes) != 1:
         raise ValueError(
             f"decode_attention: block_table {tuple(block_table.shape)} must be [B={batch}, "

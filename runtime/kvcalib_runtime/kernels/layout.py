@@ -22,8 +22,8 @@ def use_triton(device: torch.device | str) -> bool:
 class Stored(NamedTuple):
     """One layer's keys or values as the decode kernel reads them.
 
-    body     PackedBody, a "vq" CodeBody (the torch paths only), or dtype [B, Hkv, N, D] exact
-             values (a tensor left in full precision);
+    body     PackedBody, a "vq" CodeBody, or dtype [B, Hkv, N, D] exact values (a tensor left
+             in full precision);
              position t at slot t % N (N < every position: a sliding-window ring)
     tail     dtype [B, Hkv, R, D]  the residual ring: position t at slot t % R
     n_body   int64 [B] on the device: positions [0, n_body) are read from the body, the

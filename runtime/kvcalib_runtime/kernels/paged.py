@@ -1,9 +1,9 @@
 """Decode attention over paged bodies (vLLM's pages), and its reference: gather, then the spec.
 
-A paged body is a layer's keys or values for a pool of blocks: a PackedBody (or an exact
-tensor) with B = blocks and N = block_size, whose per-token buffers may be any strided views
-(vLLM's page interleaves every field of a token in one row). Sequence b's position p lies at
-slot p % N of block block_table[b, p // N]:
+A paged body is a layer's keys or values for a pool of blocks: a PackedBody (a "vq" CodeBody,
+or an exact tensor) with B = blocks and N = block_size, whose per-token buffers may be any
+strided views (vLLM's page interleaves every field of a token in one row). Sequence b's
+position p lies at slot p % N of block block_table[b, p // N]:
 
     block_table  int32 [B, m] on the device: the blocks of each sequence, in position order
                  (entries past a sequence's length are never read)
@@ -22,14 +22,17 @@ from kvcalib_runtime.kernels.decode_attention import decode_attention_reference
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts import Kind
 from kvcalib_runtime.layouts.affine import PackedBody
+from kvcalib_runtime.layouts.vq import CodeBody
 
 PER_TOKEN = ("codes", "scale", "offset", "slot_index", "slot_delta")
 
 
-def per_token(body: PackedBody) -> dict[str, torch.Tensor]:
+def per_token(body: PackedBody | CodeBody) -> dict[str, torch.Tensor]:
     """The buffers of `body` that hold one row per (block, head, slot), by field name: codes and
-    exact slots, and the scale and offset of a per-token layout ("static" keeps its metadata
-    per layer). A "channel" body's metadata is per group of tokens: not paged."""
+    exact slots, and the scale and offset of a per-token layout ("static" and vector codes keep
+    theirs per layer). A "channel" body's metadata is per group of tokens: not paged."""
+    if isinstance(body, CodeBody):
+        return {"codes": body.codes}
     if body.layout.kind == Kind.CHANNEL:
         raise ValueError("a 'channel' body keeps metadata per group of tokens: it is not paged")
     static = body.layout.kind == Kind.STATIC
@@ -48,9 +51,9 @@ def _rows(t: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return g.movedim(1, 2).reshape(b, heads, m * n, *g.shape[4:]).contiguous()
 
 
-def gather(body: PackedBody | torch.Tensor, block_table: torch.Tensor):
+def gather(body: PackedBody | CodeBody | torch.Tensor, block_table: torch.Tensor):
     """A paged body as a contiguous one: B = sequences, N = m * block_size (copies)."""
-    if not isinstance(body, PackedBody):
+    if isinstance(body, torch.Tensor):
         return _rows(body, block_table)
     rows = {name: _rows(t, block_table) for name, t in per_token(body).items()}
     return dataclasses.replace(body, **rows)

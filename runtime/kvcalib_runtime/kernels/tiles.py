@@ -9,6 +9,9 @@ channels], in fp32 registers, from what the cache stores (kernels.layout).
                    ("static", read once per program by the caller), per group of channels of a
                    row ("token", "vector"), per group of tokens ("channel": one row per
                    GROUP positions, broadcast)
+    vector codes   "vq": each channel's level is a coordinate of its vector's codebook entry
+                   (`coordinates`: the vector's index gathered from the packed row, then the
+                   entry's coordinate from the head's codebook), scaled per channel as "static"
     exact slots    x_hat = base + delta at channel index: for values added into the tile, for
                    keys added to the scores (`slot_scores`), rotated with their RoPE pair;
                    an "fp8" delta is its E4M3 byte times the channel's static scale
@@ -31,7 +34,8 @@ import triton.language as tl
 
 from kvcalib_runtime.layouts import Kind, fp8
 
-TOKEN, CHANNEL, STATIC, EXACT = (tl.constexpr(int(k)) for k in Kind)  # the kernels' switch
+# the kernels' switch
+TOKEN, CHANNEL, STATIC, EXACT, VECTORS = (tl.constexpr(int(k)) for k in Kind)
 INV_TWO_PI = tl.constexpr(0.5 / math.pi)
 TWO_PI_HI = tl.constexpr(float(torch.tensor(2 * math.pi, dtype=torch.float32)))  # + LO = 2 pi
 TWO_PI_LO = tl.constexpr(float(torch.tensor(2 * math.pi - TWO_PI_HI.value, dtype=torch.float32)))
@@ -133,6 +137,37 @@ def level(code, LEVELS, BITS: tl.constexpr, CODEBOOK: tl.constexpr):
     return out
 
 
+# fmt: off
+@triton.jit
+def coordinates(CODES, BOOK, row, c0, live, BN: tl.constexpr, BLOCK_C: tl.constexpr,
+                C: tl.constexpr, BITS: tl.constexpr, W: tl.constexpr, PAIRS: tl.constexpr):
+    # fmt: on
+    """fp32 [BN, BLOCK_C]: for channels c0 + [0, C) (c0 0 or C) of the "vq" rows at element
+    offsets `row` [BN] of CODES (where `live`), each channel's coordinate of its vector's entry
+    in BOOK [E, W], the head's codebook (layouts.vq). Vector j's index is bits [j*BITS,
+    (j+1)*BITS) of the row, little-endian across bytes (layouts.packing). PAIRS: vector j holds
+    channels j*W/2 + [0, W/2) of each half, coordinates [0, W/2) from the low half and [W/2, W)
+    from the high one (RoPE's pairs); else the W adjacent channels j*W + [0, W)."""
+    ch = tl.arange(0, BLOCK_C)
+    if PAIRS:
+        HALF: tl.constexpr = W // 2
+        vec = ch // HALF
+        coord = ch % HALF + (c0 // C) * HALF
+    else:
+        vec = (c0 + ch) // W
+        coord = (c0 + ch) % W
+    bit = vec * BITS
+    shift = (bit % 8)[None, :]
+    mask = live[:, None] & (ch < C)[None, :]
+    ptr = CODES + row[:, None] + (bit // 8)[None, :]
+    code = tl.load(ptr, mask=mask, other=0).to(tl.int32) >> shift
+    if 8 % BITS != 0:  # an index may end in the next byte
+        spill = mask & (shift + BITS > 8)
+        code |= tl.load(ptr + 1, mask=spill, other=0).to(tl.int32) << (8 - shift)
+    code &= 2**BITS - 1
+    return tl.load(BOOK + code * W + coord[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
 @triton.jit
 def spread(meta, ROWS: tl.constexpr, REPEAT: tl.constexpr, COLS: tl.constexpr):
     """Each entry of meta [ROWS, COLS] repeated REPEAT times along the columns:
@@ -150,10 +185,10 @@ def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, 
     and StreamLayout; LEVELS: the codebook row), fp32 [BN, BLOCK_C]: channels c0 + [0, C) of the
     rows (blk, head, slot) (`at`; blk and slot [BN] or scalars), where `live`.
 
-    STATIC: s_static, o_static [BLOCK_C] (offset with the symmetric shift folded in) from the
-    caller. CHANNEL (contiguous only: blk a scalar): the tile's positions are pos0 + [0, BN), pos0
-a multiple of BN, the metadata rows groups of GROUP positions. EXACT:
-    S.codes holds the values.
+    STATIC and VECTORS: s_static, o_static [BLOCK_C] (offset with the symmetric shift folded
+    in) from the caller; VECTORS reads LEVELS as the head's codebook [E, GROUP]. CHANNEL
+    (contiguous only: blk a scalar): the tile's positions are pos0 + [0, BN), pos0 a multiple
+    of BN, the metadata rows groups of GROUP positions. EXACT: S.codes holds the values.
     """
     CODES = S.codes
     SCALE = S.scale
@@ -169,6 +204,10 @@ a multiple of BN, the metadata rows groups of GROUP positions. EXACT:
     if GRAN == EXACT:
         x = tl.load(CODES + row[:, None] + (c0 + ch)[None, :],
                     mask=live[:, None] & (ch < C)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+    elif GRAN == VECTORS:
+        x = coordinates(CODES, LEVELS, row, c0, live, BN, BLOCK_C, C, BITS, GROUP,
+                        L.PAIRS)  # fmt: skip
+        x = x * s_static[None, :] + o_static[None, :]
     else:
         lv = level(codes(CODES, row, c0, live, BN, BLOCK_C, C, BITS, L.UNIT), LEVELS, BITS,
                    CODEBOOK)  # fmt: skip

@@ -27,6 +27,7 @@ class Kind(enum.IntEnum):
     CHANNEL = 1  # per group of tokens of a channel
     STATIC = 2  # per channel, from a calibrated range
     EXACT = 3  # no metadata: a tensor left in full precision
+    VECTORS = 4  # per channel, from a calibrated range; a code indexes a vector's codebook entry
 
 
 @dataclass

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcalib_runtime.layouts.base import Layout, QTensor
+from kvcalib_runtime.layouts.base import Kind, Layout, QTensor
 from kvcalib_runtime.layouts.packing import pack, packed_size, unpack
 from kvcalib_runtime.layouts.turboquant import TurboBody
 
@@ -194,6 +194,7 @@ class CodeBody:
 
 class VectorCodes(Layout):
     name = "vq"
+    kind = Kind.VECTORS
     affine = False
     decoded = True
     calibrated_range = True
