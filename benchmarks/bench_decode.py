@@ -5,11 +5,14 @@ the bytes it must read, and how far ahead of FlashAttention over an fp16 cache i
     python benchmarks/bench_decode.py --contexts 4096 32768 --batches 1 16   # make gpu-check
     python benchmarks/bench_decode.py --smoke                # CPU: tiny shapes, interpreted
 
-Layout (kvcalib-2's): keys 2-bit "static" codebook with one exact slot per (token, KV head),
-pre-RoPE (rotated in the kernel) or post-RoPE; values 2-bit symmetric codebook per token; a
+Layouts: kvcalib-2's (keys 2-bit "static" codebook with one exact slot per (token, KV head),
+pre-RoPE (rotated in the kernel) or post-RoPE; values 2-bit symmetric codebook per token) and
+kvcalib-1.5's (6-bit indices of 4-channel vectors into a 64-entry codebook per KV head, keys
+pre-RoPE as RoPE-pair quads, values as adjacent quads: the lookup in the kernel's tile); a
 residual window of 128, token 0 and 8 predicted sinks exact. Grid: contexts x batches x shapes
-(query heads, KV heads, head_dim) x key position x dtype; each row is one decode step of one
-layer over a cache filled synthetically to the context (speed does not depend on the values).
+(query heads, KV heads, head_dim) x layout and key position x dtype; each row is one decode step
+of one layer over a cache filled synthetically to the context (speed does not depend on the
+values).
 
     ours graph / eager   decode_attention replayed from a CUDA graph / launched eagerly (us)
     flash                FlashAttention over an fp16/bf16 cache of the same shape, forced
@@ -62,6 +65,7 @@ from kvcalib_runtime.kernels.layout import Sinks  # noqa: E402
 from kvcalib_runtime.layouts.affine import PackedBody  # noqa: E402
 from kvcalib_runtime.layouts.packing import unpack  # noqa: E402
 from kvcalib_runtime.layouts.quant import QuantSpec  # noqa: E402
+from kvcalib_runtime.layouts.vq import CodeBody  # noqa: E402
 from kvcalib_runtime.model.forward import Transformer  # noqa: E402
 from kvcalib_runtime.model.rope import Rope  # noqa: E402
 from kvcalib_runtime.model.transforms import Transforms  # noqa: E402
@@ -70,6 +74,11 @@ RESULTS = Path(__file__).with_name("RESULTS.md")
 RESIDUAL, SINKS_FIRST, SINK_BUDGET = 128, 1, 8
 KEY = QuantSpec(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error")
 VALUE = QuantSpec(2, symmetric=True, codebook=True)
+VQ_KEY = QuantSpec(6, "static", 4, codebook=True, method="vq", pairing="rope")
+VQ_VALUE = QuantSpec(6, "static", 4, codebook=True, method="vq")
+# (layout, key position) pairs the grid times: kvcalib-1.5 stores keys before RoPE only
+LAYOUTS = {"kvcalib-2": (KEY, VALUE), "kvcalib-1.5": (VQ_KEY, VQ_VALUE)}
+ROWS = (("kvcalib-2", True), ("kvcalib-2", False), ("kvcalib-1.5", True))
 PEAK_GBPS = {"H200": 4800, "H100": 3350, "H800": 3350, "A100": 2039, "L40S": 864, "A10G": 600}
 GRID = dict(contexts=[4096, 32768, 131072], batches=[1, 16],
             shapes=[(9, 3, 64), (32, 8, 128), (8, 4, 256)], dtypes=["float16", "bfloat16"],
@@ -82,19 +91,31 @@ SMOKE_GRID = dict(contexts=[150], batches=[2], shapes=[(4, 2, 64)], dtypes=["flo
                                      steps=1))  # fmt: skip
 
 
-def scheme_for(layers: int, pre_rope: bool, quantized: bool = True) -> KVScheme:
-    key, value = (KEY, VALUE) if quantized else (None, None)
+def scheme_for(layers: int, pre_rope: bool, layout: str | None = "kvcalib-2") -> KVScheme:
+    """A layout of LAYOUTS in every layer (None: left in full precision)."""
+    key, value = LAYOUTS[layout] if layout else (None, None)
     position = "pre_rope" if pre_rope else "post_rope"
     layer = LayerScheme(key, value, key_position=position)
     return KVScheme((layer,) * layers, residual=RESIDUAL, sinks_first=SINKS_FIRST,
                     sink_budget=SINK_BUDGET)  # fmt: skip
 
 
-def params_for(layers: int, kv_heads: int, head_dim: int) -> KVParams:
+def params_for(layers: int, kv_heads: int, head_dim: int, layout: str = "kvcalib-2") -> KVParams:
+    """Random calibrated tensors of the right shapes for a layout of LAYOUTS."""
     gen = torch.Generator().manual_seed(0)
+
+    def ranges():
+        one = (kv_heads, head_dim)
+        return {i: (-torch.rand(one, generator=gen) * 4, torch.rand(one, generator=gen) * 4)
+                for i in range(layers)}  # fmt: skip
+
+    if layout == "kvcalib-1.5":
+        entries = (kv_heads, VQ_KEY.levels, VQ_KEY.group_size)
+        books = [{i: torch.rand(entries, generator=gen) for i in range(layers)} for _ in "kv"]
+        return KVParams(key_range=ranges(), value_range=ranges(), key_codebook=books[0],
+                        value_codebook=books[1])  # fmt: skip
     return KVParams(
-        key_range={i: (-torch.rand(kv_heads, head_dim, generator=gen) * 4,
-                       torch.rand(kv_heads, head_dim, generator=gen) * 4) for i in range(layers)},
+        key_range=ranges(),
         key_codebook={i: torch.rand(4, generator=gen).sort().values for i in range(layers)},
         value_codebook={i: torch.rand(4, generator=gen).sort().values * 2 - 1
                         for i in range(layers)},
@@ -111,7 +132,7 @@ def fill(cache: QuantizedCache, length: int) -> None:
             body.codes.random_(0, 256)
             if not stream.spec.layout.calibrated_range:
                 body.scale.uniform_(0.01, 0.1)
-            if body.slot_index is not None:
+            if getattr(body, "slot_index", None) is not None:
                 body.slot_index.random_(0, body.width)
                 body.slot_delta.normal_()
         else:
@@ -189,8 +210,10 @@ def probe(buffers: list[torch.Tensor]):
     return run
 
 
-def dequantized(body: PackedBody, nb: int, dtype, rope: Rope | None):
+def dequantized(body: PackedBody | CodeBody, nb: int, dtype, rope: Rope | None):
     """The unfused baseline's first half: positions [0, nb) of every sequence in dtype."""
+    if isinstance(body, CodeBody):
+        return _rotated(body.dequantize(torch.float32, n=nb), rope).to(dtype)
     codes = unpack(body.codes[:, :, :nb], body.spec.bits, body.width)
     x = body.levels[0][codes.long()]
     if body.spec.layout.calibrated_range:
@@ -199,20 +222,24 @@ def dequantized(body: PackedBody, nb: int, dtype, rope: Rope | None):
         x = x * body.scale[:, :, :nb].float()
     if body.slot_index is not None:
         x.scatter_add_(-1, body.slot_index[:, :, :nb].long(), body.slot_delta[:, :, :nb].float())
-    if rope is not None:
-        pos = torch.arange(nb, device=x.device).expand(x.shape[0], nb)
-        x = rope.apply(x, pos)
-    return x.to(dtype)
+    return _rotated(x, rope).to(dtype)
 
 
-def attention_row(batch, context, shape, pre_rope, dtype, device, run) -> dict:
+def _rotated(x: torch.Tensor, rope: Rope | None) -> torch.Tensor:
+    """x [B, Hkv, n, D] at positions [0, n), RoPE applied when keys are stored before it."""
+    if rope is None:
+        return x
+    return rope.apply(x, torch.arange(x.shape[2], device=x.device).expand(x.shape[0], -1))
+
+
+def attention_row(batch, context, shape, layout, pre_rope, dtype, device, run) -> dict:
     heads, hkv, d = shape
     G = heads // hkv
     rope = Rope({"rope_theta": 500000.0}, d)
     caches = {}
-    for name, quantized in (("ours", True), ("exact stream", False)):
+    for name, stored in (("ours", layout), ("exact stream", None)):
         caches[name] = cache = QuantizedCache(
-            scheme_for(1, pre_rope, quantized), params_for(1, hkv, d), Transforms.none(1),
+            scheme_for(1, pre_rope, stored), params_for(1, hkv, d, layout), Transforms.none(1),
             num_layers=1, batch=batch, kv_heads=hkv, head_dim=d, max_len=context + 1,
             device=device, dtype=dtype,
         )  # fmt: skip
@@ -273,7 +300,7 @@ def bytes_read(cache, batch, heads, d, context, nb) -> dict[str, float]:
         per_slot["codes"] += body.codes[0, :, 0].numel()
         if not body.spec.layout.calibrated_range:
             per_slot["metadata"] += body.scale[0, :, 0].numel() * body.scale.element_size()
-        if body.slot_index is not None:
+        if getattr(body, "slot_index", None) is not None:
             per_slot["slots"] += body.slot_index[0, :, 0].nbytes + body.slot_delta[0, :, 0].nbytes
     out = {k: v * batch * nb for k, v in per_slot.items()}
     constants = sum(t.nbytes for s in (keys, values) for t in s.tensors() if t.dim() < 4)
@@ -354,12 +381,12 @@ BYTES = ("codes", "metadata", "slots", "exact", "partials")
 
 def table_row(where, row, top: float | None) -> str:
     """One attention row: times (us), bytes (MB), GB/s and speed-ups of the graph replay."""
-    shape, context, batch, pre_rope, dtype_name = where
+    shape, context, batch, layout, pre_rope, dtype_name = where
     t, b = row["times"], row["bytes"]
     ours = t["ours graph"]
     gbps = sum(b.values()) / ours / 1e3
     probe_gbps = (b["codes"] + b["metadata"] + b["slots"]) / t["probe"] / 1e3
-    cells = ["/".join(map(str, shape)), str(context), str(batch),
+    cells = ["/".join(map(str, shape)), str(context), str(batch), layout,
              "pre-RoPE" if pre_rope else "post-RoPE", dtype_name]  # fmt: skip
     cells += [f"{t[k]:.1f}" for k in TIMES] + [f"{b[k] / 1e6:.2f}" for k in BYTES]
     cells += [f"{gbps:.0f}", f"{100 * gbps / top:.0f}%" if top else "n/a",
@@ -392,19 +419,18 @@ def main(argv=None) -> int:
     run = timer(device, cfg["reps"], cfg["warmup"])
     top = peak(name) if gpu else None
     lines = [
-        "| shape H/Hkv/D | context | batch | keys | dtype | ours graph us | ours eager us | "
-        "flash us | dequant+sdpa us | exact stream us | probe us | codes MB | metadata MB | "
-        "slots MB | exact MB | partials MB | GB/s | % peak | % probe | x flash | "
+        "| shape H/Hkv/D | context | batch | layout | keys | dtype | ours graph us | "
+        "ours eager us | flash us | dequant+sdpa us | exact stream us | probe us | codes MB | "
+        "metadata MB | slots MB | exact MB | partials MB | GB/s | % peak | % probe | x flash | "
         "x dequant+sdpa | x exact stream |",
-        "|" + "---|" * 5 + "---:|" * 17,
+        "|" + "---|" * 6 + "---:|" * 17,
     ]
-    grid = itertools.product(cfg["shapes"], cfg["dtypes"], (True, False), cfg["contexts"],
-                             cfg["batches"])  # fmt: skip
-    for shape, dtype_name, pre_rope, context, batch in grid:
-        where = (shape, context, batch, pre_rope, dtype_name)
+    grid = itertools.product(cfg["shapes"], cfg["dtypes"], ROWS, cfg["contexts"], cfg["batches"])
+    for shape, dtype_name, (layout, pre_rope), context, batch in grid:
+        where = (shape, context, batch, layout, pre_rope, dtype_name)
         dtype = getattr(torch, dtype_name)
         try:
-            row = attention_row(batch, context, shape, pre_rope, dtype, device, run)
+            row = attention_row(batch, context, shape, layout, pre_rope, dtype, device, run)
         except torch.OutOfMemoryError:
             print(f"{where}: out of memory, skipped", file=sys.stderr)
             continue
@@ -413,8 +439,9 @@ def main(argv=None) -> int:
     e2e = [] if args.no_e2e else end_to_end(cfg, device, torch.float16 if gpu else torch.float32,
                                              run)  # fmt: skip
     setup = (
-        f"{name}; torch {torch.__version__}, triton {triton.__version__}; layout: kvcalib-2 "
-        f"(2-bit static codebook keys + 1 exact slot, 2-bit symmetric codebook values), residual "
+        f"{name}; torch {torch.__version__}, triton {triton.__version__}; layouts: kvcalib-2 "
+        f"(2-bit static codebook keys + 1 exact slot, 2-bit symmetric codebook values; its "
+        f"layout end to end) and kvcalib-1.5 (6-bit indices of 4-channel vectors), residual "
         f"{RESIDUAL}, {SINKS_FIRST} + {SINK_BUDGET} sinks; median of {cfg['reps']} after "
         f"{cfg['warmup']} warm-up, L2 flushed before each; peak {top or 'unknown'} GB/s"
     )

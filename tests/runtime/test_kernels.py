@@ -371,6 +371,6 @@ def test_the_decode_benchmark_runs_its_smoke_configuration():
     assert done.returncode == 0, done.stderr[-3000:]
     table = done.stdout[done.stdout.index("### Attention") :]
     rows = [line for line in table.splitlines() if line.startswith("| 4/2/64 |")]
-    assert len(rows) == 2  # pre- and post-RoPE keys
-    assert all(len(row.split("|")) == 24 for row in rows)
+    assert len(rows) == 3  # kvcalib-2 with pre- and post-RoPE keys, kvcalib-1.5
+    assert all(len(row.split("|")) == 25 for row in rows)
     assert "### End to end" in done.stdout
