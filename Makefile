@@ -108,23 +108,26 @@ test-runtime: $(RUNTIME_STAMP)
 # profiles SmolLM2-135M and converts it with kvcalib-2 and fp16, and makes a tiny random Qwen2
 # conversion (all kept in $(VLLM_OUT) between runs), then vLLM serves them on CPU through the
 # plugin (~4 minutes on one core once the folders exist, ~6 more for the SmolLM2 profile); then
-# the paged decode kernel serving the tiny Qwen2 through Triton's interpreter (~1 minute).
+# the paged decode kernel serving the tiny Qwen2 (kvcalib-2 and kvcalib-1.5 conversions) through
+# Triton's interpreter (~2 minutes).
 VLLM_OUT ?= $(OUT)/vllm
 $(VLLM_OUT)/profile/profile.json: $(STAMP)
 	$(BIN)/kvcalib calibrate -o $(VLLM_OUT)/profile --force
 $(VLLM_OUT)/smollm2-%/kvcalib.json: $(VLLM_OUT)/profile/profile.json
 	$(BIN)/kvcalib convert --profile $(VLLM_OUT)/profile --recipe $* -o $(VLLM_OUT)/smollm2-$* --force
 
-$(VLLM_OUT)/tiny-qwen2-kvcalib-2/kvcalib.json: $(STAMP) vllm_plugin/tests/make_tiny.py
+TINY := $(foreach r,kvcalib-2 kvcalib-1.5,$(VLLM_OUT)/tiny-qwen2-$(r)/kvcalib.json)
+$(TINY) &: $(STAMP) vllm_plugin/tests/make_tiny.py
 	PYTHONPATH=tests $(BIN)/python vllm_plugin/tests/make_tiny.py $(VLLM_OUT)
 
-VLLM_FOLDERS := $(foreach f,smollm2-kvcalib-2 smollm2-fp16 tiny-qwen2-kvcalib-2,$(VLLM_OUT)/$(f)/kvcalib.json)
+VLLM_FOLDERS := $(foreach f,smollm2-kvcalib-2 smollm2-fp16,$(VLLM_OUT)/$(f)/kvcalib.json) $(TINY)
+VLLM_ENV := KVCALIB_VLLM_TINY_QWEN2=$(VLLM_OUT)/tiny-qwen2-kvcalib-2 \
+	KVCALIB_VLLM_TINY_QWEN2_VQ=$(VLLM_OUT)/tiny-qwen2-kvcalib-1.5
 test-vllm: $(VLLM_STAMP) $(VLLM_FOLDERS)
 	$(BIN)/ruff check vllm_plugin
 	KVCALIB_VLLM_KVCALIB2=$(VLLM_OUT)/smollm2-kvcalib-2 KVCALIB_VLLM_FP16=$(VLLM_OUT)/smollm2-fp16 \
-		KVCALIB_VLLM_TINY_QWEN2=$(VLLM_OUT)/tiny-qwen2-kvcalib-2 \
-		OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest vllm_plugin/tests
-	KVCALIB_VLLM_TINY_QWEN2=$(VLLM_OUT)/tiny-qwen2-kvcalib-2 TRITON_INTERPRET=1 OMP_NUM_THREADS=1 \
+		$(VLLM_ENV) OMP_NUM_THREADS=1 $(VLLM_VENV)/bin/python -m pytest vllm_plugin/tests
+	$(VLLM_ENV) TRITON_INTERPRET=1 OMP_NUM_THREADS=1 \
 		$(VLLM_VENV)/bin/python -m pytest vllm_plugin/tests/test_paged.py -k paged_kernel
 
 test-all: setup test-runtime

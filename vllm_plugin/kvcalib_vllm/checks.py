@@ -62,11 +62,11 @@ def check_checkpoint(ckpt: Checkpoint) -> None:
             if spec is None:
                 continue
             layout = spec.layout
-            if not layout.affine or layout.kind == Kind.CHANNEL:
+            if layout.kind == Kind.CHANNEL or not (layout.affine or layout.kind == Kind.VECTORS):
                 raise KvcalibVllmError(
                     f"kvcalib: layer {i} {name}s are stored as {layout.name!r}, which the vLLM "
-                    "plugin's pages do not hold (per-token and static layouts only): convert "
-                    "with a kvcalib-* recipe, or serve with kvcalib_runtime.load"
+                    "plugin's pages do not hold (per-token, static and vector-code layouts "
+                    "only): convert with a kvcalib-* recipe, or serve with kvcalib_runtime.load"
                 )
 
 

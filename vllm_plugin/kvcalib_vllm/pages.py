@@ -7,9 +7,10 @@ every layer (layer 0 owns the cache, the others share it: `model`), laid out per
                                  C = their bytes, padded to `ALIGN`
     a field is one per-token buffer of a tensor's layout body (`kvcalib_runtime.layouts`),
     every head of the token:
-        codes        uint8 [heads, ceil(width * bits / 8)]
+        codes        uint8 [heads, ceil(width * bits / 8)]  ("vq": [heads, ceil(D / w * bits / 8)],
+                                                    one index per vector of w channels)
         scale/offset dtype [heads, width / g]      (per-token groups; per-layer metadata, as
-                                                    "static" keeps it, is not in the page)
+                                                    "static" and "vq" keep it, is not in the page)
         slot_index   uint8/int16 [heads, K]         exact slots
         slot_delta   dtype or uint8 [heads, K]
         exact        dtype [Hkv, D]                 a tensor the scheme leaves in full precision
@@ -20,12 +21,12 @@ placed by element size (largest first, whatever their layer) so every view is al
 sequence keeps besides its positions (the residual ring, the sink slots) is per sequence, not
 per token: it lives in `sequences.Sequences`, outside the pages.
 
-`TensorPages.body(raw)` views the whole cache as the runtime's PackedBody with B = blocks and
-N = block_size (slot t of block b holds position j * block_size + t of the sequence whose block
-table has b at j): the runtime's paged body (`kernels.paged`). The runtime's reference writer
-(`quant_pack_reference`) stores into pages, its decode kernel reads them in place through the
-block table, and its CPU readers read a sequence's blocks gathered in block-table order
-(`gather`).
+`TensorPages.body(raw)` views the whole cache as the runtime's PackedBody (a "vq" CodeBody)
+with B = blocks and N = block_size (slot t of block b holds position j * block_size + t of the
+sequence whose block table has b at j): the runtime's paged body (`kernels.paged`). The
+runtime's reference writer (`quant_pack_reference`; a CodeBody's own `write`) stores into pages,
+its decode kernel reads them in place through the block table, and its CPU readers read a
+sequence's blocks gathered in block-table order (`gather`).
 """
 
 import dataclasses
@@ -37,6 +38,7 @@ import torch
 from kvcalib_runtime.cache.scheme import KVParams, LayerScheme
 from kvcalib_runtime.kernels import paged
 from kvcalib_runtime.layouts.affine import PackedBody
+from kvcalib_runtime.layouts.vq import CodeBody
 
 ALIGN = 8  # bytes: a row is a multiple of every element size it holds (and of the model dtype)
 
@@ -92,10 +94,10 @@ class TensorPages:
         """Bytes of one token of this tensor in a page."""
         return sum(f.nbytes for f in self.fields)
 
-    def body(self, raw: torch.Tensor) -> PackedBody | torch.Tensor:
+    def body(self, raw: torch.Tensor) -> PackedBody | CodeBody | torch.Tensor:
         """The whole cache as this tensor's storage: raw uint8 [blocks, block_size, C] (a view
-        of vLLM's page buffer) -> PackedBody with B = blocks, N = block_size (views, no copy),
-        or an exact dtype [blocks, Hkv, block_size, D] view."""
+        of vLLM's page buffer) -> PackedBody or CodeBody with B = blocks, N = block_size (views,
+        no copy), or an exact dtype [blocks, Hkv, block_size, D] view."""
         views = {f.name: _view(raw, f) for f in self.fields}
         if self.const is None:
             return views["exact"]

@@ -15,7 +15,8 @@ holds what the runtime's cache holds for it and attends as it does:
 - after the model's forward (`commit`, called by `model`), each sequence decides its sinks
   from the sink predictor's flags (`observe`, a hook after the predictor's layer), fills its
   sink slots, quantizes the positions the next token must see quantized into its pages
-  (`quant_pack_reference`, the runtime's writer) and keeps the rest in its residual ring.
+  (`quant_pack_reference`, the runtime's writer; vector codes through their body's own
+  `write`) and keeps the rest in its residual ring.
 
 Pages are laid out by `pages.PageLayout`; per-sequence state is `sequences.Sequences`.
 """
@@ -31,6 +32,7 @@ from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels.decode_attention import decode_attention
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.kernels.quant_pack import quant_pack_reference
+from kvcalib_runtime.layouts.vq import CodeBody
 from kvcalib_runtime.model.rope import layer_ropes
 from kvcalib_vllm.pages import PageLayout, TensorPages
 from kvcalib_vllm.sequences import Row, Sequences
@@ -235,6 +237,8 @@ class Serving:
             where, at = st.blocks[pos // self.block_size], pos % self.block_size
             if tp.const is None:
                 body[where, :, at] = block
+            elif isinstance(body, CodeBody):  # vector codes: the body's own writer
+                body.write(block[:, :, None], where, at)
             else:
                 quant_pack_reference(block[:, :, None], body, where, at)
         start = max(n, target)

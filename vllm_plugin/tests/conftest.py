@@ -30,3 +30,9 @@ def fp16() -> Path:
 def tiny_qwen2() -> Path:
     """A random 2-layer Qwen2 converted with kvcalib-2 less predicted sinks (make_tiny.py)."""
     return _folder("KVCALIB_VLLM_TINY_QWEN2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vq() -> Path:
+    """The same Qwen2 converted with kvcalib-1.5 (vector codes) less predicted sinks."""
+    return _folder("KVCALIB_VLLM_TINY_QWEN2_VQ")

@@ -39,6 +39,12 @@ def test_serves_kvcalib2(ckpt):
     checks.check_checkpoint(ckpt)
 
 
+def test_serves_vector_codes(tiny_qwen2_vq):
+    ckpt = read_checkpoint(tiny_qwen2_vq)
+    assert {ls.key.layout.name for ls in ckpt.scheme.layers} == {"vq"}
+    checks.check_checkpoint(ckpt)
+
+
 def test_refuses_an_architecture_it_does_not_take_over(ckpt):
     other = dataclasses.replace(
         ckpt, config={**ckpt.config, "architectures": ["Gemma2ForCausalLM"]}

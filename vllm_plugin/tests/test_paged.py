@@ -1,6 +1,7 @@
 """The paged cache against the runtime's, without a vLLM engine: page bytes against the
 runtime's walked buffers, and `Serving` driven step by step as vLLM drives it, against one
-runtime `QuantizedCache` per sequence, on the kvcalib-2 side-car."""
+runtime `QuantizedCache` per sequence, on kvcalib-2's side-car (SmolLM2, predicted sinks) and
+kvcalib-1.5's vector codes (the tiny Qwen2)."""
 
 from types import SimpleNamespace
 
@@ -18,15 +19,22 @@ from kvcalib_runtime.kernels.layout import use_triton
 BLOCK = 32
 
 
-@pytest.fixture(scope="module")
-def ckpt(kvcalib2):
-    return read_checkpoint(kvcalib2)
+def _checkpoint(request, name):
+    return read_checkpoint(request.getfixturevalue(name))
+
+
+# (the fixture of a converted folder, its page row's least compression against fp16): SmolLM2's
+# kvcalib-2 rows are 6.6x smaller; kvcalib-1.5's 6 bits per 4 channels of the tiny Qwen2's
+# 32-channel heads, 6 bytes against 64, 10.7x
+FOLDERS = {"kvcalib2": 5.9, "tiny_qwen2_vq": 10.6}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_row_is_the_runtime_body_per_position(ckpt, dtype):
+@pytest.mark.parametrize("folder", list(FOLDERS))
+def test_row_is_the_runtime_body_per_position(request, folder, dtype):
     """A page row holds what the runtime's cache allocates per position (its walked body
     buffers at two contexts, per-layer constants cancelling), padded to ALIGN."""
+    ckpt = _checkpoint(request, folder)
     geo = ckpt.geometry
     sizes = dict(num_layers=geo.layers, kv_heads=geo.kv_heads, head_dim=geo.head_dim,
                  dtype=dtype)  # fmt: skip
@@ -39,7 +47,7 @@ def test_row_is_the_runtime_body_per_position(ckpt, dtype):
                        dtype=dtype)  # fmt: skip
     assert sum(t.nbytes for pair in pages.tensors for t in pair) == per_position
     assert pages.row_bytes == -(-per_position // ALIGN) * ALIGN
-    assert pages.fp_row_bytes(dtype) / pages.row_bytes > 5.9  # kvcalib-2 on SmolLM2: 6.6 (fp16)
+    assert pages.fp_row_bytes(dtype) / pages.row_bytes > FOLDERS[folder]
 
 
 def _step(serving, kv_cache, runtimes, tables, work, gen, geo):
@@ -58,7 +66,8 @@ def _step(serving, kv_cache, runtimes, tables, work, gen, geo):
     sp = serving.predictor
     dtype = kv_cache.dtype
     hidden = torch.zeros(tokens, geo.hidden, dtype=dtype)
-    hidden[torch.rand(tokens, generator=gen) < 0.05, sp.dims[0]] = sp.threshold + 1  # flagged
+    if sp is not None:
+        hidden[torch.rand(tokens, generator=gen) < 0.05, sp.dims[0]] = sp.threshold + 1  # flagged
     results = {s: ([], []) for s, _ in work}
     for layer in range(len(serving.scheme.layers)):
         q = torch.randn(tokens, heads, d, generator=gen).to(dtype)
@@ -73,11 +82,11 @@ def _step(serving, kv_cache, runtimes, tables, work, gen, geo):
             theirs = cache.attend(layer, rope.apply(q[a:b].transpose(0, 1)[None], pos),
                                   k[a:b].transpose(0, 1)[None], v[a:b].transpose(0, 1)[None],
                                   rope, pos)  # fmt: skip
-            if layer == sp.layer:
+            if sp is not None and layer == sp.layer:
                 cache.observe_hidden(layer, hidden[None, a:b])
             results[s][0].append(out[a:b])
             results[s][1].append(theirs[0].transpose(0, 1))
-        if layer == sp.layer:
+        if sp is not None and layer == sp.layer:
             serving.observe(hidden)
     serving.commit()
     for s, T in work:
@@ -86,14 +95,17 @@ def _step(serving, kv_cache, runtimes, tables, work, gen, geo):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_serving_matches_the_runtime_cache(ckpt, dtype):
+@pytest.mark.parametrize("folder", list(FOLDERS))
+def test_serving_matches_the_runtime_cache(request, folder, dtype):
     """Two sequences on interleaved, shuffled blocks, batched in every step: each layer's
     output equals (bit for bit) the runtime cache's for the same sequence alone, through a
     prefill of 120 tokens then 13 decode steps (crossing the residual window of 128 on the
     9th) and a prefill of 140 in two chunks (100, then 40 beside the other's first decode
     step: 13 positions flushed into pages at once) then 12 steps, with predicted sinks. Bit
     equality holds because reader, writer and attention are the runtime's own and the pages
-    hold the same bytes."""
+    hold the same bytes (vector codes: each token quantized by the body's own `write`, in pages
+    as in the runtime's contiguous body)."""
+    ckpt = _checkpoint(request, folder)
     geo, gen = ckpt.geometry, torch.Generator().manual_seed(0)
     serving = Serving(ckpt, dtype=dtype, rows=4, max_len=256)
     kv_cache = torch.zeros(24, 1, BLOCK, serving.pages.row_bytes // dtype.itemsize, dtype=dtype)
@@ -114,7 +126,7 @@ def test_serving_matches_the_runtime_cache(ckpt, dtype):
     for s, cache in runtimes.items():
         assert cache.lengths.item() == (133, 152)[s]
         predicted = (cache.sink_pos[0] >= ckpt.scheme.sinks_first).sum().item()
-        assert predicted > 0  # the sink path ran: flagged tokens took slots
+        assert predicted > 0 or serving.predictor is None  # flagged tokens took slots
 
 
 def _serve(ckpt, plan, *, kernels: bool, dtype=torch.float32):
@@ -150,16 +162,17 @@ def _serve(ckpt, plan, *, kernels: bool, dtype=torch.float32):
 
 
 @pytest.mark.skipif(not use_triton("cpu"), reason="set TRITON_INTERPRET=1 (make test-vllm does)")
-def test_paged_kernel_serves_as_the_cpu_path(tiny_qwen2, monkeypatch):
-    """The decode kernel reading the pages in place by the block table (`kernels=True`, the
-    CUDA default) against the CPU path (pages gathered, `decode_torch`), on the tiny Qwen2's
-    kvcalib-2 side-car: two sequences decoding side by side across the residual window of 128
-    (one crossing it on its 9th step, the other after a 140-token prefill in two chunks). Both
-    read the same stored bits in float32; they differ only in summation order and the kernel's
-    exp2 and angle reduction, so every output is within torch's float32 tolerance (rtol
-    1.3e-6, atol 1e-5). (tests/runtime/test_paged_decode.py shows a block table read one
+@pytest.mark.parametrize("folder", ["tiny_qwen2", "tiny_qwen2_vq"])
+def test_paged_kernel_serves_as_the_cpu_path(request, folder, monkeypatch):
+    """The decode kernel reading the pages in place by the block table (`kernels=True`, the CUDA
+    default) against the CPU path (pages gathered, `decode_torch`), on the tiny Qwen2's
+    kvcalib-2 and kvcalib-1.5 side-cars: two sequences decoding side by side across the residual
+    window of 128 (one crossing it on its 9th step, the other after a 140-token prefill in two
+    chunks). Both read the same stored bits in float32; they differ only in summation order and
+    the kernel's exp2 and angle reduction, so every output is within torch's float32 tolerance
+    (rtol 1.3e-6, atol 1e-5). (tests/runtime/test_paged_decode.py shows a block table read one
     block off fails the kernel's bound tenfold.)"""
-    ckpt = read_checkpoint(tiny_qwen2)
+    ckpt = _checkpoint(request, folder)
     plan = [[(0, 120), (1, 100)], [(1, 40), (0, 1)], *[[(1, 1), (0, 1)]] * 12]
     launches = []
 

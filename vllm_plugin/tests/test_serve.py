@@ -143,10 +143,13 @@ def test_capacity_at_least_4_5x_fp16(kvcalib2, fp16, tmp_path):
     assert charged / theirs["num_blocks"] >= 4.5
 
 
-def test_qwen2_matches_the_runtime(tiny_qwen2, tmp_path):
-    """vLLM's Qwen2 class (q/k/v biases) takes the side-car as its Llama does: a random tiny
-    Qwen2 gives the runtime's greedy tokens for prompts of 5 to 200 characters (one token
-    each) batched, the longer two crossing the residual window of 128."""
+@pytest.mark.parametrize("folder", ["tiny_qwen2", "tiny_qwen2_vq"])
+def test_qwen2_matches_the_runtime(request, folder, tmp_path):
+    """vLLM's Qwen2 class (q/k/v biases) takes the side-car as its Llama does, kvcalib-2's and
+    kvcalib-1.5's vector codes alike: a random tiny Qwen2 gives the runtime's greedy tokens for
+    prompts of 5 to 200 characters (one token each) batched, the longer two crossing the
+    residual window of 128."""
+    tiny_qwen2 = request.getfixturevalue(folder)
     runtime = kvcalib_runtime.load(tiny_qwen2, device="cpu", dtype=torch.float32)
     text = (topics["numbers"] + topics["for"]).replace("\n", " ")  # one token per character
     prompts = [runtime.encode(text[i : i + n]) for i, n in ((0, 5), (300, 40), (900, 150),
