@@ -62,6 +62,7 @@ from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme  # noqa
 from kvcalib_runtime.generate import DecodeStep  # noqa: E402
 from kvcalib_runtime.kernels import decode_attention as dec  # noqa: E402
 from kvcalib_runtime.kernels.layout import Sinks  # noqa: E402
+from kvcalib_runtime.layouts import Kind  # noqa: E402
 from kvcalib_runtime.layouts.affine import PackedBody  # noqa: E402
 from kvcalib_runtime.layouts.packing import unpack  # noqa: E402
 from kvcalib_runtime.layouts.quant import QuantSpec  # noqa: E402
@@ -318,11 +319,15 @@ def registers() -> list[str]:
     for device_cache in dec._decode_split_kernel.device_caches.values():
         for kernel in device_cache[0].values():
             kernel._init_handles()
-            names = kernel.src.fn.arg_names
-            const = {names[k[0]]: v for k, v in kernel.src.constants.items() if len(k) == 1}
+            names, constants = kernel.src.fn.arg_names, kernel.src.constants
+            const = {names[k[0]]: v for k, v in constants.items() if len(k) == 1}
+            # a stream's StreamLayout is a tuple argument: its fields keyed (argument, field)
+            gran = [constants.get((names.index(s), dec.StreamLayout._fields.index("GRAN")))
+                    for s in ("KL", "VL")]  # fmt: skip
+            kinds = "/".join(Kind(g).name.lower() if g is not None else "?" for g in gran)
             rows.append(
                 f"| {const.get('D')} | {const.get('G')} | {const.get('PRE_ROPE')} | "
-                f"{const.get('K_GRAN')}/{const.get('V_GRAN')} | {const.get('BLOCK_N')} | "
+                f"{kinds} | {const.get('BLOCK_N')} | "
                 f"{kernel.metadata.num_warps} | {const.get('STAGES')} | {kernel.n_regs} | "
                 f"{kernel.n_spills} |"
             )
