@@ -49,11 +49,18 @@ def parse(variant: str) -> tuple[str, int, str, str, str]:
     return source, int(w), "rope" if rope else "adjacent", scope, weight
 
 
+CURVE_BITS = range(4, 9)  # the bits curve's index widths at the presets' own vector widths
+SPLIT_WIDTH, SPLIT_BITS = 8, 8  # the keys-first split's values: 8-bit indices of 8 channels
+
+
 def wanted(ablation: bool = False) -> dict[str, tuple[int, ...]]:
     """{variant: bit widths}: the vector codebooks the shipped presets use (at their bits and
-    their allocation's choices) and, with `ablation`, each one's one-factor neighbours, what the
-    README's kvcalib-1.5 ablation evaluates: the other vector width (2 <-> 4) at the same bits
-    per element, the other pairing (keys), the other scope and the other weighting."""
+    their allocation's choices) and, with `ablation`, what the README's kvcalib-1.5 ablation and
+    bits curve evaluate: each one's one-factor neighbours (the other vector width (2 <-> 4) at
+    the same bits per element, the other pairing (keys), the other scope and the other
+    weighting), its own vectors at every index width of CURVE_BITS (1 to 2 bits per element for
+    quads), and values in vectors of SPLIT_WIDTH at SPLIT_BITS (1 bit per element: what frees
+    bits for the keys)."""
     out: dict[str, set[int]] = {}
     for name in presets():
         recipe = load_recipe(name)
@@ -79,6 +86,11 @@ def wanted(ablation: bool = False) -> dict[str, tuple[int, ...]]:
             for v in (t, *flips) if ablation else (t,):
                 scaled = {b * v.group_size // t.group_size for b in widths}
                 out.setdefault(codebook_variant(tensor, v), set()).update(scaled)
+            if ablation:
+                out[codebook_variant(tensor, t)].update(CURVE_BITS)
+                if tensor == "value":
+                    split = dataclasses.replace(t, group_size=SPLIT_WIDTH)
+                    out.setdefault(codebook_variant(tensor, split), set()).add(SPLIT_BITS)
     return {v: tuple(sorted(b for b in bits if 1 <= b <= 8)) for v, bits in sorted(out.items())}
 
 

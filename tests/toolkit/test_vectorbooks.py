@@ -55,18 +55,21 @@ def test_fisher_weights_lower_the_weighted_error():
 
 def test_the_presets_variants_and_their_ablation_neighbours():
     # kvcalib-1.5 (vectors of 4, RoPE pairs, per head, Fisher) asks for its own codebooks; with
-    # the ablation the calibration fits each one-factor neighbour too: what the README's
-    # ablation evaluates. A default calibration fits only the presets' own (each costs k-means).
+    # the ablation the calibration fits each one-factor neighbour too, its own vectors at 4-8
+    # bits and values in octets at 8: what the README's ablation and bits curve evaluate. A
+    # default calibration fits only the presets' own (each costs k-means).
     recipe = load_recipe("kvcalib-1.5")
     own = {codebook_variant(t, getattr(recipe, t)): (6,) for t in ("key", "value")}
     assert vectorbooks.wanted() == own
     wanted = vectorbooks.wanted(ablation=True)
-    assert own.items() <= wanted.items()
+    for variant in own:
+        assert wanted[variant] == (4, 5, 6, 7, 8)
     assert wanted["key:vq2:pre_rope:rope:head:fisher"] == (3,)
     assert {"key:vq4:pre_rope:head:fisher", "key:vq4:pre_rope:rope:layer:fisher"} <= set(wanted)
     assert {"value:vq4:head:plain", "value:vq4:layer:fisher"} <= set(wanted)
+    assert wanted["value:vq8:head:fisher"] == (8,)
     for variant in wanted:
-        assert vectorbooks.parse(variant)[1] in (2, 4)
+        assert vectorbooks.parse(variant)[1] in (2, 4, 8)
 
 
 def test_kvcalib_1_5_walks_at_most_1_6_bits():
