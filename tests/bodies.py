@@ -23,7 +23,10 @@ def random_data(shape, gen, dtype=torch.float32):
 
 
 def random_codebook(spec, heads, gen):
-    """Sorted levels in [0, 1] (asymmetric) or [-1, 1]; per head when `heads`, else per layer."""
+    """Sorted levels in [0, 1] (asymmetric) or [-1, 1]; per head when `heads`, else per layer.
+    Vector codes ("vq"): entries of group_size coordinates in [0, 1], [heads or 1, E, w]."""
+    if spec.layout.vectors:
+        return torch.rand(heads or 1, spec.levels, spec.group_size, generator=gen)
     lv = torch.rand(heads or 1, spec.levels, generator=gen).sort(-1).values
     lv = lv * 2 - 1 if spec.symmetric else lv
     return lv if heads else lv[0]
@@ -45,7 +48,7 @@ def random_body(spec, shape, dtype, gen, per_head_codebook=False):
         body.scale.copy_(torch.rand(body.scale.shape, generator=gen) * 0.8 + 0.2)
         if body.offset is not None:
             body.offset.copy_(-torch.rand(body.offset.shape, generator=gen))
-    if body.slot_index is not None:
+    if getattr(body, "slot_index", None) is not None:  # a "vq" body has none
         body.slot_index.copy_(torch.randint(0, body.width, body.slot_index.shape, generator=gen))
         if spec.slot_code == "fp8":  # any E4M3 byte but NaN's: up to 448 steps either way
             code = torch.randint(0, 127, body.slot_delta.shape, generator=gen)

@@ -20,6 +20,7 @@ import dataclasses
 
 import pytest
 import torch
+from bodies import random_body
 
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import paged
@@ -46,35 +47,6 @@ CASES = {
     "kvcalib-1.5 vector codes": (S(6, "static", 4, codebook=True, method="vq", pairing="rope"),
                                  S(6, "static", 4, codebook=True, method="vq"), 6, 2, 64, True),
 }  # fmt: skip
-
-
-def _body(spec, shape, dtype, gen):
-    """A contiguous body of shape (B, Hkv, slots, D) of random bits: codes, positive scales,
-    offsets, exact slots at random channels (fp8 deltas any byte but NaN's)."""
-    h, d = shape[1], shape[3]
-    if spec is None:
-        return torch.randn(shape, generator=gen).to(dtype)
-    static = book = None
-    if spec.layout.calibrated_range:
-        static = (-torch.rand(h, d, generator=gen) * 3, torch.rand(h, d, generator=gen) * 3)
-    if spec.layout.vectors:  # a codebook of vectors per KV head
-        book = torch.rand(h, spec.levels, spec.group_size, generator=gen)
-    elif spec.codebook:
-        book = torch.rand(spec.levels, generator=gen).sort().values * 2 - 1
-    body = spec.layout.allocate(shape, "cpu", dtype, static_range=static, codebook=book)
-    body.codes.copy_(torch.randint(0, 256, body.codes.shape, generator=gen))
-    if spec.granularity != "static":
-        body.scale.copy_(torch.rand(body.scale.shape, generator=gen) * 0.8 + 0.2)
-        if body.offset is not None:
-            body.offset.copy_(-torch.rand(body.offset.shape, generator=gen))
-    if getattr(body, "slot_index", None) is not None:
-        body.slot_index.copy_(torch.randint(0, body.width, body.slot_index.shape, generator=gen))
-        if spec.slot_code == "fp8":
-            code = torch.randint(0, 127, body.slot_delta.shape, generator=gen)
-            body.slot_delta.copy_(code + torch.randint(0, 2, code.shape, generator=gen) * 128)
-        else:
-            body.slot_delta.copy_(torch.randn(body.slot_delta.shape, generator=gen) * 10)
-    return body
 
 
 def _fields(body) -> dict[str, torch.Tensor]:
@@ -137,9 +109,13 @@ def _inputs(case, gen, dtype=torch.float16, device="cpu"):
         table[b, :need] = order[used : used + need].to(torch.int32)
         table[b, need:] = order[torch.randint(0, POOL, (m - need,), generator=gen)].int()
         used += need
-    contiguous = [_body(s, (B, hkv, m * PAGE, D), dtype, gen) for s in (key, value)]
+
+    def body(spec, shape):  # codebooks per KV head
+        return random_body(spec, shape, dtype, gen, per_head_codebook=True)
+
+    contiguous = [body(s, (B, hkv, m * PAGE, D)) for s in (key, value)]
     # keys' codes start at an odd byte (read as bytes), values' on a word where they can be
-    stale = [_body(s, (POOL, hkv, PAGE, D), dtype, gen) for s in (key, value)]
+    stale = [body(s, (POOL, hkv, PAGE, D)) for s in (key, value)]
     pages = [_paginate(body, old, table, gen, skip, device)
              for body, old, skip in zip(contiguous, stale, (3, 0), strict=True)]  # fmt: skip
     k_nb, v_nb = ((lengths - r).clamp(min=0) for r in (9, 14))
