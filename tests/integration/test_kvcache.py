@@ -349,10 +349,10 @@ def test_a_decode_step_reads_nothing_back(models, kernels, monkeypatch):
     batch of two: the steps after a prefill read no tensor back to the host, through the kernel
     and through the torch reference (what a device without the kernel decodes with; on the CPU
     the cache takes kernels.decode_torch instead, which reads the lengths by design)."""
-    from kvcalib_runtime.kernels import decode_attention, decode_torch
+    from kvcalib_runtime.kernels import decode_reference, decode_torch
 
     monkeypatch.setattr(
-        decode_torch, "decode_attention_torch", decode_attention.decode_attention_reference
+        decode_torch, "decode_attention_torch", decode_reference.decode_attention_reference
     )
     hf, model = models
     ids = _ids(2, 12)

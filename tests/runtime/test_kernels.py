@@ -18,6 +18,7 @@ from bodies import random_body, to_cuda
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels import quant_pack as qp
+from kvcalib_runtime.kernels.decode_reference import decode_attention_reference
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.layouts.quant import QuantSpec
@@ -84,7 +85,7 @@ def _decode_inputs(case, gen, dtype=torch.float16):
 
 
 def _ref(args, options, **changes):
-    return dec.decode_attention_reference(*args, **{**options, **changes})
+    return decode_attention_reference(*args, **{**options, **changes})
 
 
 @pytest.mark.parametrize(

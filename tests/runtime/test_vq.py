@@ -12,6 +12,7 @@ from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
 from kvcalib_runtime.checkpoint import checks
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import decode_torch
+from kvcalib_runtime.kernels.decode_reference import decode_attention_reference
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts.quant import QuantSpec, dequantize, quantize
 from kvcalib_runtime.layouts.vq import CodeBody, channel_order
@@ -167,11 +168,11 @@ def test_cpu_decode_path_matches_the_reference(pairing):
     # output by far more than the bound.
     spec = S(6, 4, pairing)
     args, options = _decode_inputs(spec, torch.Generator().manual_seed(11))
-    exact = dec.decode_attention_reference(*args, **options, dtype=torch.float64)
+    exact = decode_attention_reference(*args, **options, dtype=torch.float64)
     ours = decode_torch.decode_attention_torch(*args, **options, dtype=torch.float64)
     torch.testing.assert_close(ours, exact, rtol=0, atol=1e-9)
     low = decode_torch.decode_attention_torch(*args, **options)
-    ref_low = dec.decode_attention_reference(*args, **options)
+    ref_low = decode_attention_reference(*args, **options)
     bound = 2 * (ref_low.double() - exact).abs().max() + 1e-3
     assert (low.double() - exact).abs().max() <= bound
     keys = args[3]
@@ -200,8 +201,8 @@ def test_decode_kernel_reads_vector_codes(bits, w, pairing, per_head, config, sp
     assert dec.supports(spec, 64, 3)
     args, options = _decode_inputs(spec, torch.Generator().manual_seed(bits + w), per_head=per_head)
     ours = dec.decode_attention(*args, **options).double()
-    exact = dec.decode_attention_reference(*args, **options, dtype=torch.float64)
-    bound = 2 * (dec.decode_attention_reference(*args, **options).double() - exact).abs().max()
+    exact = decode_attention_reference(*args, **options, dtype=torch.float64)
+    bound = 2 * (decode_attention_reference(*args, **options).double() - exact).abs().max()
     assert (ours - exact).abs().max() <= bound
     keys = args[3]
     other = "adjacent" if pairing == "rope" else "rope"
@@ -211,7 +212,7 @@ def test_decode_kernel_reads_vector_codes(bits, w, pairing, per_head, config, sp
         wrong.append(dataclasses.replace(keys.body, book=keys.body.book.roll(1, 0)))
     for body in wrong:
         broken = (*args[:3], keys._replace(body=body), *args[4:])
-        moved = dec.decode_attention_reference(*broken, **options, dtype=torch.float64)
+        moved = decode_attention_reference(*broken, **options, dtype=torch.float64)
         assert (moved - exact).abs().max() > 10 * bound
 
 
@@ -223,8 +224,8 @@ def test_decode_kernel_reads_vector_codes_on_gpu(pairing, dtype, monkeypatch):
     may pick."""
     args, options = _decode_inputs(S(6, 4, pairing), torch.Generator().manual_seed(3), dtype)
     args, options = to_cuda(args), {k: to_cuda(v) for k, v in options.items()}
-    exact = dec.decode_attention_reference(*args, **options, dtype=torch.float64)
-    bound = 2 * (dec.decode_attention_reference(*args, **options).double() - exact).abs().max()
+    exact = decode_attention_reference(*args, **options, dtype=torch.float64)
+    bound = 2 * (decode_attention_reference(*args, **options).double() - exact).abs().max()
     for config in dec.CONFIGS:
         monkeypatch.setattr(dec, "_config", lambda key, device, launch, config=config: config)
         ours = dec.decode_attention(*args, **options)

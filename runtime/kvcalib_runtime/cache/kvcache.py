@@ -52,7 +52,7 @@ from kvcalib_runtime.cache.kvstream import Stream, kernel_layout
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme
 from kvcalib_runtime.errors import CapacityError, FormatError
 from kvcalib_runtime.kernels import decode_attention as dec
-from kvcalib_runtime.kernels import decode_torch
+from kvcalib_runtime.kernels import decode_reference, decode_torch
 from kvcalib_runtime.kernels.layout import Sinks, use_triton
 from kvcalib_runtime.model.rope import Rope
 from kvcalib_runtime.model.transforms import Transforms
@@ -362,7 +362,7 @@ class QuantizedCache:
             )
         if q.device.type == "cpu":
             return decode_torch.decode_attention_torch(*args, **options)
-        return dec.decode_attention_reference(*args, **options)
+        return decode_reference.decode_attention_reference(*args, **options)
 
     # -- writing ---------------------------------------------------------------------------------
 

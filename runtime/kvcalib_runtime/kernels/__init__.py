@@ -6,7 +6,8 @@
                       blocks, or a decode step's flush straight from the residual ring
     tiles             how the decode kernel reads a tile of keys or values (unpack, levels,
                       metadata, exact slots, RoPE)
-    decode_attention  attention of one new token per sequence over the quantized cache
+    decode_attention  attention of one new token per sequence over the quantized cache;
+                      decode_reference is its spec in plain torch
     paged             the same kernel over vLLM-style pages, read through a block table, and
                       its reference (gather, then decode_attention's)
 

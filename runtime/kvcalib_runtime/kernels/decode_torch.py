@@ -27,7 +27,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from kvcalib_runtime.kernels.decode_attention import decode_attention_reference
+from kvcalib_runtime.kernels.decode_reference import decode_attention_reference
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts import Kind
 from kvcalib_runtime.layouts.affine import PackedBody

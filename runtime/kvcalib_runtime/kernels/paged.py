@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from kvcalib_runtime.kernels.decode_attention import decode_attention_reference
+from kvcalib_runtime.kernels.decode_reference import decode_attention_reference
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts import Kind
 from kvcalib_runtime.layouts.affine import PackedBody
