@@ -19,6 +19,9 @@ LAYERS = (
     # TurboQuant: an outlier set of channels per head
     LayerScheme(S(2, symmetric=True, method="turboquant", split_channels=16, split_bits=4),
                 S(3, "static", outliers=0.01, outlier_slots=1, slot_code="fp8")),
+    # kvcalib-1.5: vector codes, keys RoPE quads with one codebook per layer, values per head
+    LayerScheme(S(4, "static", 4, codebook=True, method="vq", pairing="rope"),
+                S(4, "static", 4, codebook=True, method="vq"), key_position="pre_rope"),
 )  # fmt: skip
 SCHEME = KVScheme(LAYERS, residual=8, sinks_first=1, sink_budget=0)
 
@@ -36,6 +39,11 @@ def _params(gen) -> KVParams:
     params.key_split[1] = torch.stack([torch.randperm(D, generator=gen)[:16] for _ in range(HKV)])
     lo = -torch.rand(HKV, D, generator=gen) * 2 - 0.5
     params.value_range[1] = (lo, torch.rand(HKV, D, generator=gen) * 2 + 0.5)
+    for name in ("key_range", "value_range"):
+        lo = -torch.rand(HKV, D, generator=gen) * 3 - 0.5
+        getattr(params, name)[2] = (lo, torch.rand(HKV, D, generator=gen) * 3 + 0.5)
+    params.key_codebook[2] = torch.rand(1, 16, 4, generator=gen)  # per layer: shared
+    params.value_codebook[2] = torch.rand(HKV, 16, 4, generator=gen)
     return params
 
 
@@ -43,15 +51,16 @@ def _run(params, heads: slice, steps, kv_heads: int):
     """Outputs of every layer and step (a 30-token prefill, then single tokens past the residual
     window of 8) of a float32 cache of `kv_heads` heads fed the KV heads `heads` (and their
     query heads) of `steps`."""
-    cache = QuantizedCache(SCHEME, params, Transforms.online(SCHEME, params), num_layers=2,
-                           batch=1, kv_heads=kv_heads, head_dim=D, max_len=64, device="cpu",
-                           dtype=torch.float32, use_kernels=False)  # fmt: skip
+    cache = QuantizedCache(SCHEME, params, Transforms.online(SCHEME, params),
+                           num_layers=len(LAYERS), batch=1, kv_heads=kv_heads, head_dim=D,
+                           max_len=64, device="cpu", dtype=torch.float32,
+                           use_kernels=False)  # fmt: skip
     rope = Rope({}, D)
     q_heads = slice(heads.start * G, heads.stop * G)
     out = []
     for q, k, v in steps:
         pos = cache.positions(q.shape[2])
-        for layer in range(2):
+        for layer in range(len(LAYERS)):
             out.append(cache.attend(layer, rope.apply(q[:, q_heads], pos), k[:, heads],
                                     v[:, heads], rope, pos))  # fmt: skip
         cache.commit(q.shape[2])

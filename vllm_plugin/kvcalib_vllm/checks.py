@@ -8,6 +8,7 @@ stops the engine before a weight is read.
 
 import torch
 
+from kvcalib_runtime.cache.shard import check_shardable
 from kvcalib_runtime.checkpoint.format import Checkpoint
 from kvcalib_runtime.layouts import Kind
 
@@ -70,6 +71,16 @@ def check_checkpoint(ckpt: Checkpoint) -> None:
                 )
 
 
+def check_tensor_parallel(ckpt: Checkpoint, world: int) -> None:
+    """tensor_parallel_size=world splits the KV heads: each rank serves its share of the
+    side-car (`kvcalib_runtime.cache.shard`), so the world size must divide them and no layout
+    may store one row across every head."""
+    try:
+        check_shardable(ckpt.scheme, ckpt.geometry.kv_heads, world)
+    except ValueError as e:
+        raise KvcalibVllmError(f"kvcalib: {e} (tensor_parallel_size={world})") from None
+
+
 def check_config(vllm_config, on_cpu: bool) -> None:
     """vLLM settings the plugin needs (each failure names the argument to pass); on_cpu: vLLM
     runs on the CPU platform."""
@@ -93,10 +104,10 @@ def check_config(vllm_config, on_cpu: bool) -> None:
             "kvcalib: prefix caching shares pages between requests, and a kvcalib sequence "
             "keeps state beside its pages: pass enable_prefix_caching=False"
         )
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    if parallel.pipeline_parallel_size != 1:
         raise KvcalibVllmError(
-            "kvcalib: the vLLM plugin serves one device (tensor_parallel_size=1, "
-            "pipeline_parallel_size=1)"
+            "kvcalib: the vLLM plugin does not split layers across ranks: pass "
+            "pipeline_parallel_size=1 (tensor_parallel_size splits the KV heads)"
         )
     if vllm_config.speculative_config is not None:
         raise KvcalibVllmError("kvcalib: speculative decoding is not served: drop it")

@@ -27,6 +27,7 @@ import torch
 
 from kvcalib_runtime.cache.kvcache import _attention
 from kvcalib_runtime.cache.scheme import quantized_prefix_int
+from kvcalib_runtime.cache.shard import shard_params
 from kvcalib_runtime.checkpoint.format import Checkpoint
 from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels.decode_attention import decode_attention
@@ -54,15 +55,21 @@ class Serving:
     """The side-car of `ckpt` served in vLLM's pages (their block size read from the cache on
     the first step) for up to `rows` sequences of `max_len` positions, in `dtype` (the
     model's). kernels: decode through the paged Triton kernel (None: where the pages are on a
-    CUDA device; True on the CPU needs TRITON_INTERPRET=1, as the tests run it)."""
+    CUDA device; True on the CPU needs TRITON_INTERPRET=1, as the tests run it). rank, world:
+    tensor parallelism, the rank serves its share of the KV heads (`cache.shard`: vLLM hands
+    its attention those heads and their query heads)."""
 
     def __init__(self, ckpt: Checkpoint, *, dtype: torch.dtype, rows: int, max_len: int,
-                 kernels: bool | None = None):  # fmt: skip
+                 kernels: bool | None = None, rank: int = 0, world: int = 1):  # fmt: skip
         geo = ckpt.geometry
         self.scheme, self.params, self.transforms = ckpt.scheme, ckpt.params, ckpt.transforms
-        self.dtype, self.head_dim, self.kv_heads = dtype, geo.head_dim, geo.kv_heads
+        if world > 1:
+            self.params = shard_params(self.scheme, self.params, kv_heads=geo.kv_heads,
+                                       rank=rank, world=world)  # fmt: skip
+        kv_heads = geo.kv_heads // world
+        self.dtype, self.head_dim, self.kv_heads = dtype, geo.head_dim, kv_heads
         self.ropes = layer_ropes(geo.rope, geo.head_dim)
-        sizes = dict(kv_heads=geo.kv_heads, head_dim=geo.head_dim)
+        sizes = dict(kv_heads=kv_heads, head_dim=geo.head_dim)
         self.pages = PageLayout(self.scheme, self.params, dtype=dtype, **sizes)
         self.seqs = Sequences(self.scheme, num_layers=geo.layers, rows=rows, max_len=max_len,
                               dtype=dtype, **sizes)  # fmt: skip

@@ -4,6 +4,7 @@ attention backend (whose hooks vLLM calls without the model) and the model wrapp
 from pathlib import Path
 
 import vllm
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.platforms import current_platform
 
 from kvcalib_runtime.checkpoint.format import META, read_checkpoint
@@ -22,7 +23,8 @@ def active() -> Serving | None:
 
 def activate(vllm_config) -> Serving | None:
     """Read the side-car of vLLM's model folder, if it has one, and check everything the plugin
-    refuses (`checks`): KvcalibVllmError in one line, before a weight is read."""
+    refuses (`checks`): KvcalibVllmError in one line, before a weight is read. Under tensor
+    parallelism each rank's process serves its share of the KV heads."""
     global _ACTIVE
     folder = Path(vllm_config.model_config.model)
     if not (folder / META).is_file():
@@ -35,7 +37,11 @@ def activate(vllm_config) -> Serving | None:
         raise checks.KvcalibVllmError(f"kvcalib: {e}") from None
     checks.check_checkpoint(ckpt)
     checks.check_config(vllm_config, current_platform.is_cpu())
+    world = vllm_config.parallel_config.tensor_parallel_size
+    checks.check_tensor_parallel(ckpt, world)
     rows = 2 * vllm_config.scheduler_config.max_num_seqs  # finished sequences linger a step
     _ACTIVE = Serving(ckpt, dtype=vllm_config.model_config.dtype, rows=rows,
-                      max_len=vllm_config.model_config.max_model_len)  # fmt: skip
+                      max_len=vllm_config.model_config.max_model_len,
+                      rank=get_tensor_model_parallel_rank() if world > 1 else 0,
+                      world=world)  # fmt: skip
     return _ACTIVE

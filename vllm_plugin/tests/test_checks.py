@@ -77,6 +77,23 @@ def test_refuses_layouts_its_pages_do_not_hold(ckpt, spec):
     assert "layer 3 keys" in _one_line(e)
 
 
+def test_tensor_parallel_splits_whole_kv_heads(ckpt):
+    """SmolLM2-135M has 3 KV heads: 3 ranks hold one each, 2 cannot share them; a layout whose
+    stored row joins every head cannot be split at all."""
+    assert ckpt.geometry.kv_heads == 3
+    checks.check_tensor_parallel(ckpt, 1)
+    checks.check_tensor_parallel(ckpt, 3)
+    with pytest.raises(checks.KvcalibVllmError) as e:
+        checks.check_tensor_parallel(ckpt, 2)
+    assert "divides 3" in _one_line(e) and "tensor_parallel_size=2" in _one_line(e)
+    layers = list(ckpt.scheme.layers)
+    layers[1] = dataclasses.replace(layers[1], value=QuantSpec(bits=3, granularity="vector"))
+    scheme = dataclasses.replace(ckpt.scheme, layers=tuple(layers))
+    with pytest.raises(checks.KvcalibVllmError) as e:
+        checks.check_tensor_parallel(dataclasses.replace(ckpt, scheme=scheme), 3)
+    assert "layer 1 values" in _one_line(e)
+
+
 def _config(**changes):
     """The fields of a VllmConfig that check_config reads, as the plugin's tests run vLLM."""
     fields = dict(dtype=torch.float32, cache_dtype="auto", enable_prefix_caching=False, tp=1,
@@ -106,7 +123,7 @@ def test_serves_the_tests_settings():
         (dict(enable_prefix_caching=True), "enable_prefix_caching=False"),
         (dict(cache_dtype="fp8"), "kv_cache_dtype='auto'"),
         (dict(mode=3), "enforce_eager=True"),
-        (dict(tp=2), "tensor_parallel_size=1"),
+        (dict(pp=2), "pipeline_parallel_size=1"),
         (dict(speculative=object()), "speculative decoding"),
         (dict(dtype=torch.float64), "float16, bfloat16 or float32"),
     ],

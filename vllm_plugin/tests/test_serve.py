@@ -6,6 +6,7 @@ from pydoc_data.topics import topics
 import pytest
 import torch
 from engine import run_engine
+from kvcalib_vllm.pages import PageLayout
 
 import kvcalib_runtime
 
@@ -157,6 +158,30 @@ def test_qwen2_matches_the_runtime(request, folder, tmp_path):
     assert [len(p) for p in prompts] == [5, 40, 150, 200]
     served = run_engine(tmp_path, tiny_qwen2, [prompts], max_tokens=24)
     assert served["plugin"]
+    assert served["tokens"][0] == runtime.generate(prompts, 24, eos_token_id=[])
+
+
+@pytest.mark.parametrize("folder", ["tiny_qwen2", "tiny_qwen2_vq"])
+def test_tensor_parallel_matches_the_runtime(request, folder, tmp_path):
+    """tensor_parallel_size=2 splits the tiny Qwen2's 2 KV heads: each rank's worker serves its
+    head's share of the side-car (static ranges, per-head codebooks; kvcalib-1.5's key codebook
+    is per layer, shared) in pages of half the bytes, and the engine gives the runtime's greedy
+    tokens on one device for the prompts of `test_qwen2_matches_the_runtime`. The block count
+    is vLLM's own, from the rank's page: the KV memory over block_size x its row bytes."""
+    tiny_qwen2 = request.getfixturevalue(folder)
+    runtime = kvcalib_runtime.load(tiny_qwen2, device="cpu", dtype=torch.float32)
+    text = (topics["numbers"] + topics["for"]).replace("\n", " ")
+    prompts = [runtime.encode(text[i : i + n]) for i, n in ((0, 5), (300, 40), (900, 150),
+                                                            (2000, 200))]  # fmt: skip
+    memory = 16 * 2**20
+    served = run_engine(tmp_path, tiny_qwen2, [prompts], max_tokens=24, kv_cache_bytes=memory,
+                        tensor_parallel_size=2)  # fmt: skip
+    whole = PageLayout(runtime.scheme, runtime.params, kv_heads=runtime.kv_heads,
+                       head_dim=runtime.head_dim,
+                       dtype=torch.float32).row_bytes  # fmt: skip
+    assert [(r["plugin"], r["kv_heads"]) for r in served["ranks"]] == [(True, 1), (True, 1)]
+    assert served["ranks"][0]["row_bytes"] == served["ranks"][1]["row_bytes"] <= whole // 2 + 8
+    assert served["num_blocks"] == memory // (served["block_size"] * served["row_bytes"])
     assert served["tokens"][0] == runtime.generate(prompts, 24, eos_token_id=[])
 
 

@@ -6,6 +6,7 @@ head moves with its heads (`KVParams`' docstring gives the shapes):
 
     key_range, value_range  (lo, hi) [Hkv, D]   sliced
     key_codebook, ...       [Hkv, L] per head   sliced; [L] per layer: shared
+                            "vq": [Hkv, L, w]   sliced; [1, L, w] per layer: shared
     key_smooth              [Hkv, D]            sliced
     key_split, value_split  [Hkv, n_o]          sliced (channels within a head: unchanged)
     sink_predictor          on the residual stream, which every rank holds whole: shared
@@ -32,22 +33,32 @@ def head_share(kv_heads: int, rank: int, world: int) -> slice:
     return slice(rank * per, (rank + 1) * per)
 
 
-def shard_params(scheme: KVScheme, params: KVParams, *, kv_heads: int, rank: int,
-                 world: int) -> KVParams:  # fmt: skip
-    """Rank `rank`'s share of `params` (see the module docstring): a KVParams for a cache of
-    kv_heads / world KV heads."""
-    heads = head_share(kv_heads, rank, world)
+def check_shardable(scheme: KVScheme, kv_heads: int, world: int) -> None:
+    """ValueError in one line unless `world` ranks can each hold a share of a cache of
+    `kv_heads` KV heads stored as `scheme` says (see the module docstring)."""
+    head_share(kv_heads, 0, world)
     for i, layer in enumerate(scheme.layers):
         for name, spec in (("key", layer.key), ("value", layer.value)):
-            if spec is not None and spec.layout.joins_heads:
+            if world > 1 and spec is not None and spec.layout.joins_heads:
                 raise ValueError(
                     f"tensor parallelism: layer {i} {name}s are stored as {spec.layout.name!r}, "
                     "one row across every KV head, which cannot be split by heads: convert "
                     "with a per-head layout"
                 )
 
+
+def shard_params(scheme: KVScheme, params: KVParams, *, kv_heads: int, rank: int,
+                 world: int) -> KVParams:  # fmt: skip
+    """Rank `rank`'s share of `params` (see the module docstring): a KVParams for a cache of
+    kv_heads / world KV heads."""
+    heads = head_share(kv_heads, rank, world)
+    check_shardable(scheme, kv_heads, world)
+
     def rows(table: dict, per_layer: bool = False) -> dict:
-        return {i: t if per_layer and t.dim() == 1 else t[heads] for i, t in table.items()}
+        def shared(t):  # one codebook for every head of a layer: [L], or [1, L, w] ("vq")
+            return per_layer and (t.dim() == 1 or t.shape[0] == 1)
+
+        return {i: t if shared(t) else t[heads] for i, t in table.items()}
 
     def pairs(table: dict) -> dict:
         return {i: (lo[heads], hi[heads]) for i, (lo, hi) in table.items()}
