@@ -44,7 +44,11 @@ def random_body(spec, shape, dtype, gen, per_head_codebook=False):
     cb = random_codebook(spec, h if per_head_codebook else 0, gen) if spec.codebook else None
     body = spec.layout.allocate(shape, "cpu", dtype, static_range=static, codebook=cb)
     body.codes.copy_(torch.randint(0, 256, body.codes.shape, generator=gen))
-    if spec.granularity != "static":
+    if spec.metadata_code == "byte":  # scales 0.25 to 1.75, any zero point
+        body.scale.copy_(torch.randint(144, 167, body.scale.shape, generator=gen))
+        if body.offset is not None:
+            body.offset.copy_(torch.randint(0, 256, body.offset.shape, generator=gen))
+    elif spec.granularity != "static":
         body.scale.copy_(torch.rand(body.scale.shape, generator=gen) * 0.8 + 0.2)
         if body.offset is not None:
             body.offset.copy_(-torch.rand(body.offset.shape, generator=gen))

@@ -7,10 +7,10 @@ live in `recipes/<name>.toml`; `load_recipe` takes a preset name or a path.
     name, description, residual, rotation_seed, external, quantized_layers
     [key]    bits granularity group_size symmetric clip codebook outliers outlier_slots
              slot_rule slot_code method split_channels split_fraction split_bits pairing
-             codebook_scope codebook_weight flush position rotation smooth
+             metadata_code codebook_scope codebook_weight flush position rotation smooth
     [value]  bits granularity group_size symmetric clip codebook outliers outlier_slots
              slot_rule slot_code method split_channels split_fraction split_bits pairing
-             codebook_scope codebook_weight flush rotation
+             metadata_code codebook_scope codebook_weight flush rotation
     [sinks]  first predicted budget
     [allocation]  budget choices sensitivity   (per-layer bits from the profile's sensitivities:
                   sensitivity "text", the calibration text's next-token loss, "answer", the
@@ -30,6 +30,9 @@ clamp: `outlier_slots` of them for "static" granularity, chosen by `slot_rule` (
 farthest outside the range, KVQuant's; "error": the largest errors, kvcalib's) and stored as
 `slot_code` says ("exact": the cache's dtype; "fp8": one byte, the delta in steps of its
 channel's scale as float8 E4M3, within 1/16 of it) — see kvcalib_runtime.layouts.quant.
+`metadata_code` says how a per-token group's scale and offset are stored: "dtype" (the cache's)
+or "byte" (one byte each: the scale rounded up to 5 exponent and 3 mantissa bits, the offset a
+zero point in 1/255 of the range; kvcalib_runtime.layouts.metabyte).
 `method` is "affine" (all of the above), "ggml" (llama.cpp's q4_0 / q8_0 blocks) or
 "turboquant" (TurboQuant: a random rotation and fixed Lloyd-Max levels per vector, with
 `split_channels` outlier channels per head at `split_bits` bits, chosen from the profile's
@@ -57,6 +60,7 @@ from kvcalib_runtime.checkpoint.checks import MAX_TOKENS
 from kvcalib_runtime.layouts import Kind, Layout, layout_class
 from kvcalib_runtime.layouts.spec import (
     GRANULARITIES,
+    METADATA_CODES,
     METHODS,
     PAIRINGS,
     SLOT_CODES,
@@ -97,6 +101,7 @@ class TensorRecipe:
     split_fraction: float = 0.0
     split_bits: int = 0
     pairing: str = "adjacent"
+    metadata_code: str = "dtype"
     codebook_scope: str = "layer"
     codebook_weight: str = "fisher"
     flush: int = 0
@@ -229,6 +234,7 @@ _CHOICES = {  # the runtime's own tables where the runtime defines the field
     "position": KEY_POSITIONS,
     "rotation": ("none", "hadamard"),
     "pairing": PAIRINGS,
+    "metadata_code": METADATA_CODES,
     "codebook_scope": ("layer", "head"),
     "codebook_weight": ("fisher", "plain"),
 }

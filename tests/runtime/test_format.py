@@ -349,6 +349,11 @@ def test_a_later_spec_field_is_written_only_where_it_is_used():
         written = scheme.to_json()["layers"][0]["key"]
         assert ("slot_code" in written) == (spec is fp8)
         assert KVScheme.from_json(json.loads(json.dumps(scheme.to_json()))) == scheme
+    for value in (QuantSpec(2), QuantSpec(2, metadata_code="byte")):  # so is metadata_code
+        scheme = KVScheme((LayerScheme(fp8, value),))
+        written = scheme.to_json()["layers"][0]["value"]
+        assert ("metadata_code" in written) == (value.metadata_code == "byte")
+        assert KVScheme.from_json(json.loads(json.dumps(scheme.to_json()))) == scheme
 
 
 def test_unknown_kv_params_are_refused(ckpt):

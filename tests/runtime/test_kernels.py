@@ -43,6 +43,13 @@ DECODE_CASES = {
                                      slot_rule="error", slot_code="fp8"),
                                    S(3, "static", outliers=0.01, outlier_slots=1,
                                      slot_code="fp8"), 8, 2, 64, True, None),
+    "kvcalib-2 byte values G4 D128": (S(2, "static", codebook=True, outliers=0.01,
+                                        outlier_slots=1, slot_rule="error", slot_code="fp8"),
+                                      S(2, metadata_code="byte"), 8, 2, 128, True, None),
+    "byte metadata groups, slots, codebook G2 D64": (
+        S(4, group_size=16, outliers=0.1, slot_rule="error", metadata_code="byte"),
+        S(3, group_size=32, symmetric=True, codebook=True, metadata_code="byte"), 4, 2, 64,
+        False, None),
     "kivi-2 G1 D128": (S(2, "channel", 32), S(2, group_size=32), 2, 2, 128, False, None),
     "kivi-4 G3 D64": (S(4, "channel", 16), S(4, group_size=16), 6, 2, 64, False, None),
     "per-token-3 G4 D64": (S(3), S(3), 8, 2, 64, False, None),
@@ -160,7 +167,8 @@ def test_cpu_dequantize_reads_codes_across_bytes_bit_for_bit(bits, d):
     book = bits <= 4  # codebooks are for 2-4 bits
     for spec in (S(bits, "static", codebook=book, outliers=0.01, outlier_slots=1,
                    slot_code="fp8"), S(bits, group_size=d // 2), S(bits, symmetric=True,
-                                                                   codebook=book)):  # fmt: skip
+                                                                   codebook=book),
+                 S(bits, metadata_code="byte")):  # fmt: skip
         body = random_body(spec, (2, 3, 40, d), torch.float16, gen)
         for b, n in ((0, 37), (1, 40), (1, 0)):
             ours = decode_torch.dequantize(body, torch.float32, b, n)
@@ -300,6 +308,7 @@ for dtype, key, value, rope in [
     (torch.float16, QuantSpec(3, "channel", 32, symmetric=True), QuantSpec(3, "vector"), False),
     (torch.float16, fp8, QuantSpec(3, "static", outliers=0.01, outlier_slots=1, slot_code="fp8"),
      True),
+    (torch.bfloat16, fp8, QuantSpec(2, metadata_code="byte"), True),
 ]:
     static = (torch.zeros(H, D), torch.ones(H, D))
     book = torch.linspace(-1, 1, 2 ** key.bits)
@@ -352,9 +361,9 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True,
                           text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    # quant_pack, flush, split, combine; three times (exact slots, none, fp8 slots); paged
-    # split and combine; vector codes' split and combine
-    assert done.stdout.split().count("compiled") == 16
+    # quant_pack, flush, split, combine; four times (exact slots, none, fp8 slots, one-byte
+    # value metadata); paged split and combine; vector codes' split and combine
+    assert done.stdout.split().count("compiled") == 20
 
 
 def test_the_decode_benchmark_runs_its_smoke_configuration():

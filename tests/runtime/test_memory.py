@@ -28,6 +28,11 @@ LAYOUTS = {
         QuantSpec(3, "static", outliers=0.01, outlier_slots=1, slot_code="fp8"),
         dict(key_position="pre_rope"),
     ),
+    "byte-metadata": (
+        QuantSpec(2, "static", outliers=0.01, outlier_slots=1, slot_rule="error", slot_code="fp8"),
+        QuantSpec(2, metadata_code="byte"),
+        dict(key_position="pre_rope"),
+    ),
     "vector": (QuantSpec(3, "static"), QuantSpec(3, "vector", outliers=0.01), {}),
     "token-outliers": (QuantSpec(4, group_size=16, outliers=0.1), None, {}),
     "exact-keys": (None, QuantSpec(8, symmetric=True), {}),
@@ -156,6 +161,22 @@ def test_fp8_slots_are_one_byte_each():
     exact = dataclasses.replace(key, slot_code="exact")
     per_slot = exact.layout.bits_per_element(D, 1024) - key.layout.bits_per_element(D, 1024)
     assert per_slot == 2 * 8 / D  # two slots, 8 bits fewer each
+
+
+def test_byte_metadata_is_one_byte_a_scale_and_one_an_offset():
+    """metadata_code "byte" at 1024 tokens, 3 KV heads of 64 channels, fp16: a value row is 16
+    bytes of 2-bit codes + a 1-byte scale + a 1-byte zero point, 18 bytes, what a symmetric row
+    with an fp16 scale takes; with the cache's dtype (fp16 scale and offset) 20 bytes."""
+    cache = _cache(_scheme("byte-metadata", layers=1), 1, 1, 1024, "cpu")
+    assert cache.values[0].body.scale.dtype == torch.uint8
+    rows, key_constants = 1024 * HKV, HKV * D * (2 + 2 + 4 + 4)  # fp16 scale, offset, lo, hi
+    assert cache.memory()["body"] == rows * (16 + 2) + key_constants + rows * (16 + 1 + 1)
+    value = LAYOUTS["byte-metadata"][1]
+    wide = dataclasses.replace(value, metadata_code="dtype")
+    per_row = wide.layout.bits_per_element(D, 1024) - value.layout.bits_per_element(D, 1024)
+    symmetric = dataclasses.replace(wide, symmetric=True)
+    assert per_row == 2 * 8 / D  # two bytes fewer a row
+    assert value.layout.bits_per_element(D, 1024) == symmetric.layout.bits_per_element(D, 1024)
 
 
 def test_a_window_allocates_its_ring_not_the_context():

@@ -55,6 +55,14 @@ QUANT_PACK_CASES = [
     (S(2, "vector", group_size=64, outliers=0.01), 64, 17, torch.float32),
     (S(5, symmetric=True), 64, 33, torch.float32),
     (S(6, "static"), 64, 17, torch.float16),
+    # one-byte scale and zero point (kvcalib-2's values), symmetric, codebook, groups, slots
+    (S(2, metadata_code="byte"), 64, 33, torch.float16),
+    (S(8, metadata_code="byte"), 128, 33, torch.float32),
+    (S(3, symmetric=True, clip=0.9, metadata_code="byte"), 64, 17, torch.float32),
+    (S(2, codebook=True, metadata_code="byte"), 64, 33, torch.float32),
+    (S(4, group_size=16, outliers=0.1, slot_rule="error", metadata_code="byte"), 64, 17,
+     torch.float16),
+    (S(3, "vector", metadata_code="byte"), 64, 17, torch.float32),
 ]  # fmt: skip
 
 
@@ -104,6 +112,7 @@ def test_quant_pack_wraps_a_ring_body(spec):
        slot_code="fp8"), 1, 8),
     (S(3, "vector", outliers=0.02), 2, 4),
     (S(4, symmetric=True), 1, 1),
+    (S(2, metadata_code="byte"), 1, 8),
 ], ids=str)  # fmt: skip
 def test_flush_reads_the_ring_in_place(spec, flush, residual):
     """A decode step's flush: positions [start, start + flush) from the ring (below the length)
@@ -131,7 +140,8 @@ def test_flush_reads_the_ring_in_place(spec, flush, residual):
     (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error",
        slot_code="fp8"), torch.float32),  # kvcalib-2's keys
     (S(3, "static", outliers=0.02, outlier_slots=1), torch.float16),
-    (S(2, codebook=True), torch.float32),  # kvcalib-2's values
+    (S(2, codebook=True), torch.float32),
+    (S(2, metadata_code="byte"), torch.float32),  # kvcalib-2's values
     (S(4, group_size=16, outliers=0.1, slot_rule="error"), torch.float16),
 ], ids=str)  # fmt: skip
 def test_flush_many_is_each_bodys_own_flush_bit_for_bit(spec, dtype):
@@ -212,7 +222,8 @@ def test_quant_pack_refuses_what_it_does_not_handle():
                                   S(2, "static", codebook=True, outliers=0.01, outlier_slots=1,
                                     slot_rule="error"),
                                   S(2, "static", codebook=True, outliers=0.01, outlier_slots=1,
-                                    slot_rule="error", slot_code="fp8")], ids=str)  # fmt: skip
+                                    slot_rule="error", slot_code="fp8"),
+                                  S(2, metadata_code="byte")], ids=str)  # fmt: skip
 def test_quant_pack_is_bit_exact_on_gpu(spec, dtype):
     """On the GPU too (IEEE division, no FMA contraction): the CPU reference's exact bits."""
     gen = torch.Generator().manual_seed(spec.bits)

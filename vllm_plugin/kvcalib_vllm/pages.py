@@ -9,7 +9,8 @@ every layer (layer 0 owns the cache, the others share it: `model`), laid out per
     every head of the token:
         codes        uint8 [heads, ceil(width * bits / 8)]  ("vq": [heads, ceil(D / w * bits / 8)],
                                                     one index per vector of w channels)
-        scale/offset dtype [heads, width / g]      (per-token groups; per-layer metadata, as
+        scale/offset dtype [heads, width / g]      (per-token groups, uint8 with one-byte
+                                                    metadata; per-layer metadata, as
                                                     "static" and "vq" keep it, is not in the page)
         slot_index   uint8/int16 [heads, K]         exact slots
         slot_delta   dtype or uint8 [heads, K]

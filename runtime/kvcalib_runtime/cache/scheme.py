@@ -30,7 +30,7 @@ from kvcalib_runtime.layouts.quant import QuantSpec
 KEY_POSITIONS = ("pre_rope", "post_rope")
 # QuantSpec fields newer than the side-car's format version 3, written only when they differ
 # from this value: a scheme that does not use them reads in a runtime that predates them.
-LATER_FIELDS = {"slot_code": "exact", "pairing": "adjacent"}
+LATER_FIELDS = {"slot_code": "exact", "pairing": "adjacent", "metadata_code": "dtype"}
 
 
 @dataclass(frozen=True)

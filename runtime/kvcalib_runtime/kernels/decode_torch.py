@@ -142,9 +142,11 @@ def dequantize(body: PackedBody, dtype, b: int, n: int, scratch: str | None = No
     if layout.kind != Kind.STATIC:
         groups = body.scale.shape[-1]
         x = x.reshape(heads, n, groups, body.width // groups)
-        x.mul_(body.scale[b, :, :n, :, None].float())
-        if body.offset is not None:
-            x.add_(body.offset[b, :, :n, :, None].float())
+        offset = None if body.offset is None else body.offset[b, :, :n, :, None]
+        scale, offset = layout.metadata_values(body.scale[b, :, :n, :, None], offset)
+        x.mul_(scale)
+        if offset is not None:
+            x.add_(offset)
         x = x.view(heads, n, body.width)
     if body.slot_index is not None:
         index, delta = body.slot_index[b, :, :n], body.slot_delta[b, :, :n]

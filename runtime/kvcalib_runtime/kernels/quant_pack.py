@@ -4,7 +4,9 @@ Per group (channels of a row, tokens of a channel, or a calibrated channel range
 
     scale, offset = range_metadata(lo, hi);  code = clamp(round((x - offset) / scale)),  packed
 
-the asymmetric case being KIVI's float-offset formula (Liu et al. 2024, arXiv:2402.02750). With
+the asymmetric case being KIVI's float-offset formula (Liu et al. 2024, arXiv:2402.02750), the
+metadata stored in the cache's dtype or, for per-token groups with metadata_code "byte", as a
+one-byte scale and zero point (layouts.metabyte, by integer bit work in the kernel). With
 outliers (KVQuant's dense-and-sparse split, Hooper et al. 2024), dynamic ranges leave out k
 elements at each end and each row's K exact slots keep the elements of largest excess (quant's
 module docstring). The kernel computes the reference's fp32 operations in the reference's order
@@ -25,8 +27,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcalib_runtime.kernels.tiles import CHANNEL, ROUNDING, TOKEN, fp8_encode
-from kvcalib_runtime.layouts import Kind
+from kvcalib_runtime.kernels.tiles import (
+    CHANNEL,
+    ROUNDING,
+    TOKEN,
+    fp8_encode,
+    scale_decode,
+    scale_encode,
+    zero_decode,
+    zero_encode,
+)
+from kvcalib_runtime.layouts import Kind, metabyte
 from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.layouts.packing import pack
 from kvcalib_runtime.layouts.quant import QuantSpec, quantize
@@ -49,6 +60,32 @@ def _range_metadata(lo, hi, clip, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
         if not CODEBOOK:
             scale = tl.math.div_rn(scale, tl.full(scale.shape, 2**BITS - 1, tl.float32))
     return scale.to(DTYPE).to(tl.float32), lo.to(DTYPE).to(tl.float32)
+
+
+# fmt: off
+@triton.jit
+def _byte_metadata(lo, hi, clip, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+                   CODEBOOK: tl.constexpr, ZERO_STEP: tl.constexpr):
+    # fmt: on
+    """One-byte metadata (layouts.metabyte, as AffineLayout.metadata computes it): (scale,
+    offset) decoded in fp32, and the scale and zero point bytes; the offset and zero point are
+    unused when symmetric."""
+    lo, hi = lo * clip, hi * clip
+    if SYMMETRIC:
+        scale = tl.maximum(tl.abs(lo), tl.abs(hi))
+        if not CODEBOOK:
+            scale = tl.math.div_rn(scale, tl.full(scale.shape, 2 ** (BITS - 1) - 1, tl.float32))
+        code = scale_encode(scale)
+        return scale_decode(code), lo, code, code
+    SPAN: tl.constexpr = 1.0 if CODEBOOK else 2.0**BITS - 1
+    lo, hi = tl.minimum(lo, 0.0), tl.maximum(hi, 0.0)
+    scale = hi - lo
+    if not CODEBOOK:
+        scale = tl.math.div_rn(scale, tl.full(scale.shape, 2**BITS - 1, tl.float32))
+    code = scale_encode(scale)
+    scale = scale_decode(code)
+    zero = zero_encode(lo, scale, SPAN)
+    return scale, zero_decode(zero, scale, ZERO_STEP), code, zero
 
 
 @triton.jit
@@ -130,7 +167,7 @@ def _quant_pack_kernel(
         src = ((m * num_kv + src_h).to(tl.int64) * n + t[:, None]) * D + src_c
         x = tl.load(X + src, mask=mask, other=0.0).to(tl.float32)
     body_row = (seq * L.HEADS + h) * num_slots + pos % num_slots  # [BLOCK_T]
-    DTYPE: tl.constexpr = BODY.scale.dtype.element_ty
+    DTYPE: tl.constexpr = BODY.scale.dtype.element_ty  # the cache's, or uint8 (L.BYTE)
     if L.GRAN == TOKEN:
         NG: tl.constexpr = BLOCK_W // BLOCK_G
         lo = tl.reshape(tl.where(mask, x, float("inf")), [BLOCK_T, NG, BLOCK_G])
@@ -140,12 +177,21 @@ def _quant_pack_kernel(
         meta_mask = rows[:, None] & (gi < L.WIDTH // L.GROUP)[None, :]
         lo = tl.where(meta_mask, lo, 0.0)  # padding rows and groups: finite, never stored
         hi = tl.where(meta_mask, hi, 0.0)
-        scale, offset = _range_metadata(lo, hi, clip, L.BITS, L.SYMMETRIC, L.CODEBOOK, DTYPE)
         meta = body_row[:, None] * (L.WIDTH // L.GROUP) + gi[None, :]
-        tl.store(BODY.scale + meta, scale.to(DTYPE), mask=meta_mask)
+        if L.BYTE:
+            scale, offset, scale_code, zero = _byte_metadata(
+                lo, hi, clip, L.BITS, L.SYMMETRIC, L.CODEBOOK, L.ZERO_STEP
+            )
+            tl.store(BODY.scale + meta, scale_code, mask=meta_mask)
+            if not L.SYMMETRIC:
+                tl.store(BODY.offset + meta, zero, mask=meta_mask)
+        else:
+            scale, offset = _range_metadata(lo, hi, clip, L.BITS, L.SYMMETRIC, L.CODEBOOK, DTYPE)
+            tl.store(BODY.scale + meta, scale.to(DTYPE), mask=meta_mask)
+            if not L.SYMMETRIC:
+                tl.store(BODY.offset + meta, offset.to(DTYPE), mask=meta_mask)
         scale = _spread(scale, BLOCK_T, NG, BLOCK_G)
         if not L.SYMMETRIC:
-            tl.store(BODY.offset + meta, offset.to(DTYPE), mask=meta_mask)
             offset = _spread(offset, BLOCK_T, NG, BLOCK_G)
         lo, hi = _spread(lo, BLOCK_T, NG, BLOCK_G), _spread(hi, BLOCK_T, NG, BLOCK_G)
     elif L.GRAN == CHANNEL:
@@ -212,7 +258,8 @@ def _quant_pack_kernel(
                 byte = fp8_encode(tl.math.div_rn(delta, tl.where(step > 0, step, 1.0)))
                 tl.store(BODY.slot_delta + slot + k, byte, mask=rows)
             else:
-                tl.store(BODY.slot_delta + slot + k, delta.to(DTYPE), mask=rows)
+                tl.store(BODY.slot_delta + slot + k, delta.to(BODY.slot_delta.dtype.element_ty),
+                         mask=rows)  # fmt: skip
             excess = tl.where(hit, -1.0, excess)
     PB: tl.constexpr = (L.WIDTH * L.BITS + 7) // 8
     dst = BODY.codes + body_row[:, None] * PB
@@ -266,6 +313,8 @@ class PackLayout(NamedTuple):
     TRIM        elements left out at each end of a TOKEN group's range (outliers)
     ERROR_RULE  slot_rule "error" (else "outside")
     FP8         slot_code "fp8": a slot's delta as an E4M3 byte in steps of the static scale
+    BYTE        TOKEN: one-byte scale and zero point (metadata_code "byte", layouts.metabyte)
+    ZERO_STEP   BYTE: a zero point's step in scales (metabyte.zero_step), else 0
     """
 
     WIDTH: int
@@ -280,6 +329,8 @@ class PackLayout(NamedTuple):
     TRIM: int
     ERROR_RULE: bool
     FP8: bool
+    BYTE: bool
+    ZERO_STEP: float
 
 
 def supports(spec: QuantSpec, head_dim: int, kv_heads: int) -> bool:
@@ -332,6 +383,8 @@ def _launch(x, new, lengths, body: PackedBody, seq, start, end, n, exclude) -> N
         TRIM=trim,
         ERROR_RULE=spec.slot_rule == "error",
         FP8=spec.slot_code == "fp8",
+        BYTE=spec.metadata_code == "byte",
+        ZERO_STEP=metabyte.zero_step(layout.span) if spec.metadata_code == "byte" else 0.0,
     )
     # fmt: off
     _quant_pack_kernel[grid](

@@ -7,8 +7,9 @@ channels], in fp32 registers, from what the cache stores (kernels.layout).
     level          code itself, or a calibrated codebook entry (L scalars, read once per tile)
     x              level * scale + offset, the metadata read once per group: per channel
                    ("static", read once per program by the caller), per group of channels of a
-                   row ("token", "vector"), per group of tokens ("channel": one row per
-                   GROUP positions, broadcast)
+                   row ("token", "vector"; one byte each for metadata_code "byte", decoded
+                   from their bits), per group of tokens ("channel": one row per GROUP
+                   positions, broadcast)
     vector codes   "vq": each channel's level is a coordinate of its vector's codebook entry
                    (`coordinates`: the vector's index gathered from the packed row, then the
                    entry's coordinate from the head's codebook), scaled per channel as "static"
@@ -32,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcalib_runtime.layouts import Kind, fp8
+from kvcalib_runtime.layouts import Kind, fp8, metabyte
 
 # the kernels' switch
 TOKEN, CHANNEL, STATIC, EXACT, VECTORS = (tl.constexpr(int(k)) for k in Kind)
@@ -41,6 +42,9 @@ TWO_PI_HI = tl.constexpr(float(torch.tensor(2 * math.pi, dtype=torch.float32))) 
 TWO_PI_LO = tl.constexpr(float(torch.tensor(2 * math.pi - TWO_PI_HI.value, dtype=torch.float32)))
 FP8_MAX = tl.constexpr(fp8.FP8_MAX)  # the largest finite E4M3FN value
 ROUNDING = tl.constexpr(12582912.0)  # 1.5 * 2**23: fp32 (v + R) - R rounds v half to even
+SCALE_BASE = tl.constexpr(metabyte.BASE)  # one-byte metadata (layouts.metabyte)
+SCALE_CARRY = tl.constexpr(metabyte.CARRY)
+ZERO_STEPS = tl.constexpr(metabyte.ZERO_STEPS)
 
 
 @triton.jit
@@ -66,6 +70,37 @@ def fp8_decode(code):
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
     v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
     return tl.where((b & 0x80) != 0, -v, v)
+
+
+@triton.jit
+def scale_encode(scale):
+    """uint8 one-byte scales of fp32 scales >= 0, rounded up (layouts.metabyte.encode_scale)."""
+    bits = scale.to(tl.int32, bitcast=True)
+    code = ((bits + SCALE_CARRY) >> 20) - SCALE_BASE
+    return tl.minimum(tl.maximum(code, 0), 255).to(tl.uint8)
+
+
+@triton.jit
+def scale_decode(code):
+    """fp32 scales of one-byte scales (layouts.metabyte.decode_scale), built from their bits."""
+    return ((code.to(tl.int32) + SCALE_BASE) << 20).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def zero_encode(lo, scale, SPAN: tl.constexpr):
+    """uint8 zero points of ranges from lo <= 0 and their decoded scale
+    (layouts.metabyte.encode_zero): IEEE division, round half to even."""
+    reach = scale * SPAN
+    z = tl.math.div_rn(-lo * ZERO_STEPS, tl.where(reach > 0, reach, 1.0))
+    z = tl.minimum(tl.maximum(z, 0.0), 255.0)
+    return ((z + ROUNDING) - ROUNDING).to(tl.int32).to(tl.uint8)
+
+
+@triton.jit
+def zero_decode(zero, scale, STEP: tl.constexpr):
+    """fp32 offsets of one-byte zero points and their decoded scale, STEP their step in scales
+    (layouts.metabyte.decode_offset)."""
+    return -(zero.to(tl.float32) * STEP) * scale
 
 
 @triton.jit
@@ -225,10 +260,17 @@ def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, 
                 index = ((c0 + gi) // GROUP)[None, :]
                 mask = live[:, None] & (gi < C)[None, :]
             meta = at(S.strides.meta, blk, head, slot)[:, None] + index
-            scale = tl.load(SCALE + meta, mask=mask, other=0.0).to(tl.float32)
-            offset = -SHIFT * scale
-            if not SYMMETRIC:
-                offset += tl.load(OFFSET + meta, mask=mask, other=0.0).to(tl.float32)
+            if L.BYTE:  # one-byte scale and zero point (layouts.metabyte)
+                scale = scale_decode(tl.load(SCALE + meta, mask=mask, other=0))
+                offset = -SHIFT * scale
+                if not SYMMETRIC:
+                    zero = tl.load(OFFSET + meta, mask=mask, other=0)
+                    offset = zero_decode(zero, scale, L.ZERO_STEP)
+            else:
+                scale = tl.load(SCALE + meta, mask=mask, other=0.0).to(tl.float32)
+                offset = -SHIFT * scale
+                if not SYMMETRIC:
+                    offset += tl.load(OFFSET + meta, mask=mask, other=0.0).to(tl.float32)
             if WHOLE and NG > 1:
                 scale = spread(scale, BN, GROUP, NG)
                 offset = spread(offset, BN, GROUP, NG)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcalib_runtime.layouts import fp8
+from kvcalib_runtime.layouts import fp8, metabyte
 from kvcalib_runtime.layouts.base import Kind, Layout, QTensor, slot_index_dtype
 from kvcalib_runtime.layouts.packing import packed_size, unpack
 
@@ -77,16 +77,38 @@ class AffineLayout(Layout):
     # -- levels and metadata ---------------------------------------------------------------------
 
     def metadata(self, lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype):
-        """(scale, offset or None) of groups whose data range is [lo, hi], rounded to `dtype`:
-        the clip ratio shrinks the range towards zero first."""
+        """(scale, offset or None) of groups whose data range is [lo, hi] as stored: rounded to
+        `dtype`, or one byte each (metadata_code "byte", layouts.metabyte: an asymmetric range
+        widened to contain 0 first). The clip ratio shrinks the range towards zero first."""
         spec = self.spec
         lo, hi = lo.float() * spec.clip, hi.float() * spec.clip
+        byte = spec.metadata_code == "byte"
         if spec.symmetric:
             absmax = torch.maximum(lo.abs(), hi.abs())
             qmax = 2 ** (spec.bits - 1) - 1
-            return (absmax if spec.codebook else absmax / qmax).to(dtype), None
-        scale = (hi - lo) / (1 if spec.codebook else spec.levels - 1)
-        return scale.to(dtype), lo.to(dtype)
+            scale = absmax if spec.codebook else absmax / qmax
+            return (metabyte.encode_scale(scale) if byte else scale.to(dtype)), None
+        if byte:
+            lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
+        scale = (hi - lo) / self.span
+        if not byte:
+            return scale.to(dtype), lo.to(dtype)
+        code = metabyte.encode_scale(scale)
+        return code, metabyte.encode_zero(lo, metabyte.decode_scale(code), self.span)
+
+    @property
+    def span(self) -> float:
+        """The asymmetric levels' reach in scales: 2**bits - 1 uniform, 1 for a codebook."""
+        return 1.0 if self.spec.codebook else float(self.spec.levels - 1)
+
+    def metadata_values(self, scale: torch.Tensor, offset: torch.Tensor | None):
+        """(scale, offset or None) in fp32 from what a group stores."""
+        if self.spec.metadata_code != "byte":
+            return scale.float(), None if offset is None else offset.float()
+        scale = metabyte.decode_scale(scale)
+        if offset is None:
+            return scale, None
+        return scale, metabyte.decode_offset(offset, scale, self.span)
 
     def levels(self, codes: torch.Tensor, codebook) -> torch.Tensor:
         """level[code] in fp32."""
@@ -100,9 +122,10 @@ class AffineLayout(Layout):
     def base(self, codes, scale, offset, codebook) -> torch.Tensor:
         """offset + scale * level[code] in fp32, element-shaped like codes."""
         shape = codes.shape
-        x = self.levels(codes, codebook) * self.expand(scale.float(), shape)
+        scale, offset = self.metadata_values(scale, offset)
+        x = self.levels(codes, codebook) * self.expand(scale, shape)
         if offset is not None:
-            x = x + self.expand(offset.float(), shape)
+            x = x + self.expand(offset, shape)
         return x
 
     # -- reference numerics ----------------------------------------------------------------------
@@ -115,9 +138,10 @@ class AffineLayout(Layout):
             raise ValueError("spec.codebook is set: pass the calibrated codebook")
         scale, offset = self.metadata(lo, hi, x.dtype)
         qmax = 2 ** (spec.bits - 1) - 1
-        s = self.expand(scale.float(), xf.shape)
+        s, o = self.metadata_values(scale, offset)
+        s = self.expand(s, xf.shape)
         s = torch.where(s > 0, s, torch.ones_like(s))
-        t = xf - self.expand(offset.float(), xf.shape) if offset is not None else xf
+        t = xf - self.expand(o, xf.shape) if o is not None else xf
         t = t / s
         if spec.codebook:
             mids = (codebook[..., 1:] + codebook[..., :-1]).float() / 2
@@ -216,7 +240,8 @@ class AffineLayout(Layout):
 
     def metadata_buffers(self, rows, device, dtype, static_range):
         """(scale, offset or None, static_range) of a body of `rows` = (B, heads, N, width)."""
-        scale = torch.zeros(self.metadata_shape(*rows), device=device, dtype=dtype)
+        stored = torch.uint8 if self.spec.metadata_code == "byte" else dtype
+        scale = torch.zeros(self.metadata_shape(*rows), device=device, dtype=stored)
         offset = None if self.spec.symmetric else torch.zeros_like(scale)
         return scale, offset, None
 
@@ -240,6 +265,7 @@ class PackedBody:
                   dtype [Hkv, D]                       Kind.STATIC: the metadata of the
                                                        calibrated range
     offset        like scale, or None when symmetric
+                  (metadata_code "byte": uint8 scale and zero point codes, layouts.metabyte)
     static_range  (lo, hi) float32 [Hkv, D], the calibrated range (Kind.STATIC only), else None
     levels        float32 [heads, L] the codebook per head (L = 2**bits), or None for uniform
                   levels

@@ -37,7 +37,7 @@ class QTensor:
 
     codes:       uint8 [..., T, D], values < 2**bits ("vector": [..., 1, T, H * D]; "turboquant":
                  the outlier set's codes first)
-    scale:       x.dtype, group-shaped
+    scale:       x.dtype, group-shaped (uint8 codes for metadata_code "byte", layouts.metabyte)
     offset:      like scale, or None when symmetric
     slot_index:  [..., T, K] channel of each exact slot (layouts.quant's docstring), or None
     slot_delta:  x.dtype [..., T, K] what the slot adds back (uint8 E4M3 bytes in steps of the
@@ -96,6 +96,11 @@ class Layout:
             raise ValueError(
                 f"slot_code = {spec.slot_code!r} codes a slot in steps of its channel's static "
                 "scale: it is for 'static' granularity with outlier_slots >= 1"
+            )
+        if spec.metadata_code != "dtype" and not (self.affine and self.kind == Kind.TOKEN):
+            raise ValueError(
+                f"metadata_code = {spec.metadata_code!r} is for per-token groups: use "
+                "granularity 'token' or 'vector' with it"
             )
         if spec.pairing != "adjacent" and not self.vectors:
             raise ValueError("pairing groups the channels of vector codes: set method 'vq'")

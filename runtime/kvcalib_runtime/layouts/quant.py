@@ -46,7 +46,10 @@ is `outlier_slots`. That one rule is what the cache stores, what kvcalib's simul
 and what the bit count charges (the slots whether used or not).
 
 Scale and offset are rounded to the input's dtype before codes are computed (fp16 metadata in
-an fp16 cache, as KIVI does); codes are computed in fp32 from the rounded metadata.
+an fp16 cache, as KIVI does), or with `metadata_code` "byte" ("token" and "vector") to one byte
+each (layouts.metabyte: the scale rounded up to 5 exponent and 3 mantissa bits, the offset a
+zero point in 1/255 of the range, which is widened to contain 0); codes are computed in fp32
+from the rounded metadata.
 
 Methods (`method`): everything above is "affine". Two peers' own numerics are methods too:
 "ggml" (llama.cpp's q4_0 / q8_0 blocks, kvcalib_runtime.layouts.ggml) and "turboquant"
@@ -128,9 +131,10 @@ def dequantize(
     dtype=None,
 ) -> torch.Tensor:
     """x_hat = offset + scale * level[code], plus the exact slots' deltas. Returns `dtype`
-    (default: the metadata's dtype), in x's layout ([..., H, T, D] again for "vector");
-    `split` as `quantize` takes it."""
-    dtype = dtype or q.scale.dtype
+    (default: the metadata's dtype, float32 for one-byte metadata), in x's layout
+    ([..., H, T, D] again for "vector"); `split` as `quantize` takes it."""
+    if dtype is None:
+        dtype = q.scale.dtype if q.scale.is_floating_point() else torch.float32
     return spec.layout.dequantize(q, codebook=codebook, split=split).to(dtype)
 
 

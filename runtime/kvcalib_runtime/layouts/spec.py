@@ -17,6 +17,7 @@ GRANULARITIES = layouts.GRANULARITIES
 METHODS = layouts.METHODS
 SLOT_RULES = ("outside", "error")
 SLOT_CODES = ("exact", "fp8")
+METADATA_CODES = ("dtype", "byte")
 
 __all__ = [
     "BITS",
@@ -24,6 +25,7 @@ __all__ = [
     "GRANULARITIES",
     "MAX_SLOTS",
     "METADATA_BITS",
+    "METADATA_CODES",
     "METHODS",
     "PAIRINGS",
     "SLOT_CODES",
@@ -47,7 +49,8 @@ class QuantSpec:
     "ggml", "turboquant" or "vq" (quant's module docstring). split_channels, split_bits:
     "turboquant" only, the outlier set's size and bits (0, 0: the whole head is one set).
     pairing: "vq" only, which channels form a vector of group_size ("adjacent" or "rope":
-    RoPE's pairs, layouts.vq).
+    RoPE's pairs, layouts.vq). metadata_code: how a group's scale and offset are stored,
+    "dtype" (the cache's) or "byte" (one byte each, layouts.metabyte; per-token groups only).
     """
 
     bits: int
@@ -64,6 +67,7 @@ class QuantSpec:
     split_channels: int = 0
     split_bits: int = 0
     pairing: str = "adjacent"
+    metadata_code: str = "dtype"
 
     def __post_init__(self):
         for name in ("bits", "group_size", "outlier_slots", "split_channels", "split_bits"):
@@ -94,6 +98,10 @@ class QuantSpec:
             raise ValueError(f"slot_rule = {self.slot_rule!r} is unknown: use one of {SLOT_RULES}")
         if self.slot_code not in SLOT_CODES:
             raise ValueError(f"slot_code = {self.slot_code!r} is unknown: use one of {SLOT_CODES}")
+        if self.metadata_code not in METADATA_CODES:
+            raise ValueError(
+                f"metadata_code = {self.metadata_code!r} is unknown: use one of {METADATA_CODES}"
+            )
         if self.outlier_slots > MAX_SLOTS:
             raise ValueError(f"outlier_slots = {self.outlier_slots}: use at most {MAX_SLOTS}")
         layout.check()
