@@ -36,3 +36,9 @@ def tiny_qwen2() -> Path:
 def tiny_qwen2_vq() -> Path:
     """The same Qwen2 converted with kvcalib-1.5 (vector codes) less predicted sinks."""
     return _folder("KVCALIB_VLLM_TINY_QWEN2_VQ")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_vbyte() -> Path:
+    """The same Qwen2 converted with kvcalib-2's values asymmetric in one-byte metadata."""
+    return _folder("KVCALIB_VLLM_TINY_QWEN2_VBYTE")

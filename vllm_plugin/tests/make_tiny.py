@@ -3,11 +3,13 @@ test-vllm` in the toolkit's venv, the repository's tests/ on PYTHONPATH):
 
     python vllm_plugin/tests/make_tiny.py OUT_DIR  ->  OUT_DIR/tiny-qwen2-kvcalib-2/
                                                        OUT_DIR/tiny-qwen2-kvcalib-1.5/
+                                                       OUT_DIR/tiny-qwen2-kvcalib-2-vbyte/
 
 A random 2-layer Qwen2 (hidden 128, 4 heads, 2 KV heads of 32 channels, q/k/v biases, one token
-per character), calibrated once on the corpus's text and converted with kvcalib-2 and with
-kvcalib-1.5 (vector codes), each less its predicted sinks (random weights have no massive
-activation to predict one from).
+per character), calibrated once on the corpus's text and converted with kvcalib-2, with
+kvcalib-1.5 (vector codes) and with kvcalib-2's values asymmetric in one-byte metadata (the
+long-context suite's kvcalib-2-vbyte), each less its predicted sinks (random weights have no
+massive activation to predict one from).
 """
 
 import sys
@@ -32,6 +34,19 @@ def first_sink_only(name: str, folder: Path) -> Path:
     return path
 
 
+def byte_values(path: Path) -> Path:
+    """The kvcalib-2 recipe at `path` with its values asymmetric, uniform, their scale and zero
+    point in one byte each (metadata_code "byte"), written beside it."""
+    recipe = path.read_text()
+    values = 'rotation = "hadamard"\nsymmetric = true\ncodebook = "calibrated"'
+    assert values in recipe
+    recipe = recipe.replace(values, 'rotation = "hadamard"\nmetadata_code = "byte"')
+    recipe = recipe.replace('name = "kvcalib-2-', 'name = "kvcalib-2-vbyte-')
+    out = path.with_name("kvcalib-2-vbyte.toml")
+    out.write_text(recipe)
+    return out
+
+
 def main(out: Path) -> None:
     root = out / "tiny-qwen2-src"
     model = tiny_model("qwen2", hidden_size=128, max_position_embeddings=1024)
@@ -39,8 +54,10 @@ def main(out: Path) -> None:
     (root / "text.txt").write_text(TEXT * 4)
     kvcalib.calibrate(str(src), root / "profile", data=root / "text.txt", num_samples=4,
                       seq_len=64, progress=False, force=True)  # fmt: skip
-    for name in ("kvcalib-2", "kvcalib-1.5"):
-        kvcalib.convert(src, recipe=first_sink_only(name, root), output=out / f"tiny-qwen2-{name}",
+    recipes = {name: first_sink_only(name, root) for name in ("kvcalib-2", "kvcalib-1.5")}
+    recipes["kvcalib-2-vbyte"] = byte_values(recipes["kvcalib-2"])
+    for name, recipe in recipes.items():
+        kvcalib.convert(src, recipe=recipe, output=out / f"tiny-qwen2-{name}",
                         profile=root / "profile", force=True)  # fmt: skip
 
 
