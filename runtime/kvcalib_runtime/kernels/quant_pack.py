@@ -45,12 +45,9 @@ from kvcalib_runtime.layouts.quant import QuantSpec, quantize
 
 # fmt: off
 @triton.jit
-def _range_metadata(lo, hi, clip, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
-                    CODEBOOK: tl.constexpr, DTYPE: tl.constexpr):
+def _range_scale(lo, hi, BITS: tl.constexpr, SYMMETRIC: tl.constexpr, CODEBOOK: tl.constexpr):
     # fmt: on
-    """quant.range_metadata in fp32, rounded to DTYPE and back: (scale, offset); the offset is
-    unused when symmetric."""
-    lo, hi = lo * clip, hi * clip
+    """The fp32 scale of clipped ranges [lo, hi], as AffineLayout.metadata divides it."""
     if SYMMETRIC:
         scale = tl.maximum(tl.abs(lo), tl.abs(hi))
         if not CODEBOOK:
@@ -59,6 +56,18 @@ def _range_metadata(lo, hi, clip, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
         scale = hi - lo
         if not CODEBOOK:
             scale = tl.math.div_rn(scale, tl.full(scale.shape, 2**BITS - 1, tl.float32))
+    return scale
+
+
+# fmt: off
+@triton.jit
+def _range_metadata(lo, hi, clip, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+                    CODEBOOK: tl.constexpr, DTYPE: tl.constexpr):
+    # fmt: on
+    """quant.range_metadata in fp32, rounded to DTYPE and back: (scale, offset); the offset is
+    unused when symmetric."""
+    lo, hi = lo * clip, hi * clip
+    scale = _range_scale(lo, hi, BITS, SYMMETRIC, CODEBOOK)
     return scale.to(DTYPE).to(tl.float32), lo.to(DTYPE).to(tl.float32)
 
 
@@ -69,22 +78,15 @@ def _byte_metadata(lo, hi, clip, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
     # fmt: on
     """One-byte metadata (layouts.metabyte, as AffineLayout.metadata computes it): (scale,
     offset) decoded in fp32, and the scale and zero point bytes; the offset and zero point are
-    unused when symmetric."""
+    unused when symmetric, an asymmetric range is widened to contain 0 first."""
     lo, hi = lo * clip, hi * clip
-    if SYMMETRIC:
-        scale = tl.maximum(tl.abs(lo), tl.abs(hi))
-        if not CODEBOOK:
-            scale = tl.math.div_rn(scale, tl.full(scale.shape, 2 ** (BITS - 1) - 1, tl.float32))
-        code = scale_encode(scale)
-        return scale_decode(code), lo, code, code
-    SPAN: tl.constexpr = 1.0 if CODEBOOK else 2.0**BITS - 1
-    lo, hi = tl.minimum(lo, 0.0), tl.maximum(hi, 0.0)
-    scale = hi - lo
-    if not CODEBOOK:
-        scale = tl.math.div_rn(scale, tl.full(scale.shape, 2**BITS - 1, tl.float32))
-    code = scale_encode(scale)
+    if not SYMMETRIC:
+        lo, hi = tl.minimum(lo, 0.0), tl.maximum(hi, 0.0)
+    code = scale_encode(_range_scale(lo, hi, BITS, SYMMETRIC, CODEBOOK))
     scale = scale_decode(code)
-    zero = zero_encode(lo, scale, SPAN)
+    if SYMMETRIC:
+        return scale, lo, code, code
+    zero = zero_encode(lo, scale, 1.0 if CODEBOOK else 2.0**BITS - 1)
     return scale, zero_decode(zero, scale, ZERO_STEP), code, zero
 
 
