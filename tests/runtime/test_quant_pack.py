@@ -12,7 +12,7 @@ from bodies import BODY, assert_same_body, random_body, random_data, to_cuda
 
 from kvcalib_runtime.kernels import quant_pack as qp
 from kvcalib_runtime.kernels import tiles
-from kvcalib_runtime.layouts import fp8
+from kvcalib_runtime.layouts import fp8, metabyte
 from kvcalib_runtime.layouts.quant import QuantSpec
 
 S = QuantSpec
@@ -201,6 +201,42 @@ def test_the_kernels_fp8_codec_is_torchs_bit_for_bit():
     assert torch.equal(code, fp8.encode(x))
     assert torch.equal(y, fp8.decode(code))
     assert torch.equal(fp8.decode(fp8.encode(grid)), grid)  # the grid itself round-trips
+
+
+@triton.jit
+def _metabyte(S, LO, CODE, SCALE, ZERO, OFFSET, SPAN: tl.constexpr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    code = tiles.scale_encode(tl.load(S + i))
+    scale = tiles.scale_decode(code)
+    zero = tiles.zero_encode(tl.load(LO + i), scale, SPAN)
+    tl.store(CODE + i, code)
+    tl.store(SCALE + i, scale)
+    tl.store(ZERO + i, zero)
+    tl.store(OFFSET + i, tiles.zero_decode(zero, scale, SPAN))
+
+
+@pytest.mark.parametrize("span", [1.0, 3.0, 255.0])
+def test_the_kernels_metabyte_codec_is_the_layouts_bit_for_bit(span):
+    """tiles.scale_encode / scale_decode / zero_encode / zero_decode against layouts.metabyte:
+    scales over every code's neighbourhood (the codes themselves, a hair either side, 0, past
+    both ends) and zero points of ranges anywhere from 0 to past the scale's reach give the same
+    bytes and the same fp32 scales and offsets, for a codebook's span and 2 and 8 bits'."""
+    gen = torch.Generator().manual_seed(int(span))
+    grid = metabyte.decode_scale(torch.arange(256, dtype=torch.uint8))
+    s = torch.cat([grid, grid * (1 + 2**-20), grid * (1 - 2**-20), torch.tensor([0.0, 1e-9, 1e5])])
+    n = triton.next_power_of_2(len(s))
+    s = torch.nn.functional.pad(s, (0, n - len(s)), value=1.0)
+    lo = -torch.rand(n, generator=gen) * s * span * 1.1
+    out = [
+        torch.empty(n, dtype=t) for t in (torch.uint8, torch.float32, torch.uint8, torch.float32)
+    ]
+    _metabyte[(1,)](s, lo, *out, span, n)
+    code, scale, zero, offset = out
+    assert torch.equal(code, metabyte.encode_scale(s))
+    assert torch.equal(scale, metabyte.decode_scale(code))
+    assert torch.equal(zero, metabyte.encode_zero(lo, scale, span))
+    assert torch.equal(offset, metabyte.decode_offset(zero, scale, span))
+    assert len(code.unique()) == 256 and len(zero.unique()) > 200  # not vacuous
 
 
 def test_quant_pack_refuses_what_it_does_not_handle():

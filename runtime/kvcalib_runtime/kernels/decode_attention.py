@@ -32,7 +32,7 @@ import triton.language as tl
 
 from kvcalib_runtime.kernels import tiles
 from kvcalib_runtime.kernels.layout import Sinks, Stored
-from kvcalib_runtime.layouts import Kind, metabyte
+from kvcalib_runtime.layouts import Kind
 from kvcalib_runtime.layouts.vq import CodeBody
 
 EXACT = tiles.EXACT.value  # StreamLayout.GRAN of a tensor left in full precision
@@ -343,7 +343,6 @@ class StreamLayout(NamedTuple):
     BOOK    elements of one KV head's codebook row (0: every head reads the first row)
     PAIRS   VECTORS: a vector is GROUP / 2 RoPE pairs (c, c + D/2), not GROUP adjacent channels
     BYTE    TOKEN: one-byte scale and zero point (metadata_code "byte", layouts.metabyte)
-    ZERO_STEP  BYTE: a zero point's step in scales (metabyte.zero_step), else 0
     """
 
     BITS: int
@@ -359,7 +358,6 @@ class StreamLayout(NamedTuple):
     BOOK: int
     PAIRS: bool
     BYTE: bool = False
-    ZERO_STEP: float = 0.0
 
 
 NONE = (0, 0, 0)
@@ -430,7 +428,6 @@ def _stream_args(stored: Stored, head_dim: int, positions: int, paged: bool):
         BOOK=spec.levels if spec.codebook and not body.vector else 0,
         PAIRS=False,
         BYTE=spec.metadata_code == "byte",
-        ZERO_STEP=metabyte.zero_step(layout.span) if spec.metadata_code == "byte" else 0.0,
     )
     return buffers, layout
 

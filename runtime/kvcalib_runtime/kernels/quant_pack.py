@@ -37,7 +37,7 @@ from kvcalib_runtime.kernels.tiles import (
     zero_decode,
     zero_encode,
 )
-from kvcalib_runtime.layouts import Kind, metabyte
+from kvcalib_runtime.layouts import Kind
 from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.layouts.packing import pack
 from kvcalib_runtime.layouts.quant import QuantSpec, quantize
@@ -74,7 +74,7 @@ def _range_metadata(lo, hi, clip, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
 # fmt: off
 @triton.jit
 def _byte_metadata(lo, hi, clip, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
-                   CODEBOOK: tl.constexpr, ZERO_STEP: tl.constexpr):
+                   CODEBOOK: tl.constexpr):
     # fmt: on
     """One-byte metadata (layouts.metabyte, as AffineLayout.metadata computes it): (scale,
     offset) decoded in fp32, and the scale and zero point bytes; the offset and zero point are
@@ -86,8 +86,9 @@ def _byte_metadata(lo, hi, clip, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
     scale = scale_decode(code)
     if SYMMETRIC:
         return scale, lo, code, code
-    zero = zero_encode(lo, scale, 1.0 if CODEBOOK else 2.0**BITS - 1)
-    return scale, zero_decode(zero, scale, ZERO_STEP), code, zero
+    SPAN: tl.constexpr = 1.0 if CODEBOOK else 2.0**BITS - 1
+    zero = zero_encode(lo, scale, SPAN)
+    return scale, zero_decode(zero, scale, SPAN), code, zero
 
 
 @triton.jit
@@ -182,7 +183,7 @@ def _quant_pack_kernel(
         meta = body_row[:, None] * (L.WIDTH // L.GROUP) + gi[None, :]
         if L.BYTE:
             scale, offset, scale_code, zero = _byte_metadata(
-                lo, hi, clip, L.BITS, L.SYMMETRIC, L.CODEBOOK, L.ZERO_STEP
+                lo, hi, clip, L.BITS, L.SYMMETRIC, L.CODEBOOK
             )
             tl.store(BODY.scale + meta, scale_code, mask=meta_mask)
             if not L.SYMMETRIC:
@@ -316,7 +317,6 @@ class PackLayout(NamedTuple):
     ERROR_RULE  slot_rule "error" (else "outside")
     FP8         slot_code "fp8": a slot's delta as an E4M3 byte in steps of the static scale
     BYTE        TOKEN: one-byte scale and zero point (metadata_code "byte", layouts.metabyte)
-    ZERO_STEP   BYTE: a zero point's step in scales (metabyte.zero_step), else 0
     """
 
     WIDTH: int
@@ -332,7 +332,6 @@ class PackLayout(NamedTuple):
     ERROR_RULE: bool
     FP8: bool
     BYTE: bool
-    ZERO_STEP: float
 
 
 def supports(spec: QuantSpec, head_dim: int, kv_heads: int) -> bool:
@@ -386,7 +385,6 @@ def _launch(x, new, lengths, body: PackedBody, seq, start, end, n, exclude) -> N
         ERROR_RULE=spec.slot_rule == "error",
         FP8=spec.slot_code == "fp8",
         BYTE=spec.metadata_code == "byte",
-        ZERO_STEP=metabyte.zero_step(layout.span) if spec.metadata_code == "byte" else 0.0,
     )
     # fmt: off
     _quant_pack_kernel[grid](

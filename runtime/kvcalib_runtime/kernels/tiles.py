@@ -97,9 +97,10 @@ def zero_encode(lo, scale, SPAN: tl.constexpr):
 
 
 @triton.jit
-def zero_decode(zero, scale, STEP: tl.constexpr):
-    """fp32 offsets of one-byte zero points and their decoded scale, STEP their step in scales
-    (layouts.metabyte.decode_offset)."""
+def zero_decode(zero, scale, SPAN: tl.constexpr):
+    """fp32 offsets of one-byte zero points and their decoded scale
+    (layouts.metabyte.decode_offset: SPAN / 255 is the step, rounded to fp32 as it is there)."""
+    STEP: tl.constexpr = SPAN / ZERO_STEPS
     return -(zero.to(tl.float32) * STEP) * scale
 
 
@@ -265,7 +266,7 @@ def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, 
                 offset = -SHIFT * scale
                 if not SYMMETRIC:
                     zero = tl.load(OFFSET + meta, mask=mask, other=0)
-                    offset = zero_decode(zero, scale, L.ZERO_STEP)
+                    offset = zero_decode(zero, scale, 1.0 if CODEBOOK else 2.0**BITS - 1)
             else:
                 scale = tl.load(SCALE + meta, mask=mask, other=0.0).to(tl.float32)
                 offset = -SHIFT * scale

@@ -25,6 +25,8 @@ round half to even), so the kernels write and read these bytes bit for bit as th
 (kernels.tiles.scale_encode / scale_decode).
 """
 
+import functools
+
 import torch
 
 BASE = 856  # (127 - 20) << 3: fp32 bits >> 20 of the smallest scale, 2**-20
@@ -44,6 +46,7 @@ def decode_scale(code: torch.Tensor) -> torch.Tensor:
     return ((code.to(torch.int32) + BASE) << 20).view(torch.float32)
 
 
+@functools.cache
 def zero_step(span: float) -> float:
     """The offset's step in scales: span / 255 as an fp32 number."""
     return float(torch.tensor(span / ZERO_STEPS, dtype=torch.float32))
