@@ -409,6 +409,8 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
     parser.add_argument("--contexts", type=int, nargs="+")
     parser.add_argument("--batches", type=int, nargs="+")
+    parser.add_argument("--shapes", nargs="+", help="query heads/KV heads/head_dim, e.g. 32/8/128")
+    parser.add_argument("--dtypes", nargs="+", choices=["float16", "bfloat16"])
     parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end rows")
     parser.add_argument("--no-save", action="store_true", help="do not append to RESULTS.md")
     args = parser.parse_args(argv)
@@ -419,6 +421,8 @@ def main(argv=None) -> int:
     cfg = dict(SMOKE_GRID if args.smoke else GRID)
     cfg["contexts"] = args.contexts or cfg["contexts"]
     cfg["batches"] = args.batches or cfg["batches"]
+    cfg["shapes"] = [tuple(map(int, s.split("/"))) for s in args.shapes or ()] or cfg["shapes"]
+    cfg["dtypes"] = args.dtypes or cfg["dtypes"]
     device = torch.device("cuda" if gpu else "cpu")
     name = torch.cuda.get_device_name() if gpu else "CPU (Triton interpreter smoke run)"
     run = timer(device, cfg["reps"], cfg["warmup"])

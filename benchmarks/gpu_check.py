@@ -1,8 +1,8 @@
 """`make gpu-check`: everything only a GPU can confirm, in one run of under 8 minutes.
 
-    python benchmarks/gpu_check.py
+    python benchmarks/gpu_check.py [--logs DIR]    # DIR: the full test and benchmark output
 
-1. the `gpu`-marked tests (tests/runtime and tests/toolkit): the kernels at fp16/bf16 against
+1. the `gpu`-marked tests (tests/runtime and tests/integration): the kernels at fp16/bf16 against
    their references at real sizes, bit-exact packing on the GPU, a decode step under
    torch.cuda.set_sync_debug_mode("error"), generation replayed from a CUDA graph, the CUDA
    allocator against the cache's walked bytes, the paged decode kernel reading vLLM-style
@@ -16,6 +16,7 @@ It appends one section to benchmarks/RESULTS.md: device, versions, the test summ
 benchmark's tables. Without a CUDA device it says so and exits 2.
 """
 
+import argparse
 import subprocess
 import sys
 import time
@@ -37,7 +38,12 @@ def _run(command: list[str], seconds: int) -> tuple[str, str]:
         return out, f"cut off after {seconds} s"
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--logs", type=Path, help="write tests.log and bench.log here")
+    parser.add_argument("--test-seconds", type=int, default=TEST_SECONDS)
+    parser.add_argument("--bench-seconds", type=int, default=BENCH_SECONDS)
+    args = parser.parse_args(argv)
     import torch
 
     if not torch.cuda.is_available():
@@ -48,15 +54,20 @@ def main() -> int:
     start = time.monotonic()
     tests, test_status = _run(
         [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
-         "tests/runtime", "tests/toolkit"], TEST_SECONDS,
+         "tests/runtime", "tests/integration"], args.test_seconds,
     )  # fmt: skip
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
+        (args.logs / "tests.log").write_text(tests)
     summary = [line for line in tests.splitlines() if line.strip()][-15:]
     print("\n".join(summary))
     bench, bench_status = _run(
         [sys.executable, "benchmarks/bench_decode.py", "--contexts", "4096", "32768",
-         "--batches", "1", "16", "--no-save"], BENCH_SECONDS,
+         "--batches", "1", "16", "--no-save"], args.bench_seconds,
     )  # fmt: skip
     print(bench)
+    if args.logs:
+        (args.logs / "bench.log").write_text(bench)
     tables = bench[bench.find("## Decode") :] if "## Decode" in bench else bench
     if "## Decode" not in bench:  # cut off: keep the rows it printed
         tables = "\n".join(line for line in bench.splitlines() if line.startswith("|"))

@@ -6,7 +6,6 @@ import dataclasses
 
 import torch
 
-from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.layouts.vq import CodeBody
 
@@ -69,14 +68,27 @@ def assert_same_body(ours: PackedBody, ref: PackedBody):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
 
 
-def to_cuda(value):
+def tensors(value):
+    """Every tensor in a value to_device accepts (fields of bodies, items of tuples), in order."""
     if isinstance(value, torch.Tensor):
-        return value.cuda()
-    if isinstance(value, tuple):
-        return tuple(to_cuda(v) for v in value)
+        yield value
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            yield from tensors(getattr(value, f.name))
+    elif isinstance(value, tuple | list):
+        for v in value:
+            yield from tensors(v)
+
+
+def to_device(value, device="cuda"):
+    """Tensors, bodies and (named) tuples of them with every tensor on `device`; a tensor already
+    there stays itself (a view stays a view)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
     if isinstance(value, PackedBody | CodeBody):
         fields = dataclasses.fields(value)
-        return type(value)(*(to_cuda(getattr(value, f.name)) for f in fields))
-    if isinstance(value, Stored | Sinks):
-        return type(value)(*(to_cuda(v) for v in value))
+        return type(value)(**{f.name: to_device(getattr(value, f.name), device) for f in fields})
+    if isinstance(value, tuple | list):
+        items = [to_device(v, device) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value

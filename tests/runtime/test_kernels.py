@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import torch
-from bodies import random_body, to_cuda
+from bodies import random_body, tensors, to_device
 
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import decode_torch
@@ -246,6 +246,17 @@ def test_supports_every_preset_layout():
 # -- real sizes on a GPU, and a compile check that needs none ----------------------------------
 
 
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+def test_the_gpu_tests_inputs_move_whole(case):
+    """to_device (checked on the meta device, no GPU needed) moves every tensor of the decode
+    inputs and keeps Stored and Sinks named: the first GPU run found Sinks turned into a plain
+    tuple, which no CPU test reached."""
+    args, options = _decode_inputs(case, torch.Generator().manual_seed(1))
+    moved, options = to_device(args, "meta"), {k: to_device(v, "meta") for k, v in options.items()}
+    assert [type(a) for a in moved] == [type(a) for a in args]
+    assert {t.device.type for t in tensors((moved, list(options.values())))} == {"meta"}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", ["kvcalib-2 G4 D128", "kvcalib-2 fp8 slots G4 D64",
@@ -254,7 +265,7 @@ def test_supports_every_preset_layout():
 def test_decode_attention_on_gpu(case, dtype, monkeypatch):
     """The same rule at fp16 and bf16 on a GPU, for every tile size the tuner may pick."""
     args, options = _decode_inputs(case, torch.Generator().manual_seed(1), dtype)
-    args, options = to_cuda(args), {k: to_cuda(v) for k, v in options.items()}
+    args, options = to_device(args), {k: to_device(v) for k, v in options.items()}
     exact = _ref(args, options, dtype=torch.float64)
     bound = 2 * (_ref(args, options).double() - exact).abs().max()
     for config in dec.CONFIGS:

@@ -20,14 +20,12 @@ import dataclasses
 
 import pytest
 import torch
-from bodies import random_body
+from bodies import random_body, tensors, to_device
 
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import paged
 from kvcalib_runtime.kernels.layout import Sinks, Stored
-from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.layouts.quant import QuantSpec as S
-from kvcalib_runtime.layouts.vq import CodeBody
 
 PAGE, POOL, R = 16, 16, 16  # slots per block, blocks in the pool, residual ring
 LENGTHS = (77, 40, 5, 0)
@@ -77,21 +75,7 @@ def _paginate(body, stale, table: torch.Tensor, gen, skip: int, device):
         at += size
     if isinstance(body, torch.Tensor):
         return views["exact"]
-    return dataclasses.replace(body, **views)
-
-
-def _to(x, device):
-    """Tensors, bodies, tuples of them on `device` (copies)."""
-    if isinstance(x, torch.Tensor):
-        return x.to(device)
-    if isinstance(x, PackedBody | CodeBody):
-        fields = {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
-        return type(x)(**{k: _to(v, device) for k, v in fields.items()})
-    if isinstance(x, Sinks):
-        return Sinks(*(_to(v, device) for v in x))
-    if isinstance(x, tuple | list):
-        return type(x)(_to(v, device) for v in x)
-    return x
+    return to_device(dataclasses.replace(body, **views), device)  # codebooks, ranges too
 
 
 def _inputs(case, gen, dtype=torch.float16, device="cpu"):
@@ -120,7 +104,7 @@ def _inputs(case, gen, dtype=torch.float16, device="cpu"):
              for body, old, skip in zip(contiguous, stale, (3, 0), strict=True)]  # fmt: skip
     k_nb, v_nb = ((lengths - r).clamp(min=0) for r in (9, 14))
     tails = [torch.randn(B, hkv, R, D, generator=gen).to(dtype) for _ in range(2)]
-    tails, k_nb, v_nb = _to((tails, k_nb, v_nb), device)
+    tails, k_nb, v_nb = to_device((tails, k_nb, v_nb), device)
     keys, values = Stored(pages[0], tails[0], k_nb), Stored(pages[1], tails[1], v_nb)
     sink_pos = torch.tensor([[0, 37, 70], [0, 33, -1], [0, -1, -1], [-1, -1, -1]])
     is_sink = torch.zeros(B, P, dtype=torch.bool)
@@ -131,7 +115,7 @@ def _inputs(case, gen, dtype=torch.float16, device="cpu"):
     q = torch.randn(B, H, 1, D, generator=gen).to(dtype)
     new = [torch.randn(B, hkv, 1, D, generator=gen).to(dtype) for _ in range(2)]
     inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D) if pre_rope else None
-    rest = _to(((q, *new), sinks, lengths, contiguous, table, inv_freq), device)
+    rest = to_device(((q, *new), sinks, lengths, contiguous, table, inv_freq), device)
     (q, *new), sinks, lengths, contiguous, table, inv_freq = rest
     return (q, *new, keys, values, sinks, lengths), contiguous, table, inv_freq
 
@@ -186,6 +170,14 @@ def test_paged_decode_refuses_what_pages_do_not_hold():
     kivi = S(2, "channel", 16).layout.allocate((POOL, 2, PAGE, 64), "cpu", torch.float16)
     with pytest.raises(ValueError, match="not paged"):
         paged.gather(kivi, table)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_gpu_inputs_live_on_the_device(case):
+    """_inputs(device=...) puts every tensor there, codebooks and static ranges of the paged
+    bodies too (checked on the meta device; the first GPU run found them left on the CPU)."""
+    out = _inputs(case, torch.Generator().manual_seed(1), torch.float16, "meta")
+    assert {t.device.type for t in tensors(out)} == {"meta"}
 
 
 @pytest.mark.gpu

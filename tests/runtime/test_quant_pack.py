@@ -8,7 +8,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from bodies import BODY, assert_same_body, random_body, random_data, to_cuda
+from bodies import BODY, assert_same_body, random_body, random_data, to_device
 
 from kvcalib_runtime.kernels import quant_pack as qp
 from kvcalib_runtime.kernels import tiles
@@ -264,7 +264,7 @@ def test_quant_pack_is_bit_exact_on_gpu(spec, dtype):
     """On the GPU too (IEEE division, no FMA contraction): the CPU reference's exact bits."""
     gen = torch.Generator().manual_seed(spec.bits)
     ref = random_body(spec, (4, 8, 4096, 128), dtype, gen)
-    ours = to_cuda(copy.deepcopy(ref))
+    ours = to_device(copy.deepcopy(ref))
     x = random_data((4, 8, 4096, 128), gen, dtype)
     exclude = torch.rand(4, 4096, generator=gen) < 0.01
     seq, start = torch.arange(4), torch.zeros(4, dtype=torch.long)

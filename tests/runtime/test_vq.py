@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from bodies import to_cuda
+from bodies import to_device
 
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
 from kvcalib_runtime.checkpoint import checks
@@ -223,7 +223,7 @@ def test_decode_kernel_reads_vector_codes_on_gpu(pairing, dtype, monkeypatch):
     """The same bound on a GPU (`make gpu-check`) at fp16 and bf16, for every tile size the tuner
     may pick."""
     args, options = _decode_inputs(S(6, 4, pairing), torch.Generator().manual_seed(3), dtype)
-    args, options = to_cuda(args), {k: to_cuda(v) for k, v in options.items()}
+    args, options = to_device(args), {k: to_device(v) for k, v in options.items()}
     exact = decode_attention_reference(*args, **options, dtype=torch.float64)
     bound = 2 * (decode_attention_reference(*args, **options).double() - exact).abs().max()
     for config in dec.CONFIGS:

@@ -249,8 +249,9 @@ def _quant_pack_kernel(
         error = x - base
         excess = tl.abs(error) if L.ERROR_RULE else tl.abs(x - tl.minimum(tl.maximum(x, lo), hi))
         excess = tl.where(mask, excess, -1.0)
-        slot = body_row * L.K
-        for k in tl.static_range(L.K):
+        K: tl.constexpr = L.K  # a constexpr local: Triton 3.6 reads L.K as a plain int
+        slot = body_row * K
+        for k in tl.static_range(K):
             top = tl.max(excess, axis=1)
             index = tl.min(tl.where(excess == top[:, None], c[None, :], BLOCK_W), axis=1)
             hit = c[None, :] == index[:, None]
@@ -280,7 +281,8 @@ def _quant_pack_kernel(
             wide = wide.to(tl.int64)
         words = tl.sum(wide << shift[None, None, :], axis=2)
         w = tl.arange(0, BLOCK_W // 8)
-        for r in tl.static_range(L.BITS):
+        BITS: tl.constexpr = L.BITS
+        for r in tl.static_range(BITS):
             byte = w * L.BITS + r
             out = ((words >> (8 * r)) & 0xFF).to(tl.uint8)
             tl.store(dst + byte[None, :], out, mask=rows[:, None] & (byte < PB)[None, :])
