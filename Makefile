@@ -116,14 +116,14 @@ $(VLLM_OUT)/profile/profile.json: $(STAMP)
 $(VLLM_OUT)/smollm2-%/kvcalib.json: $(VLLM_OUT)/profile/profile.json
 	$(BIN)/kvcalib convert --profile $(VLLM_OUT)/profile --recipe $* -o $(VLLM_OUT)/smollm2-$* --force
 
-TINY := $(foreach r,kvcalib-2 kvcalib-1.5 kvcalib-2-vbyte,$(VLLM_OUT)/tiny-qwen2-$(r)/kvcalib.json)
+TINY := $(foreach r,kvcalib-2 kvcalib-1.5 kvcalib-2-codebook,$(VLLM_OUT)/tiny-qwen2-$(r)/kvcalib.json)
 $(TINY) &: $(STAMP) vllm_plugin/tests/make_tiny.py
 	PYTHONPATH=tests $(BIN)/python vllm_plugin/tests/make_tiny.py $(VLLM_OUT)
 
 VLLM_FOLDERS := $(foreach f,smollm2-kvcalib-2 smollm2-fp16,$(VLLM_OUT)/$(f)/kvcalib.json) $(TINY)
 VLLM_ENV := KVCALIB_VLLM_TINY_QWEN2=$(VLLM_OUT)/tiny-qwen2-kvcalib-2 \
 	KVCALIB_VLLM_TINY_QWEN2_VQ=$(VLLM_OUT)/tiny-qwen2-kvcalib-1.5 \
-	KVCALIB_VLLM_TINY_QWEN2_VBYTE=$(VLLM_OUT)/tiny-qwen2-kvcalib-2-vbyte
+	KVCALIB_VLLM_TINY_QWEN2_CODEBOOK=$(VLLM_OUT)/tiny-qwen2-kvcalib-2-codebook
 test-vllm: $(VLLM_STAMP) $(VLLM_FOLDERS)
 	$(BIN)/ruff check vllm_plugin
 	KVCALIB_VLLM_KVCALIB2=$(VLLM_OUT)/smollm2-kvcalib-2 KVCALIB_VLLM_FP16=$(VLLM_OUT)/smollm2-fp16 \

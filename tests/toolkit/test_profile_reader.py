@@ -128,6 +128,6 @@ def test_damaged_profile_numbers_load_sane_or_raise(corpus, tmp_path_factory, da
 
 def test_codebook_variant_names_what_the_reader_checks():
     """The reader's domain rule ([-1, 1] for ":symmetric") is the planner's naming."""
-    recipe = load_recipe("kvcalib-2")
+    recipe = load_recipe("kvcalib-3")  # symmetric codebook values, static keys
     assert codebook_variant("value", recipe.value).endswith(":symmetric")
     assert not codebook_variant("key", recipe.key).endswith(":symmetric")

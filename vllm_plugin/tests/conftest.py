@@ -39,6 +39,6 @@ def tiny_qwen2_vq() -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen2_vbyte() -> Path:
-    """The same Qwen2 converted with kvcalib-2's values asymmetric in one-byte metadata."""
-    return _folder("KVCALIB_VLLM_TINY_QWEN2_VBYTE")
+def tiny_qwen2_codebook() -> Path:
+    """The same Qwen2 converted with kvcalib-2's values symmetric with a calibrated codebook."""
+    return _folder("KVCALIB_VLLM_TINY_QWEN2_CODEBOOK")

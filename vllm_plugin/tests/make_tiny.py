@@ -3,13 +3,13 @@ test-vllm` in the toolkit's venv, the repository's tests/ on PYTHONPATH):
 
     python vllm_plugin/tests/make_tiny.py OUT_DIR  ->  OUT_DIR/tiny-qwen2-kvcalib-2/
                                                        OUT_DIR/tiny-qwen2-kvcalib-1.5/
-                                                       OUT_DIR/tiny-qwen2-kvcalib-2-vbyte/
+                                                       OUT_DIR/tiny-qwen2-kvcalib-2-codebook/
 
 A random 2-layer Qwen2 (hidden 128, 4 heads, 2 KV heads of 32 channels, q/k/v biases, one token
 per character), calibrated once on the corpus's text and converted with kvcalib-2, with
-kvcalib-1.5 (vector codes) and with kvcalib-2's values asymmetric in one-byte metadata (the
-long-context suite's kvcalib-2-vbyte), each less its predicted sinks (random weights have no
-massive activation to predict one from).
+kvcalib-1.5 (vector codes) and with kvcalib-2's values symmetric with a calibrated codebook (the
+value layout of kvcalib-3 and -4, and of kvcalib-2 until 2026-12-04), each less its predicted
+sinks (random weights have no massive activation to predict one from).
 """
 
 import sys
@@ -34,15 +34,15 @@ def first_sink_only(name: str, folder: Path) -> Path:
     return path
 
 
-def byte_values(path: Path) -> Path:
-    """The kvcalib-2 recipe at `path` with its values asymmetric, uniform, their scale and zero
-    point in one byte each (metadata_code "byte"), written beside it."""
+def codebook_values(path: Path) -> Path:
+    """The kvcalib-2 recipe at `path` with its values symmetric per token with a calibrated
+    codebook (one fp16 scale per vector), written beside it."""
     recipe = path.read_text()
-    values = 'rotation = "hadamard"\nsymmetric = true\ncodebook = "calibrated"'
+    values = 'rotation = "hadamard"\nmetadata_code = "byte"'
     assert values in recipe
-    recipe = recipe.replace(values, 'rotation = "hadamard"\nmetadata_code = "byte"')
-    recipe = recipe.replace('name = "kvcalib-2-', 'name = "kvcalib-2-vbyte-')
-    out = path.with_name("kvcalib-2-vbyte.toml")
+    recipe = recipe.replace(values, 'rotation = "hadamard"\nsymmetric = true\ncodebook = "calibrated"')
+    recipe = recipe.replace('name = "kvcalib-2-', 'name = "kvcalib-2-codebook-')
+    out = path.with_name("kvcalib-2-codebook.toml")
     out.write_text(recipe)
     return out
 
@@ -55,7 +55,7 @@ def main(out: Path) -> None:
     kvcalib.calibrate(str(src), root / "profile", data=root / "text.txt", num_samples=4,
                       seq_len=64, progress=False, force=True)  # fmt: skip
     recipes = {name: first_sink_only(name, root) for name in ("kvcalib-2", "kvcalib-1.5")}
-    recipes["kvcalib-2-vbyte"] = byte_values(recipes["kvcalib-2"])
+    recipes["kvcalib-2-codebook"] = codebook_values(recipes["kvcalib-2"])
     for name, recipe in recipes.items():
         kvcalib.convert(src, recipe=recipe, output=out / f"tiny-qwen2-{name}",
                         profile=root / "profile", force=True)  # fmt: skip

@@ -25,10 +25,10 @@ def _checkpoint(request, name):
 
 # (the fixture of a converted folder, its page row's least compression against fp16): SmolLM2's
 # kvcalib-2 rows are 6.6x smaller; kvcalib-1.5's 6 bits per 4 channels of the tiny Qwen2's
-# 32-channel heads, 6 bytes against 64, 10.7x; the tiny Qwen2's kvcalib-2 with one-byte value
-# metadata, a scale and a zero point in the two bytes kvcalib-2's fp16 scale takes: 80 bytes
+# 32-channel heads, 6 bytes against 64, 10.7x; the tiny Qwen2's kvcalib-2 with codebook values,
+# one fp16 scale in the two bytes kvcalib-2's one-byte scale and zero point take: 80 bytes
 # against 512, 6.4x, what its kvcalib-2 row takes
-FOLDERS = {"kvcalib2": 5.9, "tiny_qwen2_vq": 10.6, "tiny_qwen2_vbyte": 6.3}
+FOLDERS = {"kvcalib2": 5.9, "tiny_qwen2_vq": 10.6, "tiny_qwen2_codebook": 6.3}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -164,11 +164,11 @@ def _serve(ckpt, plan, *, kernels: bool, dtype=torch.float32):
 
 
 @pytest.mark.skipif(not use_triton("cpu"), reason="set TRITON_INTERPRET=1 (make test-vllm does)")
-@pytest.mark.parametrize("folder", ["tiny_qwen2", "tiny_qwen2_vq", "tiny_qwen2_vbyte"])
+@pytest.mark.parametrize("folder", ["tiny_qwen2", "tiny_qwen2_vq", "tiny_qwen2_codebook"])
 def test_paged_kernel_serves_as_the_cpu_path(request, folder, monkeypatch):
     """The decode kernel reading the pages in place by the block table (`kernels=True`, the CUDA
     default) against the CPU path (pages gathered, `decode_torch`), on the tiny Qwen2's
-    kvcalib-2, kvcalib-1.5 and one-byte-value-metadata side-cars: two sequences decoding side
+    kvcalib-2, kvcalib-1.5 and codebook-value side-cars: two sequences decoding side
     by side across the residual window of 128 (one crossing it on its 9th step, the other after
     a 140-token prefill in two chunks). Both read the same stored bits in float32; they differ
     only in summation order and the kernel's exp2 and angle reduction, so every output is within
