@@ -113,7 +113,7 @@ test-runtime: $(RUNTIME_STAMP)
 VLLM_OUT ?= $(OUT)/vllm
 $(VLLM_OUT)/profile/profile.json: $(STAMP)
 	$(BIN)/kvcalib calibrate -o $(VLLM_OUT)/profile --force
-$(VLLM_OUT)/smollm2-%/kvcalib.json: $(VLLM_OUT)/profile/profile.json
+$(VLLM_OUT)/smollm2-%/kvcalib.json: $(VLLM_OUT)/profile/profile.json recipes/%.toml
 	$(BIN)/kvcalib convert --profile $(VLLM_OUT)/profile --recipe $* -o $(VLLM_OUT)/smollm2-$* --force
 
 TINY := $(foreach r,kvcalib-2 kvcalib-1.5 kvcalib-2-codebook,$(VLLM_OUT)/tiny-qwen2-$(r)/kvcalib.json)

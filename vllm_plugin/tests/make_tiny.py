@@ -38,9 +38,9 @@ def codebook_values(path: Path) -> Path:
     """The kvcalib-2 recipe at `path` with its values symmetric per token with a calibrated
     codebook (one fp16 scale per vector), written beside it."""
     recipe = path.read_text()
-    values = 'rotation = "hadamard"\nmetadata_code = "byte"'
-    assert values in recipe
-    recipe = recipe.replace(values, 'rotation = "hadamard"\nsymmetric = true\ncodebook = "calibrated"')
+    byte, codebook = 'metadata_code = "byte"', 'symmetric = true\ncodebook = "calibrated"'
+    assert f'rotation = "hadamard"\n{byte}' in recipe
+    recipe = recipe.replace(byte, codebook)
     recipe = recipe.replace('name = "kvcalib-2-', 'name = "kvcalib-2-codebook-')
     out = path.with_name("kvcalib-2-codebook.toml")
     out.write_text(recipe)

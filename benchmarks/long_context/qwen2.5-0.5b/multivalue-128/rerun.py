@@ -1,7 +1,8 @@
 """The suite's multi-value prompts at Qwen 4K (the committed cells' prompts, sha checked), answered
 again through the same caches with RULER's 128-token budget instead of the suite's 48: only the
 budget differs (the prompt keeps its 48 tokens of room). One record per prompt, beside this file;
-a prompt already recorded is skipped.
+a prompt already recorded is skipped. (The records were scored on 2026-12-04 with kvcalib-2 and
+kvcalib-2-vbyte, which became kvcalib-2 that day: renamed to these names.)
 
     python benchmarks/long_context/qwen2.5-0.5b/multivalue-128/rerun.py 5,7,19,29,10,17,21,16
 """
@@ -19,7 +20,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[3]
 QWEN = ROOT / "benchmarks" / "long_context" / "qwen2.5-0.5b"
-RECIPES = ["fp16", "kvcalib-2", str(QWEN / "variants" / "kvcalib-2-vbyte.toml")]
+RECIPES = ["fp16", str(QWEN / "variants" / "kvcalib-2-codebook.toml"), "kvcalib-2"]
 BUDGET = 128  # RULER's niah tasks (lm-eval's ruler/niah_single_1.yaml max_gen_toks)
 
 
