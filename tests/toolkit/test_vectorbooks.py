@@ -35,6 +35,24 @@ def test_kmeans_recovers_known_centres():
     assert (found - centres).abs().max() < 0.01
 
 
+@pytest.mark.parametrize("weight", ["fisher", "plain"])
+def test_a_constant_channel_leaves_the_codebook_finite(weight):
+    # Gemma 3's pre-RoPE keys hold channels whose non-sink range is one value (0-15 a layer):
+    # the codebook windows may still see another value there (here 5.0 on one token). Such a
+    # channel restores lo whatever the code (scale 0), so it carries no weight; the default
+    # calibration wrote NaN into kvcalib-1.5's codebook instead, and every reader refused the
+    # profile. The other channels' entries stay the centres.
+    gen = torch.Generator().manual_seed(0)
+    x, (lo, hi), centres = _clusters(gen)
+    x[:, :, 3], hi[:, 3] = lo[:, None, 3], lo[:, 3]
+    x[0, 7, 3] += 5.0
+    g = None if weight == "plain" else torch.ones_like(x)
+    book = vectorbooks.fit(x, g, (lo, hi), 2, "adjacent", 2, per_head=False)
+    assert torch.isfinite(book).all()
+    other = book[0, :, 0]  # the vector (2, 3): its channel 2 still finds the two centre values
+    assert (other[:, None] - centres[:, 0].unique()).abs().amin(0).max() < 0.01
+
+
 def test_fisher_weights_lower_the_weighted_error():
     # The Fisher objective is sum F (x - x_hat)^2: where the gradients sit on a few elements,
     # the Fisher-weighted codebook must give a lower weighted error than the plain one (and the
