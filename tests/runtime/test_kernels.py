@@ -206,36 +206,6 @@ def test_cpu_decode_path_matches_the_reference(case, window):
     assert (low.double() - exact).abs().max() <= bound  # in fp16: no worse than the reference
 
 
-@pytest.mark.parametrize("case", list(DECODE_CASES))
-def test_float32_factored_values_change_only_rounding(case, monkeypatch):
-    # In float32 (the CPU's cache dtype) the path takes per-token values' scale and offset on
-    # the probabilities' side (decode_torch.factored): p @ (offset + scale * levels) summed in
-    # another order, so it differs from dequantizing the values first by a few float32 ulps of
-    # the largest value (4 allowed); a scale applied to another position's values, or a dropped
-    # offset, moves the output by whole values.
-    gen = torch.Generator().manual_seed(len(case))
-    args, options = _decode_inputs(case, gen)
-    ours = decode_torch.decode_attention_torch(*args, **options, dtype=torch.float32)
-    monkeypatch.setattr(decode_torch, "factored", lambda *a, **k: None)
-    plain = decode_torch.decode_attention_torch(*args, **options, dtype=torch.float32)
-    values, body = args[4], args[4].body
-    body = body.float() if isinstance(body, torch.Tensor) else body.dequantize(torch.float32)
-    largest = max(body.abs().max(), values.tail.abs().max(), args[5].values.abs().max(),
-                  args[2].abs().max())  # fmt: skip
-    assert (ours - plain).abs().max() <= 4 * torch.finfo(torch.float32).eps * largest
-
-
-def test_float32_values_are_factored_where_one_group_holds_a_head():
-    gen = torch.Generator().manual_seed(0)
-    expected = {"kvcalib-2 byte values G4 D128": True, "kvcalib-2 G4 D128": True,
-                "per-token-3 G4 D64": True, "kivi-2 G1 D128": False,
-                "byte metadata groups, slots, codebook G2 D64": False,
-                "kvcalib-2 fp8 slots G4 D64": False, "vector values G3 D64": False}  # fmt: skip
-    for case, factored in expected.items():
-        values = _decode_inputs(case, gen)[0][4]
-        assert (decode_torch.factored(values.body, 0, 100) is not None) == factored, case
-
-
 def test_cpu_decode_path_results_outlive_its_scratch(monkeypatch):
     # The CPU path reads bodies into scratch buffers reused across layers and steps: a result
     # must stand when another call (another layout, other lengths) reuses them, the same call

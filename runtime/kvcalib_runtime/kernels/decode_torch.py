@@ -17,9 +17,7 @@ value's codes (the layout's own levels), per head (and for static channels per w
 and offset folded in), built once per body, instead of unpacking codes one by one; exact slots
 are added in place. The positions both bodies hold are scored without rotating their keys
 (RoPE moves onto the query, `_scores_rotated`), where nothing rounds the rotated keys (float32
-and float64); the few others are rotated as the reference rotates them. In float32, values of
-one per-token group a head are not scaled: their scale and offset go to the probabilities' side
-(`factored`).
+and float64); the few others are rotated as the reference rotates them.
 """
 
 import math
@@ -124,20 +122,6 @@ def _scratch(name: str, shape, dtype, device) -> torch.Tensor:
     return buf[:numel].view(shape)
 
 
-def _table_read(body: PackedBody, b: int, n: int, scratch: str | None, bits: int) -> torch.Tensor:
-    """[Hkv, n, width] fp32: the levels of slots [0, n) of sequence b read by table (static
-    channels: scale and offset folded in), into the scratch buffer `scratch` where named."""
-    table, rows = _window_table(body, bits)
-    packed = body.codes[b, :, :n]  # [H, n, bytes]
-    windows = _windows(packed, bits)  # [H, n, W]
-    index = windows + rows  # int32; index_select: 3x advanced indexing's speed
-    out = None if scratch is None else _scratch(scratch, (index.numel(), table.shape[1]),
-                                                table.dtype, table.device)  # fmt: skip
-    x = torch.index_select(table, 0, index.view(-1), out=out)
-    x = x.view(packed.shape[0], n, windows.shape[-1] * table.shape[1])
-    return x[..., : body.width]
-
-
 def dequantize(body: PackedBody, dtype, b: int, n: int, scratch: str | None = None) -> torch.Tensor:
     """`body.dequantize(dtype, b, n)`: slots [0, n) of sequence b, [Hkv, n, D], bit for bit;
     read into the scratch buffer `scratch` (valid until the next read into it) where named."""
@@ -145,8 +129,16 @@ def dequantize(body: PackedBody, dtype, b: int, n: int, scratch: str | None = No
     if not bits:
         return body.dequantize(dtype, b, n)
     layout = body.layout
-    x = _table_read(body, b, n, scratch, bits)
-    heads = x.shape[0]
+    table, rows = _window_table(body, bits)
+    packed = body.codes[b, :, :n]  # [H, n, bytes]
+    heads = packed.shape[0]
+    windows = _windows(packed, bits)  # [H, n, W]
+    index = windows + rows  # int32; index_select: 3x advanced indexing's speed
+    out = None if scratch is None else _scratch(scratch, (index.numel(), table.shape[1]),
+                                                table.dtype, table.device)  # fmt: skip
+    x = torch.index_select(table, 0, index.view(-1), out=out)
+    x = x.view(heads, n, windows.shape[-1] * table.shape[1])
+    x = x[..., : body.width]
     if layout.kind != Kind.STATIC:
         groups = body.scale.shape[-1]
         x = x.reshape(heads, n, groups, body.width // groups)
@@ -161,22 +153,6 @@ def dequantize(body: PackedBody, dtype, b: int, n: int, scratch: str | None = No
         scale = body.scale[:, None] if layout.kind == Kind.STATIC else None  # "fp8" steps
         x = layout.add_slots(x, index, delta, scale)
     return x.to(dtype)
-
-
-def factored(body, b: int, n: int, scratch: str | None = None):
-    """(levels [Hkv, n, D] fp32, scale [Hkv, n, 1], offset [Hkv, n, 1] or None) such that
-    `body.dequantize(float32, b, n)` is offset + scale * levels, for a body of one per-token
-    group a head and no exact slots, read by table; None for any other body. Attention then
-    takes p @ V as (p * scale) @ levels + p @ offset: the probabilities ([Hkv, G, n]) are scaled
-    instead of every value ([Hkv, n, D]), two passes over the values fewer."""
-    bits = _window(body) if isinstance(body, PackedBody) else 0
-    if not bits or body.layout.kind == Kind.STATIC or body.slot_index is not None:
-        return None
-    if body.scale.shape[-1] != 1:
-        return None
-    offset = None if body.offset is None else body.offset[b, :, :n]
-    scale, offset = body.layout.metadata_values(body.scale[b, :, :n], offset)
-    return _table_read(body, b, n, scratch, bits), scale, offset
 
 
 _TABLES: dict = {}
@@ -214,22 +190,10 @@ def _held(stored: Stored, b: int, n: int, dtype, name: str) -> tuple[torch.Tenso
     return stored.body[b, :, :nb].to(dtype), nb
 
 
-def _held_values(stored: Stored, b: int, n: int, dtype, name: str):
-    """(x, nb, scale, offset): `_held`'s (x, nb, None, None), or in float32, for a body
-    `factored` takes, its levels as x with the scale and offset that make them values."""
-    if dtype == torch.float32 and isinstance(stored.body, PackedBody):
-        nb = min(int(stored.n_body[b]), n)
-        parts = factored(stored.body, b, nb, scratch=name)
-        if parts is not None:
-            return parts[0], nb, *parts[1:]
-    return *_held(stored, b, n, dtype, name), None, None
-
-
-def _after(stored: Stored, b: int, rows: torch.Tensor, nb: int, n: int, dtype):
-    """Positions [nb - len(rows), n) of sequence b in order: the body's `rows`, then the
-    ring's positions [nb, n)."""
+def _after(stored: Stored, b: int, body: torch.Tensor, nb: int, lo: int, n: int, dtype):
+    """Positions [lo, n) of sequence b in order (lo <= nb): the body's past lo, then the ring."""
     ring = torch.arange(nb, n, device=stored.tail.device) % stored.tail.shape[2]
-    return torch.cat([rows, stored.tail[b][:, ring].to(dtype)], 1)
+    return torch.cat([body[:, lo:nb], stored.tail[b][:, ring].to(dtype)], 1)
 
 
 def _rotate(k: torch.Tensor, pos, inv_freq, n: int, wide) -> torch.Tensor:
@@ -283,18 +247,16 @@ def decode_attention_torch(q, k_new, v_new, keys: Stored, values: Stored, sinks:
     d = q.shape[-1]
     out = []
     for b, n in enumerate(n_of):
-        kb, nbk = _held(keys, b, n, dtype, "keys")
-        vb, nbv, vscale, voffset = _held_values(values, b, n, dtype, "values")
+        (kb, nbk), (vb, nbv) = (
+            _held(keys, b, n, dtype, "keys"),
+            _held(values, b, n, dtype, "values"),
+        )
         lo = min(nbk, nbv)  # below it both bodies hold the positions: read in place
         dev, sink_pos = kb.device, sinks.positions[b]
         pos = torch.cat([torch.arange(lo, n, device=dev), sink_pos, sink_pos.new_tensor([n])])
-        v_rows = vb[:, lo:nbv]
-        if vscale is not None and nbv > lo:  # the few rows past lo as values
-            v_rows = v_rows * vscale[:, lo:nbv]
-            v_rows = v_rows if voffset is None else v_rows + voffset[:, lo:nbv]
-        k = torch.cat([_after(keys, b, kb[:, lo:nbk], nbk, n, dtype), sinks.keys[b].to(dtype),
+        k = torch.cat([_after(keys, b, kb, nbk, lo, n, dtype), sinks.keys[b].to(dtype),
                        k_new[b].to(dtype)], 1)  # fmt: skip
-        v = torch.cat([_after(values, b, v_rows, nbv, n, dtype), sinks.values[b].to(dtype),
+        v = torch.cat([_after(values, b, vb, nbv, lo, n, dtype), sinks.values[b].to(dtype),
                        v_new[b].to(dtype)], 1)  # fmt: skip
         seen = ~sinks.is_sink[b, :n]
         ok = torch.cat([seen[lo:], (sink_pos >= 0) & (sink_pos < n), seen.new_ones(1)])
@@ -316,11 +278,6 @@ def decode_attention_torch(q, k_new, v_new, keys: Stored, values: Stored, sinks:
         scores = torch.cat([body.masked_fill_(~held, float("-inf")),
                             rest.masked_fill_(~ok, float("-inf"))], -1)  # fmt: skip
         p = torch.softmax(scores, -1)
-        p_body = p[..., :lo]
-        if vscale is not None:  # p @ (offset + scale * levels), the scale on p's side
-            p_body = p_body * vscale[:, None, :lo, 0]
-        o = torch.baddbmm(p[..., lo:] @ v.to(wide), p_body, vb[:, :lo].to(wide))
-        if voffset is not None:
-            o += p[..., :lo] @ voffset[:, :lo]
+        o = torch.baddbmm(p[..., lo:] @ v.to(wide), p[..., :lo], vb[:, :lo].to(wide))
         out.append(o.reshape(q.shape[1], 1, d).to(dtype))
     return torch.stack(out)
