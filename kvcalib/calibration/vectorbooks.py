@@ -151,10 +151,12 @@ def samples(x, g, rng, w: int, pairing: str, per_head: bool):
     lo, hi = (r.to(x.device, torch.float32) for r in rng)
     d = x.shape[-1]
     order = channel_order(d, w, pairing).to(x.device)
-    s = hi - lo  # [Hkv, D]; 0 for a channel constant over the statistics' tokens
-    spread = s > 0  # a constant channel has coordinate 0 and weight 0 (its s^2): the runtime
+    s = hi - lo  # [Hkv, D]
+    # A channel constant over the statistics' tokens (s = 0; Gemma 3 has some) is restored as lo
+    # whatever the code: coordinate 0 and weight 0 (its s^2), whatever the codebook windows hold.
+    spread = s > 0
     u = torch.where(spread[:, None], (x - lo[:, None]) / torch.where(spread, s, 1)[:, None], 0.0)
-    u = u[..., order]  # [Hkv, T, D] in vector order; restores lo there whatever the code
+    u = u[..., order]  # [Hkv, T, D] in vector order
     s2 = s.square()[:, None, order].expand_as(u)
     f = torch.ones_like(u) if g is None else g.square()[..., order]
     heads = x.shape[0]
