@@ -2,18 +2,21 @@
 model, prompt, thread count and greedy tokens for every row.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_cpu_decode.py [--contexts 1024 4096] [--tokens 16]
-        [--threads 1] [--recipe fp16 --recipe kvcalib-2] [--repeats 3] [--save]
+        [--threads 1] [--recipe fp16 --recipe kvcalib-2] [--repeats 3] [--torch-ops] [--save]
 
 Rows: transformers' `generate` with its own dynamic cache (fp32 on CPU: the weights' dtype), and
 kvcalib_runtime loading a conversion of each recipe (made here into a temporary folder with the
-default profile). A prompt is the first `context` tokens of the built-in evaluation text. Prefill
-is the time to the first new token; decode is `--tokens` more greedy tokens (EOS ignored), timed
-token by token (transformers' streamer, the runtime's callback), as tokens per second; each cell
-is the fastest of `--repeats` runs, which lessens what other work on the machine adds. `--save`
-appends the table with its setup to benchmarks/RESULTS.md.
+default profile); with `--torch-ops` each quantized recipe again with the CPU path's C kernel
+off (KVCALIB_NATIVE=0: the torch ops that read the bodies instead). A prompt is the first
+`context` tokens of the built-in evaluation text. Prefill is the time to the first new token;
+decode is `--tokens` more greedy tokens (EOS ignored), timed token by token (transformers'
+streamer, the runtime's callback), as tokens per second; each cell is the fastest of `--repeats`
+runs, which lessens what other work on the machine adds. `--save` appends the table with its
+setup to benchmarks/RESULTS.md.
 """
 
 import argparse
+import os
 import platform
 import tempfile
 import time
@@ -77,6 +80,10 @@ def main() -> None:
     parser.add_argument("--recipe", action="append", help="Conversions (default: fp16, kvcalib-2).")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--save", action="store_true")
+    parser.add_argument(
+        "--torch-ops", action="store_true",
+        help="Also each quantized recipe with the C kernel off (KVCALIB_NATIVE=0).",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
@@ -84,6 +91,7 @@ def main() -> None:
     import kvcalib
     import kvcalib_runtime
     from kvcalib.core.data import read_text
+    from kvcalib_runtime.kernels import decode_native
 
     recipes = args.recipe or ["fp16", "kvcalib-2"]
     hf, tokenizer = kvcalib.load_model(args.model, dtype=torch.float32)
@@ -105,6 +113,12 @@ def main() -> None:
                 rows[f"kvcalib_runtime {r}", n] = _best(
                     lambda p=prompt, m=m: _runtime(m, p, args.tokens), args.repeats
                 )
+                if args.torch_ops and r != "fp16" and decode_native.library() is not None:
+                    os.environ["KVCALIB_NATIVE"] = "0"
+                    rows[f"kvcalib_runtime {r}, torch ops", n] = _best(
+                        lambda p=prompt, m=m: _runtime(m, p, args.tokens), args.repeats
+                    )
+                    del os.environ["KVCALIB_NATIVE"]
     names = list(dict.fromkeys(name for name, _ in rows))
     head = "| | " + " | ".join(
         f"prefill {n} (s) | decode at {n} (tok/s) | x transformers" for n in args.contexts
@@ -120,7 +134,8 @@ def main() -> None:
     setup = (
         f"{args.model}, fp32, CPU ({platform.processor() or platform.machine()}), "
         f"{args.threads} thread(s), {args.tokens} greedy tokens after the prefill, fastest of "
-        f"{args.repeats}; kvcalib_runtime without Triton (its CPU path, kernels.decode_torch), "
+        f"{args.repeats}; kvcalib_runtime without Triton (its CPU path, kernels.decode_torch, "
+        f"with its C kernel {'built' if decode_native.library() else 'off: torch ops'}), "
         f"torch {torch.__version__}"
     )
     table = "\n".join(lines)

@@ -41,6 +41,7 @@ from kvcalib.core import options
 from kvcalib.core.paths import DEFAULT_MODEL, GEMMA3, QWEN25, is_hub_id
 from kvcalib.errors import ModelError
 from kvcalib.io import atomic
+from kvcalib_runtime.cachedir import cache_dir
 from kvcalib_runtime.checkpoint.format import read_header, sha256_file
 from kvcalib_runtime.errors import FormatError
 from kvcalib_runtime.model import archs
@@ -64,14 +65,6 @@ class ModelSource:
     spec: str
     path: Path
     fingerprint: str
-
-
-def cache_dir() -> Path:
-    """$KVCALIB_CACHE_DIR, else $XDG_CACHE_HOME/kvcalib, else ~/.cache/kvcalib."""
-    if os.environ.get("KVCALIB_CACHE_DIR"):
-        return Path(os.environ["KVCALIB_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "kvcalib"
 
 
 def writable_cache_dir() -> Path:

@@ -14,12 +14,11 @@ import threading
 import pytest
 import torch
 from bodies import random_body, tensors, to_device
+from decode_cases import DECODE_CASES, decode_inputs, reference
 
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels import quant_pack as qp
-from kvcalib_runtime.kernels.decode_reference import decode_attention_reference
-from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.layouts.quant import QuantSpec
 
@@ -27,72 +26,6 @@ S = QuantSpec
 
 
 # -- decode attention: the kernel against its reference ----------------------------------------
-
-DECODE_CASES = {
-    # name: (key spec, value spec, query heads, KV heads, head_dim, pre-RoPE, window)
-    "kvcalib-2 G4 D128": (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1,
-                            slot_rule="error"), S(2, symmetric=True, codebook=True), 8, 2, 128,
-                          True, None),
-    "kvcalib-3 G3 D64": (S(3, "static", codebook=True, outliers=0.01, outlier_slots=2,
-                           slot_rule="error"), S(3, symmetric=True, codebook=True), 9, 3, 64,
-                         True, None),
-    "kvcalib-4 G8 D256 one KV head": (S(4, "static", codebook=True, outliers=0.01,
-                                        outlier_slots=1), S(4, symmetric=True, codebook=True),
-                                      8, 1, 256, True, None),
-    "kvcalib-2 fp8 slots G4 D64": (S(2, "static", codebook=True, outliers=0.01, outlier_slots=2,
-                                     slot_rule="error", slot_code="fp8"),
-                                   S(3, "static", outliers=0.01, outlier_slots=1,
-                                     slot_code="fp8"), 8, 2, 64, True, None),
-    "kvcalib-2 byte values G4 D128": (S(2, "static", codebook=True, outliers=0.01,
-                                        outlier_slots=1, slot_rule="error", slot_code="fp8"),
-                                      S(2, metadata_code="byte"), 8, 2, 128, True, None),
-    "byte metadata groups, slots, codebook G2 D64": (
-        S(4, group_size=16, outliers=0.1, slot_rule="error", metadata_code="byte"),
-        S(3, group_size=32, symmetric=True, codebook=True, metadata_code="byte"), 4, 2, 64,
-        False, None),
-    "kivi-2 G1 D128": (S(2, "channel", 32), S(2, group_size=32), 2, 2, 128, False, None),
-    "kivi-4 G3 D64": (S(4, "channel", 16), S(4, group_size=16), 6, 2, 64, False, None),
-    "per-token-3 G4 D64": (S(3), S(3), 8, 2, 64, False, None),
-    "quarot-kv4 G8 D128": (S(4), S(4), 8, 1, 128, False, None),
-    "kvquant-3 G4 D128": (S(3, "static", codebook=True, outliers=0.01, outlier_slots=1),
-                          S(3, codebook=True, outliers=0.01), 8, 2, 128, True, None),
-    "vector values G3 D64": (S(2, "static"), S(3, "vector", outliers=0.01), 9, 3, 64, True,
-                             None),
-    "head_dim 80": (S(2), S(3, symmetric=True), 4, 2, 80, True, None),
-    "head_dim 96, groups across halves": (S(2, group_size=32), S(4, group_size=32), 4, 2, 96,
-                                          False, None),
-    "window pre-RoPE ring": (S(2, "static"), S(2, group_size=16), 8, 2, 64, True, 50),
-    "window exact keys": (None, S(4, "channel", 16), 2, 1, 64, False, 37),
-    "8-bit keys exact values D256": (S(8), None, 4, 1, 256, True, None),
-    "5/6-bit": (S(6, "static"), S(5, symmetric=True), 2, 2, 64, True, None),
-}  # fmt: skip
-
-
-def _decode_inputs(case, gen, dtype=torch.float16):
-    """A cache's worth of random stored bits for case: 3 sequences (lengths 150, 61, 0), a ring of
-    16 (key and value bodies end at different positions), 3 sink slots, fp16."""
-    key, value, H, hkv, D, pre_rope, window = DECODE_CASES[case]
-    B, P, R = 3, 151, 16
-    slots = P if window is None else 64  # a window's ring body: position p in slot p % 64
-    kb, vb = (random_body(s, (B, hkv, slots, D), dtype, gen) for s in (key, value))
-    lengths = torch.tensor([150, 61, 0])
-    k_nb, v_nb = ((lengths - r).clamp(min=0) for r in (9, 14))
-    keys = Stored(kb, torch.randn(B, hkv, R, D, generator=gen).to(dtype), k_nb)
-    values = Stored(vb, torch.randn(B, hkv, R, D, generator=gen).to(dtype), v_nb)
-    sink_pos = torch.tensor([[0, 37, 140], [0, -1, -1], [-1, -1, -1]])
-    is_sink = torch.zeros(B, P, dtype=torch.bool)
-    for b, row in enumerate(sink_pos.tolist()):
-        is_sink[b, [p for p in row if p >= 0]] = True
-    sink_kv = (torch.randn(B, hkv, 3, D, generator=gen).to(dtype) for _ in range(2))
-    sinks = Sinks(*sink_kv, sink_pos, is_sink)
-    q = torch.randn(B, H, 1, D, generator=gen).to(dtype)
-    new = (torch.randn(B, hkv, 1, D, generator=gen).to(dtype) for _ in range(2))
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D) if pre_rope else None
-    return (q, *new, keys, values, sinks, lengths), dict(inv_freq=inv_freq, window=window)
-
-
-def _ref(args, options, **changes):
-    return decode_attention_reference(*args, **{**options, **changes})
 
 
 @pytest.mark.parametrize(
@@ -112,10 +45,10 @@ def test_decode_attention_matches_its_reference(case, config, splits, monkeypatc
     monkeypatch.setattr(dec, "INTERPRETED", config)
     monkeypatch.setattr(dec, "num_splits", lambda *a: splits)
     gen = torch.Generator().manual_seed(len(case))
-    args, options = _decode_inputs(case, gen)
+    args, options = decode_inputs(case, gen)
     ours = dec.decode_attention(*args, **options).double()
-    exact = _ref(args, options, dtype=torch.float64)
-    low = _ref(args, options).double()
+    exact = reference(args, options, dtype=torch.float64)
+    low = reference(args, options).double()
     bound = 2 * (low - exact).abs().max()
     assert (ours - exact).abs().max() <= bound
     # the bound can fail: what a wrong code, a dropped slot or a missed mask would do
@@ -124,17 +57,17 @@ def test_decode_attention_matches_its_reference(case, config, splits, monkeypatc
         if isinstance(stored.body, PackedBody):
             body = copy.copy(stored.body)
             body.codes = body.codes ^ 0x55
-            broken = _ref((*args[:i], stored._replace(body=body), *args[i + 1:]), options,
+            broken = reference((*args[:i], stored._replace(body=body), *args[i + 1:]), options,
                           dtype=torch.float64)  # fmt: skip
             assert (broken - exact).abs().max() > 10 * bound
             if body.slot_delta is not None:
                 body = copy.copy(stored.body)
                 body.slot_delta = torch.zeros_like(body.slot_delta)
-                broken = _ref((*args[:i], stored._replace(body=body), *args[i + 1:]), options,
+                broken = reference((*args[:i], stored._replace(body=body), *args[i + 1:]), options,
                               dtype=torch.float64)  # fmt: skip
                 assert (broken - exact).abs().max() > 10 * bound
     if options["window"]:
-        assert (_ref(args, options, window=None, dtype=torch.float64) - exact).abs().max() > (
+        assert (reference(args, options, window=None, dtype=torch.float64) - exact).abs().max() > (
             10 * bound
         )
 
@@ -194,15 +127,15 @@ def test_cpu_decode_path_matches_the_reference(case, window):
     # lengths 150 / 61 / 0, key and value bodies that end at different positions, kept sinks and
     # a window mask. Ring bodies (the window cases) fall back to the reference itself.
     gen = torch.Generator().manual_seed(len(case))
-    args, options = _decode_inputs(case, gen)
+    args, options = decode_inputs(case, gen)
     if window and options["window"] is None:
         options["window"] = window
-    exact = _ref(args, options, dtype=torch.float64)
+    exact = reference(args, options, dtype=torch.float64)
     ours = decode_torch.decode_attention_torch(*args, **options, dtype=torch.float64)
     torch.testing.assert_close(ours, exact, rtol=0, atol=1e-9)
     low = decode_torch.decode_attention_torch(*args, **options)
     assert low.dtype == args[0].dtype
-    bound = 2 * (_ref(args, options).double() - exact).abs().max() + 1e-3
+    bound = 2 * (reference(args, options).double() - exact).abs().max() + 1e-3
     assert (low.double() - exact).abs().max() <= bound  # in fp16: no worse than the reference
 
 
@@ -212,8 +145,8 @@ def test_cpu_decode_path_results_outlive_its_scratch(monkeypatch):
     # again gives the same bits, and buffers first made in inference mode serve outside it.
     monkeypatch.setattr(decode_torch, "_SCRATCH", threading.local())  # none made yet
     gen = torch.Generator().manual_seed(5)
-    args, options = _decode_inputs("kvcalib-2 fp8 slots G4 D64", gen)
-    other, other_options = _decode_inputs("kvcalib-3 G3 D64", gen)
+    args, options = decode_inputs("kvcalib-2 fp8 slots G4 D64", gen)
+    other, other_options = decode_inputs("kvcalib-3 G3 D64", gen)
     with torch.inference_mode():
         first = decode_torch.decode_attention_torch(*args, **options, dtype=torch.float32)
     kept = first.clone()
@@ -251,7 +184,7 @@ def test_the_gpu_tests_inputs_move_whole(case):
     """to_device (checked on the meta device, no GPU needed) moves every tensor of the decode
     inputs and keeps Stored and Sinks named: the first GPU run found Sinks turned into a plain
     tuple, which no CPU test reached."""
-    args, options = _decode_inputs(case, torch.Generator().manual_seed(1))
+    args, options = decode_inputs(case, torch.Generator().manual_seed(1))
     moved, options = to_device(args, "meta"), {k: to_device(v, "meta") for k, v in options.items()}
     assert [type(a) for a in moved] == [type(a) for a in args]
     assert {t.device.type for t in tensors((moved, list(options.values())))} == {"meta"}
@@ -264,10 +197,10 @@ def test_the_gpu_tests_inputs_move_whole(case):
                                   "kvquant-3 G4 D128"])  # fmt: skip
 def test_decode_attention_on_gpu(case, dtype, monkeypatch):
     """The same rule at fp16 and bf16 on a GPU, for every tile size the tuner may pick."""
-    args, options = _decode_inputs(case, torch.Generator().manual_seed(1), dtype)
+    args, options = decode_inputs(case, torch.Generator().manual_seed(1), dtype)
     args, options = to_device(args), {k: to_device(v) for k, v in options.items()}
-    exact = _ref(args, options, dtype=torch.float64)
-    bound = 2 * (_ref(args, options).double() - exact).abs().max()
+    exact = reference(args, options, dtype=torch.float64)
+    bound = 2 * (reference(args, options).double() - exact).abs().max()
     for config in dec.CONFIGS:
         monkeypatch.setattr(dec, "_config", lambda key, device, launch, config=config: config)
         ours = dec.decode_attention(*args, **options)

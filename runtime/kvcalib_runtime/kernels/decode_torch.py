@@ -18,6 +18,10 @@ and offset folded in), built once per body, instead of unpacking codes one by on
 are added in place. The positions both bodies hold are scored without rotating their keys
 (RoPE moves onto the query, `_scores_rotated`), where nothing rounds the rotated keys (float32
 and float64); the few others are rotated as the reference rotates them.
+
+In float32 (the CPU cache's dtype), where a table reads both bodies, a sequence's attention runs
+in C instead (`decode_native`, through `_attend_native`): each row is read, rotated and used in
+one pass, none written out. Elsewhere, or without a C compiler, the torch ops below.
 """
 
 import math
@@ -27,9 +31,10 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+from kvcalib_runtime.kernels import decode_native
 from kvcalib_runtime.kernels.decode_reference import decode_attention_reference
 from kvcalib_runtime.kernels.layout import Sinks, Stored
-from kvcalib_runtime.layouts import Kind
+from kvcalib_runtime.layouts import Kind, fp8, metabyte
 from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.layouts.vq import CodeBody
 
@@ -196,6 +201,96 @@ def _after(stored: Stored, b: int, body: torch.Tensor, nb: int, lo: int, n: int,
     return torch.cat([body[:, lo:nb], stored.tail[b][:, ring].to(dtype)], 1)
 
 
+_BYTE_TABLES: dict = {}
+
+
+def _byte_tables(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, fp8) fp32 [256]: what each byte decodes to as a one-byte scale (layouts.metabyte)
+    and as an E4M3 slot delta (layouts.fp8), for the C kernel to read by table."""
+    found = _BYTE_TABLES.get(device)
+    if found is None:
+        byte = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+        found = _BYTE_TABLES[device] = (metabyte.decode_scale(byte), fp8.decode(byte))
+    return found
+
+
+_READERS: dict = {}
+
+
+def _native(body, b: int, n: int) -> "decode_native.Body | None":
+    """decode_native's reader of sequence b's body positions [0, n), or None where the C kernel
+    does not read it (no library, a layout no table reads, a row too wide). The C code reads the
+    body's own buffers in the dtypes it knows (the CPU cache's float32, byte metadata, E4M3
+    slots): such a reader is checked once for every slot of the body and kept while the buffers
+    and table live. Other metadata and slots are read into float32 copies of the first n rows."""
+    bits = _window(body) if isinstance(body, PackedBody) else 0
+    if not bits or body.codes.device.type != "cpu" or decode_native.library() is None:
+        return None
+    table, rows = _window_table(body, bits)
+    heads, per, layout = body.codes.shape[1], table.shape[1], body.layout
+    if body.codes.shape[3] * 8 // bits * per > decode_native.MAX_ROW:
+        return None
+    static, spec = layout.kind == Kind.STATIC, layout.spec
+    in_place = (static or spec.metadata_code == "byte" or body.scale.dtype == torch.float32) and (
+        body.slot_index is None or spec.slot_code == "fp8" or body.slot_delta.dtype == torch.float32
+    )
+    buffers = (body.codes, body.scale, body.offset, body.slot_index, body.slot_delta)
+    key = (id(table), b, *(None if t is None else t.data_ptr() for t in buffers))
+    if in_place and key in _READERS:
+        return _READERS[key][0].first(n)
+    rows_read = body.codes.shape[2] if in_place else n
+    scales, fp8s = _byte_tables(body.codes.device)
+    meta, slots = {}, {}
+    if not static:  # per-token metadata (a static layout's is in the table)
+        scale, offset = body.scale[b], None if body.offset is None else body.offset[b]
+        if spec.metadata_code == "byte":
+            zero = metabyte.zero_step(layout.span) if offset is not None else 0.0
+            meta = dict(scale_table=scales, zero_step=zero)
+        elif not in_place:
+            part = None if offset is None else offset[:, :n]
+            scale, offset = layout.metadata_values(scale[:, :n], part)
+        meta.update(scale=scale, offset=offset)
+    if body.slot_index is not None:
+        index, delta = body.slot_index[b], body.slot_delta[b]
+        if spec.slot_code == "fp8":  # steps of a static layout's channel scale
+            slots = dict(fp8_table=fp8s, step=fp8.step(body.scale))
+        elif not in_place:
+            index, delta = index[:, :n].contiguous(), delta[:, :n].float()
+        slots.update(slot_index=index, slot_delta=delta)
+    rows = rows.view(heads, -1)
+    reader = decode_native.Body(table, rows, body.codes[b], bits, per, body.width, rows_read,
+                                **meta, **slots, keep=not in_place)  # fmt: skip
+    if in_place:  # kept with what is not the body's, dropped when a buffer of the body dies
+        _READERS[key] = (reader, table, rows, slots.get("step"))
+        for t in buffers:
+            if t is not None:
+                weakref.finalize(t, _READERS.pop, key, None)
+    return reader.first(n)
+
+
+def _attend_native(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks, b: int, n: int,
+                   inv_freq, window) -> torch.Tensor | None:  # fmt: skip
+    """decode_native.attend for sequence b of length n (q [H, D], k_new and v_new [Hkv, 1, D]),
+    fp32 [Hkv, G, D]; None where the C kernel does not read both bodies or something is not in
+    float32."""
+    parts = (q, k_new, v_new, keys.tail, values.tail, sinks.keys, sinks.values)
+    if any(t.dtype != torch.float32 for t in parts):
+        return None
+    nb = [min(int(s.n_body[b]), n) for s in (keys, values)]
+    readers = [_native(s.body, b, m) for s, m in zip((keys, values), nb, strict=True)]
+    if None in readers:
+        return None
+    heads, d = keys.tail.shape[1], q.shape[-1]
+    qg = q.reshape(heads, -1, d) * d**-0.5
+    rope = () if inv_freq is None else _rope_table(inv_freq, torch.float32, n + 1)
+    size = qg.shape[0] * qg.shape[1] * (n + sinks.positions.shape[1] + 1)
+    return decode_native.attend(
+        *readers, n, qg, rope, (keys.tail[b], values.tail[b]),
+        (sinks.keys[b], sinks.values[b], sinks.positions[b]), (k_new[:, 0], v_new[:, 0]),
+        sinks.is_sink[b], window or 0, _scratch("scores", (size,), torch.float32, q.device),
+    )  # fmt: skip
+
+
 def _rotate(k: torch.Tensor, pos, inv_freq, n: int, wide) -> torch.Tensor:
     """Pre-RoPE keys [Hkv, L, D] at positions pos (LongTensor [L]; an empty sink slot, -1, is
     masked: any angle serves) rotated as the reference rotates them, in `wide`:
@@ -247,6 +342,12 @@ def decode_attention_torch(q, k_new, v_new, keys: Stored, values: Stored, sinks:
     d = q.shape[-1]
     out = []
     for b, n in enumerate(n_of):
+        if dtype == torch.float32:  # the C kernel, where it reads both bodies
+            o = _attend_native(q[b, :, 0], k_new[b], v_new[b], keys, values, sinks, b, n,
+                               inv_freq, window)  # fmt: skip
+            if o is not None:
+                out.append(o.reshape(q.shape[1], 1, d))
+                continue
         (kb, nbk), (vb, nbv) = (
             _held(keys, b, n, dtype, "keys"),
             _held(values, b, n, dtype, "values"),

@@ -1,0 +1,179 @@
+"""The CPU decode path's C kernel (kernels/decode_cpu.c through decode_native) against the
+reference, held to the rule the Triton kernel is (test_kernels.py): against the reference in
+float64 on the same stored bits, its error at most twice a plain fp16 implementation's (the
+reference run in fp16); and each case shows the bound can fail: codes or slots the kernel
+misread move the result by more than ten times it. The kernel reads a float32 cache (the CPU
+runtime's): bodies in float32 (read in place), or with fp16 metadata and slots (read through
+float32 copies)."""
+
+import copy
+import gc
+import shutil
+
+import pytest
+import torch
+from decode_cases import DECODE_CASES, decode_inputs, reference
+
+from kvcalib_runtime.kernels import decode_native, decode_torch
+from kvcalib_runtime.kernels.layout import Sinks
+from kvcalib_runtime.layouts.affine import PackedBody
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None, reason="no C compiler: the CPU path decodes with torch ops"
+)
+
+READ = [c for c, spec in DECODE_CASES.items() if spec[-1] is None]  # ring bodies: the reference
+
+
+def _inputs(case, in_place: bool):
+    """decode_inputs' fp16 cache with everything but the bodies in float32 (q, the new token, the
+    rings, the sinks; the same numbers), and the bodies' metadata and slots too where in_place
+    (which the kernel reads as they lie; fp16 ones it reads through float32 copies)."""
+    args, options = decode_inputs(case, torch.Generator().manual_seed(len(case)))
+    q, k_new, v_new, keys, values, sinks, lengths = args
+    f = [t.float() for t in (q, k_new, v_new, keys.tail, values.tail, sinks.keys, sinks.values)]
+    stored = []
+    for side, tail in ((keys, f[3]), (values, f[4])):
+        body = side.body
+        if in_place and isinstance(body, PackedBody):
+            body = copy.copy(body)
+            for name in ("scale", "offset", "slot_delta"):
+                t = getattr(body, name)
+                if t is not None and t.is_floating_point():
+                    setattr(body, name, t.float())
+        stored.append(side._replace(tail=tail, body=body))
+    sinks = Sinks(f[5], f[6], sinks.positions, sinks.is_sink)
+    return (*f[:3], *stored, sinks, lengths), options
+
+
+def _native_calls(monkeypatch) -> list:
+    calls, real = [], decode_native.attend
+
+    def counted(*a, **k):
+        calls.append(a[2])  # the sequence's length
+        return real(*a, **k)
+
+    monkeypatch.setattr(decode_native, "attend", counted)
+    return calls
+
+
+def test_the_kernel_builds_where_a_compiler_is():
+    assert decode_native.library() is not None
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in place", "copies"])
+@pytest.mark.parametrize("case", READ)
+def test_the_c_kernel_matches_the_reference(case, in_place, monkeypatch):
+    args, options = _inputs(case, in_place)
+    calls = _native_calls(monkeypatch)
+    ours = decode_torch.decode_attention_torch(*args, **options).double()
+    keys, values = args[3], args[4]
+    read = all(decode_torch._native(s.body, 0, 1) is not None for s in (keys, values))
+    assert calls == ([150, 61, 0] if read else [])  # every sequence, the empty one included
+    exact = reference(args, options, dtype=torch.float64)
+    bound = 2 * (reference(args, options, dtype=torch.float16).double() - exact).abs().max()
+    assert (ours - exact).abs().max() <= bound
+    if not read:
+        return
+    for stored, i in ((keys, 3), (values, 4)):
+        broken = [copy.copy(stored.body)]
+        broken[0].codes = broken[0].codes ^ 0x55
+        if stored.body.slot_delta is not None:
+            broken.append(copy.copy(stored.body))
+            broken[-1].slot_delta = torch.zeros_like(stored.body.slot_delta)
+        for body in broken:
+            changed = (*args[:i], stored._replace(body=body), *args[i + 1 :])
+            wrong = decode_torch.decode_attention_torch(*changed, **options)
+            assert (wrong.double() - exact).abs().max() > 10 * bound
+
+
+def test_the_kernel_masks_what_the_reference_masks():
+    # a window (of 50, and of 3: the ring's last positions and the new token only) changes the
+    # result beyond the bound, and the kernel's follows the reference's (sink slots held and
+    # empty are in every case's inputs)
+    case = "kvcalib-2 byte values G4 D128"
+    args, options = _inputs(case, True)
+    unmasked = reference(args, options, dtype=torch.float64)
+    for window in (50, 3):
+        ours = decode_torch.decode_attention_torch(*args, **{**options, "window": window})
+        exact = reference(args, options, window=window, dtype=torch.float64)
+        bound = 2 * (reference(args, options, window=window, dtype=torch.float16) - exact).abs()
+        assert (ours.double() - exact).abs().max() <= bound.max()
+        assert (unmasked - exact).abs().max() > 10 * bound.max()
+
+
+def test_the_kernel_refuses_what_it_would_read_out_of_bounds():
+    # every index the C code forms is checked before the call: rows past the table, codes of
+    # another type, too few rows, metadata or slots of another shape, dtype or layout
+    table, rows = torch.zeros(2 * 256, 4), torch.tensor([[0], [256]], dtype=torch.int32)
+    codes = torch.zeros(2, 8, 16, dtype=torch.uint8)
+    scale, index = torch.ones(2, 8, 2), torch.zeros(2, 8, 1, dtype=torch.uint8)
+    decode_native.Body(table, rows, codes, 8, 4, 64, 8, scale=scale, slot_index=index,
+                       slot_delta=torch.zeros(2, 8, 1))  # well formed  # fmt: skip
+    refused = {
+        "past the table": dict(rows=rows + 1),
+        "codes": dict(codes=codes.int()),
+        r">= 9": dict(n=9),
+        "scale": dict(scale=torch.ones(2, 7, 2)),
+        "laid out as scale": dict(scale=scale, offset=torch.ones(2, 10, 2)),
+        "float32 \\(256,\\)": dict(scale=scale.to(torch.uint8)),  # byte codes, no table
+        "slot_delta": dict(slot_index=index, slot_delta=torch.zeros(2, 8, 1).half()),
+        "None": dict(slot_index=index, slot_delta=index),  # E4M3 bytes, no table
+    }
+    for why, change in refused.items():
+        args = {"table": table, "rows": rows, "codes": codes, "n": 8, **change}
+        with pytest.raises(ValueError, match=why):
+            decode_native.Body(args.pop("table"), args.pop("rows"), args.pop("codes"), 8, 4, 64,
+                               args.pop("n"), **args)  # fmt: skip
+
+
+def test_kvcalib_native_0_keeps_the_torch_ops(monkeypatch):
+    monkeypatch.setenv("KVCALIB_NATIVE", "0")
+    assert decode_native.library() is None
+    args, options = _inputs("kvcalib-2 byte values G4 D128", True)
+    calls = _native_calls(monkeypatch)
+    decode_torch.decode_attention_torch(*args, **options)
+    assert calls == []
+
+
+def test_a_kept_reader_reads_the_bodys_rows_as_they_are_now():
+    # readers of the body's own buffers are kept across calls: rows written in place since (the
+    # next flushed token, another sequence in the slot) must be read as they are now, and the
+    # readers go when the body does
+    args, options = _inputs("kvcalib-2 byte values G4 D128", True)
+    decode_torch.decode_attention_torch(*args, **options)
+    for stored in args[3:5]:
+        body = stored.body
+        for t in (body.codes, body.scale, body.offset, body.slot_index, body.slot_delta):
+            if t is not None and t.dim() == 4:  # per token (a static range is per layer)
+                t[:, :, :40] = t[:, :, 40:80].clone()
+    ours = decode_torch.decode_attention_torch(*args, **options).double()
+    exact = reference(args, options, dtype=torch.float64)
+    low = reference(args, options, dtype=torch.float16).double()
+    assert (ours - exact).abs().max() <= 2 * (low - exact).abs().max()
+    kept = len(decode_torch._READERS)
+    assert kept > 0
+    del args, stored, body, t
+    gc.collect()
+    assert len(decode_torch._READERS) == kept - 6  # 2 sides x 3 sequences
+
+
+def test_a_build_that_fails_leaves_the_torch_ops(tmp_path, monkeypatch):
+    # a compiler that fails (here `false`) or a cache folder it cannot write: one warning, no
+    # library, and decode_torch's own ops give the attention
+    monkeypatch.setattr(decode_native, "_LOADED", {})
+    monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    with pytest.warns(UserWarning, match="did not build"):
+        assert decode_native.library() is None
+    monkeypatch.setattr(decode_native, "_LOADED", {})
+    monkeypatch.delenv("CC")
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path / "file"))
+    with pytest.warns(UserWarning, match="did not build"):
+        assert decode_native.library() is None
+    args, options = _inputs("kvcalib-2 byte values G4 D128", True)
+    ours = decode_torch.decode_attention_torch(*args, **options).double()
+    exact = reference(args, options, dtype=torch.float64)
+    low = reference(args, options, dtype=torch.float16).double()
+    assert (ours - exact).abs().max() <= 2 * (low - exact).abs().max()
