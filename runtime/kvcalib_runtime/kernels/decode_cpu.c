@@ -139,6 +139,26 @@ INLINE void score_row(const attend_t *a, const float *restrict k, int64_t t, con
                       const float *th, float *s, int64_t stride, float *restrict kc,
                       float *restrict ks, const int d) {
     const float *kr = k;
+    if (a->cos && d % 8 == 0 && d <= 128) { /* in registers: k cos and k sin once, then each q */
+        const float *ct = a->cos + t * d, *st = a->sin + t * d;
+        v8 rc[16], rs[16];
+        for (int i = 0; i < d / 8; i++) {
+            const v8 x = load8(k + 8 * i);
+            rc[i] = x * load8(ct + 8 * i);
+            rs[i] = x * load8(st + 8 * i);
+        }
+        for (int g = 0; g < a->groups; g++) {
+            const float *qg = qh + g * d, *tg = th + g * d;
+            v8 u = {0}, w = {0}; /* two sums, so the products do not wait on each other */
+            for (int i = 0; i < d / 8; i++) {
+                u += rc[i] * load8(qg + 8 * i);
+                w += rs[i] * load8(tg + 8 * i);
+            }
+            u += w;
+            s[g * stride] = ((u[0] + u[4]) + (u[1] + u[5])) + ((u[2] + u[6]) + (u[3] + u[7]));
+        }
+        return;
+    }
     if (a->cos) {
         const float *ct = a->cos + t * d, *st = a->sin + t * d;
         for (int c = 0; c < d; c++) {
