@@ -51,6 +51,18 @@ DECODE_CASES = {
 }  # fmt: skip
 
 
+def random_sinks(positions, reach: int, hkv: int, d: int, dtype, gen) -> Sinks:
+    """Sink slots holding `positions` (B lists of S, -1 empty) of sequences that reach `reach`
+    positions, with random keys and values."""
+    sink_pos = torch.tensor(positions)
+    is_sink = torch.zeros(len(positions), reach, dtype=torch.bool)
+    for b, row in enumerate(positions):
+        is_sink[b, [p for p in row if p >= 0]] = True
+    shape = (*sink_pos.shape[:1], hkv, sink_pos.shape[1], d)
+    sink_kv = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    return Sinks(*sink_kv, sink_pos, is_sink)
+
+
 def decode_inputs(case, gen, dtype=torch.float16):
     """A cache's worth of random stored bits for case: 3 sequences (lengths 150, 61, 0), a ring of
     16 (key and value bodies end at different positions), 3 sink slots, fp16."""
@@ -62,12 +74,7 @@ def decode_inputs(case, gen, dtype=torch.float16):
     k_nb, v_nb = ((lengths - r).clamp(min=0) for r in (9, 14))
     keys = Stored(kb, torch.randn(B, hkv, R, D, generator=gen).to(dtype), k_nb)
     values = Stored(vb, torch.randn(B, hkv, R, D, generator=gen).to(dtype), v_nb)
-    sink_pos = torch.tensor([[0, 37, 140], [0, -1, -1], [-1, -1, -1]])
-    is_sink = torch.zeros(B, P, dtype=torch.bool)
-    for b, row in enumerate(sink_pos.tolist()):
-        is_sink[b, [p for p in row if p >= 0]] = True
-    sink_kv = (torch.randn(B, hkv, 3, D, generator=gen).to(dtype) for _ in range(2))
-    sinks = Sinks(*sink_kv, sink_pos, is_sink)
+    sinks = random_sinks([[0, 37, 140], [0, -1, -1], [-1, -1, -1]], P, hkv, D, dtype, gen)
     q = torch.randn(B, H, 1, D, generator=gen).to(dtype)
     new = (torch.randn(B, hkv, 1, D, generator=gen).to(dtype) for _ in range(2))
     inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D) if pre_rope else None

@@ -21,10 +21,11 @@ import dataclasses
 import pytest
 import torch
 from bodies import random_body, tensors, to_device
+from decode_cases import random_sinks
 
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import paged
-from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.kernels.layout import Stored
 from kvcalib_runtime.layouts.quant import QuantSpec as S
 
 PAGE, POOL, R = 16, 16, 16  # slots per block, blocks in the pool, residual ring
@@ -106,12 +107,8 @@ def _inputs(case, gen, dtype=torch.float16, device="cpu"):
     tails = [torch.randn(B, hkv, R, D, generator=gen).to(dtype) for _ in range(2)]
     tails, k_nb, v_nb = to_device((tails, k_nb, v_nb), device)
     keys, values = Stored(pages[0], tails[0], k_nb), Stored(pages[1], tails[1], v_nb)
-    sink_pos = torch.tensor([[0, 37, 70], [0, 33, -1], [0, -1, -1], [-1, -1, -1]])
-    is_sink = torch.zeros(B, P, dtype=torch.bool)
-    for b, row in enumerate(sink_pos.tolist()):
-        is_sink[b, [p for p in row if p >= 0]] = True
-    sink_kv = (torch.randn(B, hkv, 3, D, generator=gen).to(dtype) for _ in range(2))
-    sinks = Sinks(*sink_kv, sink_pos, is_sink)
+    positions = [[0, 37, 70], [0, 33, -1], [0, -1, -1], [-1, -1, -1]]
+    sinks = random_sinks(positions, P, hkv, D, dtype, gen)
     q = torch.randn(B, H, 1, D, generator=gen).to(dtype)
     new = [torch.randn(B, hkv, 1, D, generator=gen).to(dtype) for _ in range(2)]
     inv_freq = 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D) if pre_rope else None
