@@ -177,3 +177,11 @@ def test_a_build_that_fails_leaves_the_torch_ops(tmp_path, monkeypatch):
     exact = reference(args, options, dtype=torch.float64)
     low = reference(args, options, dtype=torch.float16).double()
     assert (ours - exact).abs().max() <= 2 * (low - exact).abs().max()
+
+
+def test_positions_in_an_empty_ring_are_refused():
+    # C would take t % 0 for them: refused before the call
+    args, options = _inputs("kvcalib-2 byte values G4 D128", True)
+    keys, values = (s._replace(tail=s.tail[:, :, :0]) for s in args[3:5])
+    with pytest.raises(ValueError, match="empty ring"):
+        decode_torch.decode_attention_torch(*args[:3], keys, values, *args[5:], **options)

@@ -282,6 +282,8 @@ def attend(keys: Body, values: Body, n: int, q, rope, tails, sinks, new, is_sink
     ring = tails[0].shape[1]
     for t in tails:
         _f32(t, (heads, ring, d))
+    if ring < 1 and min(keys.n, values.n) < n:
+        raise ValueError(f"positions {min(keys.n, values.n)}..{n - 1} in an empty ring")
     count = sinks[2].shape[0]
     for t in sinks[:2]:
         _f32(t, (heads, count, d))
@@ -298,7 +300,7 @@ def attend(keys: Body, values: Body, n: int, q, rope, tails, sinks, new, is_sink
         or (not scratch.is_contiguous())
     ):
         raise ValueError(f"scratch: float32 of {heads * groups * length} elements")
-    out = torch.empty(heads, groups, d)
+    out = torch.empty(heads, groups, d, dtype=torch.float32)
     cos, sin = rope or (None, None)
     spec = _Attend(
         ctypes.pointer(keys._struct), ctypes.pointer(values._struct), n, keys.n, values.n, heads,
