@@ -185,3 +185,17 @@ def test_positions_in_an_empty_ring_are_refused():
     keys, values = (s._replace(tail=s.tail[:, :, :0]) for s in args[3:5])
     with pytest.raises(ValueError, match="empty ring"):
         decode_torch.decode_attention_torch(*args[:3], keys, values, *args[5:], **options)
+
+
+def test_a_float64_default_dtype_changes_nothing():
+    # the kernel writes float32 into the buffers decode_native allocates, whatever torch's
+    # default dtype: a float64 default must give the same attention bit for bit
+    args, options = _inputs("kvcalib-2 byte values G4 D128", True)
+    want = decode_torch.decode_attention_torch(*args, **options)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = decode_torch.decode_attention_torch(*args, **options)
+    finally:
+        torch.set_default_dtype(default)
+    assert torch.equal(got, want)

@@ -4,8 +4,8 @@ query), then torch's softmax, then the probabilities' sum of the values, each pa
 packed rows TILE at a time into L1 and using them there. decode_torch's torch ops instead write
 every key and value out in float32, and read them again for RoPE and each matmul.
 
-The source is compiled once per machine with the system's C compiler (`cc`, or $CC; 14 s at -O3
-on two cores) into cache_dir()/native/, named by the source, the flags, the compiler and the
+The source is compiled once per machine with the system's C compiler (`cc`, or $CC; 12-14 s of
+CPU at -O3) into cache_dir()/native/, named by the source, the flags, the compiler and the
 CPU's features (-march=native), and loaded with ctypes: the runtime needs nothing else. With no
 compiler, a build that fails (a warning says so) or KVCALIB_NATIVE=0, `library()` is None and
 decode_torch keeps its torch ops. tests/runtime/test_decode_native.py holds the kernel to the
