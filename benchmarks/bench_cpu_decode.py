@@ -6,13 +6,13 @@ model, prompt, thread count and greedy tokens for every row.
 
 Rows: transformers' `generate` with its own dynamic cache (fp32 on CPU: the weights' dtype), and
 kvcalib_runtime loading a conversion of each recipe (made here into a temporary folder with the
-default profile); with `--torch-ops` each quantized recipe again with the CPU path's C kernel
-off (KVCALIB_NATIVE=0: the torch ops that read the bodies instead). A prompt is the first
-`context` tokens of the built-in evaluation text. Prefill is the time to the first new token;
-decode is `--tokens` more greedy tokens (EOS ignored), timed token by token (transformers'
-streamer, the runtime's callback), as tokens per second; each cell is the fastest of `--repeats`
-runs, which lessens what other work on the machine adds. `--save` appends the table with its
-setup to benchmarks/RESULTS.md.
+default profile); with `--torch-ops` each quantized recipe again with the CPU path's C kernels
+off (KVCALIB_NATIVE=0: the torch ops that read the bodies and write the cache instead). A prompt
+is the first `context` tokens of the built-in evaluation text. Prefill is the time to the first
+new token; decode is `--tokens` more greedy tokens (EOS ignored), timed token by token
+(transformers' streamer, the runtime's callback), as tokens per second; each cell is the fastest
+of `--repeats` runs, which lessens what other work on the machine adds. `--save` appends the
+table with its setup to benchmarks/RESULTS.md.
 """
 
 import argparse
@@ -91,7 +91,7 @@ def main() -> None:
     import kvcalib
     import kvcalib_runtime
     from kvcalib.core.data import read_text
-    from kvcalib_runtime.kernels import decode_native
+    from kvcalib_runtime.kernels import native
 
     recipes = args.recipe or ["fp16", "kvcalib-2"]
     hf, tokenizer = kvcalib.load_model(args.model, dtype=torch.float32)
@@ -113,7 +113,7 @@ def main() -> None:
                 rows[f"kvcalib_runtime {r}", n] = _best(
                     lambda p=prompt, m=m: _runtime(m, p, args.tokens), args.repeats
                 )
-                if args.torch_ops and r != "fp16" and decode_native.library() is not None:
+                if args.torch_ops and r != "fp16" and native.library() is not None:
                     os.environ["KVCALIB_NATIVE"] = "0"
                     rows[f"kvcalib_runtime {r}, torch ops", n] = _best(
                         lambda p=prompt, m=m: _runtime(m, p, args.tokens), args.repeats
@@ -134,8 +134,9 @@ def main() -> None:
     setup = (
         f"{args.model}, fp32, CPU ({platform.processor() or platform.machine()}), "
         f"{args.threads} thread(s), {args.tokens} greedy tokens after the prefill, fastest of "
-        f"{args.repeats}; kvcalib_runtime without Triton (its CPU path, kernels.decode_torch, "
-        f"with its C kernel {'built' if decode_native.library() else 'off: torch ops'}), "
+        f"{args.repeats}; kvcalib_runtime without Triton (its CPU path: kernels.decode_torch and "
+        f"the cache's writes, with their C kernels "
+        f"{'built' if native.library() else 'off: torch ops'}), "
         f"torch {torch.__version__}"
     )
     table = "\n".join(lines)

@@ -12,11 +12,17 @@ import shutil
 
 import pytest
 import torch
+from bodies import random_codebook, random_data
 from decode_cases import DECODE_CASES, decode_inputs, reference
 
-from kvcalib_runtime.kernels import decode_native, decode_torch
+from kvcalib_runtime.cache.kvcache import QuantizedCache
+from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
+from kvcalib_runtime.kernels import decode_native, decode_torch, native
 from kvcalib_runtime.kernels.layout import Sinks
 from kvcalib_runtime.layouts.affine import PackedBody
+from kvcalib_runtime.layouts.quant import QuantSpec
+from kvcalib_runtime.model.rope import Rope
+from kvcalib_runtime.model.transforms import Transforms
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None, reason="no C compiler: the CPU path decodes with torch ops"
@@ -58,7 +64,7 @@ def _native_calls(monkeypatch) -> list:
 
 
 def test_the_kernel_builds_where_a_compiler_is():
-    assert decode_native.library() is not None
+    assert native.library() is not None
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in place", "copies"])
@@ -129,7 +135,7 @@ def test_the_kernel_refuses_what_it_would_read_out_of_bounds():
 
 def test_kvcalib_native_0_keeps_the_torch_ops(monkeypatch):
     monkeypatch.setenv("KVCALIB_NATIVE", "0")
-    assert decode_native.library() is None
+    assert native.library() is None
     args, options = _inputs("kvcalib-2 byte values G4 D128", True)
     calls = _native_calls(monkeypatch)
     decode_torch.decode_attention_torch(*args, **options)
@@ -161,17 +167,17 @@ def test_a_kept_reader_reads_the_bodys_rows_as_they_are_now():
 def test_a_build_that_fails_leaves_the_torch_ops(tmp_path, monkeypatch):
     # a compiler that fails (here `false`) or a cache folder it cannot write: one warning, no
     # library, and decode_torch's own ops give the attention
-    monkeypatch.setattr(decode_native, "_LOADED", {})
+    monkeypatch.setattr(native, "_LOADED", {})
     monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")
     with pytest.warns(UserWarning, match="did not build"):
-        assert decode_native.library() is None
-    monkeypatch.setattr(decode_native, "_LOADED", {})
+        assert native.library() is None
+    monkeypatch.setattr(native, "_LOADED", {})
     monkeypatch.delenv("CC")
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path / "file"))
     with pytest.warns(UserWarning, match="did not build"):
-        assert decode_native.library() is None
+        assert native.library() is None
     args, options = _inputs("kvcalib-2 byte values G4 D128", True)
     ours = decode_torch.decode_attention_torch(*args, **options).double()
     exact = reference(args, options, dtype=torch.float64)
@@ -199,3 +205,64 @@ def test_a_float64_default_dtype_changes_nothing():
     finally:
         torch.set_default_dtype(default)
     assert torch.equal(got, want)
+
+
+KVCALIB_2 = (
+    QuantSpec(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error",
+              slot_code="fp8"),
+    QuantSpec(2, metadata_code="byte"),
+)  # fmt: skip
+
+
+def _cache_steps(prepared: bool, windows, dtype=torch.float32) -> list[torch.Tensor]:
+    """Every layer's output of a kvcalib-2 cache (two layers, batch 2, residual 8, one sink
+    slot) fed a prefill of 5 and 23 tokens, then 30 steps; with prepared=False the cache never
+    prepares its sequences (decode_torch's per-call path)."""
+    hkv, groups, d = 3, 3, 64
+    scheme = KVScheme((LayerScheme(*KVCALIB_2, key_position="pre_rope"),) * 2, residual=8,
+                      sinks_first=1, sink_budget=0)  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    params = KVParams()
+    for i in range(2):
+        params.key_range[i] = (-torch.rand(hkv, d, generator=gen) - 0.2,
+                               torch.rand(hkv, d, generator=gen) + 0.2)  # fmt: skip
+        params.key_codebook[i] = random_codebook(KVCALIB_2[0], hkv, gen)
+    cache = QuantizedCache(scheme, params, Transforms.online(scheme, params), num_layers=2,
+                           batch=2, kv_heads=hkv, head_dim=d, max_len=64, device="cpu",
+                           dtype=dtype, use_kernels=False, windows=windows)  # fmt: skip
+    if not prepared:
+        cache._prepared = lambda layer: None
+    rope, outs = Rope({}, d), []
+
+    def step(view, t):
+        pos = view.positions(t)
+        b = view.lengths.shape[0]
+        for layer in range(2):
+            q, k, v = (random_data((b, h, t, d), gen, dtype) for h in (hkv * groups, hkv, hkv))
+            outs.append(view.attend(layer, rope.apply(q, pos), k, v, rope, pos))
+        view.commit(t)
+
+    step(cache.view(0), 5)
+    step(cache.view(1), 23)
+    for _ in range(30):
+        step(cache, 1)
+    return outs
+
+
+@pytest.mark.parametrize("windows", [None, (None, 20)], ids=["global", "a window's ring"])
+def test_prepared_sequences_attend_as_the_per_call_path(windows, monkeypatch):
+    # the cache prepares each layer's sequences once and runs the same C kernel on them: its
+    # outputs equal the per-call path's bit for bit at every step; the C kernel ran on both, for
+    # 30 steps of 2 sequences in 2 layers (the windowed layer's ring of 20 slots holds fewer
+    # positions than either sequence: the reference attends there, on both paths)
+    calls = _native_calls(monkeypatch)
+    theirs = _cache_steps(False, windows)
+    assert len(calls) == 30 * 2 * (2 if windows is None else 1)
+    ran = []
+    real = decode_native.Sequence.attend
+    monkeypatch.setattr(decode_native.Sequence, "attend",
+                        lambda self, *a: ran.append(a[0]) or real(self, *a))  # fmt: skip
+    ours = _cache_steps(True, windows)
+    assert len(ran) == len(calls)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a, b)

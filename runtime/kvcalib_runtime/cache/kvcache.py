@@ -51,8 +51,14 @@ from kvcalib_runtime.cache.fpcache import capped_attention
 from kvcalib_runtime.cache.kvstream import Stream, kernel_layout
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme
 from kvcalib_runtime.errors import CapacityError, FormatError
+from kvcalib_runtime.kernels import (
+    commit_native,
+    decode_native,
+    decode_reference,
+    decode_torch,
+    native,
+)
 from kvcalib_runtime.kernels import decode_attention as dec
-from kvcalib_runtime.kernels import decode_reference, decode_torch
 from kvcalib_runtime.kernels.layout import Sinks, use_triton
 from kvcalib_runtime.model.rope import Rope
 from kvcalib_runtime.model.transforms import Transforms
@@ -141,6 +147,8 @@ class QuantizedCache:
             self._sink_dims = torch.tensor(sp.dims, device=device)
         self._pending = {}
         self._pending_flags = None
+        self._plan, self._plan_made = None, False  # _commit_plan's
+        self._sequences: dict = {}  # _prepared's, by layer
         pairs = list(zip(self.keys, self.values, strict=True))
         # layers whose storage the decode kernel's layout describes (its reference reads it too)
         self._layouts = [kernel_layout(k.spec) and kernel_layout(v.spec) for k, v in pairs]
@@ -207,6 +215,8 @@ class QuantizedCache:
         view.lengths, view._n_body = self.lengths[b : b + 1], self._n_body[:, b : b + 1]
         view._rows = [self._rows[b]]
         view._pending, view._pending_flags = {}, None
+        view._plan, view._plan_made = None, False
+        view._sequences = {}
         return view
 
     def reset(self) -> None:
@@ -361,8 +371,31 @@ class QuantizedCache:
                 stacklevel=3,
             )
         if q.device.type == "cpu":
+            prepared = self._prepared(layer)
+            host = self._host()
+            if (
+                prepared is not None
+                and q.dtype == torch.float32
+                and max(host) <= min(self.keys[layer].slots, self.values[layer].slots)
+            ):
+                bodies = (self.keys[layer].n_body.tolist(), self.values[layer].n_body.tolist())
+                return decode_torch.attend_prepared(prepared, q, k_new, v_new, host, bodies,
+                                                    **options)  # fmt: skip
             return decode_torch.decode_attention_torch(*args, **options)
         return decode_reference.decode_attention_reference(*args, **options)
+
+    def _prepared(self, layer: int) -> "list[decode_native.Sequence] | None":
+        """The CPU decode kernel's prepared sequences of this layer (`decode_torch.prepare`),
+        made on first use; None where it does not read the layer in place (or there is no C
+        library)."""
+        if native.library() is None:
+            return None
+        if layer not in self._sequences:
+            keys, values = self.keys[layer].stored(), self.values[layer].stored()
+            sinks = Sinks(self.sink_k[layer], self.sink_v[layer], self.sink_pos, self.is_sink)
+            found = [decode_torch.prepare(keys, values, sinks, b) for b in range(len(self._rows))]
+            self._sequences[layer] = None if None in found else found
+        return self._sequences[layer]
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -441,9 +474,16 @@ class QuantizedCache:
                 slots[layers] = held.scatter(3, index, kept)
             else:
                 slots.scatter_(3, index, kept)
+        written = set()
+        plan = self._commit_plan()
+        if plan is not None and plan.run(self._pending, n):
+            written = plan.streams
         batches: dict = {}  # the torch path flushes the streams of one spec as one
         for layer, (k, v) in self._pending.items():
-            for stream, new in ((self.keys[layer], k[:, :, 0]), (self.values[layer], v[:, :, 0])):
+            for j, new in enumerate((k[:, :, 0], v[:, :, 0])):
+                if (layer, j) in written:
+                    continue
+                stream = (self.keys, self.values)[j][layer]
                 key = None if self.kernels and stream.packs else stream.batch_key()
                 if key is None:
                     stream.append(new, n, self.is_sink, self.kernels)
@@ -451,6 +491,25 @@ class QuantizedCache:
                     batches.setdefault(key, []).append((stream, new))
         for streams in batches.values():
             Stream.append_many(streams, n)
+
+    def _commit_plan(self) -> "commit_native.Plan | None":
+        """The C writer's plan for the streams it takes (`commit_native.takes`), made on first
+        use; None where it does not run: the Triton kernels write, no C library, or no stream it
+        takes."""
+        if self.kernels or native.library() is None:
+            return None
+        if not self._plan_made:
+            self._plan_made = True
+            sides = enumerate((self.keys, self.values))
+            streams = [
+                (j, layer, stream)
+                for j, side in sides
+                for layer, stream in enumerate(side)
+                if commit_native.takes(stream)
+            ]
+            if streams:
+                self._plan = commit_native.Plan(streams, len(self._rows))
+        return self._plan
 
 
 def _free_bytes(device) -> int | None:

@@ -19,6 +19,7 @@
 
 #define MAX_ROW 1024 /* floats a read row may take (windows * per); wider rows stay in torch */
 #define TILE 16      /* rows read before they are used */
+#define MAX_Q 8192   /* floats of a sequence's queries (heads * groups * D) */
 #define INLINE static inline __attribute__((always_inline))
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -121,7 +122,8 @@ typedef struct {
     const body_t *keys, *values; /* the bodies: key rows [0, nb_keys), value rows [0, nb_values) */
     int64_t n, nb_keys, nb_values; /* the sequence's length, the positions each body holds */
     int32_t heads, groups, sinks;
-    const float *q, *turned;     /* [heads, groups, D], q scaled; turned = [q2, -q1] */
+    const float *q;              /* [heads, groups, D], scaled below (heads * groups * D <= MAX_Q) */
+    float scale;                 /* the scores' scale: each q times it first */
     const float *cos, *sin;      /* [>= n + 1, D] both halves, or NULL: no RoPE */
     const float *tail_keys, *tail_values; /* the ring [heads, ring, D]: position t at t % ring */
     int64_t ring;
@@ -198,15 +200,15 @@ INLINE int attended(const attend_t *a, int64_t t) {
 /* The scores of every position one sequence holds into p [heads, groups, length], -inf where
  * not attended: the rows both bodies hold read TILE at a time, then the rest one by one (the key
  * body's rows past the values', the ring, the sink slots, the new token). */
-INLINE void score_all(const attend_t *a, float *restrict p, const int wide, const int each,
-                      const int d) {
+INLINE void score_all(const attend_t *a, const float *qs, const float *ts, float *restrict p,
+                      const int wide, const int each, const int d) {
     const body_t *kb = a->keys;
     const int64_t n = a->n, lo = a->nb_keys < a->nb_values ? a->nb_keys : a->nb_values;
     const int64_t length = n + a->sinks + 1; /* positions 0..n-1, the sink slots, n */
     float tile[TILE * MAX_ROW], kc[MAX_ROW], ks[MAX_ROW];
     for (int h = 0; h < a->heads; h++) {
-        const float *qh = a->q + (int64_t)h * a->groups * d;
-        const float *th = a->turned + (int64_t)h * a->groups * d;
+        const float *qh = qs + (int64_t)h * a->groups * d;
+        const float *th = ts + (int64_t)h * a->groups * d;
         const float *ring = a->tail_keys + h * a->ring * d;
         const float *sink = a->sink_keys + (int64_t)h * a->sinks * d;
         float *ph = p + (int64_t)h * a->groups * length;
@@ -304,7 +306,17 @@ INLINE void sum_all(const attend_t *a, const float *restrict p, const int wide, 
  * kvcalib_scores writes the scores, -inf where not attended, into p [heads, groups, n + sinks +
  * 1]; kvcalib_sum writes the probabilities' sum of the values into a->out. */
 void kvcalib_scores(const attend_t *a, float *p) {
-#define SCORE_ALL(W, E, D) score_all(a, p, W, E, D)
+    /* the queries scaled, and turned = [q2, -q1] of each, which RoPE moved onto q needs */
+    float qs[MAX_Q], ts[MAX_Q];
+    const int d = a->keys->width, half = d / 2;
+    for (int64_t i = 0; i < (int64_t)a->heads * a->groups; i++) {
+        for (int c = 0; c < d; c++) qs[i * d + c] = a->q[i * d + c] * a->scale;
+        for (int c = 0; c < half; c++) {
+            ts[i * d + c] = qs[i * d + half + c];
+            ts[i * d + half + c] = -qs[i * d + c];
+        }
+    }
+#define SCORE_ALL(W, E, D) score_all(a, qs, ts, p, W, E, D)
     DISPATCH(a->keys, SCORE_ALL);
 }
 

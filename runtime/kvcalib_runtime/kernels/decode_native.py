@@ -4,34 +4,20 @@ query), then torch's softmax, then the probabilities' sum of the values, each pa
 packed rows TILE at a time into L1 and using them there. decode_torch's torch ops instead write
 every key and value out in float32, and read them again for RoPE and each matmul.
 
-The source is compiled once per machine with the system's C compiler (`cc`, or $CC; 12-14 s of
-CPU at -O3) into cache_dir()/native/, named by the source, the flags, the compiler and the
-CPU's features (-march=native), and loaded with ctypes: the runtime needs nothing else. With no
-compiler, a build that fails (a warning says so) or KVCALIB_NATIVE=0, `library()` is None and
-decode_torch keeps its torch ops. tests/runtime/test_decode_native.py holds the kernel to the
-reference as the Triton kernel is held. Every shape, dtype and stride the C code indexes by is
-checked before a call.
+The source is part of the runtime's C library (`native`: built once per machine, loaded with
+ctypes); where there is none (`native.library()` is None), decode_torch keeps its torch ops.
+tests/runtime/test_decode_native.py holds the kernel to the reference as the Triton kernel is
+held. Every shape, dtype and stride the C code indexes by is checked before a call.
 """
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-import warnings
-from pathlib import Path
 
 import torch
 
-from kvcalib_runtime.cachedir import cache_dir
+from kvcalib_runtime.kernels import native
 
-SOURCE = Path(__file__).with_name("decode_cpu.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=gnu11", "-shared", "-fPIC")
-LIBS = ("-lm",)
 MAX_ROW = 1024  # decode_cpu.c's MAX_ROW: floats a read row may take
+MAX_Q = 8192  # decode_cpu.c's MAX_Q: floats of a sequence's queries
 
 
 class _Body(ctypes.Structure):
@@ -61,64 +47,6 @@ class _Body(ctypes.Structure):
         ("fp8_table", ctypes.c_void_p),
         ("step", ctypes.c_void_p),
     ]
-
-
-_LOCK = threading.Lock()
-_LOADED: dict = {}
-
-
-def _cpu_features() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
-
-
-def _build(compiler: str) -> Path:
-    """The compiled library in the cache, built there (atomically) when missing; OSError when
-    it cannot be."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        "\0".join(
-            [SOURCE.read_text(), *FLAGS, *LIBS, version, platform.machine(), _cpu_features()]
-        ).encode()
-    ).hexdigest()[:16]
-    target = cache_dir() / "native" / f"decode_cpu-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        built = Path(tmp) / target.name
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), *LIBS],
-                              capture_output=True, text=True)  # fmt: skip
-        if done.returncode:
-            raise OSError(done.stderr.strip().splitlines()[-1] if done.stderr else "no output")
-        built.replace(target)
-    return target
-
-
-def library():
-    """The loaded kernel library, or None (no compiler, a build that failed, KVCALIB_NATIVE=0):
-    built on first use, once per process."""
-    if os.environ.get("KVCALIB_NATIVE", "1") == "0":
-        return None
-    with _LOCK:
-        if "lib" not in _LOADED:
-            _LOADED["lib"] = None
-            compiler = shutil.which(os.environ.get("CC", "cc"))
-            if compiler is not None:
-                try:
-                    lib = ctypes.CDLL(str(_build(compiler)))
-                except OSError as e:
-                    warnings.warn(f"kvcalib_runtime: the CPU decode kernel did not build ({e}); "
-                                  "decoding with torch ops", stacklevel=2)  # fmt: skip
-                else:
-                    for name in ("kvcalib_scores", "kvcalib_sum"):
-                        getattr(lib, name).argtypes = [ctypes.POINTER(_Attend), ctypes.c_void_p]
-                        getattr(lib, name).restype = None
-                    _LOADED["lib"] = lib
-        return _LOADED["lib"]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -238,7 +166,7 @@ class _Attend(ctypes.Structure):
         ("groups", ctypes.c_int32),
         ("sinks", ctypes.c_int32),
         ("q", ctypes.c_void_p),
-        ("turned", ctypes.c_void_p),
+        ("scale", ctypes.c_float),
         ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p),
         ("tail_keys", ctypes.c_void_p),
@@ -255,63 +183,94 @@ class _Attend(ctypes.Structure):
     ]
 
 
-def attend(keys: Body, values: Body, n: int, q, rope, tails, sinks, new, is_sink, window: int,
-           scratch) -> torch.Tensor:  # fmt: skip
-    """One sequence's decode attention, as decode_torch's torch ops compute it: q [Hkv, G, D]
-    (scaled) against positions [0, keys.n) of the key body and [0, values.n) of the value body,
-    the others below n in the ring (tails: keys and values [Hkv, R, D], position t at t % R), the
-    sink slots (sinks: keys, values [Hkv, S, D] and positions int64 [S], -1 empty) and the new
-    token (new: key and value [Hkv, D], position n); RoPE where rope is (cos, sin) [>= n + 1, D];
-    positions is_sink [>= n] marks and, with a window, those <= n - window unseen; one softmax
-    over all of them. scratch: contiguous fp32 of >= Hkv * G * (n + S + 1) elements. Returns fp32
-    [Hkv, G, D]."""
-    heads, groups, d = q.shape
-    if keys.heads != heads or values.heads != heads or {keys.width, values.width} != {d}:
-        raise ValueError(f"bodies of {keys.heads}/{values.heads} heads of {keys.width}/"
-                         f"{values.width} for q {tuple(q.shape)}")  # fmt: skip
-    if not max(keys.n, values.n) <= n <= is_sink.shape[0] or window < 0:
-        raise ValueError(f"length {n}: bodies of {keys.n}/{values.n} rows, {is_sink.shape[0]} "
-                         f"positions, window {window}")  # fmt: skip
-    _f32(q, (heads, groups, d))
-    q1, q2 = q.chunk(2, -1)
-    turned = torch.cat([q2, -q1], -1)
-    for t in rope:
-        if t.shape[0] < n + 1:
-            raise ValueError(f"RoPE tables of {t.shape[0]} positions for {n + 1}")
-        _f32(t, (t.shape[0], d))
-    ring = tails[0].shape[1]
-    for t in tails:
-        _f32(t, (heads, ring, d))
-    if ring < 1 and min(keys.n, values.n) < n:
-        raise ValueError(f"positions {min(keys.n, values.n)}..{n - 1} in an empty ring")
-    count = sinks[2].shape[0]
-    for t in sinks[:2]:
-        _f32(t, (heads, count, d))
-    for t in new:
-        _f32(t, (heads, d))
-    if sinks[2].dtype != torch.int64 or sinks[2].dim() != 1 or not sinks[2].is_contiguous():
-        raise ValueError(f"sink positions: contiguous int64 [{count}]")
-    if is_sink.dtype != torch.bool or is_sink.dim() != 1 or not is_sink.is_contiguous():
-        raise ValueError("is_sink: contiguous bool [positions]")
-    length = n + count + 1
-    if (
-        scratch.dtype != torch.float32
-        or scratch.numel() < heads * groups * length
-        or (not scratch.is_contiguous())
-    ):
-        raise ValueError(f"scratch: float32 of {heads * groups * length} elements")
-    out = torch.empty(heads, groups, d, dtype=torch.float32)
-    cos, sin = rope or (None, None)
-    spec = _Attend(
-        ctypes.pointer(keys._struct), ctypes.pointer(values._struct), n, keys.n, values.n, heads,
-        groups, count, _ptr(q), _ptr(turned), _ptr(cos), _ptr(sin), *map(_ptr, tails), ring,
-        _ptr(sinks[0]), _ptr(sinks[1]), _ptr(sinks[2]), *map(_ptr, new), _ptr(is_sink), window,
-        _ptr(out),
-    )  # fmt: skip
-    lib = library()
-    lib.kvcalib_scores(ctypes.byref(spec), _ptr(scratch))
-    # torch's softmax: vectorized, and fast where exp underflows (an in-place exp_ of the
-    # shifted scores slows 15x on subnormal results, most far positions' at 4K)
-    p = torch.softmax(scratch[: heads * groups * length].view(heads * groups, length), -1)
-    lib.kvcalib_sum(ctypes.byref(spec), _ptr(p))
-    return out
+class Sequence:
+    """One sequence's decode attention with what stays from step to step checked once and kept:
+    the bodies' readers, the rings (tails: keys and values [Hkv, R, D], position t at t % R), the
+    sink slots (sinks: keys, values [Hkv, S, D] and positions int64 [S], -1 empty) and the
+    is-sink map (bool [P]). Each `attend` is one step; the buffers may change in place between
+    steps (the C code reads them as they are then)."""
+
+    def __init__(self, keys: Body, values: Body, tails, sinks, is_sink):
+        heads, d = keys.heads, keys.width
+        if values.heads != heads or values.width != d:
+            raise ValueError(f"bodies of {keys.heads}/{values.heads} heads of {keys.width}/"
+                             f"{values.width}")  # fmt: skip
+        ring = tails[0].shape[1]
+        for t in tails:
+            _f32(t, (heads, ring, d))
+        count = sinks[2].shape[0]
+        for t in sinks[:2]:
+            _f32(t, (heads, count, d))
+        if sinks[2].dtype != torch.int64 or sinks[2].dim() != 1 or not sinks[2].is_contiguous():
+            raise ValueError(f"sink positions: contiguous int64 [{count}]")
+        if is_sink.dtype != torch.bool or is_sink.dim() != 1 or not is_sink.is_contiguous():
+            raise ValueError("is_sink: contiguous bool [positions]")
+        self.keys, self.values, self.heads, self.width = keys, values, heads, d
+        self.ring, self.count, self.positions = ring, count, is_sink.shape[0]
+        self._keep = (*tails, *sinks, is_sink)  # alive while the struct points at them
+        self._struct = _Attend(
+            ctypes.pointer(keys._struct), ctypes.pointer(values._struct), heads=heads,
+            sinks=count, tail_keys=_ptr(tails[0]), tail_values=_ptr(tails[1]), ring=ring,
+            sink_keys=_ptr(sinks[0]), sink_values=_ptr(sinks[1]), sink_pos=_ptr(sinks[2]),
+            is_sink=_ptr(is_sink),
+        )  # fmt: skip
+        self._ref = ctypes.byref(self._struct)
+
+    def attend(self, n: int, nb_keys: int, nb_values: int, q, scale: float, rope, new,
+               window: int, scratch) -> torch.Tensor:  # fmt: skip
+        """One step, as decode_torch's torch ops compute it: the queries q [Hkv, G, D] times
+        `scale` against positions [0, nb_keys) of the key body and [0, nb_values) of the value
+        body, the others below n in the ring, the sink slots and the new token (new: key and
+        value [Hkv, D], position n); RoPE where rope is (cos, sin) [>= n + 1, D]; positions the
+        is-sink map marks and, with a window, those <= n - window unseen; one softmax over all
+        of them. scratch: contiguous fp32 of >= Hkv * G * (n + S + 1) elements. Returns fp32
+        [Hkv, G, D]."""
+        heads, d = self.heads, self.width
+        groups = q.shape[1] if q.dim() == 3 else 0
+        _f32(q, (heads, groups, d))
+        if heads * groups * d > MAX_Q:
+            raise ValueError(f"queries of {heads * groups * d} floats: at most {MAX_Q}")
+        if not (0 <= nb_keys <= self.keys.n and 0 <= nb_values <= self.values.n):
+            raise ValueError(f"bodies read to {nb_keys}/{nb_values} rows of {self.keys.n}/"
+                             f"{self.values.n} checked")  # fmt: skip
+        if not max(nb_keys, nb_values) <= n <= self.positions or window < 0:
+            raise ValueError(f"length {n}: bodies of {nb_keys}/{nb_values} rows, "
+                             f"{self.positions} positions, window {window}")  # fmt: skip
+        if self.ring < 1 and min(nb_keys, nb_values) < n:
+            raise ValueError(f"positions {min(nb_keys, nb_values)}..{n - 1} in an empty ring")
+        for t in rope:
+            if t.shape[0] < n + 1:
+                raise ValueError(f"RoPE tables of {t.shape[0]} positions for {n + 1}")
+            _f32(t, (t.shape[0], d))
+        if rope and d % 2:
+            raise ValueError(f"RoPE over heads of an odd {d} channels")
+        for t in new:
+            _f32(t, (heads, d))
+        length = n + self.count + 1
+        if (
+            scratch.dtype != torch.float32
+            or scratch.numel() < heads * groups * length
+            or (not scratch.is_contiguous())
+        ):
+            raise ValueError(f"scratch: float32 of {heads * groups * length} elements")
+        out = torch.empty(heads, groups, d, dtype=torch.float32)
+        a = self._struct
+        a.n, a.nb_keys, a.nb_values, a.groups, a.window = n, nb_keys, nb_values, groups, window
+        a.q, a.scale, a.out = _ptr(q), scale, _ptr(out)
+        a.cos, a.sin = (_ptr(t) for t in rope) if rope else (None, None)
+        a.new_key, a.new_value = _ptr(new[0]), _ptr(new[1])
+        lib = native.library()
+        lib.kvcalib_scores(self._ref, _ptr(scratch))
+        # torch's softmax: vectorized, and fast where exp underflows (an in-place exp_ of the
+        # shifted scores slows 15x on subnormal results, most far positions' at 4K)
+        p = torch.softmax(scratch[: heads * groups * length].view(heads * groups, length), -1)
+        lib.kvcalib_sum(self._ref, _ptr(p))
+        return out
+
+
+def attend(keys: Body, values: Body, n: int, q, scale: float, rope, tails, sinks, new, is_sink,
+           window: int, scratch) -> torch.Tensor:  # fmt: skip
+    """One step of `Sequence`, the bodies read to their first keys.n / values.n rows."""
+    return Sequence(keys, values, tails, sinks, is_sink).attend(
+        n, keys.n, values.n, q, scale, rope, new, window, scratch
+    )

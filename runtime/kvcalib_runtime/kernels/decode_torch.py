@@ -31,7 +31,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from kvcalib_runtime.kernels import decode_native
+from kvcalib_runtime.kernels import decode_native, native
 from kvcalib_runtime.kernels.decode_reference import decode_attention_reference
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts import Kind, fp8, metabyte
@@ -217,14 +217,15 @@ def _byte_tables(device) -> tuple[torch.Tensor, torch.Tensor]:
 _READERS: dict = {}
 
 
-def _native(body, b: int, n: int) -> "decode_native.Body | None":
+def _native(body, b: int, n: int, copies: bool = True) -> "decode_native.Body | None":
     """decode_native's reader of sequence b's body positions [0, n), or None where the C kernel
     does not read it (no library, a layout no table reads, a row too wide). The C code reads the
     body's own buffers in the dtypes it knows (the CPU cache's float32, byte metadata, E4M3
     slots): such a reader is checked once for every slot of the body and kept while the buffers
-    and table live. Other metadata and slots are read into float32 copies of the first n rows."""
+    and table live. Other metadata and slots are read into float32 copies of the first n rows
+    (with copies=False: None)."""
     bits = _window(body) if isinstance(body, PackedBody) else 0
-    if not bits or body.codes.device.type != "cpu" or decode_native.library() is None:
+    if not bits or body.codes.device.type != "cpu" or native.library() is None:
         return None
     table, rows = _window_table(body, bits)
     heads, per, layout = body.codes.shape[1], table.shape[1], body.layout
@@ -238,6 +239,8 @@ def _native(body, b: int, n: int) -> "decode_native.Body | None":
     key = (id(table), b, *(None if t is None else t.data_ptr() for t in buffers))
     if in_place and key in _READERS:
         return _READERS[key][0].first(n)
+    if not (in_place or copies):
+        return None
     rows_read = body.codes.shape[2] if in_place else n
     scales, fp8s = _byte_tables(body.codes.device)
     meta, slots = {}, {}
@@ -281,14 +284,50 @@ def _attend_native(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks, 
     if None in readers:
         return None
     heads, d = keys.tail.shape[1], q.shape[-1]
-    qg = q.reshape(heads, -1, d) * d**-0.5
+    if q.numel() > decode_native.MAX_Q:
+        return None
     rope = () if inv_freq is None else _rope_table(inv_freq, torch.float32, n + 1)
-    size = qg.shape[0] * qg.shape[1] * (n + sinks.positions.shape[1] + 1)
+    size = q.numel() * (n + sinks.positions.shape[1] + 1) // d
     return decode_native.attend(
-        *readers, n, qg, rope, (keys.tail[b], values.tail[b]),
+        *readers, n, q.reshape(heads, -1, d), d**-0.5, rope, (keys.tail[b], values.tail[b]),
         (sinks.keys[b], sinks.values[b], sinks.positions[b]), (k_new[:, 0], v_new[:, 0]),
         sinks.is_sink[b], window or 0, _scratch("scores", (size,), torch.float32, q.device),
     )  # fmt: skip
+
+
+def prepare(keys: Stored, values: Stored, sinks: Sinks, b: int) -> "decode_native.Sequence | None":
+    """Sequence b's decode attention in C prepared for every step (`attend_prepared`): both
+    bodies read in place to every slot, the rings, sink slots and is-sink map checked once; None
+    where the C kernel does not read both bodies in place or a buffer is not float32."""
+    parts = (keys.tail, values.tail, sinks.keys, sinks.values)
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in parts):
+        return None
+    readers = [_native(s.body, b, _slots(s), copies=False) for s in (keys, values)]
+    if None in readers:
+        return None
+    return decode_native.Sequence(
+        *readers, (keys.tail[b], values.tail[b]),
+        (sinks.keys[b], sinks.values[b], sinks.positions[b]), sinks.is_sink[b],
+    )  # fmt: skip
+
+
+def attend_prepared(sequences, q, k_new, v_new, lengths: list[int], bodies, *, inv_freq=None,
+                    window=None) -> torch.Tensor:  # fmt: skip
+    """decode_attention_torch's result in float32 through sequences prepared by `prepare` (one
+    per sequence, every length within the bodies' slots): q [B, H, 1, D], k_new and v_new [B,
+    Hkv, 1, D] in float32; lengths and bodies (the key and value bodies' sizes, two lists) on
+    the host. What a prepared sequence keeps is checked once, what changes at every step."""
+    d, groups = q.shape[-1], q.shape[1] // k_new.shape[1]
+    rope = () if inv_freq is None else _rope_table(inv_freq, torch.float32, max(lengths) + 1)
+    size = q.shape[1] * (max(lengths) + sequences[0].count + 1)
+    scratch = _scratch("scores", (size,), torch.float32, q.device)
+    out = []
+    for b, (n, seq) in enumerate(zip(lengths, sequences, strict=True)):
+        o = seq.attend(n, min(bodies[0][b], n), min(bodies[1][b], n),
+                       q[b, :, 0].view(-1, groups, d), d**-0.5, rope,
+                       (k_new[b, :, 0], v_new[b, :, 0]), window or 0, scratch)  # fmt: skip
+        out.append(o.view(1, -1, 1, d))
+    return torch.cat(out) if len(out) > 1 else out[0]
 
 
 def _rotate(k: torch.Tensor, pos, inv_freq, n: int, wide) -> torch.Tensor:
