@@ -2,7 +2,8 @@
 
 The public names load on first use, so `import kvcalib` (and `kvcalib --help`) stays fast:
 
-    kvcalib.calibrate, kvcalib.convert, kvcalib.evaluate     the pipeline (kvcalib.api)
+    kvcalib.calibrate, kvcalib.convert, kvcalib.evaluate     the pipeline (kvcalib.calibration,
+                                                             kvcalib.api)
     kvcalib.load_model, kvcalib.load_recipe, kvcalib.Profile, kvcalib.KvcalibError, ...
 """
 
@@ -13,7 +14,8 @@ __version__ = "0.1.0"
 __getattr__, __dir__, __all__ = lazy(
     __name__,
     {
-        "kvcalib.api": ("calibrate", "convert", "evaluate"),
+        "kvcalib.api": ("convert", "evaluate"),
+        "kvcalib.calibration": ("calibrate",),
         "kvcalib.core.models": ("DEFAULT_MODEL", "load_model"),
         "kvcalib.core.profile": ("Profile",),
         "kvcalib.core.recipe": ("load_recipe",),

@@ -5,6 +5,9 @@ The stages (kvcalib.calibration, kvcalib.conversion, kvcalib.evaluation) never i
 a recipe that needs calibrated tensors gets them from here. Given no profile, `convert` and
 `evaluate` announce that they use the default calibration of the model (computed once, cached
 under the kvcalib cache folder) before they start it, or refuse with `calibrate=False`.
+
+The calibration and evaluation stages are imported where they are used (2.5 s of CPU on import,
+more than the conversion module itself): `convert` pays for the conversion alone.
 """
 
 import dataclasses
@@ -14,11 +17,10 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvcalib.calibration import PHASES, Settings, calibrate
-from kvcalib.calibration.codebooks import preset_variants
 from kvcalib.conversion.convert import convert as convert_checkpoint
 from kvcalib.core import data as data_mod
 from kvcalib.core import options, preflight
@@ -34,12 +36,13 @@ from kvcalib.core.plan import scheme_with_residual
 from kvcalib.core.profile import FORMAT_VERSION, Profile
 from kvcalib.core.recipe import Recipe, load_recipe
 from kvcalib.errors import ProfileError, RecipeError
-from kvcalib.evaluation import longcontext
-from kvcalib.evaluation.score import Candidate, Result, candidates, score
 from kvcalib.io import atomic
 from kvcalib_runtime.checkpoint.format import META, read_checkpoint
 
-__all__ = ["PHASES", "Settings", "calibrate", "convert", "default_profile", "evaluate"]
+if TYPE_CHECKING:
+    from kvcalib.evaluation.score import Result
+
+__all__ = ["convert", "default_profile", "default_profile_path", "evaluate"]
 CONVERTED = "converted checkpoint"  # the kind of output convert writes (atomic.KINDS)
 
 # What the default calibration costs, measured (benchmarks/RESULTS.md, bench_calibrate.py: 36.3 s
@@ -57,6 +60,9 @@ def default_profile_path(source: ModelSource) -> Path:
     the profile format and a digest of what a default calibration computes (its settings, the
     codebook variants the presets ask for and the built-in calibration text, which follows
     Python's own documentation), so a stale profile is never reused."""
+    from kvcalib.calibration import Settings
+    from kvcalib.calibration.codebooks import preset_variants
+
     text = hashlib.sha256(data_mod.read_text(None, "calibration").encode()).hexdigest()
     what = json.dumps([dataclasses.asdict(Settings()), preset_variants(), text], sort_keys=True)
     key = f"v{FORMAT_VERSION}-{hashlib.sha256(what.encode()).hexdigest()[:8]}"
@@ -93,6 +99,8 @@ def default_profile(
             )
         writable_cache_dir()
         log(f"note: {what}; this runs once (--no-calibrate stops here instead)")
+        from kvcalib.calibration import calibrate
+
         calibrate(str(source.path), path, progress=progress)
     loaded = Profile.load(path)
     loaded.check_model(source)
@@ -140,15 +148,15 @@ def evaluate(
     residual: int | None = None,
     passkey: bool = False,
     long_context: Sequence[int] | bool | None = None,
-    long_context_prompts: int = longcontext.PROMPTS,
+    long_context_prompts: int | None = None,
     plots: str | Path | None = None,
     device: str = "cpu",
     dtype: str | torch.dtype = torch.float32,
     progress: bool = True,
     calibrate_missing: bool = True,
     trust_remote_code: bool = False,
-    report: Callable[[list[Result]], None] | None = None,
-) -> list[Result]:
+    report: "Callable[[list[Result]], None] | None" = None,
+) -> "list[Result]":
     """Evaluate recipes (names, paths or Recipe objects) on a model spec or a converted folder.
 
     A converted folder (one with kvcalib.json) is evaluated with its own side-car as the recipe
@@ -162,8 +170,11 @@ def evaluate(
     `report(results)` runs before the plots are written (`score`).
     `long_context`: lengths at which to run the long-context suite (e.g. (2048, 4096)), or True
     for its default lengths (`kvcalib.evaluation.longcontext.LENGTHS`), with
-    `long_context_prompts` prompts per task and length.
+    `long_context_prompts` prompts per task and length (None: `longcontext.PROMPTS`).
     """
+    from kvcalib.evaluation import longcontext
+    from kvcalib.evaluation.score import Candidate, candidates, score
+
     reads = preflight.inputs(model, data=data, profile=profile, recipes=recipes)
     preflight.evaluate_options(
         seq_len=seq_len,
@@ -218,7 +229,9 @@ def evaluate(
         mode=mode,
         passkey=passkey,
         long_context=long_context,
-        long_context_prompts=long_context_prompts,
+        long_context_prompts=(
+            longcontext.PROMPTS if long_context_prompts is None else long_context_prompts
+        ),
         plots=plots,
         progress=progress,
         report=report,

@@ -324,7 +324,7 @@ def calibrate_(
     paths.check(model=model, data=options["data"])
     import dataclasses
 
-    from kvcalib.api import PHASES, Settings, calibrate
+    from kvcalib.calibration import PHASES, Settings, calibrate
     from kvcalib.inspect import profile_summary
 
     default = Settings()

@@ -33,8 +33,9 @@ READ = [c for c, spec in DECODE_CASES.items() if spec[-1] is None]  # ring bodie
 
 def _inputs(case, in_place: bool):
     """decode_inputs' fp16 cache with everything but the bodies in float32 (q, the new token, the
-    rings, the sinks; the same numbers), and the bodies' metadata and slots too where in_place
-    (which the kernel reads as they lie; fp16 ones it reads through float32 copies)."""
+    rings, the sinks; the same numbers), and the bodies' metadata and slots (and bodies left in
+    full precision) too where in_place (which the kernel reads as they lie; fp16 metadata and
+    slots it reads through float32 copies)."""
     args, options = decode_inputs(case, torch.Generator().manual_seed(len(case)))
     q, k_new, v_new, keys, values, sinks, lengths = args
     f = [t.float() for t in (q, k_new, v_new, keys.tail, values.tail, sinks.keys, sinks.values)]
@@ -47,6 +48,8 @@ def _inputs(case, in_place: bool):
                 t = getattr(body, name)
                 if t is not None and t.is_floating_point():
                     setattr(body, name, t.float())
+        elif in_place and isinstance(body, torch.Tensor):  # left in full precision
+            body = body.float()
         stored.append(side._replace(tail=tail, body=body))
     sinks = Sinks(f[5], f[6], sinks.positions, sinks.is_sink)
     return (*f[:3], *stored, sinks, lengths), options
@@ -82,9 +85,12 @@ def test_the_c_kernel_matches_the_reference(case, in_place, monkeypatch):
     if not read:
         return
     for stored, i in ((keys, 3), (values, 4)):
-        broken = [copy.copy(stored.body)]
-        broken[0].codes = broken[0].codes ^ 0x55
-        if stored.body.slot_delta is not None:
+        if isinstance(stored.body, torch.Tensor):  # left in full precision: its rows swapped
+            broken = [stored.body.roll(7, 2)]
+        else:
+            broken = [copy.copy(stored.body)]
+            broken[0].codes = broken[0].codes ^ 0x55
+        if getattr(stored.body, "slot_delta", None) is not None:
             broken.append(copy.copy(stored.body))
             broken[-1].slot_delta = torch.zeros_like(stored.body.slot_delta)
         for body in broken:
@@ -214,22 +220,25 @@ KVCALIB_2 = (
 )  # fmt: skip
 
 
-def _cache_steps(prepared: bool, windows, dtype=torch.float32) -> list[torch.Tensor]:
-    """Every layer's output of a kvcalib-2 cache (two layers, batch 2, residual 8, one sink
-    slot) fed a prefill of 5 and 23 tokens, then 30 steps; with prepared=False the cache never
-    prepares its sequences (decode_torch's per-call path)."""
+def _cache_steps(prepared: bool, windows, quantized: bool) -> list[torch.Tensor]:
+    """Every layer's output of a float32 cache, kvcalib-2's (pre-RoPE keys) or one left in full
+    precision (two layers, batch 2, residual 8, one sink slot), fed a prefill of 5 and 23
+    tokens, then 30 steps; with prepared=False the cache never prepares its sequences
+    (decode_torch's per-call path)."""
     hkv, groups, d = 3, 3, 64
-    scheme = KVScheme((LayerScheme(*KVCALIB_2, key_position="pre_rope"),) * 2, residual=8,
-                      sinks_first=1, sink_budget=0)  # fmt: skip
+    layer = (
+        LayerScheme(*KVCALIB_2, key_position="pre_rope") if quantized else LayerScheme(None, None)
+    )
+    scheme = KVScheme((layer,) * 2, residual=8, sinks_first=1, sink_budget=0)
     gen = torch.Generator().manual_seed(5)
     params = KVParams()
-    for i in range(2):
+    for i in range(2 if quantized else 0):
         params.key_range[i] = (-torch.rand(hkv, d, generator=gen) - 0.2,
                                torch.rand(hkv, d, generator=gen) + 0.2)  # fmt: skip
         params.key_codebook[i] = random_codebook(KVCALIB_2[0], hkv, gen)
     cache = QuantizedCache(scheme, params, Transforms.online(scheme, params), num_layers=2,
                            batch=2, kv_heads=hkv, head_dim=d, max_len=64, device="cpu",
-                           dtype=dtype, use_kernels=False, windows=windows)  # fmt: skip
+                           dtype=torch.float32, use_kernels=False, windows=windows)  # fmt: skip
     if not prepared:
         cache._prepared = lambda layer: None
     rope, outs = Rope({}, d), []
@@ -238,7 +247,7 @@ def _cache_steps(prepared: bool, windows, dtype=torch.float32) -> list[torch.Ten
         pos = view.positions(t)
         b = view.lengths.shape[0]
         for layer in range(2):
-            q, k, v = (random_data((b, h, t, d), gen, dtype) for h in (hkv * groups, hkv, hkv))
+            q, k, v = (random_data((b, h, t, d), gen) for h in (hkv * groups, hkv, hkv))
             outs.append(view.attend(layer, rope.apply(q, pos), k, v, rope, pos))
         view.commit(t)
 
@@ -249,20 +258,21 @@ def _cache_steps(prepared: bool, windows, dtype=torch.float32) -> list[torch.Ten
     return outs
 
 
+@pytest.mark.parametrize("quantized", [True, False], ids=["kvcalib-2", "full precision"])
 @pytest.mark.parametrize("windows", [None, (None, 20)], ids=["global", "a window's ring"])
-def test_prepared_sequences_attend_as_the_per_call_path(windows, monkeypatch):
+def test_prepared_sequences_attend_as_the_per_call_path(windows, quantized, monkeypatch):
     # the cache prepares each layer's sequences once and runs the same C kernel on them: its
     # outputs equal the per-call path's bit for bit at every step; the C kernel ran on both, for
     # 30 steps of 2 sequences in 2 layers (the windowed layer's ring of 20 slots holds fewer
     # positions than either sequence: the reference attends there, on both paths)
     calls = _native_calls(monkeypatch)
-    theirs = _cache_steps(False, windows)
+    theirs = _cache_steps(False, windows, quantized)
     assert len(calls) == 30 * 2 * (2 if windows is None else 1)
     ran = []
     real = decode_native.Sequence.attend
     monkeypatch.setattr(decode_native.Sequence, "attend",
                         lambda self, *a: ran.append(a[0]) or real(self, *a))  # fmt: skip
-    ours = _cache_steps(True, windows)
+    ours = _cache_steps(True, windows, quantized)
     assert len(ran) == len(calls)
     for a, b in zip(ours, theirs, strict=True):
         assert torch.equal(a, b)

@@ -10,6 +10,7 @@ import torch
 from click.testing import CliRunner
 from tiny import save_with_tokenizer, tiny_model
 
+from kvcalib import calibration
 from kvcalib.api import default_profile
 from kvcalib.calibration import Settings, calibrate_model
 from kvcalib.cli import main
@@ -234,7 +235,7 @@ def test_the_default_profile_is_announced_and_calibrated_once(profile, tmp_path,
         calls.append(model)
         return Profile(profile.meta, profile.tensors).save(output_dir)
 
-    monkeypatch.setattr(sys.modules["kvcalib.api"], "calibrate", fake_calibrate)
+    monkeypatch.setattr(calibration, "calibrate", fake_calibrate)
     lines = []
     with pytest.raises(ProfileError, match="--no-calibrate was given"):
         default_profile(SOURCE, calibrate_missing=False, log=lines.append)
@@ -252,7 +253,7 @@ def test_the_default_profile_is_announced_and_calibrated_once(profile, tmp_path,
 def test_no_calibrate_stops_before_any_calibration(command, tmp_path, monkeypatch):
     # issue 16: without --profile both announce the default calibration; --no-calibrate exits 2
     monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(sys.modules["kvcalib.api"], "calibrate", lambda *a, **k: pytest.fail())
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: pytest.fail())
     src = save_with_tokenizer(tiny_model("llama"), tmp_path / "src")
     args = [command, str(src), "--recipe", "kvcalib-2", "--no-calibrate"]
     args += ["-o", str(tmp_path / "out")] if command == "convert" else []
@@ -276,9 +277,7 @@ def test_the_default_calibration_cost_is_the_readmes():
 
 def test_cli_calibrate_sensitivity_and_window_options(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(
-        sys.modules["kvcalib.api"], "calibrate", lambda *a, **k: seen.append(k) or 1 / 0
-    )
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: seen.append(k) or 1 / 0)
     base = ["calibrate", str(tmp_path), "-o", str(tmp_path / "p")]  # a model path that exists
     for extra in (
         [],

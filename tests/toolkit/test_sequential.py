@@ -202,7 +202,7 @@ def test_device_auto_spreads_over_the_gpus(tmp_path, monkeypatch):
 
 
 def test_cli_calibrate_passes_device_auto(tmp_path, monkeypatch):
-    import kvcalib.api
+    import kvcalib.calibration
 
     seen = {}
 
@@ -210,7 +210,7 @@ def test_cli_calibrate_passes_device_auto(tmp_path, monkeypatch):
         seen.update(kwargs)
         raise ModelError("stop here")
 
-    monkeypatch.setattr(kvcalib.api, "calibrate", fake)
+    monkeypatch.setattr(kvcalib.calibration, "calibrate", fake)
     args = ["calibrate", str(tmp_path), "-o", str(tmp_path / "p"), "--device", "auto"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "stop here" in result.output

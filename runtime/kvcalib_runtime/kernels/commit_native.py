@@ -93,7 +93,7 @@ def takes(stream) -> bool:
     if stream.spec is None:
         return True
     body, spec = stream.body, stream.spec
-    if not isinstance(body, PackedBody) or spec.method != "affine" or body.vector:
+    if not isinstance(body, PackedBody) or not spec.layout.affine or body.vector:
         return False
     if body.width > MAX_WIDTH or not all(
         t is None or t.dtype in (torch.float32, torch.uint8, torch.int16) for t in body.tensors()

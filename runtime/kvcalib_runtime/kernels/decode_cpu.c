@@ -8,7 +8,7 @@
  *
  * The tables are decode_torch's (`_window_table`): window j of a stored row (a byte, or a quarter
  * of a 3-byte word) of value x reads `per` floats at row rows[h * rows_per_head + j] + x of
- * `table`. The common shapes (8-bit windows of 1, 2 or 4 codes, 6-bit windows of 2; head_dim 64
+ * `table`. A tensor left in full precision is read as it lies. The common shapes (8-bit windows of 1, 2 or 4 codes, 6-bit windows of 2; head_dim 64
  * or 128) are compiled with them as constants, so a row's loops unroll and the sums stay in
  * registers; any other runs the same code with them read at run time.
  */
@@ -54,12 +54,19 @@ typedef struct {
     int64_t slot_stride;
     const float *fp8_table;    /* [256] */
     const float *step;         /* [heads, width] */
+    /* a tensor left in full precision: row t of head h at exact + h * head_stride + t * width
+     * (float32; window 8, per 1, nbytes width, no table) */
+    const float *exact;
 } body_t;
 
 /* Row t of head h into out[0, d): `wide` and `each` (the window's bits and codes, 0: the body's
  * own) and `d` are constants where the caller's are. */
 INLINE void read_row(const body_t *b, int h, int64_t t, float *restrict out, const int wide,
                      const int each, const int d) {
+    if (b->exact) {
+        memcpy(out, b->exact + h * b->head_stride + t * d, d * sizeof(float));
+        return;
+    }
     const int window = wide ? wide : b->window, per = each ? each : b->per; /* 0: the body's */
     const uint8_t *row = b->codes + h * b->head_stride + t * b->nbytes;
     const int32_t *rows = b->rows + (int64_t)h * b->rows_per_head;

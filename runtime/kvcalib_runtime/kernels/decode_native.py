@@ -46,6 +46,7 @@ class _Body(ctypes.Structure):
         ("slot_stride", ctypes.c_int64),
         ("fp8_table", ctypes.c_void_p),
         ("step", ctypes.c_void_p),
+        ("exact", ctypes.c_void_p),
     ]
 
 
@@ -145,6 +146,20 @@ class Body:
             meta_stride=meta_stride, zero_step=zero_step, slots=slots, index_bytes=index_bytes,
             slot_code=slot_code, slot_stride=slot_stride,
         )  # fmt: skip
+
+    @classmethod
+    def exact(cls, x: torch.Tensor, n: int) -> "Body":
+        """The first n rows of one sequence's body left in full precision, float32 [heads, >= n,
+        D] with rows contiguous, read as it lies (kept alive by the reader)."""
+        heads, _, d = x.shape
+        stride = _rows_of(x, "exact", heads, n, d, (torch.float32,))
+        if d > MAX_ROW:
+            raise ValueError(f"rows of {d} channels: at most {MAX_ROW}")
+        out = object.__new__(cls)
+        out.heads, out.width, out.n, out._keep = heads, d, n, (x,)
+        out._struct = _Body(head_stride=stride, nbytes=d, window=8, per=1, width=d,
+                            exact=x.data_ptr())  # fmt: skip
+        return out
 
     def first(self, n: int) -> "Body":
         """The same body, read to its first n rows (at most those it was checked for)."""

@@ -219,11 +219,17 @@ _READERS: dict = {}
 
 def _native(body, b: int, n: int, copies: bool = True) -> "decode_native.Body | None":
     """decode_native's reader of sequence b's body positions [0, n), or None where the C kernel
-    does not read it (no library, a layout no table reads, a row too wide). The C code reads the
-    body's own buffers in the dtypes it knows (the CPU cache's float32, byte metadata, E4M3
-    slots): such a reader is checked once for every slot of the body and kept while the buffers
-    and table live. Other metadata and slots are read into float32 copies of the first n rows
-    (with copies=False: None)."""
+    does not read it (no library, a layout no table reads, a row too wide). A body left in full
+    precision (float32) is read as it lies. The C code reads a packed body's own buffers in the
+    dtypes it knows (the CPU cache's float32, byte metadata, E4M3 slots): such a reader is
+    checked once for every slot of the body and kept while the buffers and table live. Other
+    metadata and slots are read into float32 copies of the first n rows (with copies=False:
+    None)."""
+    if isinstance(body, torch.Tensor):  # left in full precision: read as it lies
+        usable = body.dtype == torch.float32 and body.shape[-1] <= decode_native.MAX_ROW
+        if not usable or body.device.type != "cpu" or native.library() is None:
+            return None
+        return decode_native.Body.exact(body[b], n)
     bits = _window(body) if isinstance(body, PackedBody) else 0
     if not bits or body.codes.device.type != "cpu" or native.library() is None:
         return None
