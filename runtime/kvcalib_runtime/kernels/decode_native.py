@@ -88,7 +88,8 @@ class Body:
                                                              [256]) and step (fp32 [heads, D])
 
     Every shape, dtype and stride the C code indexes by is checked here. The reader keeps the
-    tensors alive, or with keep=False leaves that to the caller (who drops it when they die)."""
+    tables alive, and the body's own tensors too unless keep=False (the caller then drops the
+    reader when they die)."""
 
     def __init__(self, table, rows, codes, window, per, width, n, *, scale=None, offset=None,
                  scale_table=None, zero_step=0.0, slot_index=None, slot_delta=None,
@@ -136,7 +137,8 @@ class Body:
         self.heads, self.width, self.n = heads, width, n
         tensors = (table, rows, codes, scale, offset, scale_table, slot_index, slot_delta,
                    fp8_table, step)  # fmt: skip
-        self._keep = tensors if keep else ()  # alive while the struct points at them
+        body = (codes, scale, offset, slot_index, slot_delta) if keep else ()
+        self._keep = (table, rows, scale_table, fp8_table, step, *body)  # what the struct reads
         p = {name: _ptr(t) for name, t in zip(
             ("table", "rows", "codes", "scale", "offset", "scale_table", "slot_index",
              "slot_delta", "fp8_table", "step"), tensors, strict=True)}  # fmt: skip
