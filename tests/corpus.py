@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
 from kvcalib.calibration import run
 from kvcalib.cli import main
-from kvcalib.core import models
 from kvcalib.io import shards
 from kvcalib_runtime.checkpoint import format
 from kvcalib_runtime.errors import KvcalibRuntimeError
@@ -85,7 +85,7 @@ def check(case: Case, ctx: "Workspace", monkeypatch) -> str:
     target = case.build(ctx)
     before = snapshot(ctx.root)
     if case.before_load:
-        monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", _no_load)
+        monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", _no_load)
         monkeypatch.setattr(run, "LayerwiseModel", _no_load)
         monkeypatch.setattr(shards.SourceWeights, "read", _no_load)
         monkeypatch.setattr(Transformer, "from_folder", _no_load)

@@ -32,10 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from gguf import GGUFReader
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import LocalEntryNotFoundError
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvcalib.core import options
 from kvcalib.core.paths import DEFAULT_MODEL, GEMMA3, QWEN25, is_hub_id
@@ -303,6 +299,8 @@ def _json_object(path: Path, name: str) -> dict | None:
 
 
 def _from_hub_cache(repo_id: str, trust_remote_code: bool) -> ModelSource:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
         path = Path(snapshot_download(repo_id, local_files_only=True))
@@ -353,6 +351,7 @@ def cached_sha256(path: Path) -> str:
 
 
 def _gguf_architecture(path: Path) -> str:
+    from gguf import GGUFReader
 
     try:  # gguf's reader raises what numpy raises on a cut or damaged file
         field = GGUFReader(path).fields["general.architecture"]
@@ -381,6 +380,7 @@ def _from_gguf(path: Path, spec: str) -> ModelSource:
 def _dequantize_gguf(path: Path, digest: str, folder: Path) -> None:
     """Load the GGUF through transformers and save it as a plain safetensors folder, atomically
     (a concurrent writer of the same GGUF writes the same bytes: the later one replaces it)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with atomic.staging(folder, force=True) as tmp:
         tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -410,6 +410,7 @@ def load_model(
     such a folder is refused (`resolve`).
     The model carries `model.kvcalib_source` (a ModelSource) for provenance.
     """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = options.device("--device", device, auto=True)
     source = resolve(spec, trust_remote_code=trust_remote_code)

@@ -5,6 +5,9 @@ and layouts are counted by hand, so neither can drift without a test failing. To
 the same check in tests/toolkit/test_memory.py; on CUDA, torch.cuda.memory_allocated agrees too."""
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,6 +224,45 @@ def test_an_fp16_cache_is_its_keys_and_values():
     assert cache.bytes_per_token() == 2 * 30 * HKV * D * 2
     windowed = FullPrecisionCache(2, 1, HKV, D, 4096, "meta", torch.float16, windows=(None, 512))
     assert windowed.allocated_bytes() == 2 * (4096 + 512) * HKV * D * 2
+
+
+PLAN_ON_META = """
+import sys
+import torch
+from test_memory import D, HKV, LAYOUTS, _params, _scheme
+from kvcalib_runtime.cache.fpcache import FullPrecisionCache
+from kvcalib_runtime.cache.kvcache import planned_memory
+from kvcalib_runtime.model.forward import Transformer
+from kvcalib_runtime.model.transforms import Transforms
+
+config = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256)
+with torch.device("meta"):
+    Transformer(config)
+FullPrecisionCache(2, 1, HKV, D, 64, "meta", torch.float16)
+for name in LAYOUTS:
+    scheme = _scheme(name)
+    params = _params(scheme)
+    planned_memory(scheme, params, Transforms.online(scheme, params), num_layers=2,
+                   kv_heads=HKV, head_dim=D, context=64)
+print(sorted(m for m in ("torch._dynamo", "sympy") if m in sys.modules))
+"""
+
+
+def test_planning_on_the_meta_device_imports_no_compiler():
+    """Loading, converting and every memory plan build the model and caches on the meta device.
+    A meta op that torch implements in Python (an Embedding's random init, zeros_like) imports
+    torch._dynamo or sympy: 1-2 s of CPU at every load and conversion, for nothing. Held in a
+    fresh interpreter, over every layout here and the model itself."""
+    result = subprocess.run(
+        [sys.executable, "-c", PLAN_ON_META],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parent,
+        check=True,
+    )
+    assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
 @pytest.mark.gpu

@@ -71,10 +71,9 @@ class FullPrecisionCache:
             raise ValueError(f"windows has {len(self.windows)} entries for {num_layers} layers")
         self.softcap = softcap
         sizes = [min(w or max_len, max_len) for w in self.windows]
-        self.keys = [
-            torch.zeros(batch, kv_heads, s, head_dim, device=device, dtype=dtype) for s in sizes
-        ]
-        self.values = [torch.zeros_like(k) for k in self.keys]
+        shapes = [(batch, kv_heads, s, head_dim) for s in sizes]
+        self.keys = [torch.zeros(s, device=device, dtype=dtype) for s in shapes]
+        self.values = [torch.zeros(s, device=device, dtype=dtype) for s in shapes]
         self.lengths = torch.zeros(batch, dtype=torch.long, device="cpu")
         self.max_len = max_len
 

@@ -132,10 +132,9 @@ class QuantizedCache:
             for i in range(num_layers)
         ]
         slots = max(scheme.num_sink_slots, 1)
-        self.sink_k = torch.zeros(
-            num_layers, batch, kv_heads, slots, head_dim, device=device, dtype=dtype
-        )
-        self.sink_v = torch.zeros_like(self.sink_k)
+        sinks = (num_layers, batch, kv_heads, slots, head_dim)
+        self.sink_k = torch.zeros(sinks, device=device, dtype=dtype)
+        self.sink_v = torch.zeros(sinks, device=device, dtype=dtype)
         self.sink_pos = torch.full((batch, slots), -1, dtype=torch.long, device=device)
         self.is_sink = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)

@@ -226,9 +226,9 @@ class AffineLayout(Layout):
         )
         levels = mids = None
         if spec.codebook:
-            book = codebook.to(device=device, dtype=torch.float32)
-            levels = book.expand(heads, -1).contiguous()
-            mids = ((levels[:, 1:] + levels[:, :-1]) / 2).contiguous()
+            book = codebook.to(torch.float32).expand(heads, -1)  # where it lies: see static.py
+            levels = book.to(device).contiguous()
+            mids = ((book[:, 1:] + book[:, :-1]) / 2).to(device).contiguous()
         slot_index = slot_delta = None
         k = self.slots(width)
         if k:
@@ -241,8 +241,9 @@ class AffineLayout(Layout):
     def metadata_buffers(self, rows, device, dtype, static_range):
         """(scale, offset or None, static_range) of a body of `rows` = (B, heads, N, width)."""
         stored = torch.uint8 if self.spec.metadata_code == "byte" else dtype
-        scale = torch.zeros(self.metadata_shape(*rows), device=device, dtype=stored)
-        offset = None if self.spec.symmetric else torch.zeros_like(scale)
+        shape = self.metadata_shape(*rows)
+        scale = torch.zeros(shape, device=device, dtype=stored)
+        offset = None if self.spec.symmetric else torch.zeros(shape, device=device, dtype=stored)
         return scale, offset, None
 
 

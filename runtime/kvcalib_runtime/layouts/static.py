@@ -52,6 +52,11 @@ class StaticChannels(AffineLayout):
                 "granularity 'static' needs its calibrated range: put (lo, hi) for this layer in "
                 "KVParams.key_range / value_range"
             )
-        lo, hi = (r.to(device=device, dtype=torch.float32).contiguous() for r in static_range)
+        # Computed where the range lies, then moved: arithmetic on the meta device (every memory
+        # plan) would import torch's Python meta kernels, seconds of CPU for nothing.
+        lo, hi = (r.to(torch.float32) for r in static_range)
         scale, offset = self.metadata(lo, hi, dtype)
+        scale, offset, lo, hi = (
+            None if t is None else t.to(device).contiguous() for t in (scale, offset, lo, hi)
+        )
         return scale, offset, (lo, hi)

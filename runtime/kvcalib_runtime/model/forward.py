@@ -195,7 +195,9 @@ class Transformer(nn.Module):
         self.config = config
         self.ropes = layer_ropes(geo.rope, geo.head_dim)
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(vocab, hidden)
+        # Left uninitialized (its weights are read in): an Embedding's random init on the meta
+        # device would import torch._dynamo, about 2 s of every load and conversion.
+        self.model.embed_tokens = nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
         self.model.layers = nn.ModuleList(DecoderLayer(config, geo, i) for i in range(geo.layers))
         self.model.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6), arch.gemma)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
