@@ -390,6 +390,7 @@ def generate_(
         compare=compare_fp16,
         on_text=lambda text: click.echo(text, nl=False),
         on_section=section,
+        on_note=lambda line: click.echo(line, err=True),
     )
     click.echo()
     click.echo(format_report(report))

@@ -17,11 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from pydoc_data.topics import topics
 
+import torch
 from transformers import AutoTokenizer
 
 import kvcalib_runtime
 from kvcalib.core import preflight
 from kvcalib.errors import DataError, ModelError
+from kvcalib_runtime.kernels import native
+from kvcalib_runtime.kernels.layout import use_triton
 
 MIB = 1 << 20
 LONG_CONTEXT = 4096  # where the memory claim is also made
@@ -96,6 +99,7 @@ def generate_text(
     compare: bool = False,
     on_text: Callable[[str], None] | None = None,
     on_section: Callable[[str], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> GenerationReport:
     """Generate up to `max_new_tokens` after `prompt` with the converted checkpoint at `path`.
 
@@ -106,6 +110,7 @@ def generate_text(
     compare:    also generate through a full-precision cache of the same model
     on_text:    called with each new piece of text as soon as it decodes to whole characters
     on_section: called with a title before each run's text, when comparing
+    on_note:    called with a line on one-time work before it starts (building the CPU kernels)
     Every option, the document and the folder's kind are checked before the checkpoint loads.
     """
     preflight.generate(
@@ -118,6 +123,9 @@ def generate_text(
     )
     if document is not None:
         prompt = f"{document_text(document)}\n\n{prompt}"
+    where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if on_note is not None and where.type == "cpu" and not use_triton(where) and native.pending():
+        on_note("building the runtime's CPU kernels, once per machine (about 10 s)")
     model = kvcalib_runtime.load(path, device=device)
     if chat:
         ids = model.tokenizer.encode(chat_prompt(path, prompt), add_special_tokens=False).ids

@@ -21,6 +21,7 @@ from kvcalib_runtime.checkpoint.format import EXPORT_TENSOR, TOKENIZER, Checkpoi
 from kvcalib_runtime.errors import CapacityError, FormatError, KvcalibRuntimeError
 from kvcalib_runtime.generate import check_options
 from kvcalib_runtime.generate import generate as _generate
+from kvcalib_runtime.kernels import native
 from kvcalib_runtime.kernels.layout import use_triton  # plain torch: no triton import
 from kvcalib_runtime.model.forward import Transformer
 
@@ -235,6 +236,8 @@ def load(
         )
     tokenizer = read_tokenizer(path, ckpt.geometry.vocab)
     model = Transformer.from_folder(path, device=device, dtype=dtype)
+    if device.type == "cpu" and not (use_triton(device) if use_kernels is None else use_kernels):
+        native.library()  # built here once per machine (kernels/native.py), not in a decode step
     return RuntimeModel(model, tokenizer, ckpt, max_len=max_len, use_kernels=use_kernels)
 
 

@@ -191,6 +191,23 @@ def test_a_build_that_fails_leaves_the_torch_ops(tmp_path, monkeypatch):
     assert (ours - exact).abs().max() <= 2 * (low - exact).abs().max()
 
 
+def test_pending_says_whether_library_would_compile(tmp_path, monkeypatch):
+    # what `kvcalib generate` announces before the load builds the library
+    monkeypatch.setattr(native, "_LOADED", {})
+    monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path))
+    assert native.pending()
+    target = native._target(native._compiler())
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"")
+    assert not native.pending()  # in the cache: loaded, not compiled
+    target.unlink()
+    monkeypatch.setenv("KVCALIB_NATIVE", "0")
+    assert not native.pending()
+    monkeypatch.delenv("KVCALIB_NATIVE")
+    monkeypatch.setattr(native, "_LOADED", {"lib": None})
+    assert not native.pending()  # tried once in this process: never again
+
+
 def test_positions_in_an_empty_ring_are_refused():
     # C would take t % 0 for them: refused before the call
     args, options = _inputs("kvcalib-2 byte values G4 D128", True)

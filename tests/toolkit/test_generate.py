@@ -15,6 +15,7 @@ import kvcalib_runtime
 from kvcalib import convert
 from kvcalib.cli import main
 from kvcalib.generate import TextStream, generate_text
+from kvcalib_runtime.kernels import native
 
 SPEED = re.compile(r"^prefill: 5 tokens in [\d.]+ s; decode: (\d+) tokens at [\d.]+ tokens/s$")
 MEMORY = re.compile(
@@ -58,6 +59,19 @@ def test_generate_prints_the_text_then_speed_and_cache_size(folder):
     kib, fp16 = LONG.match(long).groups()
     assert float(kib) == pytest.approx(expected.kv_bytes_per_token(4096) / 1024, abs=0.01)
     assert float(fp16) == expected.fp16_bytes_per_token(4096) / 1024
+
+
+def test_a_cpu_load_builds_the_c_kernels_and_generate_says_so_first(folder, monkeypatch):
+    """A machine's first use compiles the runtime's C kernels (about 10 s of CPU): the load does
+    it, so that no decode step the report times pays for it, and `generate` says so first."""
+    monkeypatch.setattr(native, "_LOADED", {})
+    monkeypatch.delenv("TRITON_INTERPRET")  # the tests' default: Triton's interpreter on the CPU
+    kvcalib_runtime.load(folder, device="cpu")
+    assert "lib" in native._LOADED  # built, or found in the cache, by the load
+    monkeypatch.setattr(native, "pending", lambda: True)
+    notes = []
+    generate_text(folder, "Hello", max_new_tokens=2, device="cpu", on_note=notes.append)
+    assert notes == ["building the runtime's CPU kernels, once per machine (about 10 s)"]
 
 
 def test_compare_fp16_answers_twice_and_measures_both_caches(folder, tmp_path):

@@ -2,9 +2,12 @@
 called by decode_native) and a decode step's writes into the cache (`commit_cpu.c`, called by
 commit_native).
 
-The sources are compiled once per machine with the system's C compiler (`cc`, or $CC; 12-14 s
-of CPU at -O3) into cache_dir()/native/, named by the sources, the flags, the compiler and the
-CPU's features (-march=native), and loaded with ctypes: the runtime needs nothing else. The
+The sources are compiled once per machine with the system's C compiler (`cc`, or $CC) into
+cache_dir()/native/, named by the sources, the flags, the compiler and the CPU's features
+(-march=native), and loaded with ctypes: the runtime needs nothing else. The build takes 15-17 s
+of CPU, nearly all of it -O3 on decode_cpu.c's specialized loops (-O2 builds in a third of the
+time and attends 18-28% slower). `kvcalib_runtime.load` onto the CPU builds it, so that no
+decode step pays for it; `pending()` tells beforehand whether that build is still to come. The
 writer is compiled without FMA contraction, so its fp32 operations round as the reference
 quantizer's do. With no compiler, a build that fails (a warning says so) or KVCALIB_NATIVE=0,
 `library()` is None and the callers keep their torch ops.
@@ -50,15 +53,20 @@ def _cpu_features() -> str:
     return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
 
 
-def _build(compiler: str) -> Path:
-    """The compiled library in the cache, built there (atomically) when missing; OSError when
-    it cannot be."""
+def _target(compiler: str) -> Path:
+    """Where the library built by `compiler` from today's sources lies in the cache."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     sources = [part for p, flags in SOURCES.items() for part in (p.read_text(), *flags)]
     key = hashlib.sha256(
         "\0".join([*sources, *FLAGS, *LIBS, version, platform.machine(), _cpu_features()]).encode()
     ).hexdigest()[:16]
-    target = cache_dir() / "native" / f"kvcalib-{key}.so"
+    return cache_dir() / "native" / f"kvcalib-{key}.so"
+
+
+def _build(compiler: str) -> Path:
+    """The compiled library in the cache, built there (atomically) when missing; OSError when
+    it cannot be."""
+    target = _target(compiler)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -75,6 +83,18 @@ def _build(compiler: str) -> Path:
     return target
 
 
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def pending() -> bool:
+    """True when `library()` would compile now: enabled, a compiler found, not yet built."""
+    if os.environ.get("KVCALIB_NATIVE", "1") == "0" or "lib" in _LOADED:
+        return False
+    compiler = _compiler()
+    return compiler is not None and not _target(compiler).exists()
+
+
 def library():
     """The loaded library, or None (no compiler, a build that failed, KVCALIB_NATIVE=0): built on
     first use, once per process."""
@@ -83,7 +103,7 @@ def library():
     with _LOCK:
         if "lib" not in _LOADED:
             _LOADED["lib"] = None
-            compiler = shutil.which(os.environ.get("CC", "cc"))
+            compiler = _compiler()
             if compiler is not None:
                 try:
                     lib = ctypes.CDLL(str(_build(compiler)))
