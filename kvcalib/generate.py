@@ -125,7 +125,7 @@ def generate_text(
         prompt = f"{document_text(document)}\n\n{prompt}"
     where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if on_note is not None and where.type == "cpu" and not use_triton(where) and native.pending():
-        on_note("building the runtime's CPU kernels, once per machine (about 10 s)")
+        on_note("building the runtime's CPU kernels, once per machine (about 15 s)")
     model = kvcalib_runtime.load(path, device=device)
     if chat:
         ids = model.tokenizer.encode(chat_prompt(path, prompt), add_special_tokens=False).ids
