@@ -109,6 +109,24 @@ def test_help_answers_within_a_second():
     assert torch_loaded == "False" and float(seconds) < 1.0
 
 
+CONVERT_IMPORTS = """
+import sys
+import kvcalib.api
+print(sorted(m for m in ("transformers", "gguf", "torch._dynamo", "sympy") if m in sys.modules))
+"""
+
+
+def test_convert_imports_no_model_loader():
+    """`kvcalib convert` of a local folder reads safetensors and writes safetensors: the API's
+    import brings neither transformers and gguf (model loading, imported where a model loads)
+    nor torch's compiler stack; each cost convert a second or more against a plain copy."""
+    result = subprocess.run(
+        [sys.executable, "-c", CONVERT_IMPORTS], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 MISSING = """
 import sys
 from kvcalib.cli import main
