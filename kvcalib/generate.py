@@ -17,14 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from pydoc_data.topics import topics
 
-import torch
 from transformers import AutoTokenizer
 
 import kvcalib_runtime
 from kvcalib.core import preflight
 from kvcalib.errors import DataError, ModelError
-from kvcalib_runtime.kernels import native
-from kvcalib_runtime.kernels.layout import use_triton
+from kvcalib_runtime.loader import builds_cpu_kernels
 
 MIB = 1 << 20
 LONG_CONTEXT = 4096  # where the memory claim is also made
@@ -123,8 +121,7 @@ def generate_text(
     )
     if document is not None:
         prompt = f"{document_text(document)}\n\n{prompt}"
-    where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if on_note is not None and where.type == "cpu" and not use_triton(where) and native.pending():
+    if on_note is not None and builds_cpu_kernels(device):
         on_note("building the runtime's CPU kernels, once per machine (about 15 s)")
     model = kvcalib_runtime.load(path, device=device)
     if chat:

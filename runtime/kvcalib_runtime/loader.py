@@ -236,7 +236,7 @@ def load(
         )
     tokenizer = read_tokenizer(path, ckpt.geometry.vocab)
     model = Transformer.from_folder(path, device=device, dtype=dtype)
-    if device.type == "cpu" and not (use_triton(device) if use_kernels is None else use_kernels):
+    if _cpu_path(device, use_kernels):
         native.library()  # built here once per machine (kernels/native.py), not in a decode step
     return RuntimeModel(model, tokenizer, ckpt, max_len=max_len, use_kernels=use_kernels)
 
@@ -284,6 +284,18 @@ def read_tokenizer(path: Path, vocab: int) -> Tokenizer:
             "embedding; convert with the model's own tokenizer"
         )
     return tokenizer
+
+
+def builds_cpu_kernels(device: str | torch.device | None = None, use_kernels=None) -> bool:
+    """True when `load(..., device, use_kernels=use_kernels)` would first compile the runtime's
+    CPU kernels (kernels/native.py: 15-17 s of CPU, once per machine)."""
+    return _cpu_path(_device(device), use_kernels) and native.pending()
+
+
+def _cpu_path(device: torch.device, use_kernels: bool | None) -> bool:
+    """Whether a model on `device` decodes through the CPU path (decode_torch and the C
+    kernels) rather than Triton's."""
+    return device.type == "cpu" and not (use_triton(device) if use_kernels is None else use_kernels)
 
 
 def _device(device: str | torch.device | None) -> torch.device:
