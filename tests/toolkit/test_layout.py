@@ -118,8 +118,8 @@ print(sorted(m for m in ("transformers", "gguf", "torch._dynamo", "sympy") if m 
 
 def test_convert_imports_no_model_loader():
     """`kvcalib convert` of a local folder reads safetensors and writes safetensors: the API's
-    import brings neither transformers and gguf (model loading, imported where a model loads)
-    nor torch's compiler stack; each cost convert a second or more against a plain copy."""
+    import brings neither transformers and gguf (model loading, imported where a model loads:
+    about a second) nor torch's compiler stack (torch._dynamo, sympy: 2-4 s)."""
     result = subprocess.run(
         [sys.executable, "-c", CONVERT_IMPORTS], capture_output=True, text=True, timeout=60
     )
