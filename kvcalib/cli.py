@@ -307,6 +307,12 @@ def convert(model, no_calibrate, **options):
     help="Also fit the vector codebooks of the kvcalib-1.5 ablation "
     "(benchmarks/kvcalib-1.5-ablation/), not only those the presets use.",
 )
+@click.option(
+    "--answer-codebooks",
+    is_flag=True,
+    help="Also fit each preset's scalar codebook on the retrieval prompts' answer loss beside "
+    'the text\'s (codebook_weight = "fisher+answer"; benchmarks/answer-codebooks/).',
+)
 @TRUST_REMOTE_CODE
 def calibrate_(
     model,
@@ -317,6 +323,7 @@ def calibrate_(
     sensitivity_windows,
     codebook_windows,
     vector_ablation,
+    answer_codebooks,
     **options,
 ):
     """Profile MODEL's KV cache on calibration text (default: smollm2-135m): ranges, outlier
@@ -335,6 +342,7 @@ def calibrate_(
         sensitivity_windows=sensitivity_windows or gradient_windows or default.sensitivity_windows,
         codebook_windows=codebook_windows or gradient_windows or default.codebook_windows,
         vector_ablation=vector_ablation,
+        answer_codebooks=answer_codebooks,
     )
     phases = tuple(p for p in PHASES if p != "sensitivity" or sensitivity != "none")
 

@@ -24,6 +24,11 @@ kvcalib_runtime.layouts.quant normalizes them (the same group ranges, its layout
 Elements outside their range (the outliers, which the cache keeps exactly) and sink tokens (the
 ground-truth flags: recipes keep them exact) are left out. The variants calibrated by default
 are those the shipped presets use (`preset_variants`; codebooks of vectors: vectorbooks.py).
+
+A variant ending in ":answer" (a recipe's codebook_weight "fisher+answer") adds to its text
+histogram the retrieval prompts' (retrieval.py): their context tokens (predicted sinks left
+out) weighted by the gradients of the answer tokens' loss alone, each histogram scaled to sum to
+1 per layer so that the two weigh alike.
 """
 
 import re
@@ -57,11 +62,22 @@ def preset_variants() -> tuple[str, ...]:
     return tuple(sorted(out))
 
 
-def variants(model, wanted: tuple[str, ...] | None = None) -> tuple[str, ...]:
-    """The variants this model gets (default: the presets'); the Hadamard ones need a Hadamard
-    order of head_dim."""
+def variants(model, wanted: tuple[str, ...] | None = None, answer: bool = False):
+    """The variants this model gets (default: the presets', with `answer` each one's ":answer"
+    twin too); the Hadamard ones need a Hadamard order of head_dim."""
     rotatable = is_supported(Geometry.from_config(model.config).head_dim)
-    return tuple(v for v in wanted or preset_variants() if rotatable or ":hadamard" not in v)
+    names = wanted or preset_variants()
+    names = tuple(names) + tuple(f"{v}{ANSWER}" for v in names if answer and answers(v) is None)
+    return tuple(v for v in names if rotatable or ":hadamard" not in v)
+
+
+ANSWER = ":answer"
+
+
+def answers(variant: str) -> str | None:
+    """The text variant whose histogram an ":answer" variant adds the retrieval prompts' to, or
+    None for a text variant."""
+    return variant.removesuffix(ANSWER) if variant.endswith(ANSWER) else None
 
 
 class Codebooks:
@@ -75,7 +91,21 @@ class Codebooks:
     def __init__(self, names, num_layers: int, bins: int, sinks, quantiles: dict, windows: int):
         self.names, self.bins, self.windows = tuple(names), bins, windows
         self.sinks, self.quantiles = sinks, quantiles
-        self.hist = {v: torch.zeros(num_layers, bins, dtype=torch.float64) for v in self.names}
+        self.texts = tuple(dict.fromkeys(answers(v) or v for v in self.names))
+        self.hist = {v: torch.zeros(num_layers, bins, dtype=torch.float64) for v in self.texts}
+        self.answer = None  # the retrieval prompts' Codebooks (`answer_consumer`)
+
+    def answers_wanted(self) -> bool:
+        """Whether a variant needs the retrieval prompts' answer gradients (`answer_consumer`)."""
+        return any(answers(v) for v in self.names)
+
+    def answer_consumer(self, counted) -> "Codebooks":
+        """The consumer of the retrieval prompts' gradient pass (answer loss): the text variants
+        of the ":answer" ones over the prompts' tokens where counted bool [R, T] holds."""
+        texts = tuple(dict.fromkeys(a for v in self.names if (a := answers(v))))
+        layers = len(next(iter(self.hist.values())))
+        self.answer = Codebooks(texts, layers, self.bins, ~counted, self.quantiles, len(counted))
+        return self.answer
 
     def add(self, window: int, layer: int, x: dict, g: dict) -> None:
         """One window and layer: x and g as gradients.fisher_layer gives them, [Hkv, T, D]."""
@@ -84,7 +114,7 @@ class Codebooks:
         keep = ~self.sinks[window]
         x1, g1 = ({k: v[None] for k, v in d.items()} for d in (x, g))
         quantiles = {p: q[layer : layer + 1] for p, q in self.quantiles.items()}
-        for v in self.names:
+        for v in self.texts:
             t, weight = _normalized(v, x1, g1, keep, quantiles)
             self.hist[v][layer] += _histogram(t, weight, self.bins)[0]
 
@@ -92,10 +122,23 @@ class Codebooks:
         """{f"codebook.{variant}.{bits}": float32 [L, 2**bits]}."""
         out = {}
         for v in self.names:
+            text = answers(v)
+            if text is None:
+                hist = self.hist[v]
+            elif self.answer is None:
+                raise RuntimeError(f"{v}: no retrieval prompt's answer gradients were added")
+            else:
+                hist = _unit(self.hist[text]) + _unit(self.answer.hist[text])
             for bits in BITS:
-                levels = lloyd(self.hist[v], bits)
-                out[f"codebook.{v}.{bits}"] = levels * 2 - 1 if v.endswith(":symmetric") else levels
+                levels = lloyd(hist, bits)
+                symmetric = "symmetric" in v.split(":")
+                out[f"codebook.{v}.{bits}"] = levels * 2 - 1 if symmetric else levels
         return out
+
+
+def _unit(hist: torch.Tensor) -> torch.Tensor:
+    """hist [L, B] scaled to sum to 1 per layer (a layer with no weight stays 0)."""
+    return hist / hist.sum(-1, keepdim=True).clamp_min(1e-300)
 
 
 def _normalized(variant: str, x: dict, g: dict, keep: torch.Tensor, quantiles: dict):

@@ -116,7 +116,7 @@ def _codebooks(lm, run: Run, n: int) -> dict | None:
     if "codebooks" not in run.phases:
         return None
     return {
-        "variants": list(codebooks.variants(lm)),
+        "variants": list(codebooks.variants(lm, answer=run.settings.answer_codebooks)),
         "bits": list(codebooks.BITS),
         "windows": min(run.settings.codebook_windows, n),
         "bins": run.settings.histogram_bins,

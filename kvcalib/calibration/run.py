@@ -18,7 +18,9 @@ same profile bit for bit. Passes, each with its own progress bar and time:
              values quantized in turn (answerprobe.py: a forward and the answer's rows once per
              probe) or estimated from its gradients (Settings(answer_sensitivity="fisher"): a
              forward and a backward): the answer-loss sensitivity ("sensitivity.answer.*"),
-             which kvcalib-2 allocates by together with the text's
+             which kvcalib-2 allocates by together with the text's; the backward also runs
+             for vector codebooks weighted "fisher+answer" (vectorbooks.py), whose k-means
+             follows it
   probe      with Settings(sensitivity="probe") only: the KL of the logits with one layer's keys
              or values quantized, measured directly (sensitivity.py)
 
@@ -81,6 +83,8 @@ class Settings:
                          estimate from the answer loss's gradients, sensitivity.py)
     vector_ablation      also fit the vector codebooks of kvcalib-1.5's one-factor neighbours
                          (benchmarks/kvcalib-1.5-ablation/), not only the presets' own
+    answer_codebooks     also fit each preset's scalar codebook weighted by the retrieval
+                         prompts' answer loss beside the text's (variants ending ":answer")
     """
 
     outlier_ratio: float = 4.0
@@ -97,6 +101,7 @@ class Settings:
     retrieval_tokens: int = 1024
     answer_sensitivity: str = "probe"
     vector_ablation: bool = False
+    answer_codebooks: bool = False
 
     def __post_init__(self):
         for name in ("outlier_ratio", "sink_ratio", "massive_ratio"):
@@ -118,6 +123,11 @@ class Settings:
             )
         if self.sensitivity_tokens < 2 or self.histogram_bins < 16:
             raise ValueError("sensitivity_tokens must be >= 2 and histogram_bins >= 16")
+        for name in ("vector_ablation", "answer_codebooks"):
+            if getattr(self, name) and not self.retrieval_prompts:
+                raise ValueError(
+                    f"{name} fits answer-weighted codebooks: use retrieval_prompts >= 1"
+                )
         if self.retrieval_prompts < 0 or self.retrieval_tokens < 2 * retrieval.MIN_HAYSTACK:
             raise ValueError(
                 f"retrieval_prompts = {self.retrieval_prompts}, retrieval_tokens = "
@@ -243,11 +253,19 @@ def calibrate_model(
     keep = gradient_windows(settings, phases, num_samples)
     with ActivationStore(offload_dir) as store:
         found = statistics(lm, ids, settings, store, clock, keep)
+        books = codebook_consumers(lm, found, settings, phases)
         if keep:
-            fisher(lm, ids[:keep], found, settings, phases, store, clock)
-        if "sensitivity" in phases:
+            fisher(lm, ids[:keep], found, settings, phases, store, clock, books)
+        answer = "sensitivity" in phases
+        if answer or any(b.answers_wanted() for b in books):
             text = calibration_tokens(tokenizer, data, vocab=lm.config.vocab_size)
-            answer_sensitivity(lm, tokenizer, text, found, settings, seed, store, clock)
+            retrieval_pass(
+                lm, tokenizer, text, found, settings, seed, store, clock, answer=answer, books=books
+            )
+        for consumer in books:  # the k-means, once the text's and the prompts' weights are in
+            vectors = isinstance(consumer, vectorbooks.VectorBooks)
+            with clock.timed("vector codebooks" if vectors else "results"):
+                found.tensors.update(consumer.result())
         if "sensitivity" in phases and settings.sensitivity == "probe":
             probe(lm, ids, found, settings, store, clock)
     run = Run(
@@ -301,92 +319,110 @@ def statistics(lm, ids, settings: Settings, store, clock: Progress, keep: int) -
     return Findings(tensors, massive, massive.fit(flags, judged))
 
 
-def fisher(lm, ids, found: Findings, settings: Settings, phases, store, clock: Progress) -> None:
-    """The gradient pass over windows ids [K, T]: the Fisher sensitivity and the codebooks
-    (those of `phases`) into found.tensors."""
+def codebook_consumers(lm, found: Findings, settings: Settings, phases) -> list:
+    """The scalar and vector codebooks' consumers of the gradient passes ([] without
+    "codebooks"): the text windows' samples go in first, the retrieval prompts' after."""
+    if "codebooks" not in phases:
+        return []
     t = found.tensors
     flags = t["sinks.flags"].bool()
     quantiles = {p: t[f"key_{p}.nonsink.quantiles"] for p in ("pre_rope", "post_rope")}
+    layers, windows = lm.config.num_hidden_layers, settings.codebook_windows
+    return [
+        Codebooks(
+            variants(lm, answer=settings.answer_codebooks),
+            layers,
+            settings.histogram_bins,
+            flags,
+            quantiles,
+            windows,
+        ),
+        vectorbooks.VectorBooks(
+            vectorbooks.wanted(settings.vector_ablation),
+            layers,
+            flags,
+            vectorbooks.ranges(t),
+            windows,
+        ),
+    ]
+
+
+def fisher(lm, ids, found: Findings, settings: Settings, phases, store, clock, books=()) -> None:
+    """The gradient pass over windows ids [K, T]: the Fisher sensitivity (with phases'
+    "sensitivity") into found.tensors, and the text's samples into the codebooks' consumers
+    `books` (codebook_consumers)."""
     consumers = []
     if "sensitivity" in phases and settings.sensitivity == "fisher":
-        key_range = select_range(quantiles["pre_rope"], sensitivity.KEY_RANGE_OUTLIERS)
-        counted = ~flags[: settings.sensitivity_windows]
+        quantiles = found.tensors["key_pre_rope.nonsink.quantiles"]
+        key_range = select_range(quantiles, sensitivity.KEY_RANGE_OUTLIERS)
+        counted = ~found.tensors["sinks.flags"].bool()[: settings.sensitivity_windows]
         predicted = len(counted) * (ids.shape[1] - 1)
         consumers.append(sensitivity.FisherSensitivity(key_range, counted, predicted))
-    if "codebooks" in phases:
-        consumers.append(
-            Codebooks(
-                variants(lm),
-                lm.config.num_hidden_layers,
-                settings.histogram_bins,
-                flags,
-                quantiles,
-                settings.codebook_windows,
-            )
-        )
-        consumers.append(
-            vectorbooks.VectorBooks(
-                vectorbooks.wanted(settings.vector_ablation),
-                lm.config.num_hidden_layers,
-                flags,
-                vectorbooks.ranges(t),
-                settings.codebook_windows,
-            )
-        )
     with clock.phase("gradients", gradients.work(lm, len(ids))) as advance:
-        gradients.gradient_pass(lm, ids, store, consumers, advance)
-    for consumer in consumers:  # the codebooks' k-means, the vector codebooks' timed apart
-        vectors = isinstance(consumer, vectorbooks.VectorBooks)
-        with clock.timed("vector codebooks" if vectors else "results"):
-            t.update(consumer.result())
+        gradients.gradient_pass(lm, ids, store, [*consumers, *books], advance)
+    for consumer in consumers:
+        with clock.timed("results"):
+            found.tensors.update(consumer.result())
 
 
-def answer_sensitivity(lm, tokenizer, text, found: Findings, settings, seed, store, clock):
-    """The answer-loss sensitivity from retrieval prompts over the calibration text's token ids
-    [n] (retrieval.py) into found.tensors, and what it ran on into found.answer (or why it did
-    not run: {"skipped": reason})."""
-    if not settings.retrieval_prompts:
-        found.answer = {"skipped": "retrieval_prompts = 0"}
-        return
+def retrieval_pass(lm, tokenizer, text, found, settings, seed, store, clock, *, answer, books):
+    """The retrieval prompts built from the calibration text's token ids [n] (retrieval.py) and
+    what they serve: with `answer`, the answer-loss sensitivity into found.tensors and what it
+    ran on into found.answer (or why it did not run: {"skipped": reason}); the prompts' answer
+    gradients into the codebooks' consumers `books` that ask for them (weight "fisher+answer":
+    the gradient pass then runs whatever the sensitivity's method, and no prompt is an error)."""
+    draws = [b for b in books if b.answers_wanted()]
     context = getattr(lm.config, "max_position_embeddings", None) or settings.retrieval_tokens
     length = min(settings.retrieval_tokens, context)
-    prompts = retrieval.build(tokenizer, text, settings.retrieval_prompts, length, seed)
+    prompts, skipped = None, "retrieval_prompts = 0"
+    if settings.retrieval_prompts:
+        prompts = retrieval.build(tokenizer, text, settings.retrieval_prompts, length, seed)
+        skipped = f"no retrieval prompt fits {length} tokens of this text"
     if prompts is None:
-        found.answer = {"skipped": f"no retrieval prompt fits {length} tokens of this text"}
+        if draws:
+            raise DataError(f"answer-weighted codebooks need retrieval prompts: {skipped}")
+        found.answer = {"skipped": skipped}
         return
     quantiles = found.tensors["key_pre_rope.nonsink.quantiles"]
     key_range = select_range(quantiles, sensitivity.KEY_RANGE_OUTLIERS)
     ids = prompts.ids.to(lm.device)
     layer_work, _ = lm.work()
     answers = int(prompts.answer.sum())
-    measured = settings.answer_sensitivity == "probe"
+    measured = answer and settings.answer_sensitivity == "probe"
+    estimated = answer and not measured
     predictor = found.predictor
     # the probe needs only the sinks; the gradient pass also the inputs of every layer
     depth = lm.config.num_hidden_layers
-    if measured:
+    if not (estimated or draws):
         depth = predictor["layer"] + 1 if predictor is not None else 0
+    kept = store if estimated or draws else None
     with clock.phase("retrieval", len(ids) * depth * layer_work) as advance:
-        sinks = gradients.keep_inputs(lm, ids, None if measured else store, advance, predictor)
+        sinks = gradients.keep_inputs(lm, ids, kept, advance, predictor)
     counted = prompts.context & ~sinks
     if measured:
         work = answerprobe.work(lm, len(ids), length, answers)
         with clock.phase("answer probe", work) as advance:
             found.tensors.update(answerprobe.answer_pass(lm, prompts, counted, key_range, advance))
-    else:
-        consumer = sensitivity.FisherSensitivity(
+    consumers = [b.answer_consumer(counted) for b in draws]
+    if estimated:
+        fisher_sum = sensitivity.FisherSensitivity(
             key_range, counted, answers, name="sensitivity.answer"
         )
+        consumers.append(fisher_sum)
+    if consumers:
         with clock.phase("answer gradients", gradients.work(lm, len(ids))) as advance:
-            gradients.gradient_pass(lm, ids, store, [consumer], advance, targets=prompts.answer)
-        found.tensors.update(consumer.result())
-    found.answer = {
-        "method": settings.answer_sensitivity,
-        "prompts": len(prompts),
-        "tokens": length,
-        "kinds": list(retrieval.KINDS),
-        "answer_tokens": answers,
-        "context_tokens": int(counted.sum()),
-    }
+            gradients.gradient_pass(lm, ids, store, consumers, advance, targets=prompts.answer)
+    if estimated:
+        found.tensors.update(fisher_sum.result())
+    if answer:
+        found.answer = {
+            "method": settings.answer_sensitivity,
+            "prompts": len(prompts),
+            "tokens": length,
+            "kinds": list(retrieval.KINDS),
+            "answer_tokens": answers,
+            "context_tokens": int(counted.sum()),
+        }
 
 
 def probe(lm, ids, found: Findings, settings: Settings, store, clock: Progress) -> None:

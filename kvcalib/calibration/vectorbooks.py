@@ -20,6 +20,14 @@ weighted Lloyd k-means in the normalized domain whose objective is the error in 
 F = g^2 (weight "fisher": the diagonal Fisher information of each element) or 1 ("plain"),
 started from distinct random samples, ITERATIONS steps; an entry that loses every sample keeps
 its place. Computed on the activations' device, in float32.
+
+Weight "fisher+answer" adds the retrieval prompts of the answer-loss sensitivity (retrieval.py):
+their context tokens (predicted sinks left out) with F = g^2 of the answer tokens' loss alone,
+the entries a copied number needs, next to the text's. A prompt's answer gradients sit on a few
+tokens (the records, what attention reads them through), so its vectors are drawn with
+probability in proportion to their weight, ANSWER_SAMPLES per codebook over all prompts, each
+draw weighted so that a sum over the draws estimates the sum over every vector. The two sets
+enter the k-means alike: each one's weights sum to 1 per codebook.
 """
 
 import dataclasses
@@ -34,9 +42,11 @@ from kvcalib_runtime.layouts.vq import channel_order
 
 ITERATIONS = 25
 MAX_SAMPLES = 1 << 14  # vectors per codebook: the k-means' cost, and a sample of 2**14 is ample
+ANSWER_SAMPLES = MAX_SAMPLES  # draws per codebook from the retrieval prompts ("fisher+answer")
+ANSWER = "fisher+answer"
 SEED = 0
 _VARIANT = re.compile(r"(key|value):vq(\d+)(?::(pre_rope|post_rope))?(:rope)?:(layer|head):"
-                      r"(fisher|plain)")  # fmt: skip
+                      r"(fisher\+answer|fisher|plain)")  # fmt: skip
 
 
 def parse(variant: str) -> tuple[str, int, str, str, str]:
@@ -58,9 +68,9 @@ def wanted(ablation: bool = False) -> dict[str, tuple[int, ...]]:
     their allocation's choices) and, with `ablation`, what the README's kvcalib-1.5 ablation and
     bits curve evaluate: each one's one-factor neighbours (the other vector width (2 <-> 4) at
     the same bits per element, the other pairing (keys), the other scope and the other
-    weighting), its own vectors at every index width of CURVE_BITS (1 to 2 bits per element for
-    quads), and values in vectors of SPLIT_WIDTH at SPLIT_BITS (1 bit per element: what frees
-    bits for the keys)."""
+    weightings: fisher <-> plain, and ANSWER), its own vectors at every index width of CURVE_BITS
+    (1 to 2 bits per element for quads), and values in vectors of SPLIT_WIDTH at SPLIT_BITS (1
+    bit per element: what frees bits for the keys)."""
     out: dict[str, set[int]] = {}
     for name in presets():
         recipe = load_recipe(name)
@@ -77,6 +87,9 @@ def wanted(ablation: bool = False) -> dict[str, tuple[int, ...]]:
                 ),
                 dataclasses.replace(
                     t, codebook_weight={"fisher": "plain"}.get(t.codebook_weight, "fisher")
+                ),
+                dataclasses.replace(
+                    t, codebook_weight={ANSWER: "fisher"}.get(t.codebook_weight, ANSWER)
                 ),
             ]
             if tensor == "key":
@@ -106,6 +119,16 @@ class VectorBooks:
         self.sources = sorted({parse(v)[0] for v in self.wanted})
         self.x = {s: [[] for _ in range(num_layers)] for s in self.sources}
         self.g = {s: [[] for _ in range(num_layers)] for s in self.sources}
+        self.drawn = {v: [[] for _ in range(num_layers)] for v in self.wanted if answers(v)}
+
+    def answers_wanted(self) -> bool:
+        """Whether a codebook needs the retrieval prompts' answer gradients (`answer_consumer`)."""
+        return bool(self.drawn)
+
+    def answer_consumer(self, counted) -> "AnswerDraws":
+        """The consumer of the retrieval prompts' gradient pass (answer loss): counted bool
+        [R, T], the context tokens whose vectors are drawn (predicted sinks left out)."""
+        return AnswerDraws(self, counted)
 
     def add(self, window: int, layer: int, x: dict, g: dict) -> None:
         """One window and layer: x and g as gradients.fisher_layer gives them, [Hkv, T, D]."""
@@ -121,21 +144,66 @@ class VectorBooks:
         out = {}
         for variant, widths in self.wanted.items():
             source, w, pairing, scope, weight = parse(variant)
+            drawn = self.drawn.get(variant)
+            if drawn is not None and not all(drawn):
+                raise RuntimeError(f"{variant}: no retrieval prompt's answer gradients were added")
             for bits in widths:
                 books = [
                     fit(
                         torch.cat(self.x[source][i], 1),
-                        torch.cat(self.g[source][i], 1) if weight == "fisher" else None,
+                        torch.cat(self.g[source][i], 1) if weight != "plain" else None,
                         tuple(r[i] for r in self.ranges[source]),
                         w,
                         pairing,
                         bits,
                         per_head=scope == "head",
+                        extra=None if drawn is None else _joined(drawn[i]),
                     )
                     for i in range(len(self.x[source]))
                 ]
                 out[f"vqbook.{variant}.{bits}"] = torch.stack(books)
         return out
+
+
+class AnswerDraws:
+    """VectorBooks' consumer of the retrieval prompts' gradient pass: each prompt's context
+    vectors drawn by their answer-loss weight (module docstring), kept per ANSWER variant and
+    layer instead of the prompts' activations."""
+
+    def __init__(self, books: VectorBooks, counted):
+        self.books, self.counted = books, counted
+        self.count = -(-ANSWER_SAMPLES // len(counted))  # draws per prompt and codebook
+        self.generator = torch.Generator().manual_seed(SEED)
+
+    def add(self, prompt: int, layer: int, x: dict, g: dict) -> None:
+        """One prompt and layer: x and g as gradients.fisher_layer gives them, [Hkv, T, D]."""
+        keep = self.counted[prompt]
+        for variant, drawn in self.books.drawn.items():
+            source, w, pairing, scope, _ = parse(variant)
+            rng = tuple(r[layer] for r in self.books.ranges[source])
+            one = samples(x[source][:, keep], g[source][:, keep], rng, w, pairing, scope == "head")
+            drawn[layer].append(draw(*one, self.count, self.generator))
+
+
+def answers(variant: str) -> bool:
+    """Whether a variant's codebook is fitted on the retrieval prompts' answer gradients too."""
+    return parse(variant)[4] == ANSWER
+
+
+def draw(u, weight, s2, count: int, generator) -> tuple:
+    """`count` vectors of each codebook of samples' (u, weight, s2) [C, M, w], drawn with
+    replacement with probability in proportion to their weight (summed over the vector), each
+    weighted so that a sum over the draws estimates the sum over all M: weight * total / (count
+    * vector's weight). A codebook whose vectors all weigh 0 draws uniformly (they stay 0)."""
+    vector = weight.sum(-1)  # [C, M]
+    total = vector.sum(-1, keepdim=True)
+    chance = torch.where(total > 0, vector, 1.0)
+    pick = torch.multinomial(chance.cpu(), count, replacement=True, generator=generator)
+    pick = pick.to(u.device)
+    scale = total / (count * vector.gather(1, pick)).clamp_min(1e-30)
+    take = pick[..., None].expand(-1, -1, u.shape[-1])
+    u, weight, s2 = (t.gather(1, take) for t in (u, weight, s2))
+    return u, weight * scale[..., None], s2
 
 
 def ranges(tensors: dict) -> dict:
@@ -164,18 +232,32 @@ def samples(x, g, rng, w: int, pairing: str, per_head: bool):
     return u.reshape(cut), (f * s2).reshape(cut), s2.reshape(cut)
 
 
-def fit(x, g, rng, w: int, pairing: str, bits: int, *, per_head: bool) -> torch.Tensor:
+def fit(x, g, rng, w: int, pairing: str, bits: int, *, per_head: bool, extra=None):
     """float32 [Hc, 2**bits, w]: the codebooks of one layer (module docstring); x, g [Hkv, T, D]
-    (g None: plain), rng (lo, hi) [Hkv, D]."""
+    (g None: plain), rng (lo, hi) [Hkv, D]; extra: more samples (u, weight, s2) [Hc, M, w] (the
+    retrieval prompts' draws), weighing as much as x's in all."""
     u, weight, s2 = samples(x.float(), None if g is None else g.float(), rng, w, pairing, per_head)
     generator = torch.Generator().manual_seed(SEED)
     m = u.shape[1]
     if m > MAX_SAMPLES:
         pick = torch.randperm(m, generator=generator)[:MAX_SAMPLES].to(u.device)
         u, weight, s2 = (t[:, pick] for t in (u, weight, s2))
+    if extra is not None:
+        pairs = zip((u, _unit(weight), s2), (extra[0], _unit(extra[1]), extra[2]), strict=True)
+        u, weight, s2 = (torch.cat(p, 1) for p in pairs)
     return torch.stack(
         [_lloyd(*one, 2**bits, generator) for one in zip(u, weight, s2, strict=True)]
     )
+
+
+def _joined(draws: list) -> tuple:
+    """One layer's draws, (u, weight, s2) of each prompt, as one (u, weight, s2)."""
+    return tuple(torch.cat(t, 1) for t in zip(*draws, strict=True))
+
+
+def _unit(weight):
+    """weight [C, M, w] scaled to sum to 1 per codebook (all 0 stays 0)."""
+    return weight / weight.sum((1, 2), keepdim=True).clamp_min(1e-30)
 
 
 def _lloyd(u, weight, s2, count: int, generator) -> torch.Tensor:

@@ -31,7 +31,8 @@ def codebook_variant(name: str, t: TensorRecipe) -> str:
     group's range with its outliers left out (for "static", the calibrated range with that
     fraction left out). The clip ratio does not enter. A "vq" tensor's codebook of vectors
     (profile tensor vqbook.{variant}.{bits}) is named by its vectors, their pairing, scope and
-    weighting, e.g. "key:vq2:pre_rope:rope:head:fisher" or "value:vq4:layer:plain"."""
+    weighting, e.g. "key:vq2:pre_rope:rope:head:fisher" or "value:vq4:layer:plain"; a scalar
+    codebook weighted by the answer loss too ends in ":answer"."""
     if t.layout.vectors:
         parts = [name, f"vq{t.group_size}"] + ([t.position] if name == "key" else [])
         parts += ["rope"] if t.pairing == "rope" else []
@@ -45,6 +46,8 @@ def codebook_variant(name: str, t: TensorRecipe) -> str:
         parts.append("symmetric")
     if t.outliers:
         parts.append(f"outliers{t.outliers:g}")
+    if t.codebook_weight == "fisher+answer":
+        parts.append("answer")
     return ":".join(parts)
 
 

@@ -41,7 +41,9 @@ _STAT = re.compile(
     r"(key_pre_rope|key_post_rope|value)\.(all|nonsink)\.(\w+)|(key_\w+)\.range_ratio"
 )
 _CODEBOOK = re.compile(r"codebook\.(.+)\.(\d+)")
-_VQBOOK = re.compile(r"vqbook\.(?:key|value):vq(\d+):(?:.+:)?(layer|head):(?:fisher|plain)\.(\d+)")
+_VQBOOK = re.compile(
+    r"vqbook\.(?:key|value):vq(\d+):(?:.+:)?(layer|head):(?:fisher|fisher\+answer|plain)\.(\d+)"
+)
 _SENSITIVITIES = tuple(
     f"sensitivity{loss}.{t}" for loss in ("", ".answer") for t in ("key", "value")
 )
@@ -254,7 +256,7 @@ def _shape(name, L, hkv, d, quantiles, model, bits) -> tuple | None:
 
 
 def _check_codebook(name: str, t: torch.Tensor, variant: str, fail) -> None:
-    low = -1.0 if variant.endswith(":symmetric") else 0.0
+    low = -1.0 if "symmetric" in variant.split(":") else 0.0
     if bool((t.diff(dim=-1) < 0).any()):
         fail(f"tensor {name}: codebook levels are not sorted")
     if float(t.min()) < low - 1e-6 or float(t.max()) > 1 + 1e-6:

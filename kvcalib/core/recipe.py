@@ -41,8 +41,10 @@ head size: TurboQuant's 2.5 and 3.5 bits are a quarter of the channels at one bi
 "vq" (kvcalib-1.5's vector codes: `bits` index bits per vector of `group_size` channels,
 normalized by calibrated "static" ranges; `pairing` "adjacent" or "rope", RoPE's channel pairs
 for pre-RoPE keys; its calibrated codebook is one per layer or per KV head, `codebook_scope`
-"layer" / "head", fitted by k-means weighted by the Fisher information or not,
-`codebook_weight` "fisher" / "plain"; kvcalib_runtime.layouts.vq).
+"layer" / "head", fitted by k-means weighted by the Fisher information of the text's loss, by
+that and the retrieval prompts' answer loss alike, or by neither, `codebook_weight` "fisher" /
+"fisher+answer" / "plain"; kvcalib_runtime.layouts.vq). A scalar calibrated codebook takes
+`codebook_weight` "fisher" or "fisher+answer" too.
 """
 
 import dataclasses
@@ -236,7 +238,7 @@ _CHOICES = {  # the runtime's own tables where the runtime defines the field
     "pairing": PAIRINGS,
     "metadata_code": METADATA_CODES,
     "codebook_scope": ("layer", "head"),
-    "codebook_weight": ("fisher", "plain"),
+    "codebook_weight": ("fisher", "fisher+answer", "plain"),
 }
 
 
@@ -489,12 +491,16 @@ def _check_layer(r: Recipe, k: TensorRecipe, v: TensorRecipe, where: str) -> Non
     if k.smooth and k.rotation != "none":
         fail("key.smooth scales channels, which a Hadamard rotation would mix: pick one")
     for name, t in (("key", k), ("value", v)):
-        own = (t.codebook_scope, t.codebook_weight) != ("layer", "fisher")
+        own = t.codebook_scope != "layer" or t.codebook_weight == "plain"
         if own and not t.layout.vectors:
             fail(
-                f"{name}: codebook_scope and codebook_weight choose a 'vq' codebook: set method "
-                "'vq', or leave them at 'layer' and 'fisher'"
+                f"{name}: codebook_scope and codebook_weight 'plain' choose a 'vq' codebook: "
+                "set method 'vq', or leave them at 'layer' and 'fisher'"
             )
+        if t.codebook_weight == "fisher+answer" and not (
+            t.layout.vectors or t.codebook == "calibrated"
+        ):
+            fail(f"{name}: codebook_weight 'fisher+answer' weighs a calibrated codebook's k-means")
         if t.split_fraction and t.split_channels:
             fail(f"{name}: give split_channels or split_fraction, not both")
         if not 0 <= t.split_fraction < 1:

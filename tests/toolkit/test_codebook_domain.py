@@ -9,7 +9,7 @@ fifth of [0, 1]).
 import pytest
 import torch
 
-from kvcalib.calibration.codebooks import _normalized
+from kvcalib.calibration.codebooks import Codebooks, _normalized
 from kvcalib.core.profile import OUTLIER_FRACTIONS, QUANTILE_LEVELS
 from kvcalib_runtime.layouts.quant import QuantSpec
 from kvcalib_runtime.layouts.vector import to_vector
@@ -66,3 +66,29 @@ def test_static_variants_use_the_recipes_range_fraction(fraction):
     i = OUTLIER_FRACTIONS.index(fraction)
     lo, hi = levels[i], levels[len(QUANTILE_LEVELS) - 1 - i]
     torch.testing.assert_close(u, (acts["pre"] - lo) / (hi - lo))
+
+
+def test_answer_weighted_levels_move_to_what_the_answer_reads():
+    # Per-token ranges ("value:token"): the text's elements spread evenly over [0, 1], so its
+    # 2-bit Fisher levels sit near 1/8, 3/8, 5/8, 7/8 and none within 0.1 of 1/2. A retrieval
+    # prompt's answer reads elements at exactly 1/2 (its gradient sits there, 1e-3 elsewhere):
+    # weighing its histogram as much as the text's puts a level within 0.01 of 1/2, while the
+    # text variant beside it keeps its levels.
+    gen = torch.Generator().manual_seed(0)
+    text = torch.rand(1, 256, 16, generator=gen)
+    text[..., 0], text[..., 1] = 0.0, 1.0  # every token's range is [0, 1]
+    prompt = text.clone()
+    prompt[:, 100:120, 2:] = 0.5
+    grad = torch.full_like(prompt, 1e-3)
+    grad[:, 100:120, 2:] = 1.0
+    books = Codebooks(
+        ("value:token", "value:token:answer"), 1, 1024, torch.zeros(1, 256, dtype=torch.bool), {}, 1
+    )
+    wrap = lambda t: {"value": t, "pre": t, "key": t}  # noqa: E731
+    books.add(0, 0, wrap(text), wrap(torch.ones_like(text)))
+    with pytest.raises(RuntimeError, match="no retrieval prompt"):
+        books.result()
+    books.answer_consumer(torch.ones(1, 256, dtype=torch.bool)).add(0, 0, wrap(prompt), wrap(grad))
+    out = books.result()
+    near = {v: (out[f"codebook.{v}.2"][0] - 0.5).abs().min() for v in books.names}
+    assert near["value:token:answer"] < 0.01 < 0.1 < near["value:token"]

@@ -284,6 +284,7 @@ def test_cli_calibrate_sensitivity_and_window_options(tmp_path, monkeypatch):
         ["--sensitivity", "none", "--gradient-windows", "3"],
         ["--sensitivity", "probe", "--gradient-windows", "3", "--codebook-windows", "1"],
         ["--answer-sensitivity", "fisher"],
+        ["--answer-codebooks", "--vector-ablation"],
     ):
         CliRunner().invoke(main, base + extra)
     got = [(k["phases"], k["settings"]) for k in seen]
@@ -295,10 +296,15 @@ def test_cli_calibrate_sensitivity_and_window_options(tmp_path, monkeypatch):
         ("fisher", 3, 3, "probe"),
         ("probe", 3, 1, "probe"),
         ("fisher", Settings().sensitivity_windows, Settings().codebook_windows, "fisher"),
+        ("fisher", Settings().sensitivity_windows, Settings().codebook_windows, "probe"),
+    ]
+    assert [(s.answer_codebooks, s.vector_ablation) for _, s in got] == [(False, False)] * 4 + [
+        (True, True)
     ]
     assert [phases for phases, _ in got] == [
         ("stats", "sensitivity", "codebooks"),
         ("stats", "codebooks"),
+        ("stats", "sensitivity", "codebooks"),
         ("stats", "sensitivity", "codebooks"),
         ("stats", "sensitivity", "codebooks"),
     ]

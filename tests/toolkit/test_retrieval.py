@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny import CharTokenizer, tiny_model
 
-from kvcalib.calibration import Settings, calibrate_model, retrieval
+from kvcalib.calibration import Settings, calibrate_model, codebooks, retrieval, vectorbooks
 from kvcalib.calibration.gradients import window_loss
 from kvcalib.calibration.sensitivity import BITS
 from kvcalib.core.data import calibration_tokens
@@ -101,3 +101,33 @@ def test_no_retrieval_prompts_means_no_answer_sensitivity(tmp_path):
     profile = _calibrate(tmp_path, Settings(sensitivity_windows=1, retrieval_prompts=0))
     assert profile.has_sensitivity() and not profile.has_sensitivity("answer")
     assert profile.meta["probe"]["answer"] == {"skipped": "retrieval_prompts = 0"}
+
+
+def test_answer_weighted_vector_codebooks_read_the_retrieval_prompts(tmp_path):
+    # --vector-ablation fits kvcalib-1.5's codebooks also on the retrieval prompts' answer
+    # gradients ("fisher+answer"): the gradient pass over the prompts runs though the answer
+    # sensitivity is the probe, and the codebooks are finite and not the text's alone.
+    settings = Settings(sensitivity_windows=1, codebook_windows=1, retrieval_prompts=2,
+                        retrieval_tokens=512, vector_ablation=True)  # fmt: skip
+    tensors = _calibrate(tmp_path, settings).tensors
+    for variant in ("key:vq4:pre_rope:rope:head", "value:vq4:head"):
+        text, both = (tensors[f"vqbook.{variant}:{w}.6"] for w in ("fisher", vectorbooks.ANSWER))
+        assert both.shape == text.shape and torch.isfinite(both).all()
+        assert not torch.equal(both, text), variant
+    with pytest.raises(ValueError, match="retrieval_prompts >= 1"):
+        Settings(vector_ablation=True, retrieval_prompts=0)
+
+
+def test_answer_weighted_scalar_codebooks_read_the_retrieval_prompts(tmp_path):
+    # --answer-codebooks: every preset codebook gets an ":answer" twin fitted on the text and
+    # the retrieval prompts' answer gradients alike: sorted, in its domain, not the text's.
+    settings = Settings(sensitivity_windows=1, codebook_windows=1, retrieval_prompts=2,
+                        retrieval_tokens=512, answer_codebooks=True)  # fmt: skip
+    profile = _calibrate(tmp_path, settings)
+    variants = profile.meta["codebooks"]["variants"]
+    twins = [v for v in variants if v.endswith(":answer")]
+    assert twins and len(twins) == len(variants) / 2
+    for v in twins:
+        for bits in codebooks.BITS:
+            both, text = (profile.codebook(name, 1, bits) for name in (v, v[: -len(":answer")]))
+            assert (both.diff() > 0).all() and not torch.equal(both, text), (v, bits)

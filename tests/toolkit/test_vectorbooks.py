@@ -2,6 +2,8 @@
 the k-means against known answers, the Fisher weighting against plain, the variants the
 presets ask for, and the recipe's walked bits."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -86,8 +88,69 @@ def test_the_presets_variants_and_their_ablation_neighbours():
     assert {"key:vq4:pre_rope:head:fisher", "key:vq4:pre_rope:rope:layer:fisher"} <= set(wanted)
     assert {"value:vq4:head:plain", "value:vq4:layer:fisher"} <= set(wanted)
     assert wanted["value:vq8:head:fisher"] == (8,)
+    assert wanted["key:vq4:pre_rope:rope:head:fisher+answer"] == (6,)
+    assert wanted["value:vq4:head:fisher+answer"] == (6,)
     for variant in wanted:
         assert vectorbooks.parse(variant)[1] in (2, 4, 8)
+
+
+ABLATION = Path(__file__).resolve().parents[2] / "benchmarks" / "kvcalib-1.5-ablation"
+
+
+@pytest.mark.parametrize("path", sorted(ABLATION.glob("*.toml")), ids=lambda p: p.stem)
+def test_an_ablation_calibration_fits_every_ablation_recipes_codebooks(path):
+    # The README's ablation and curve evaluate these files on a `--vector-ablation` profile: a
+    # codebook it does not fit would fail the eval an hour into the calibration's work.
+    recipe, wanted = load_recipe(str(path)), vectorbooks.wanted(ablation=True)
+    coded = [t for t in ("key", "value") if recipe.tensor(t, 0).layout.vectors]
+    assert coded, "an ablation recipe codes keys or values as vectors"
+    for tensor in coded:
+        t = recipe.tensor(tensor, 0)
+        assert t.bits in wanted[codebook_variant(tensor, t)], tensor
+
+
+def _draws_of(x, g, rng, count, seed=0):
+    u, weight, s2 = vectorbooks.samples(x, g, rng, 2, "adjacent", per_head=True)
+    return vectorbooks.draw(u, weight, s2, count, torch.Generator().manual_seed(seed))
+
+
+def test_answer_draws_estimate_the_weighted_sums():
+    # Drawing by weight keeps what the k-means sums: each codebook's weight in total (exactly,
+    # by construction) and its weighted first moment (in expectation: within 3% at 4096 draws of
+    # 2000 vectors whose weights span 4 orders of magnitude).
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 1000, 8, generator=gen)
+    g = 10 ** (4 * torch.rand(2, 1000, 8, generator=gen) - 2)
+    rng = (x.amin(1), x.amax(1))
+    u, weight, _ = vectorbooks.samples(x, g, rng, 2, "adjacent", per_head=True)
+    du, dw, _ = _draws_of(x, g, rng, 4096)
+    assert du.shape == dw.shape == (2, 4096, 2)
+    torch.testing.assert_close(dw.sum((1, 2)), weight.sum((1, 2)), rtol=1e-4, atol=0)
+    moment, drawn = (weight * u).sum((1, 2)), (dw * du).sum((1, 2))
+    assert ((drawn - moment).abs() / moment).max() < 0.03
+    zero = _draws_of(x, torch.zeros_like(g), rng, 16)  # no gradient anywhere: weight 0, finite
+    assert zero[1].abs().sum() == 0 and torch.isfinite(zero[0]).all()
+
+
+def test_answer_weighted_entries_cover_what_the_answer_reads():
+    # The text's vectors sit at four centres; a retrieval prompt's answer reads 8 tokens whose
+    # vectors sit at (0.5, 0.5), where no text vector lies. With 4 entries the text's Fisher
+    # codebook spends all of them on the text's centres; weighing the answer's draws as much as
+    # the text puts an entry on the needles' point (within 0.02 in the normalized domain) for
+    # every vector of every head, at the cost of one text centre.
+    gen = torch.Generator().manual_seed(3)
+    x, (lo, hi), _ = _clusters(gen)
+    g = torch.ones_like(x)
+    prompt, needles = x.clone(), torch.arange(100, 108)
+    prompt[:, needles] = lo[:, None] + 0.5 * (hi - lo)[:, None]
+    pg = torch.full_like(x, 1e-3)
+    pg[:, needles] = 1.0
+    extra = _draws_of(prompt, pg, (lo, hi), 2048)
+    point = torch.tensor([0.5, 0.5])
+    for extra_samples, covered in ((None, False), (extra, True)):
+        book = vectorbooks.fit(x, g, (lo, hi), 2, "adjacent", 2, per_head=True, extra=extra_samples)
+        gap = (book - point).norm(dim=-1).amin(-1)  # [heads]: the nearest entry to the needles
+        assert bool((gap < 0.02).all()) == covered and bool((gap > 0.2).all()) != covered
 
 
 def test_kvcalib_1_5_walks_at_most_1_6_bits():
@@ -103,5 +166,13 @@ def test_codebook_choices_are_vq_only():
     base = {"name": "x", "key": {"bits": 2, "granularity": "static"}}
     with pytest.raises(RecipeError, match="set method 'vq'"):
         parse_recipe({**base, "key": {**base["key"], "codebook_scope": "head"}})
+    with pytest.raises(RecipeError, match="set method 'vq'"):
+        parse_recipe({**base, "key": {**base["key"], "codebook_weight": "plain"}})
+    # the answer loss weighs any calibrated codebook's k-means, and only a calibrated one's
+    answer = {**base["key"], "codebook_weight": "fisher+answer"}
+    with pytest.raises(RecipeError, match="weighs a calibrated codebook"):
+        parse_recipe({**base, "key": answer})
+    recipe = parse_recipe({**base, "key": {**answer, "codebook": "calibrated"}})
+    assert codebook_variant("key", recipe.key) == "key:static:post_rope:answer"
     with pytest.raises(RecipeError, match="pairing"):
         parse_recipe({**base, "key": {**base["key"], "pairing": "ropes"}})
