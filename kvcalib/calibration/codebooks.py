@@ -67,14 +67,14 @@ def variants(model, wanted: tuple[str, ...] | None = None, answer: bool = False)
     twin too); the Hadamard ones need a Hadamard order of head_dim."""
     rotatable = is_supported(Geometry.from_config(model.config).head_dim)
     names = wanted or preset_variants()
-    names = tuple(names) + tuple(f"{v}{ANSWER}" for v in names if answer and answers(v) is None)
+    names = tuple(names) + tuple(f"{v}{ANSWER}" for v in names if answer and text_twin(v) is None)
     return tuple(v for v in names if rotatable or ":hadamard" not in v)
 
 
 ANSWER = ":answer"
 
 
-def answers(variant: str) -> str | None:
+def text_twin(variant: str) -> str | None:
     """The text variant whose histogram an ":answer" variant adds the retrieval prompts' to, or
     None for a text variant."""
     return variant.removesuffix(ANSWER) if variant.endswith(ANSWER) else None
@@ -91,18 +91,18 @@ class Codebooks:
     def __init__(self, names, num_layers: int, bins: int, sinks, quantiles: dict, windows: int):
         self.names, self.bins, self.windows = tuple(names), bins, windows
         self.sinks, self.quantiles = sinks, quantiles
-        self.texts = tuple(dict.fromkeys(answers(v) or v for v in self.names))
+        self.texts = tuple(dict.fromkeys(text_twin(v) or v for v in self.names))
         self.hist = {v: torch.zeros(num_layers, bins, dtype=torch.float64) for v in self.texts}
         self.answer = None  # the retrieval prompts' Codebooks (`answer_consumer`)
 
     def answers_wanted(self) -> bool:
         """Whether a variant needs the retrieval prompts' answer gradients (`answer_consumer`)."""
-        return any(answers(v) for v in self.names)
+        return any(text_twin(v) for v in self.names)
 
     def answer_consumer(self, counted) -> "Codebooks":
         """The consumer of the retrieval prompts' gradient pass (answer loss): the text variants
         of the ":answer" ones over the prompts' tokens where counted bool [R, T] holds."""
-        texts = tuple(dict.fromkeys(a for v in self.names if (a := answers(v))))
+        texts = tuple(dict.fromkeys(a for v in self.names if (a := text_twin(v))))
         layers = len(next(iter(self.hist.values())))
         self.answer = Codebooks(texts, layers, self.bins, ~counted, self.quantiles, len(counted))
         return self.answer
@@ -122,7 +122,7 @@ class Codebooks:
         """{f"codebook.{variant}.{bits}": float32 [L, 2**bits]}."""
         out = {}
         for v in self.names:
-            text = answers(v)
+            text = text_twin(v)
             if text is None:
                 hist = self.hist[v]
             elif self.answer is None:

@@ -119,7 +119,7 @@ class VectorBooks:
         self.sources = sorted({parse(v)[0] for v in self.wanted})
         self.x = {s: [[] for _ in range(num_layers)] for s in self.sources}
         self.g = {s: [[] for _ in range(num_layers)] for s in self.sources}
-        self.drawn = {v: [[] for _ in range(num_layers)] for v in self.wanted if answers(v)}
+        self.drawn = {v: [[] for _ in range(num_layers)] for v in self.wanted if answer_weighted(v)}
 
     def answers_wanted(self) -> bool:
         """Whether a codebook needs the retrieval prompts' answer gradients (`answer_consumer`)."""
@@ -185,7 +185,7 @@ class AnswerDraws:
             drawn[layer].append(draw(*one, self.count, self.generator))
 
 
-def answers(variant: str) -> bool:
+def answer_weighted(variant: str) -> bool:
     """Whether a variant's codebook is fitted on the retrieval prompts' answer gradients too."""
     return parse(variant)[4] == ANSWER
 
