@@ -90,6 +90,7 @@ class Codebooks:
 
     def __init__(self, names, num_layers: int, bins: int, sinks, quantiles: dict, windows: int):
         self.names, self.bins, self.windows = tuple(names), bins, windows
+        self.num_layers = num_layers
         self.sinks, self.quantiles = sinks, quantiles
         self.texts = tuple(dict.fromkeys(text_twin(v) or v for v in self.names))
         self.hist = {v: torch.zeros(num_layers, bins, dtype=torch.float64) for v in self.texts}
@@ -103,8 +104,9 @@ class Codebooks:
         """The consumer of the retrieval prompts' gradient pass (answer loss): the text variants
         of the ":answer" ones over the prompts' tokens where counted bool [R, T] holds."""
         texts = tuple(dict.fromkeys(a for v in self.names if (a := text_twin(v))))
-        layers = len(next(iter(self.hist.values())))
-        self.answer = Codebooks(texts, layers, self.bins, ~counted, self.quantiles, len(counted))
+        self.answer = Codebooks(
+            texts, self.num_layers, self.bins, ~counted, self.quantiles, len(counted)
+        )
         return self.answer
 
     def add(self, window: int, layer: int, x: dict, g: dict) -> None:

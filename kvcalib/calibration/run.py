@@ -19,8 +19,8 @@ same profile bit for bit. Passes, each with its own progress bar and time:
              probe) or estimated from its gradients (Settings(answer_sensitivity="fisher"): a
              forward and a backward): the answer-loss sensitivity ("sensitivity.answer.*"),
              which kvcalib-2 allocates by together with the text's; the backward also runs
-             for vector codebooks weighted "fisher+answer" (vectorbooks.py), whose k-means
-             follows it
+             for codebooks weighted "fisher+answer" (scalar ones ending ":answer",
+             codebooks.py; vector ones, vectorbooks.py), whose k-means follows it
   probe      with Settings(sensitivity="probe") only: the KL of the logits with one layer's keys
              or values quantized, measured directly (sensitivity.py)
 
