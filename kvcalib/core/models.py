@@ -15,7 +15,8 @@ A spec is one of:
   - a local Hugging Face folder (config.json + *.safetensors) of any architecture transformers
     loads: eval and calibrate run it through transformers; convert and the runtime take the
     families of the architecture table only (and say so);
-  - a hub id, resolved from the local Hugging Face cache only — nothing is downloaded.
+  - a hub id ("owner/name"): downloaded as transformers does, honouring HF_HUB_OFFLINE and
+    the Hugging Face cache (kvcalib.core.hub), safetensors and tokenizer files only.
 
 A GGUF is dequantized once (about 20 s for the default model, 60 s for Gemma 3 270M, 80 s for
 Qwen2.5-0.5B) into a
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from kvcalib.core import options
+from kvcalib.core import hub, options
 from kvcalib.core.paths import DEFAULT_MODEL, GEMMA3, QWEN25, is_hub_id
 from kvcalib.errors import ModelError
 from kvcalib.io import atomic
@@ -119,8 +120,8 @@ def resolve(
         check_folder(path, trust_remote_code=trust_remote_code)
         return ModelSource(spec, path, _folder_fingerprint(path))
     if is_hub_id(spec):
-        return _from_hub_cache(spec, trust_remote_code)
-    raise ModelError(f"model {spec}: no such file or folder; pass a local path or a cached hub id")
+        return _from_hub(spec, trust_remote_code)
+    raise ModelError(f"model {spec}: no such file or folder; pass a local path or a hub id")
 
 
 def default_gguf() -> Path:
@@ -298,17 +299,8 @@ def _json_object(path: Path, name: str) -> dict | None:
     return obj
 
 
-def _from_hub_cache(repo_id: str, trust_remote_code: bool) -> ModelSource:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        path = Path(snapshot_download(repo_id, local_files_only=True))
-    except (LocalEntryNotFoundError, OSError, ValueError):
-        raise ModelError(
-            f"model {repo_id}: not a local path and not in the local Hugging Face cache; "
-            "nothing is downloaded at run time - fetch it on a connected machine or pass a folder"
-        ) from None
+def _from_hub(repo_id: str, trust_remote_code: bool) -> ModelSource:
+    path = hub.download(repo_id, trust_remote_code=trust_remote_code)
     check_folder(path, trust_remote_code=trust_remote_code)
     return ModelSource(repo_id, path, _folder_fingerprint(path))
 

@@ -34,9 +34,7 @@ def check(*, model=None, data=None, profile=None, recipes=(), checkpoint=None) -
     spec = None if model is None else str(model)
     named = spec is None or spec in NAMED_MODELS or is_hub_id(spec)
     if not named and not _exists(spec):
-        raise ModelError(
-            f"model {spec}: no such file or folder; pass a local path or a cached hub id"
-        )
+        raise ModelError(f"model {spec}: no such file or folder; pass a local path or a hub id")
     if data is not None and not str(data).startswith("builtin:") and not _exists(data):
         raise DataError(f"--data {data}: no such file; pass a .txt or .jsonl file")
     if profile is not None and not _exists(profile):

@@ -27,12 +27,8 @@ LAYERS = {
 TOP = {"api", "cli", "inspect", "generate", "lmeval", "__init__"}
 DEFERRED = {
     "cli.py": None,
-    "core/models.py": {  # what loading a model needs; resolving a local folder does not
-        "gguf",
-        "huggingface_hub",
-        "huggingface_hub.errors",
-        "transformers",
-    },
+    "core/models.py": {"gguf", "transformers"},  # loading a model; resolving a folder: neither
+    "core/hub.py": {"huggingface_hub", "huggingface_hub.errors"},  # a hub id only
     "evaluation/external.py": {"optimum.quanto"},
     "api.py": {  # the stages convert does not need: imported where used
         "kvcalib.calibration",

@@ -122,7 +122,7 @@ def _bare_folder(tmp_path: Path, files: dict[str, str | bytes]) -> Path:
 
 LLAMA = json.dumps({"model_type": "llama"})
 BAD_FOLDERS = {
-    "missing": (None, "no such file or folder; pass a local path or a cached hub id"),
+    "missing": (None, "no such file or folder; pass a local path or a hub id"),
     "no config": ({"model.safetensors": b""}, "no config.json, so not a Hugging Face model"),
     "config not JSON": ({"config.json": "{", "x.safetensors": b""}, "config.json is not valid"),
     "config not an object": ({"config.json": "[]", "x.safetensors": b""}, "not a JSON object"),
