@@ -5,6 +5,8 @@ The public names load on first use, so `import kvcalib` (and `kvcalib --help`) s
     kvcalib.calibrate, kvcalib.convert, kvcalib.evaluate     the pipeline (kvcalib.calibration,
                                                              kvcalib.api)
     kvcalib.load_model, kvcalib.load_recipe, kvcalib.Profile, kvcalib.KvcalibError, ...
+    kvcalib.QuantizedKVCache                                 a recipe's cache for transformers'
+                                                             generate(past_key_values=...)
 """
 
 from kvcalib_runtime.lazy import lazy
@@ -21,5 +23,6 @@ __getattr__, __dir__, __all__ = lazy(
         "kvcalib.core.recipe": ("load_recipe",),
         "kvcalib.core.data": ("calibration_windows", "eval_windows"),
         "kvcalib.errors": ("KvcalibError",),
+        "kvcalib.sim.cache": ("QuantizedKVCache",),
     },
 )

@@ -1,21 +1,36 @@
-"""`QuantizedKVCache`: any kvcalib recipe as a transformers `Cache`, for `model.generate`.
+"""`QuantizedKVCache` (`kvcalib.QuantizedKVCache`): any kvcalib recipe, or a converted folder's
+side-car, as a transformers `Cache` for `model.generate`. Given a model and its tokenizer,
 
-    with QuantizedKVCache.from_recipe(model, "kivi-2", max_len=4096) as cache:
-        out = model.generate(ids, cache=cache, max_new_tokens=64, do_sample=False)
+    import kvcalib
+    model, tokenizer = kvcalib.load_model("smollm2-135m")  # or a local folder, or a hub id
+
+three lines generate through a 2-bit cache:
+
+    cache = kvcalib.QuantizedKVCache.from_recipe(model, "kivi-2", max_len=4096)
+    ids = tokenizer("def fib(n):", return_tensors="pt").input_ids
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=32, do_sample=False)
+
+A recipe that needs calibration (kvcalib-*, kvquant-*) takes `profile=` (a Profile or its
+folder). A converted folder: load it in transformers (its weights carry the fused rotations),
+then `QuantizedKVCache.from_checkpoint(model, folder, max_len=...)`. transformers 5.25 also
+names the argument `cache=` and warns that `past_key_values=` goes in 6.0; both reach this cache.
 
 Storage and the decode rule are kvcalib_runtime's `QuantizedCache` (its reference path), so
 what generation sees here is what the runtime serves and what `kvcalib eval --mode decode`
-simulates. The cache owns two kinds of hooks on the model while it is open — one capturing
-pre-RoPE keys, one handing the sink predictor its residual stream and committing each forward
-— and removes them on exit.
+simulates. The cache hooks the model while it is open — capturing pre-RoPE keys, handing the
+sink predictor its residual stream and committing each forward — only in forwards that pass
+this cache (any other forward leaves it as it was); `close()`, or leaving a `with` block,
+removes the hooks.
 """
 
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcalib.core.plan import plan_for_model
+from kvcalib.core.profile import Profile
 from kvcalib.sim.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
 from kvcalib_runtime.cache.kvcache import QuantizedCache
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme
+from kvcalib_runtime.checkpoint.format import read_checkpoint
 from kvcalib_runtime.model.geometry import Geometry
 from kvcalib_runtime.model.rope import layer_ropes
 from kvcalib_runtime.model.transforms import Transforms
@@ -85,22 +100,36 @@ class QuantizedKVCache(Cache):
             use_kernels=False,  # transformers attends itself: the reference path stores alone
         )
         self._key_pre = {}
+        self._active = False  # whether the forward under way passes this cache
         self._hooks = Hooks(model)
         layers = decoder_layers(model)
+        self._hooks.pre_forward(model.model, self._activate)
         for i in range(len(layers)):
-            self._hooks.forward(key_module(model, i), capture_keys(model, self._key_pre, i))
+            capture = capture_keys(model, self._key_pre, i)
+            self._hooks.forward(key_module(model, i), self._when_active(capture))
         sp = self.params.sink_predictor
         if sp is not None and scheme.sink_budget:
-            self._hooks.forward(layers[sp.layer], self._observe(sp.layer))
-        self._hooks.forward(layers[-1], self._commit)
+            self._hooks.forward(layers[sp.layer], self._when_active(self._observe(sp.layer)))
+        self._hooks.forward(layers[-1], self._when_active(self._commit))
         super().__init__(layers=[_Layer(self, i) for i in range(len(layers))])
 
     @classmethod
     def from_recipe(cls, model, recipe, profile=None, *, max_len: int, **kwargs):
-        """Build from a recipe (name, path or Recipe) and, when it needs one, a profile."""
-
+        """Build from a recipe (a preset name, a TOML path or a Recipe) and, when it needs one,
+        a profile (a Profile or the folder `kvcalib calibrate` wrote, checked against the model
+        `kvcalib.load_model` loaded)."""
+        if profile is not None and not isinstance(profile, Profile):
+            profile = Profile.load(profile, getattr(model, "kvcalib_source", None))
         scheme, params = plan_for_model(model, recipe, profile)
         return cls(model, scheme, params, max_len=max_len, **kwargs)
+
+    @classmethod
+    def from_checkpoint(cls, model, path, *, max_len: int, **kwargs):
+        """Build from a converted folder's side-car (scheme, calibrated tensors, and which
+        transforms its weights already carry); `model` is that folder loaded in transformers.
+        FormatError names a file of the folder that is missing or changed."""
+        ckpt = read_checkpoint(path)
+        return cls(model, ckpt.scheme, ckpt.params, ckpt.transforms, max_len=max_len, **kwargs)
 
     def __enter__(self) -> "QuantizedKVCache":
         return self
@@ -129,6 +158,18 @@ class QuantizedKVCache(Cache):
 
     def seq_length(self) -> int:
         return int(self.store.lengths.max())
+
+    def _activate(self, module, args, kwargs) -> None:
+        """Before each forward of the decoder stack: is this cache the one it was passed?"""
+        passed = kwargs.get("cache", kwargs.get("past_key_values"))
+        self._active = passed is self
+
+    def _when_active(self, hook):
+        def gated(module, args, output):
+            if self._active:
+                hook(module, args, output)
+
+        return gated
 
     def _observe(self, layer: int):
         def hook(module, args, output):
