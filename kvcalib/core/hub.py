@@ -69,18 +69,9 @@ def download(repo_id: str, *, trust_remote_code: bool = False) -> Path:
                 f"model {repo_id}: offline mode is on (HF_HUB_OFFLINE) and the Hugging Face cache "
                 f"({cache}) lacks it: download it once with HF_HUB_OFFLINE unset, or {_LOCAL}"
             ) from None
-        cause = e.__cause__ or e
-        raise ModelError(
-            f"model {repo_id}: the Hugging Face Hub cannot be reached ({type(cause).__name__}) "
-            f"and the cache ({cache}) lacks it: connect, or set HF_HUB_OFFLINE=1 with the "
-            f"model cached, or {_LOCAL}"
-        ) from None
-    except HfHubHTTPError as e:
-        status = e.response.status_code if e.response is not None else "an error"
-        raise ModelError(
-            f"model {repo_id}: the Hugging Face Hub answered {status}; try again later, or set "
-            f"HF_HUB_OFFLINE=1 with the model cached, or {_LOCAL}"
-        ) from None
+        raise _unreachable(repo_id, e.__cause__ or e, cache) from None
+    except HfHubHTTPError as e:  # a refusal the library does not answer from its cache
+        raise _unreachable(repo_id, e, cache) from None
     if not any(path.glob("model*.safetensors")):
         raise ModelError(
             f"model {repo_id}: the repository holds no model*.safetensors weights at its top "
@@ -88,3 +79,22 @@ def download(repo_id: str, *, trust_remote_code: bool = False) -> Path:
             f"save_pretrained on a trusted machine and {_LOCAL}"
         )
     return path
+
+
+def _unreachable(repo_id: str, error: Exception, cache: str) -> ModelError:
+    """The one line for a Hub that could not serve the model (no network, or an HTTP error)."""
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    if status in (401, 403):
+        return ModelError(
+            f"model {repo_id}: the Hugging Face Hub refused access ({status}): log in "
+            "(hf auth login, or set HF_TOKEN) with access to it"
+        )
+    why, fix = (
+        (f"answered {status}", "try again later")
+        if status is not None
+        else (f"cannot be reached ({type(error).__name__})", "connect")
+    )
+    return ModelError(
+        f"model {repo_id}: the Hugging Face Hub {why} and the cache ({cache}) lacks it: {fix}, "
+        f"or set HF_HUB_OFFLINE=1 with the model cached, or {_LOCAL}"
+    )

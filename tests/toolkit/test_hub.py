@@ -13,6 +13,7 @@ import httpx2
 import huggingface_hub
 import pytest
 from huggingface_hub import constants
+from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 from huggingface_hub.utils import filter_repo_objects
 from tiny import save_with_tokenizer, tiny_model
 
@@ -21,6 +22,7 @@ from kvcalib.errors import ModelError
 
 REPO = "someone/tiny-llama"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+URL = f"https://huggingface.co/{REPO}"
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +93,41 @@ def test_no_network_and_cached_uses_the_cache(monkeypatch, hub_cache, folder):
     snapshot = _cache(hub_cache, folder)
     _no_network(monkeypatch)
     assert models.resolve(REPO).path == Path(snapshot)
+
+
+def _hub_answers(status: int, error):
+    """The Hub answers every call with `status`, as huggingface_hub raises it (`error`)."""
+
+    def answer(*args, **kwargs):
+        request = httpx2.Request("GET", f"https://huggingface.co/api/models/{REPO}")
+        raise error("refused", response=httpx2.Response(status, request=request))
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    "status, error, message",
+    [
+        (404, RepositoryNotFoundError, "no such local path, and the Hugging Face Hub has no"),
+        (401, RepositoryNotFoundError, "no such local path, and the Hugging Face Hub has no"),
+        (403, GatedRepoError, f"gated on the Hugging Face Hub: accept its terms at {URL}"),
+        (401, HfHubHTTPError, "the Hugging Face Hub refused access (401): log in"),
+        (503, HfHubHTTPError, "the Hugging Face Hub answered 503 and the cache ("),
+    ],
+)
+def test_what_the_hub_answers(monkeypatch, hub_cache, status, error, message):
+    monkeypatch.setattr(huggingface_hub.HfApi, "repo_info", _hub_answers(status, error))
+    with pytest.raises(ModelError) as e:
+        models.resolve(REPO)
+    assert str(e.value).startswith(f"model {REPO}: {message}")
+    assert "\n" not in str(e.value)
+
+
+def test_neither_a_path_nor_a_hub_id(hub_cache):
+    """A typo'd path that looks like owner/name but is no valid repository id: refused by the
+    library's own validation before any request."""
+    with pytest.raises(ModelError, match=r"^model runs/my model: no such local path, nor a valid"):
+        models.resolve("runs/my model")
 
 
 @pytest.mark.parametrize("trust", [False, True])
