@@ -27,6 +27,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcalib.core.plan import plan_for_model
 from kvcalib.core.profile import Profile
+from kvcalib.errors import ModelError
 from kvcalib.sim.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
 from kvcalib_runtime.cache.kvcache import QuantizedCache
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme
@@ -127,8 +128,15 @@ class QuantizedKVCache(Cache):
     def from_checkpoint(cls, model, path, *, max_len: int, **kwargs):
         """Build from a converted folder's side-car (scheme, calibrated tensors, and which
         transforms its weights already carry); `model` is that folder loaded in transformers.
-        FormatError names a file of the folder that is missing or changed."""
+        FormatError names a file of the folder that is missing or changed; ModelError, a model
+        of other shapes (the side-car's rotations are fused in that folder's weights only)."""
         ckpt = read_checkpoint(path)
+        if Geometry.from_config(model.config) != ckpt.geometry:
+            raise ModelError(
+                f"checkpoint {path}: its side-car is for a {ckpt.geometry.layers}-layer "
+                f"{ckpt.config.get('model_type')} model, not this one: load the folder itself "
+                "(AutoModelForCausalLM.from_pretrained of it)"
+            )
         return cls(model, ckpt.scheme, ckpt.params, ckpt.transforms, max_len=max_len, **kwargs)
 
     def __enter__(self) -> "QuantizedKVCache":

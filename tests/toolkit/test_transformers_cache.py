@@ -79,6 +79,9 @@ def test_generate_from_checkpoint_is_the_runtime(tmp_path):
     with kvcalib.QuantizedKVCache.from_checkpoint(model, out, max_len=64) as cache:
         assert _greedy(model, ids, past_key_values=cache) == runtime
     assert runtime != _greedy(model, ids)
+    other = tiny_model("llama", hidden_size=32)  # another model's shapes
+    with pytest.raises(kvcalib.KvcalibError, match=r"side-car is for a 2-layer llama model"):
+        kvcalib.QuantizedKVCache.from_checkpoint(other, out, max_len=64)
 
 
 @pytest.mark.slow
