@@ -15,7 +15,8 @@ live in `recipes/<name>.toml`; `load_recipe` takes a preset name or a path.
     [allocation]  budget choices sensitivity   (per-layer bits from the profile's sensitivities:
                   sensitivity "text", the calibration text's next-token loss, "answer", the
                   answer loss of retrieval prompts, or "text+answer", both weighed alike)
-    [[layers]]    index key value           (per-layer overrides of [key] / [value])
+    [[layers]]    index key value           (per-layer overrides of [key] / [value]; entries
+                                            may share a layer, never a field of it)
 
 bits = 16 means full precision. `rotation` is "none" or "hadamard": for values a Hadamard per KV
 head fused into v_proj/o_proj, for keys an online Hadamard on queries and keys after RoPE.
@@ -310,6 +311,7 @@ def parse_recipe(data: dict, source: str = "<dict>") -> Recipe:
             )
         allocation = Allocation(float(data["allocation"]["budget"]), choices, loss)
     overrides = tuple(_override(o, i, where) for i, o in enumerate(data.get("layers", [])))
+    _check_overlaps(overrides, where)
     recipe = Recipe(
         name=data["name"],
         description=data.get("description", ""),
@@ -428,6 +430,23 @@ def _override(obj, i: int, where: str) -> LayerOverride:
     for name in ("key", "value"):
         _tensor_keys(obj.get(name, {}), name, where, f"layers[{i}].")  # merged: `_check_layer`
     return LayerOverride(layers, obj.get("key", {}), obj.get("value", {}))
+
+
+def _check_overlaps(overrides: tuple[LayerOverride, ...], where: str) -> None:
+    """RecipeError when two [[layers]] entries set the same field of one layer: the later
+    would win silently, and the recipe would not say what the layer gets. Entries that set
+    different fields of a layer merge."""
+    first = {}  # (layer, "key.bits") -> the index of the entry that set it
+    for i, o in enumerate(overrides):
+        fields = [f"{name}.{k}" for name in ("key", "value") for k in getattr(o, name)]
+        for layer in o.layers:
+            for field in fields:
+                j = first.setdefault((layer, field), i)
+                if j != i:
+                    raise RecipeError(
+                        f"{where}: layers[{j}] and layers[{i}] both set {field} of layer "
+                        f"{layer}; set each layer's {field} in one [[layers]] entry"
+                    )
 
 
 def _check_tokens(counts: dict[str, int], where: str) -> None:
