@@ -184,10 +184,14 @@ def eval_(model, recipes, long_context, long_context_lengths, json_out, no_calib
 @main.command("recipes")
 def recipes_():
     """List the preset recipes: description and bits per element at 4K tokens on the default
-    model's geometry (everything the runtime cache allocates, walked from its buffers)."""
+    model's geometry (everything the runtime cache allocates, walked from its buffers). An
+    entry of the presets folder that is no preset is named in a warning and left out."""
     from kvcalib.evaluation.listing import format_recipes
 
-    click.echo(format_recipes())
+    table, warnings = format_recipes()
+    click.echo(table)
+    for line in warnings:
+        click.echo(f"warning: {line}", err=True)
 
 
 @main.command()
