@@ -1,25 +1,32 @@
 """The `kvcalib` command line: a thin layer that parses options and calls the Python API."""
 
+import signal
 import sys
 
 import click
 
 from kvcalib.core import paths  # no torch: paths are checked before the heavy imports
 from kvcalib.errors import KvcalibError
+from kvcalib.io.atomic import Stopped, stop_signals
 from kvcalib_runtime.errors import KvcalibRuntimeError
 
 
 class _Group(click.Group):
     """Expected failures print one line and exit 2 (a bad option too, as click's own usage
-    errors do); Ctrl-C exits 130, as a shell reports SIGINT; anything else keeps its
+    errors do); Ctrl-C exits 130, SIGTERM 143 and SIGHUP 129, as a shell reports a signal
+    (128 + its number), each once what the command staged is removed; anything else keeps its
     traceback."""
 
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            with stop_signals():
+                return super().invoke(ctx)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
-            sys.exit(130)
+            sys.exit(128 + signal.SIGINT)
+        except Stopped as e:
+            click.echo(f"stopped by {e}", err=True)
+            sys.exit(128 + e.signum)
         except (KvcalibError, KvcalibRuntimeError) as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
