@@ -42,7 +42,7 @@ from kvcalib_runtime.checkpoint.format import META, read_checkpoint
 if TYPE_CHECKING:
     from kvcalib.evaluation.score import Result
 
-__all__ = ["convert", "default_profile", "default_profile_path", "evaluate"]
+__all__ = ["ProfileTerms", "convert", "default_profile", "default_profile_path", "evaluate"]
 CONVERTED = "converted checkpoint"  # the kind of output convert writes (atomic.KINDS)
 
 # What the default calibration costs, measured (benchmarks/RESULTS.md, bench_calibrate.py: 36.3 s
@@ -53,6 +53,17 @@ OTHER_COST = "about 16x a plain forward over 16 x 512 tokens on smollm2-135m"
 
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileTerms:
+    """How the caller's user names a profile and the way to stop a default calibration, for
+    `default_profile`'s note and refusals: the CLI's options by default (lm-eval's model args
+    in kvcalib.lmeval)."""
+
+    missing: str = "no --profile given"
+    give: str = "pass --profile DIR"
+    stop: str = "--no-calibrate stops here instead"
 
 
 def default_profile_path(source: ModelSource) -> Path:
@@ -76,10 +87,12 @@ def default_profile(
     calibrate_missing: bool = True,
     progress: bool = True,
     log: Callable[[str], None] = _stderr,
+    terms: ProfileTerms = ProfileTerms(),
 ) -> Profile:
     """`profile` (a folder or a Profile) checked against `source`; without one, the default
     calibration of `source`, computed once and cached (announced through `log` first, or
-    refused with a ProfileError when `calibrate_missing` is False)."""
+    refused with a ProfileError when `calibrate_missing` is False or the model's context is
+    shorter than its windows); `terms` name the options in the caller's words."""
     if profile is not None and not isinstance(profile, str | os.PathLike):  # a loaded Profile
         profile.check_model(source)
         return profile
@@ -88,18 +101,28 @@ def default_profile(
     path = default_profile_path(source)
     if not path.is_dir():
         what = (
-            f"no --profile given: the recipe needs calibrated tensors, so {source.spec} gets "
+            f"{terms.missing}: the recipe needs calibrated tensors, so {source.spec} gets "
             f"its default calibration (`kvcalib calibrate`; "
             f"{DEFAULT_COST if source.spec == DEFAULT_MODEL else OTHER_COST}), cached in {path}"
         )
         if not calibrate_missing:
             raise ProfileError(
                 f"{what} - but --no-calibrate was given: run kvcalib calibrate "
-                f"{source.spec} -o DIR and pass --profile DIR"
+                f"{source.spec} -o DIR and {terms.give}"
+            )
+        from kvcalib.calibration import SEQ_LEN, calibrate
+
+        stated = (source.path / "config.json").is_file()
+        limit = preflight.max_positions(source) if stated else None
+        if limit is not None and limit < SEQ_LEN:
+            raise ProfileError(
+                f"{terms.missing}: the recipe needs calibrated tensors, and the default "
+                f"calibration reads windows of {SEQ_LEN} tokens, longer than {source.spec}'s "
+                f"context of {limit}: run kvcalib calibrate {source.spec} -o DIR --seq-len "
+                f"{limit} and {terms.give}"
             )
         writable_cache_dir()
-        log(f"note: {what}; this runs once (--no-calibrate stops here instead)")
-        from kvcalib.calibration import calibrate
+        log(f"note: {what}; this runs once ({terms.stop})")
 
         calibrate(str(source.path), path, progress=progress)
     loaded = Profile.load(path)

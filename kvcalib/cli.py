@@ -1,25 +1,32 @@
 """The `kvcalib` command line: a thin layer that parses options and calls the Python API."""
 
+import signal
 import sys
 
 import click
 
 from kvcalib.core import paths  # no torch: paths are checked before the heavy imports
 from kvcalib.errors import KvcalibError
+from kvcalib.io.atomic import Stopped, stop_signals
 from kvcalib_runtime.errors import KvcalibRuntimeError
 
 
 class _Group(click.Group):
     """Expected failures print one line and exit 2 (a bad option too, as click's own usage
-    errors do); Ctrl-C exits 130, as a shell reports SIGINT; anything else keeps its
+    errors do); Ctrl-C exits 130, SIGTERM 143 and SIGHUP 129, as a shell reports a signal
+    (128 + its number), each once what the command staged is removed; anything else keeps its
     traceback."""
 
     def invoke(self, ctx):
         try:
-            return super().invoke(ctx)
+            with stop_signals():
+                return super().invoke(ctx)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
-            sys.exit(130)
+            sys.exit(128 + signal.SIGINT)
+        except Stopped as e:
+            click.echo(f"stopped by {e}", err=True)
+            sys.exit(128 + e.signum)
         except (KvcalibError, KvcalibRuntimeError) as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
@@ -184,10 +191,14 @@ def eval_(model, recipes, long_context, long_context_lengths, json_out, no_calib
 @main.command("recipes")
 def recipes_():
     """List the preset recipes: description and bits per element at 4K tokens on the default
-    model's geometry (everything the runtime cache allocates, walked from its buffers)."""
+    model's geometry (everything the runtime cache allocates, walked from its buffers). An
+    entry of the presets folder that is no preset is named in a warning and left out."""
     from kvcalib.evaluation.listing import format_recipes
 
-    click.echo(format_recipes())
+    table, warnings = format_recipes()
+    click.echo(table)
+    for line in warnings:
+        click.echo(f"warning: {line}", err=True)
 
 
 @main.command()

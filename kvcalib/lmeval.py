@@ -16,13 +16,13 @@ the name in `pretrained` (or metadata "tokenizer"); a kvcalib spec such as smoll
 id, so `kvcalib lm-eval` hands them the resolved local folder as metadata "tokenizer"
 (`task_metadata`; from Python, pass it to `lm_eval.simple_evaluate(metadata=...)`).
 
-Model args: pretrained (a kvcalib model spec or path; a converted folder runs its own side-car
-unless a recipe is named), recipe (name or TOML; default fp16), profile (default: the model's
-default calibration, when the recipe needs one), residual (the window every recipe is given:
-128, as the project's tables; none keeps the recipe's own), dtype (float32), device, max_length
-(default: the model's context), max_gen_toks (256), batch_size (1 only).
+Model args (`--model_args NAME=VALUE,...`) are parsed and checked in one place, the table ARGS,
+before any model loads: a typo gets "did you mean", a wrong type or range one line naming
+NAME=VALUE. The device and the batch size are lm-eval's own options (`--device`, `--batch_size`),
+which it passes to every model type: given in --model_args too, they are refused, naming those.
 """
 
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -37,82 +37,93 @@ from lm_eval.models.utils import (
     normalize_gen_kwargs,
     postprocess_generated_text,
 )
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, setup_logging
+from lm_eval.utils import (
+    get_rolling_token_windows,
+    make_disjoint_window,
+    setup_logging,
+    simple_parse_args_string,
+)
 from tqdm.auto import tqdm
 
-from kvcalib.api import default_profile
-from kvcalib.core import options
+from kvcalib.api import ProfileTerms, default_profile
+from kvcalib.core import options, preflight
 from kvcalib.core.models import load_model, resolve
-from kvcalib.core.plan import scheme_with_residual
+from kvcalib.core.plan import scheme_with_residual, with_residual
 from kvcalib.core.recipe import load_recipe
 from kvcalib.errors import DataError, OptionError
 from kvcalib.evaluation.longcontext import Prefill, filled_cache
 from kvcalib.evaluation.score import Candidate, candidates
+from kvcalib.lmeval_args import ARGS, parse_args
 from kvcalib_runtime.checkpoint.format import META, read_checkpoint
 
 log = logging.getLogger(__name__)
 NAME = "kvcalib"  # the model type: lm-eval --model kvcalib
-RESIDUAL = 128  # the window every recipe is given by default, as in the project's tables
+# The default profile's note and refusals in lm-eval's words
+TERMS = ProfileTerms(
+    missing="no profile in --model_args",
+    give="pass profile=DIR in --model_args",
+    stop="profile=DIR in --model_args uses your own instead",
+)
 
 
 @register_model(NAME)
 class KvcalibLM(TemplateLM):
-    """A kvcalib model spec evaluated through one recipe's cache (see the module docstring)."""
+    """A kvcalib model spec evaluated through one recipe's cache (see the module docstring);
+    its keyword arguments are ARGS'."""
 
-    def __init__(
-        self,
-        pretrained: str | None = None,
-        recipe: str | None = None,
-        profile: str | None = None,
-        residual: int | None = RESIDUAL,
-        dtype: str = "float32",
-        device: str = "cpu",
-        max_length: int | None = None,
-        max_gen_toks: int = 256,
-        batch_size: int | str = 1,
-        trust_remote_code: bool = False,
-    ):
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """As lm-eval's: the --model_args entries (`arg_dict`) and lm-eval's own options
+        (`additional_config`: device, batch size), where an own option named in --model_args
+        is refused naming lm-eval's option (it would collide with the one lm-eval passes)."""
+        for name, value in arg_dict.items():
+            option = ARGS[name].option if name in ARGS else None
+            if option is not None:
+                raise OptionError(
+                    f"{name}={value} (--model_args): lm-eval passes the {name} itself; use "
+                    f"lm-eval's {option} {value} instead"
+                )
+        own = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**arg_dict, **own)
+
+    def __init__(self, **given):
         super().__init__()
-        if str(batch_size) != "1":
-            raise OptionError(
-                f"batch_size {batch_size}: the kvcalib model type runs one request at a time "
-                "(each through its own cache); use --batch_size 1"
-            )
-        source = resolve(pretrained, trust_remote_code=trust_remote_code)
+        args = parse_args(given)
+        device, dtype = _device(args["device"]), options.dtype("dtype", args["dtype"])
+        trust = args["trust_remote_code"]
+        source = resolve(args["pretrained"], trust_remote_code=trust)
+        self.max_length, self.max_gen_toks = _lengths(source, args, "max_gen_toks" in given)
         ckpt = read_checkpoint(source.path) if (source.path / META).is_file() else None
-        if recipe is None and ckpt is None:
-            recipe = "fp16"
+        recipe, residual = args["recipe"], args["residual"]
+        recipe = "fp16" if recipe is None and ckpt is None else recipe
         loaded = None if recipe is None else load_recipe(recipe)  # a typo fails before the load
+        if loaded is not None and residual is not None:
+            loaded = with_residual(loaded, residual, "residual=")
+        profile = args["profile"]
         if profile is not None or (loaded is not None and loaded.needs_profile):
-            profile = default_profile(source, profile)
-        self.model, self.tokenizer = load_model(
-            pretrained,
-            device=_device(device),
-            dtype=options.dtype("dtype", dtype),
-            trust_remote_code=trust_remote_code,
-        )
+            profile = default_profile(source, profile, terms=TERMS)
         if loaded is None:  # a converted folder with its own side-car
             name = f"{ckpt.meta['recipe']['name']} (converted)"
             scheme = ckpt.scheme
             if residual is not None:
-                scheme = scheme_with_residual(scheme, residual, name)
+                scheme = scheme_with_residual(scheme, residual, name, "residual=")
             self.candidate = Candidate(name, None, scheme, ckpt.params, ckpt.transforms)
-        else:
-            (self.candidate,) = candidates(self.model, [loaded], profile, ckpt, residual=residual)
+        else:  # planned on the config, before the load
+            config = json.loads((source.path / "config.json").read_text())
+            (self.candidate,) = candidates(config, [loaded], profile, ckpt)
+        self.model, self.tokenizer = load_model(
+            args["pretrained"], device=device, dtype=dtype, trust_remote_code=trust
+        )
         c = self.candidate
         self.sink_layers = (
             {c.params.sink_predictor.layer}
             if c.scheme is not None and c.scheme.sink_budget and c.params.sink_predictor
             else set()
         )
-        context = getattr(self.model.config, "max_position_embeddings", None)
-        self.max_length = int(max_length or context)
-        if context and self.max_length > context:
-            raise OptionError(
-                f"max_length {max_length}: the model reads at most {context} positions; use "
-                "at most that"
-            )
-        self.max_gen_toks = int(max_gen_toks)
         self._device = next(self.model.parameters()).device
 
     # Tokenization, as lm-eval's HF model does it
@@ -199,6 +210,11 @@ class KvcalibLM(TemplateLM):
                 )
             until = handle_stop_sequences(kwargs.get("until"), eos=eos)
             new = kwargs["max_gen_toks"]
+            if new < 1:
+                raise OptionError(
+                    f"max_gen_toks {new} (the task's generation_kwargs or --gen_kwargs): use an "
+                    "integer >= 1"
+                )
             if new >= self.max_length:
                 raise OptionError(
                     f"max_gen_toks {new}: leaves no room for a context in max_length "
@@ -264,6 +280,30 @@ class KvcalibLM(TemplateLM):
         return self.tokenizer.decode(tokens)
 
 
+def _lengths(source, args: dict, gen_toks_given: bool) -> tuple[int, int]:
+    """(max_length, max_gen_toks), checked against the model's context (its config.json); a
+    max_gen_toks given must leave room for a context (the default is a task's to override,
+    checked per request)."""
+    context = preflight.max_positions(source)
+    max_length = args["max_length"] or context
+    if max_length is None:
+        raise OptionError(
+            f"max_length: {source.spec}'s config.json states no context; pass max_length=N "
+            "in --model_args"
+        )
+    if context and max_length > context:
+        raise OptionError(
+            f"max_length={max_length} (--model_args): the model reads at most {context} "
+            "positions; use at most that"
+        )
+    if gen_toks_given and args["max_gen_toks"] >= max_length:
+        raise OptionError(
+            f"max_gen_toks={args['max_gen_toks']} (--model_args): leaves no room for a context "
+            f"in max_length {max_length}; use a smaller max_gen_toks"
+        )
+    return max_length, args["max_gen_toks"]
+
+
 def _device(device: str) -> str:
     """The device to load on: `device`, or the CPU where it names CUDA on a machine without
     one (lm-eval's command line passes cuda:0 unless told --device; its HF model falls back
@@ -275,7 +315,7 @@ def _device(device: str) -> str:
     if wanted is not None and wanted.type == "cuda" and not torch.cuda.is_available():
         log.warning("device %s: no CUDA device on this machine, running on the CPU", device)
         return "cpu"
-    return options.device("device", device)
+    return options.device("--device", device)
 
 
 def task_metadata(model_args: dict, metadata: dict | None, *, trust_remote_code=False) -> dict:

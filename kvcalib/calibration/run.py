@@ -56,6 +56,7 @@ from kvcalib.errors import DataError, OutputError
 from kvcalib.io.atomic import check_output, staging
 
 PHASES = ("stats", "sensitivity", "codebooks")
+SEQ_LEN = 512  # tokens per calibration window unless told (the default calibration's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +142,7 @@ def calibrate(
     *,
     data=None,
     num_samples: int = 16,
-    seq_len: int = 512,
+    seq_len: int = SEQ_LEN,
     seed: int = 0,
     device: str = "cpu",
     dtype: str | torch.dtype = "float32",
@@ -224,7 +225,7 @@ def calibrate_model(
     source,
     data=None,
     num_samples: int = 16,
-    seq_len: int = 512,
+    seq_len: int = SEQ_LEN,
     seed: int = 0,
     phases=PHASES,
     force: bool = False,

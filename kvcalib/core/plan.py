@@ -51,14 +51,15 @@ def codebook_variant(name: str, t: TensorRecipe) -> str:
     return ":".join(parts)
 
 
-def with_residual(recipe: Recipe, residual: int) -> Recipe:
+def with_residual(recipe: Recipe, residual: int, option: str = "--residual") -> Recipe:
     """`recipe` with a residual window of `residual` tokens instead of its own (`kvcalib eval
     --residual`, which gives every recipe of a run the same window). Flush blocks follow the
     recipe's own rule at the new window (`flush_of`): a tensor grouped over tokens ("channel",
     KIVI's keys) flushes the whole window at once, so the window must be a positive multiple of
     its token group; per-token tensors flush one token at a time; an explicit flush is kept and
-    must fit in the window. Kept-exact sinks stay the recipe's own."""
-    where = f"recipe {recipe.name} with --residual {residual}"
+    must fit in the window. Kept-exact sinks stay the recipe's own. `option` names the
+    window's option in messages (`--residual N`; lm-eval's model arg is `residual=N`)."""
+    where = f"recipe {recipe.name} with {_named(option, residual)}"
     if residual < 0:
         raise RecipeError(f"{where}: the residual window is a token count, use >= 0")
     for name in ("key", "value"):  # per-layer overrides are checked when the recipe is planned
@@ -74,9 +75,16 @@ def with_residual(recipe: Recipe, residual: int) -> Recipe:
     return dataclasses.replace(recipe, residual=residual)
 
 
-def scheme_with_residual(scheme: KVScheme, residual: int, name: str) -> KVScheme:
+def _named(option: str, value) -> str:
+    return f"{option}{value}" if option.endswith("=") else f"{option} {value}"
+
+
+def scheme_with_residual(
+    scheme: KVScheme, residual: int, name: str, option: str = "--residual"
+) -> KVScheme:
     """A resolved scheme (a converted checkpoint's) with the residual window `residual`, by the
     rule of `with_residual`: "channel" tensors flush the window, others keep their flush."""
+    where = f"{name} with {_named(option, residual)}"
     layers = []
     for i, layer in enumerate(scheme.layers):
         flush = {}
@@ -87,11 +95,11 @@ def scheme_with_residual(scheme: KVScheme, residual: int, name: str) -> KVScheme
         try:
             layers.append(dataclasses.replace(layer, **flush))
         except ValueError as e:
-            raise RecipeError(f"{name} with --residual {residual}, layer {i}: {e}") from None
+            raise RecipeError(f"{where}, layer {i}: {e}") from None
     try:
         return dataclasses.replace(scheme, layers=tuple(layers), residual=residual)
     except ValueError as e:
-        raise RecipeError(f"{name} with --residual {residual}: {e}") from None
+        raise RecipeError(f"{where}: {e}") from None
 
 
 def plan(

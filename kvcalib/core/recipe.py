@@ -15,7 +15,8 @@ live in `recipes/<name>.toml`; `load_recipe` takes a preset name or a path.
     [allocation]  budget choices sensitivity   (per-layer bits from the profile's sensitivities:
                   sensitivity "text", the calibration text's next-token loss, "answer", the
                   answer loss of retrieval prompts, or "text+answer", both weighed alike)
-    [[layers]]    index key value           (per-layer overrides of [key] / [value])
+    [[layers]]    index key value           (per-layer overrides of [key] / [value]; entries
+                                            may share a layer, never a field of it)
 
 bits = 16 means full precision. `rotation` is "none" or "hadamard": for values a Hadamard per KV
 head fused into v_proj/o_proj, for keys an online Hadamard on queries and keys after RoPE.
@@ -49,7 +50,9 @@ that and the retrieval prompts' answer loss alike, or by neither, `codebook_weig
 
 import dataclasses
 import difflib
+import errno
 import re
+import stat
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -242,9 +245,37 @@ _CHOICES = {  # the runtime's own tables where the runtime defines the field
 }
 
 
+def _preset_entries() -> list[Path]:
+    return [p for d in RECIPE_DIRS if d.is_dir() for p in sorted(d.glob("*.toml"))]
+
+
 def presets() -> list[str]:
-    """Names of the preset recipes shipped with kvcalib."""
-    return sorted({p.stem for d in RECIPE_DIRS if d.is_dir() for p in d.glob("*.toml")})
+    """Names of the preset recipes shipped with kvcalib: the regular files (or links to one)
+    named *.toml in the presets folders (`preset_problems` names the other entries)."""
+    return sorted({p.stem for p in _preset_entries() if p.is_file()})
+
+
+def preset_problems() -> list[str]:
+    """One line per entry named *.toml in the presets folders that is no regular file (a
+    folder, a FIFO, a link to nothing or a link loop): its path, what it is and the fix."""
+    return [
+        f"{p}: {_not_a_file(p)}, not a preset; remove it (a preset is a TOML file)"
+        for p in _preset_entries()
+        if not p.is_file()
+    ]
+
+
+def _not_a_file(path: Path) -> str:
+    """What `path`, which is no regular file, is."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "a symlink to nothing"
+    except OSError as e:
+        return "a symlink loop" if e.errno == errno.ELOOP else f"unreadable ({e.strerror})"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return "a FIFO" if stat.S_ISFIFO(mode) else "a socket or device"
 
 
 def load_recipe(name_or_path: str | Path) -> Recipe:
@@ -260,6 +291,12 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
     else:
         found = [d / f"{name_or_path}.toml" for d in RECIPE_DIRS]
         path = next((p for p in found if p.is_file()), None)
+        broken = next((p for p in found if p.is_symlink() or p.exists()), None)
+        if path is None and broken is not None:
+            raise RecipeError(
+                f"recipe {name_or_path}: the preset's entry {broken} is {_not_a_file(broken)}, "
+                "not a TOML file; remove it, or reinstall kvcalib"
+            )
         if path is None:
             close = difflib.get_close_matches(str(name_or_path), presets(), n=3)
             hint = f"did you mean {', '.join(close)}? " if close else ""
@@ -272,6 +309,10 @@ def load_recipe(name_or_path: str | Path) -> Recipe:
         data = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a BOM, as editors write
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise RecipeError(f"recipe {path}: not valid TOML ({e}); fix the file") from None
+    except OSError as e:
+        raise RecipeError(
+            f"recipe {path}: cannot be read ({e.strerror}); fix its permissions"
+        ) from None
     return parse_recipe(data, source=str(path))
 
 
@@ -310,6 +351,7 @@ def parse_recipe(data: dict, source: str = "<dict>") -> Recipe:
             )
         allocation = Allocation(float(data["allocation"]["budget"]), choices, loss)
     overrides = tuple(_override(o, i, where) for i, o in enumerate(data.get("layers", [])))
+    _check_overlaps(overrides, where)
     recipe = Recipe(
         name=data["name"],
         description=data.get("description", ""),
@@ -428,6 +470,23 @@ def _override(obj, i: int, where: str) -> LayerOverride:
     for name in ("key", "value"):
         _tensor_keys(obj.get(name, {}), name, where, f"layers[{i}].")  # merged: `_check_layer`
     return LayerOverride(layers, obj.get("key", {}), obj.get("value", {}))
+
+
+def _check_overlaps(overrides: tuple[LayerOverride, ...], where: str) -> None:
+    """RecipeError when two [[layers]] entries set the same field of one layer: the later
+    would win silently, and the recipe would not say what the layer gets. Entries that set
+    different fields of a layer merge."""
+    first = {}  # (layer, "key.bits") -> the index of the entry that set it
+    for i, o in enumerate(overrides):
+        fields = [f"{name}.{k}" for name in ("key", "value") for k in getattr(o, name)]
+        for layer in o.layers:
+            for field in fields:
+                j = first.setdefault((layer, field), i)
+                if j != i:
+                    raise RecipeError(
+                        f"{where}: layers[{j}] and layers[{i}] both set {field} of layer "
+                        f"{layer}; set each layer's {field} in one [[layers]] entry"
+                    )
 
 
 def _check_tokens(counts: dict[str, int], where: str) -> None:

@@ -19,7 +19,8 @@ them.
 import torch
 
 from kvcalib.core.plan import plan
-from kvcalib.core.recipe import load_recipe, presets
+from kvcalib.core.recipe import load_recipe, preset_problems, presets
+from kvcalib.errors import RecipeError
 from kvcalib.evaluation.external import external_bits
 from kvcalib_runtime.cache.kvcache import planned_bits
 from kvcalib_runtime.cache.scheme import SinkPredictor
@@ -80,8 +81,11 @@ def recipe_bits(recipe, *, num_layers: int, kv_heads: int, head_dim: int, contex
     return planned_bits(scheme, params, transforms, **sizes)
 
 
-def format_recipes() -> str:
-    """The `kvcalib recipes` table: name, bits/element at 4K and of the body, description."""
+def format_recipes() -> tuple[str, list[str]]:
+    """The `kvcalib recipes` table (name, bits/element at 4K and of the body, description) and
+    one warning per entry of the presets folders left out of it: an entry that is no file
+    (`preset_problems`) or a preset that does not load. One bad entry does not hide the
+    others: the table is what a user picks a recipe from, and the warning names the entry."""
     g = DEFAULT_GEOMETRY
     lines = [
         f"Bits per element at {CONTEXT} tokens, walked from the runtime cache's buffers for the "
@@ -92,10 +96,14 @@ def format_recipes() -> str:
         "| recipe | at 4K | body | description |",
         "|---|---|---|---|",
     ]
-    allocating = []
+    allocating, warnings = [], preset_problems()
     for name in presets():
-        recipe = load_recipe(name)
-        total, body = recipe_bits(recipe, **g)
+        try:
+            recipe = load_recipe(name)
+            total, body = recipe_bits(recipe, **g)
+        except RecipeError as e:
+            warnings.append(f"preset {name} left out: {e}")
+            continue
         lines.append(f"| {name} | {total:.2f} | {body:.2f} | {recipe.description} |")
         allocating += [name] if recipe.allocation is not None else []
     lines += [
@@ -105,4 +113,4 @@ def format_recipes() -> str:
         "kvcalib eval reports the body at the context it evaluates (1024 tokens by default), "
         "where per-layer constants weigh more than at 4K.",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines), warnings

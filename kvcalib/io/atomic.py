@@ -14,8 +14,10 @@ A full disk (ENOSPC, or a quota) while writing is an OutputError naming the outp
 is left behind.
 
 The temporary folder is ".<name>.kvcalib-tmp-<host>-<pid>-<random>" next to `out` (a rename is
-atomic only within one filesystem). Any exception removes it. A process killed outright (SIGKILL,
-OOM) cannot clean up: the next `staging` of the same output removes the temporary folders of
+atomic only within one filesystem). Any exception removes it, and so does Ctrl-C (Python's
+KeyboardInterrupt) and, inside `stop_signals()` (the CLI runs every command in it), SIGTERM and
+SIGHUP, which it turns into a `Stopped` exception. A process killed outright (SIGKILL, OOM)
+cannot clean up: the next `staging` of the same output removes the temporary folders of
 this host whose process is gone (folders of live processes, or of other hosts on a shared
 filesystem, are left alone). With `force`, the old output is first moved into a temporary folder
 too, so a crash in between leaves the old output to that cleanup, never a half-written one.
@@ -28,6 +30,7 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import socket
 import tempfile
 from pathlib import Path
@@ -35,6 +38,42 @@ from pathlib import Path
 from kvcalib.errors import OutputError
 
 TMP_MARK = ".kvcalib-tmp-"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # what a service manager or a closed terminal sends
+
+
+class Stopped(BaseException):
+    """A stop signal (STOP_SIGNALS) received inside `stop_signals()`: raised where the process
+    was, as Python raises KeyboardInterrupt for SIGINT, so that every `finally` and `except
+    BaseException` on the way out removes what it staged. `signum` is the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """Within the block, SIGTERM and SIGHUP raise `Stopped` (once: a repeat while the way out
+    cleans up is ignored). A signal the process ignores stays ignored (`nohup` ignores SIGHUP),
+    and outside the main thread, where Python cannot set handlers, nothing changes."""
+
+    def stop(signum, frame):
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    try:
+        previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+        for s, handler in previous.items():
+            if handler is signal.SIG_DFL:
+                signal.signal(s, stop)
+    except ValueError:  # not the main thread
+        previous = {}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 FULL_DISK = (errno.ENOSPC, errno.EDQUOT)

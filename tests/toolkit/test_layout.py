@@ -24,7 +24,7 @@ LAYERS = {
     "conversion": {"errors", "io", "core", "sim"},
     "evaluation": {"errors", "io", "core", "sim"},
 }
-TOP = {"api", "cli", "inspect", "generate", "lmeval", "__init__"}
+TOP = {"api", "cli", "inspect", "generate", "lmeval", "lmeval_args", "__init__"}
 DEFERRED = {
     "cli.py": None,
     "core/models.py": {"gguf", "transformers"},  # loading a model; resolving a folder: neither

@@ -2,12 +2,17 @@
 walked from the buffers of a meta-device cache of the default model's geometry. The counts of
 the layouts whose sizes are known by hand are checked exactly."""
 
+import os
 import re
+import shutil
 
+import pytest
 from click.testing import CliRunner
 
 from kvcalib.cli import main
+from kvcalib.core import recipe
 from kvcalib.core.recipe import load_recipe, presets
+from kvcalib.errors import RecipeError
 
 
 def _table() -> dict[str, tuple[float, float, str]]:
@@ -54,3 +59,52 @@ def test_the_listing_says_why_allocating_recipes_differ_from_eval():
         "little. kvcalib eval reports the body at the context it evaluates (1024 tokens by "
         "default), where per-layer constants weigh more than at 4K."
     )
+
+
+@pytest.fixture
+def damaged_presets(tmp_path, monkeypatch):
+    """The shipped presets plus entries named *.toml that are no preset: a folder, a FIFO, a
+    link to nothing, a link loop, a file that is not TOML (issue 52: any one of them ended the
+    listing with "recipe zz: no such preset; did you mean zz?", naming no file)."""
+    folder = tmp_path / "recipes"
+    shutil.copytree(recipe.RECIPE_DIRS[-1], folder)
+    shipped = {p.stem for p in folder.glob("*.toml")}
+    (folder / "zz.toml").mkdir()
+    os.mkfifo(folder / "fifo.toml")
+    (folder / "gone.toml").symlink_to(tmp_path / "nowhere.toml")
+    (folder / "loop.toml").symlink_to(folder / "loop.toml")
+    (folder / "broken.toml").write_text("name = \n")
+    monkeypatch.setattr(recipe, "RECIPE_DIRS", (folder,))
+    return folder, shipped
+
+
+def test_a_bad_entry_among_the_presets_is_named_and_the_listing_goes_on(damaged_presets):
+    """Each bad entry is one warning line naming its path and what it is; the good presets are
+    all listed (a user picks from them; exit 0)."""
+    result = CliRunner().invoke(main, ["recipes"])
+    assert result.exit_code == 0, result.output
+    rows = {line.split(" | ")[0][2:] for line in result.stdout.splitlines() if line[:2] == "| "}
+    d, shipped = damaged_presets
+    assert rows - {"recipe"} == shipped and len(shipped) >= 19  # the 19 shipped today
+    assert result.stderr.splitlines() == [
+        f"warning: {d / 'fifo.toml'}: a FIFO, not a preset; remove it (a preset is a TOML file)",
+        f"warning: {d / 'gone.toml'}: a symlink to nothing, not a preset; remove it (a preset "
+        "is a TOML file)",
+        f"warning: {d / 'loop.toml'}: a symlink loop, not a preset; remove it (a preset is a "
+        "TOML file)",
+        f"warning: {d / 'zz.toml'}: a folder, not a preset; remove it (a preset is a TOML file)",
+        f"warning: preset broken left out: recipe {d / 'broken.toml'}: not valid TOML (Invalid "
+        "value (at line 1, column 8)); fix the file",
+    ]
+
+
+@pytest.mark.parametrize(
+    "name, what", [("zz", "a folder"), ("fifo", "a FIFO"), ("loop", "a symlink loop")]
+)
+def test_a_bad_preset_entry_named_by_a_command_is_refused_naming_it(damaged_presets, name, what):
+    with pytest.raises(
+        RecipeError,
+        match=rf"recipe {name}: the preset's entry {damaged_presets[0] / name}\.toml is {what}, "
+        "not a TOML file; remove it, or reinstall kvcalib",
+    ):
+        load_recipe(name)

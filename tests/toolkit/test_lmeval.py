@@ -163,6 +163,14 @@ def test_bad_model_args_name_the_fix(folder):
         KvcalibLM(pretrained=str(folder), batch_size=4)
 
 
+def test_a_tasks_max_gen_toks_below_1_is_refused_naming_where_it_comes_from(models):
+    """A task's (or --gen_kwargs') max_gen_toks overrides the model arg per request; -5 used
+    to cut the context by a negative slice and answer nothing."""
+    args = {"until": [], "max_gen_toks": -5, "do_sample": False}
+    with pytest.raises(OptionError, match=r"max_gen_toks -5 \(the task's generation_kwargs or "):
+        models["fp16"].generate_until([_request("generate_until", CONTEXT, args)], True)
+
+
 @pytest.mark.slow  # lm-eval indexes its task folder per run: ~10 s each on 2 cores
 @pytest.mark.parametrize("recipe", ["fp16", "kivi-2"])
 def test_offline_ruler_tasks_run_through_kvcalib_lm_eval(folder, tmp_path, recipe):

@@ -265,6 +265,24 @@ def test_no_calibrate_stops_before_any_calibration(command, tmp_path, monkeypatc
     assert not (tmp_path / "out").exists()
 
 
+def test_a_context_shorter_than_the_default_calibration_is_refused_before_it(tmp_path, monkeypatch):
+    """The default calibration reads windows of 512 tokens: on a shorter model, the refusal
+    says how to calibrate it and names --profile (it said "--seq-len 512 exceeds the model's
+    context", an option convert and lm-eval do not have)."""
+    monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: pytest.fail())
+    src = save_with_tokenizer(tiny_model("llama", max_position_embeddings=256), tmp_path / "src")
+    args = ["convert", str(src), "--recipe", "kvcalib-2", "-o", str(tmp_path / "out")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines()[-1] == (
+        "error: no --profile given: the recipe needs calibrated tensors, and the default "
+        f"calibration reads windows of 512 tokens, longer than {src}'s context of 256: run "
+        f"kvcalib calibrate {src} -o DIR --seq-len 256 and pass --profile DIR"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_default_calibration_cost_is_the_readmes():
     """The note said "about a minute" where the README said 36 s: one measured number."""
     from kvcalib import api

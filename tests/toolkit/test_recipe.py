@@ -253,3 +253,21 @@ def test_a_recipe_saved_with_a_byte_order_mark_loads(tmp_path):
     path = tmp_path / "bom.toml"
     path.write_bytes(b'\xef\xbb\xbfname = "bom"\n[key]\nbits = 4\n')
     assert load_recipe(path).key.bits == 4  # was "Invalid statement (line 1, column 1)"
+
+
+def test_two_overrides_of_one_field_of_a_layer_are_refused_naming_both():
+    """The later entry used to win silently (issue 52); entries setting different fields of a
+    layer still merge."""
+    doc = {"name": "x", "key": {"bits": 2}, "value": {"bits": 2}}
+    layers = [{"index": "0-3", "key": {"bits": 4}}, {"index": [5, 2], "key": {"bits": 3}}]
+    with pytest.raises(
+        RecipeError,
+        match=r"recipe x: layers\[0\] and layers\[1\] both set key\.bits of layer 2; set each "
+        r"layer's key\.bits in one \[\[layers\]\] entry",
+    ):
+        parse_recipe({**doc, "layers": layers})
+    merged = [{"index": "0-3", "key": {"bits": 4}}, {"index": 2, "value": {"bits": 4}}]
+    scheme, _ = plan(parse_recipe({**doc, "layers": merged}), num_layers=4)
+    assert [(layer.key.bits, layer.value.bits) for layer in scheme.layers] == [
+        (4, 2), (4, 2), (4, 4), (4, 2)
+    ]  # fmt: skip
