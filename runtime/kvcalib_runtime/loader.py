@@ -225,6 +225,7 @@ def load(
         raise KvcalibRuntimeError(
             f"use_kernels=True needs a CUDA device or TRITON_INTERPRET=1 (device is {device})"
         )
+    native_cpu = _cpu_path(device, use_kernels) and native.enabled()  # KVCALIB_NATIVE checked
     path = Path(path)
     ckpt = read_checkpoint(path)
     context = context_of(ckpt.geometry)
@@ -236,7 +237,7 @@ def load(
         )
     tokenizer = read_tokenizer(path, ckpt.geometry.vocab)
     model = Transformer.from_folder(path, device=device, dtype=dtype)
-    if _cpu_path(device, use_kernels):
+    if native_cpu:
         native.library()  # built here once per machine (kernels/native.py), not in a decode step
     return RuntimeModel(model, tokenizer, ckpt, max_len=max_len, use_kernels=use_kernels)
 
