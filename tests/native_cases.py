@@ -21,7 +21,9 @@ CC = shutil.which("cc")
 ARGS = 'out=; prev=; for a in "$@"; do [ "$prev" = "-o" ] && out=$a; prev=$a; done\n'
 VERSION = 'case "$1" in --version) exec "{cc}" --version;; esac\n'
 # Each stand-in: {cc} the real compiler, {good} a library to link, {pid} a file for a child's pid.
-RELINK = VERSION + ARGS + 'case " $* " in *" -shared "*) cp "{good}" "$out";; *) : > "$out";; esac\n'
+RELINK = (
+    VERSION + ARGS + 'case " $* " in *" -shared "*) cp "{good}" "$out";; *) : > "$out";; esac\n'
+)
 FAILING = VERSION + 'echo "error: this compiler fails" >&2; exit 1\n'
 EMPTY = ARGS + (  # links a library of no functions
     'case "$1" in --version) echo "empty-cc 1.0"; exit 0;; esac\n'

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from kvcalib_runtime.checkpoint.checks import context_of
 from kvcalib_runtime.checkpoint.format import EXPORT_TENSOR, TOKENIZER, Checkpoint, read_checkpoint
 from kvcalib_runtime.errors import CapacityError, FormatError, KvcalibRuntimeError
-from kvcalib_runtime.generate import check_options
+from kvcalib_runtime.generate import check_options, check_request, is_int
 from kvcalib_runtime.generate import generate as _generate
 from kvcalib_runtime.kernels import native
 from kvcalib_runtime.kernels.layout import use_triton  # plain torch: no triton import
@@ -133,6 +133,7 @@ class RuntimeModel:
         not fit in `max_len`.
         """
         check_options(max_new_tokens, temperature, top_p)
+        check_request(eos_token_id, seed, callback)
         batch = self._token_lists(prompts)
         if not batch:
             raise KvcalibRuntimeError(
@@ -141,6 +142,10 @@ class RuntimeModel:
         need = self.slots_needed(max(map(len, batch), default=0), max_new_tokens)
         if eos_token_id is None:
             eos_token_id = self.config.get("eos_token_id")
+            try:
+                check_request(eos_token_id, None, None)
+            except KvcalibRuntimeError as e:
+                raise FormatError(f"config.json: {e}; or pass eos_token_id") from None
         if cache is None:
             cache = self.new_cache(len(batch), max(need, 1))
         elif cache.max_len < need:
@@ -160,6 +165,11 @@ class RuntimeModel:
         )
 
     def _token_lists(self, prompts: Prompts) -> list[list[int]]:
+        if not isinstance(prompts, str | Sequence | torch.Tensor) or isinstance(prompts, bytes):
+            raise KvcalibRuntimeError(
+                f"prompts = {str(prompts)[:60]!r} ({type(prompts).__name__}): pass a str, a list "
+                "of str, a list of token ids, a list of token-id lists or an integer tensor"
+            )
         if isinstance(prompts, torch.Tensor):
             if prompts.dim() != 2 or prompts.dtype.is_floating_point or prompts.is_complex():
                 raise KvcalibRuntimeError(
@@ -167,13 +177,13 @@ class RuntimeModel:
                     f"{prompts.dtype} {list(prompts.shape)}"
                 )
             prompts = prompts.tolist()
-        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+        if isinstance(prompts, str) or (prompts and all(is_int(t) for t in prompts)):
             prompts = [prompts]  # one prompt
         out = []
         for p in prompts:
             if isinstance(p, str):
                 out.append(self.encode(p))
-            elif all(isinstance(t, int) and 0 <= t < self.config["vocab_size"] for t in p):
+            elif isinstance(p, list | tuple) and all(self._token(t) for t in p):
                 out.append(list(p))
             else:
                 raise KvcalibRuntimeError(
@@ -181,6 +191,9 @@ class RuntimeModel:
                     f"[0, {self.config['vocab_size']}): pass text, or ids the model has"
                 )
         return out
+
+    def _token(self, t) -> bool:
+        return is_int(t) and 0 <= t < self.config["vocab_size"]
 
     def kv_bytes_per_token(self, context: int = 4096, dtype=torch.float16) -> float:
         """Bytes per token of this checkpoint's quantized cache for one sequence of `context`
@@ -313,6 +326,10 @@ def _device(device: str | torch.device | None) -> torch.device:
             "'cpu'"
         )
     device = parsed
+    if device.type == "cpu" and device.index not in (None, 0):
+        raise KvcalibRuntimeError(f"device {device}: there is one CPU device; use 'cpu'")
+    if device.type == "cpu":
+        return torch.device("cpu")  # cpu:0 too, which safetensors does not take
     if device.type == "cuda" and not torch.cuda.is_available():
         raise KvcalibRuntimeError(f"device {device}: no CUDA device is available; use 'cpu'")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
