@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from pydoc_data.topics import topics
 
+from jinja2 import TemplateError  # transformers renders chat templates with it (torch needs it)
 from transformers import AutoTokenizer
 
 import kvcalib_runtime
@@ -203,8 +204,6 @@ def chat_prompt(path: str | Path, prompt: str) -> str:
             f"{path}: --chat needs a chat template (chat_template.jinja, or chat_template in "
             "tokenizer_config.json) and the folder has none; drop --chat"
         )
-    from jinja2 import TemplateError  # what transformers renders templates with
-
     messages = [{"role": "user", "content": prompt}]
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
