@@ -27,23 +27,30 @@ def sample(
     top_p: float,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Next tokens from logits float [B, vocab] -> LongTensor[B].
+    """Next tokens from logits float [B, vocab] -> LongTensor[B], -1 for a row that holds a NaN
+    or +Inf or only -Inf (what a broken forward gives).
 
     Greedy (argmax) when temperature == 0; otherwise softmax(logits / temperature) restricted to
     the nucleus: the most likely tokens whose cumulative probability first reaches top_p (the
     most likely token always stays). Finite logits and temperature >= MIN_TEMPERATURE always
-    give a token.
+    give a token. The check reads one number per row (the argmax's logit, or the maximum that
+    softmax subtracts anyway), so it costs a greedy step next to nothing.
     """
-    if temperature == 0:
-        return logits.argmax(dim=-1)
     logits = logits.float()
-    probs = torch.softmax((logits - logits.amax(dim=-1, keepdim=True)) / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)  # a NaN or +Inf is the largest
+        top = logits.gather(-1, tokens[:, None])  # [B, 1]
+    else:
+        top = logits.amax(dim=-1, keepdim=True)  # NaN where the row holds one
+        shifted = torch.where(top.isfinite(), logits - top, 0.0)  # a broken row: drawn, then -1
+        probs = torch.softmax(shifted / temperature, dim=-1)
+        if top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
+            sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return tokens.masked_fill(~top[:, 0].isfinite(), -1)
 
 
 class DecodeStep:
@@ -76,16 +83,6 @@ class DecodeStep:
         self.graph.replay()
         self.cache.replayed(1)
         return self.logits
-
-
-def _next_tokens(logits, temperature: float, top_p: float, generator) -> torch.Tensor:
-    """`sample` of each row of logits [B, vocab] -> LongTensor[B], -1 for a row that holds a
-    NaN or Inf (sampled as zeros, so that the sampling itself goes through): read with the
-    tokens, it costs no extra wait on the device."""
-    finite = logits.isfinite().all(dim=-1)  # [B]
-    if temperature != 0:
-        logits = logits.masked_fill(~finite[:, None], 0.0)
-    return sample(logits, temperature, top_p, generator).masked_fill(~finite, -1)
 
 
 def _not_finite(b: int, step: int) -> KvcalibRuntimeError:
@@ -187,7 +184,7 @@ def generate(
     for b, prompt in enumerate(prompts):
         ids = torch.tensor([prompt], dtype=torch.long, device=device)  # [1, T_b]
         last.append(model(ids, cache.view(b), last_only=True)[:, -1])
-    tokens = _next_tokens(torch.cat(last), temperature, top_p, generator)  # [B]
+    tokens = sample(torch.cat(last), temperature, top_p, generator)  # [B]
 
     step_fn = DecodeStep(model, cache, cuda_graph)
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -205,5 +202,5 @@ def generate(
         if all(done) or step == max_new_tokens - 1:
             break
         logits = step_fn(tokens)  # [B, vocab]
-        tokens = _next_tokens(logits, temperature, top_p, generator)
+        tokens = sample(logits, temperature, top_p, generator)
     return outputs

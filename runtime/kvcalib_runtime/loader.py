@@ -141,11 +141,7 @@ class RuntimeModel:
             )
         need = self.slots_needed(max(map(len, batch), default=0), max_new_tokens)
         if eos_token_id is None:
-            eos_token_id = self.config.get("eos_token_id")
-            try:
-                check_request(eos_token_id, None, None)
-            except KvcalibRuntimeError as e:
-                raise FormatError(f"config.json: {e}; or pass eos_token_id") from None
+            eos_token_id = self.config.get("eos_token_id")  # checked at load
         if cache is None:
             cache = self.new_cache(len(batch), max(need, 1))
         elif cache.max_len < need:

@@ -144,6 +144,8 @@ CONFIG = [
         "rope_parameters.high_freq_factor = 4.0; RoPE divides by it minus low_freq_factor: use "
         "a finite number > low_freq_factor (4)",
     ),
+    Case("numbers", "load", load(config(eos_token_id=1.5)), "eos_token_id = 1.5; use a"),
+    Case("numbers", "load", load(config(eos_token_id=[2, -1])), "eos_token_id = [2, -1]"),
     Case("numbers", "load", load(config(num_key_value_heads=3)), "not a multiple of"),
     Case("numbers", "load", load(config(num_attention_heads=0)), "num_attention_heads = 0"),
     Case(
