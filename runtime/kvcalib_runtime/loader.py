@@ -179,7 +179,7 @@ class RuntimeModel:
         for p in prompts:
             if isinstance(p, str):
                 out.append(self.encode(p))
-            elif isinstance(p, list | tuple) and all(self._token(t) for t in p):
+            elif isinstance(p, Sequence) and not isinstance(p, bytes) and all(map(self._token, p)):
                 out.append(list(p))
             else:
                 raise KvcalibRuntimeError(

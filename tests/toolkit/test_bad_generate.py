@@ -10,6 +10,11 @@ sha256, must refuse it, before any weight loads. NaN logits need a forward pass:
 load the model (before_load=False), as a chat template's need the loaded tokenizer.
 """
 
+import os
+import subprocess
+import sys
+
+import native_cases
 import pytest
 import torch
 from click.testing import CliRunner
@@ -20,6 +25,7 @@ import kvcalib_runtime
 from kvcalib.cli import main
 from kvcalib_runtime.errors import KvcalibRuntimeError
 from kvcalib_runtime.generate import MIN_TEMPERATURE, sample
+from kvcalib_runtime.kernels import native
 
 WEIGHTS = "model-00001-of-00001.safetensors"
 NAN, INF = float("nan"), float("inf")
@@ -243,3 +249,31 @@ def test_sampling_survives_the_lowest_temperature():
             got = sample(logits, MIN_TEMPERATURE, top_p, g)
             assert got.tolist() == [1, 0, 3]
     assert torch.softmax(logits[:1] / 1e-46, dim=-1).isnan().all()  # what the bound keeps out
+
+
+@pytest.mark.skipif(native_cases.CC is None, reason="no C compiler: no C library to damage")
+def test_generate_with_a_truncated_library_builds_it_again(corpus, tmp_path, monkeypatch):
+    # the red team's reproduction: build once, truncate native/kvcalib-<key>.so to 10,000
+    # bytes, generate. It exited 135 (SIGBUS); now the library is linked again (the stand-in
+    # compiler copies the intact one back), with one warning, and the answer is the one the
+    # intact library gives, token for token
+    good = native_cases.built()
+    cache = native_cases.cache_with(tmp_path / "cache", good)
+    os.truncate(cache / "native" / good[0].name, 10_000)
+    cc = native_cases.compiler(tmp_path / "cc", native_cases.RELINK, good=good[0])
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KVCALIB_NATIVE")}
+    env.update(CC=str(cc), KVCALIB_CACHE_DIR=str(cache))
+    done = subprocess.run(
+        [sys.executable, "-c", "from kvcalib.cli import main; main()", "generate",
+         str(corpus.converted), "--prompt", "hi", "--max-new-tokens", "6", "--device", "cpu"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    [warning] = native_cases.warnings_in(done.stderr)
+    assert "did not match its sha256" in warning
+    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU path, through the intact library
+    monkeypatch.setattr(native, "_LOADED", {})
+    model = kvcalib_runtime.load(corpus.converted, device="cpu")
+    assert native.library() is not None
+    [ids] = model.generate("hi", 6)
+    assert done.stdout.split("\nprefill:")[0] == model.decode(ids)
