@@ -277,3 +277,23 @@ def test_generate_with_a_truncated_library_builds_it_again(corpus, tmp_path, mon
     assert native.library() is not None
     [ids] = model.generate("hi", 6)
     assert done.stdout.split("\nprefill:")[0] == model.decode(ids)
+
+
+def test_generate_with_a_compiler_that_cannot_run_answers_with_torch(corpus, tmp_path, monkeypatch):
+    # CC naming an executable file that is no program: `native.pending()`, which generate asks
+    # first, raised OSError (a traceback); now the answer comes from the torch ops, one warning
+    cc = tmp_path / "cc"
+    cc.write_text("not a program\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("TRITON_INTERPRET")  # the CPU path, whose C kernels it would build
+    monkeypatch.setattr(native, "_LOADED", {})
+    args = ["generate", str(corpus.converted), "--prompt", "hi", "--max-new-tokens", "4"]
+    with pytest.warns(UserWarning, match="Exec format error") as caught:
+        result = CliRunner().invoke(main, [*args, "--device", "cpu"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert len(caught) == 1 and native.library() is None
+    model = kvcalib_runtime.load(corpus.converted, device="cpu")  # torch ops, as above
+    [ids] = model.generate("hi", 4)
+    assert result.stdout.startswith(model.decode(ids) + "\nprefill:")
