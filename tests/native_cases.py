@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from kvcalib_runtime.kernels import native
@@ -86,10 +87,18 @@ def warnings_in(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "Warning:" in line]
 
 
-def alive(pid: int) -> bool:
-    """Whether process `pid` still runs (a zombie awaiting its reaper does not)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "\nState:\tZ" not in status
+def alive(pid: int, wait: float = 0.0) -> bool:
+    """Whether process `pid` still runs `wait` seconds from now, or once it has ended before
+    that (a killed process takes a moment to end on a busy machine; a zombie awaiting its
+    reaper has ended)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return False
+        if "\nState:\tZ" in status:
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)
