@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from pydoc_data.topics import topics
 
+from jinja2 import TemplateError  # transformers renders chat templates with it (torch needs it)
 from transformers import AutoTokenizer
 
 import kvcalib_runtime
@@ -204,7 +205,17 @@ def chat_prompt(path: str | Path, prompt: str) -> str:
             "tokenizer_config.json) and the folder has none; drop --chat"
         )
     messages = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError) as e:
+        # the template's own code: a syntax error, raise_exception(), a missing message or key
+        # (jinja2's errors), or a Python error in one of its expressions
+        why = " ".join(str(e).split())[:200]
+        raise ModelError(
+            f"{path}: the folder's chat template fails on one user message ({type(e).__name__}: "
+            f"{why}); fix chat_template.jinja (or tokenizer_config.json's chat_template), or "
+            "drop --chat"
+        ) from None
 
 
 def _speed(run: Run) -> str:

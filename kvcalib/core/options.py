@@ -59,6 +59,10 @@ def device(name: str, value, *, auto: bool = False) -> str:
     use = "cpu, cuda, cuda:N" + (" or auto" if auto else "")
     if parsed is None or parsed.type not in ("cpu", "cuda"):
         raise OptionError(f"{name} {text}: not a device kvcalib runs on; use {use}")
+    if parsed.type == "cpu" and parsed.index not in (None, 0):
+        raise OptionError(f"{name} {text}: there is one CPU device; use cpu")
+    if parsed.type == "cpu":
+        return "cpu"  # cpu:0 too, which safetensors does not take
     if parsed.type == "cuda":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (parsed.index or 0) >= have:

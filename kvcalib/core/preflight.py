@@ -21,6 +21,7 @@ from kvcalib.core.paths import is_recipe_file
 from kvcalib.errors import DataError, ModelError, OptionError
 from kvcalib.io import atomic
 from kvcalib_runtime.checkpoint.format import META
+from kvcalib_runtime.generate import MIN_TEMPERATURE
 
 MODES = ("fake", "decode")
 MAX_SEED = 2**63 - 1
@@ -139,6 +140,11 @@ def generate(path, prompt, *, max_new_tokens, temperature, top_p, device) -> Non
         raise OptionError("--prompt holds bytes that are not UTF-8 text; pass text") from None
     options.count("--max-new-tokens", max_new_tokens)
     options.number("--temperature", temperature, low=0.0)
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise OptionError(
+            f"--temperature {temperature!r} is below what float32 sampling resolves: use 0 "
+            f"(greedy) or at least {MIN_TEMPERATURE:.4g}"
+        )
     options.number("--top-p", top_p, low=0.0, high=1.0, open_low=True)
     if device is not None:
         options.device("--device", device)

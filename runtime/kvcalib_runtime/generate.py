@@ -13,6 +13,13 @@ import torch
 
 from kvcalib_runtime.errors import KvcalibRuntimeError
 
+# The lowest temperature sampling takes: float32's smallest normal number. Logits are divided by
+# it in float32 after their maximum is subtracted (softmax's shift, done first), so every scaled
+# logit is <= 0 and the largest is 0 however small the temperature: nothing overflows. Below it,
+# the temperature loses bits as a float32 subnormal, and below 7e-46 rounds to 0 (0 / 0 = NaN).
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny
+SEEDS = 1 << 64  # torch.Generator.manual_seed takes seeds in [0, 2^64)
+
 
 def sample(
     logits: torch.Tensor,
@@ -20,21 +27,30 @@ def sample(
     top_p: float,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Next tokens from logits float [B, vocab] -> LongTensor[B].
+    """Next tokens from logits float [B, vocab] -> LongTensor[B], -1 for a row that holds a NaN
+    or +Inf or only -Inf (what a broken forward gives).
 
     Greedy (argmax) when temperature == 0; otherwise softmax(logits / temperature) restricted to
     the nucleus: the most likely tokens whose cumulative probability first reaches top_p (the
-    most likely token always stays).
+    most likely token always stays). Finite logits and temperature >= MIN_TEMPERATURE always
+    give a token. The check reads one number per row (the argmax's logit, or the maximum that
+    softmax subtracts anyway), so it costs a greedy step next to nothing.
     """
+    logits = logits.float()
     if temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+        tokens = logits.argmax(dim=-1)  # a NaN or +Inf is the largest
+        top = logits.gather(-1, tokens[:, None])  # [B, 1]
+    else:
+        top = logits.amax(dim=-1, keepdim=True)  # NaN where the row holds one
+        shifted = torch.where(top.isfinite(), logits - top, 0.0)  # a broken row: drawn, then -1
+        probs = torch.softmax(shifted / temperature, dim=-1)
+        if top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
+            sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return tokens.masked_fill(~top[:, 0].isfinite(), -1)
 
 
 class DecodeStep:
@@ -69,9 +85,18 @@ class DecodeStep:
         return self.logits
 
 
+def _not_finite(b: int, step: int) -> KvcalibRuntimeError:
+    where = "after its prompt" if step == 0 else f"at new token {step + 1}"
+    return KvcalibRuntimeError(
+        f"the model's logits for sequence {b} hold NaN or Inf {where}: its weights or "
+        "config.json (rms_norm_eps, rope_theta, ...) make the forward overflow or divide by "
+        "zero; convert the model again from its source, or load it in float32"
+    )
+
+
 def check_options(max_new_tokens: int, temperature: float, top_p: float) -> None:
-    """KvcalibRuntimeError unless max_new_tokens is an integer >= 1, temperature a finite
-    number >= 0 and 0 < top_p <= 1 (NaN is none of these)."""
+    """KvcalibRuntimeError unless max_new_tokens is an integer >= 1, temperature 0 or a finite
+    number >= MIN_TEMPERATURE and 0 < top_p <= 1 (NaN is none of these)."""
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
         raise KvcalibRuntimeError(f"max_new_tokens = {max_new_tokens!r}: use an integer >= 1")
     if max_new_tokens < 1:
@@ -83,6 +108,30 @@ def check_options(max_new_tokens: int, temperature: float, top_p: float) -> None
         raise KvcalibRuntimeError(
             f"temperature = {temperature}, top_p = {top_p}: use temperature >= 0, 0 < top_p <= 1"
         )
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise KvcalibRuntimeError(
+            f"temperature = {temperature!r} is below what float32 sampling resolves: use 0 "
+            f"(greedy) or at least {MIN_TEMPERATURE:.4g}"
+        )
+
+
+def check_request(eos_token_id, seed, callback) -> None:
+    """KvcalibRuntimeError unless eos_token_id is None, an integer or a list or tuple of
+    integers, seed None or an integer in [0, 2^64), and callback None or callable."""
+    ids = eos_token_id if isinstance(eos_token_id, list | tuple) else [eos_token_id]
+    if eos_token_id is not None and not all(is_int(t) for t in ids):
+        raise KvcalibRuntimeError(
+            f"eos_token_id = {eos_token_id!r}: use a token id, a list of them, [] or None"
+        )
+    if seed is not None and not (is_int(seed) and 0 <= seed < SEEDS):
+        raise KvcalibRuntimeError(f"seed = {seed!r}: use an integer in [0, 2^64) or None")
+    if callback is not None and not callable(callback):
+        raise KvcalibRuntimeError(f"callback = {callback!r}: use a function or None")
+
+
+def is_int(x) -> bool:
+    """Whether x is an integer (True, JSON's true, is not)."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _check(prompts, max_new_tokens: int, temperature: float, top_p: float, cache) -> None:
@@ -123,6 +172,7 @@ def generate(
     cuda_graph:    replay the decode step from a CUDA graph where it can be (`DecodeStep`)
     """
     _check(prompts, max_new_tokens, temperature, top_p, cache)
+    check_request(eos_token_id, seed, callback)
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     device = model.device
     generator = None
@@ -143,6 +193,8 @@ def generate(
         got: list[int | None] = [None] * len(prompts)
         for b, token in enumerate(tokens.tolist()):
             if not done[b]:
+                if token < 0:
+                    raise _not_finite(b, step)
                 outputs[b].append(token)
                 got[b], done[b] = token, token in eos
         if callback is not None:

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 from kvcalib_runtime.checkpoint.checks import context_of
 from kvcalib_runtime.checkpoint.format import EXPORT_TENSOR, TOKENIZER, Checkpoint, read_checkpoint
 from kvcalib_runtime.errors import CapacityError, FormatError, KvcalibRuntimeError
-from kvcalib_runtime.generate import check_options
+from kvcalib_runtime.generate import check_options, check_request, is_int
 from kvcalib_runtime.generate import generate as _generate
 from kvcalib_runtime.kernels import native
 from kvcalib_runtime.kernels.layout import use_triton  # plain torch: no triton import
@@ -133,6 +133,7 @@ class RuntimeModel:
         not fit in `max_len`.
         """
         check_options(max_new_tokens, temperature, top_p)
+        check_request(eos_token_id, seed, callback)
         batch = self._token_lists(prompts)
         if not batch:
             raise KvcalibRuntimeError(
@@ -140,7 +141,7 @@ class RuntimeModel:
             )
         need = self.slots_needed(max(map(len, batch), default=0), max_new_tokens)
         if eos_token_id is None:
-            eos_token_id = self.config.get("eos_token_id")
+            eos_token_id = self.config.get("eos_token_id")  # checked at load
         if cache is None:
             cache = self.new_cache(len(batch), max(need, 1))
         elif cache.max_len < need:
@@ -160,6 +161,11 @@ class RuntimeModel:
         )
 
     def _token_lists(self, prompts: Prompts) -> list[list[int]]:
+        if not isinstance(prompts, str | Sequence | torch.Tensor) or isinstance(prompts, bytes):
+            raise KvcalibRuntimeError(
+                f"prompts = {str(prompts)[:60]!r} ({type(prompts).__name__}): pass a str, a list "
+                "of str, a list of token ids, a list of token-id lists or an integer tensor"
+            )
         if isinstance(prompts, torch.Tensor):
             if prompts.dim() != 2 or prompts.dtype.is_floating_point or prompts.is_complex():
                 raise KvcalibRuntimeError(
@@ -167,13 +173,13 @@ class RuntimeModel:
                     f"{prompts.dtype} {list(prompts.shape)}"
                 )
             prompts = prompts.tolist()
-        if isinstance(prompts, str) or (prompts and all(isinstance(t, int) for t in prompts)):
+        if isinstance(prompts, str) or (prompts and all(is_int(t) for t in prompts)):
             prompts = [prompts]  # one prompt
         out = []
         for p in prompts:
             if isinstance(p, str):
                 out.append(self.encode(p))
-            elif all(isinstance(t, int) and 0 <= t < self.config["vocab_size"] for t in p):
+            elif isinstance(p, Sequence) and not isinstance(p, bytes) and all(map(self._token, p)):
                 out.append(list(p))
             else:
                 raise KvcalibRuntimeError(
@@ -181,6 +187,9 @@ class RuntimeModel:
                     f"[0, {self.config['vocab_size']}): pass text, or ids the model has"
                 )
         return out
+
+    def _token(self, t) -> bool:
+        return is_int(t) and 0 <= t < self.config["vocab_size"]
 
     def kv_bytes_per_token(self, context: int = 4096, dtype=torch.float16) -> float:
         """Bytes per token of this checkpoint's quantized cache for one sequence of `context`
@@ -225,6 +234,7 @@ def load(
         raise KvcalibRuntimeError(
             f"use_kernels=True needs a CUDA device or TRITON_INTERPRET=1 (device is {device})"
         )
+    native_cpu = _cpu_path(device, use_kernels) and native.enabled()  # KVCALIB_NATIVE checked
     path = Path(path)
     ckpt = read_checkpoint(path)
     context = context_of(ckpt.geometry)
@@ -236,7 +246,7 @@ def load(
         )
     tokenizer = read_tokenizer(path, ckpt.geometry.vocab)
     model = Transformer.from_folder(path, device=device, dtype=dtype)
-    if _cpu_path(device, use_kernels):
+    if native_cpu:
         native.library()  # built here once per machine (kernels/native.py), not in a decode step
     return RuntimeModel(model, tokenizer, ckpt, max_len=max_len, use_kernels=use_kernels)
 
@@ -312,6 +322,10 @@ def _device(device: str | torch.device | None) -> torch.device:
             "'cpu'"
         )
     device = parsed
+    if device.type == "cpu" and device.index not in (None, 0):
+        raise KvcalibRuntimeError(f"device {device}: there is one CPU device; use 'cpu'")
+    if device.type == "cpu":
+        return torch.device("cpu")  # cpu:0 too, which safetensors does not take
     if device.type == "cuda" and not torch.cuda.is_available():
         raise KvcalibRuntimeError(f"device {device}: no CUDA device is available; use 'cpu'")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():

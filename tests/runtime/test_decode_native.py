@@ -8,6 +8,7 @@ float32 copies)."""
 
 import copy
 import gc
+import hashlib
 import shutil
 
 import pytest
@@ -199,7 +200,11 @@ def test_pending_says_whether_library_would_compile(tmp_path, monkeypatch):
     target = native._target(native._compiler())
     target.parent.mkdir(parents=True)
     target.write_bytes(b"")
-    assert not native.pending()  # in the cache: loaded, not compiled
+    assert native.pending()  # no digest: a build that ended early, built again
+    native._digest_of(target).write_text(hashlib.sha256(b"").hexdigest())
+    assert not native.pending()  # in the cache and intact: loaded, not compiled
+    target.write_bytes(b"changed")
+    assert native.pending()  # its bytes are not the digest's: built again
     target.unlink()
     monkeypatch.setenv("KVCALIB_NATIVE", "0")
     assert not native.pending()

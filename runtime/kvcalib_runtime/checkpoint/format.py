@@ -503,6 +503,12 @@ def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
     layers, kv_heads, head_dim = geo.layers, geo.kv_heads, geo.head_dim
     if not (path / TOKENIZER).is_file():
         raise FormatError(f"{TOKENIZER}: missing; the runtime tokenizes with it")
+    eos = config.get("eos_token_id")
+    if not (eos is None or _ints([eos]) or _ints(eos)):
+        raise FormatError(
+            f"{CONFIG}: eos_token_id = {eos!r}; use a token id, a list of them or null (the "
+            "source model's value)"
+        )
     quant = config.get("quantization_config")
     if quant is not None and not (
         meta["export"] == "vllm-fp8"

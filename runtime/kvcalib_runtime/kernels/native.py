@@ -9,15 +9,26 @@ of CPU, nearly all of it -O3 on decode_cpu.c's specialized loops (-O2 builds in 
 time and attends 18-28% slower). `kvcalib_runtime.load` onto the CPU builds it, so that no
 decode step pays for it; `pending()` tells beforehand whether that build is still to come. The
 writer is compiled without FMA contraction, so its fp32 operations round as the reference
-quantizer's do. With no compiler, a build that fails (a warning says so) or KVCALIB_NATIVE=0,
-`library()` is None and the callers keep their torch ops.
+quantizer's do.
+
+What is loaded is checked first: the build writes the library's sha256 beside it (atomically,
+after the library), and a library whose bytes no longer match (truncated, overwritten) is built
+again, never opened; an opened library must export every function of SIGNATURES. The compiler
+runs in its own process group under a time limit (VERSION_SECONDS, BUILD_SECONDS) and is killed
+with its children, and the build's temporary folder removed, on any way out: an error, Ctrl-C,
+SIGTERM or SIGHUP (which then end the process as they would have). With no compiler, one that
+cannot run, fails or hangs, a library that does not check out, or KVCALIB_NATIVE off
+(`enabled`), `library()` is None (with one warning where something failed) and the callers keep
+their torch ops.
 """
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -25,6 +36,7 @@ import warnings
 from pathlib import Path
 
 from kvcalib_runtime.cachedir import cache_dir
+from kvcalib_runtime.errors import KvcalibRuntimeError
 
 HERE = Path(__file__).parent
 SOURCES = {  # each source and its own flags: the writer rounds as the reference, without FMA
@@ -40,9 +52,27 @@ SIGNATURES = {  # every exported function: its argument types (it returns nothin
         ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p
     ),
 }  # fmt: skip
+VERSION_SECONDS = 10.0  # `cc --version`: a compiler silent this long is not used
+BUILD_SECONDS = 300.0  # each compile or link step (the -O3 one takes 10-15 s of CPU)
+ON, OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")  # KVCALIB_NATIVE, any case
 
 _LOCK = threading.Lock()
-_LOADED: dict = {}
+_LOADED: dict = {}  # "lib": the library or None, once tried; "version": {compiler: its --version}
+
+
+def enabled() -> bool:
+    """Whether KVCALIB_NATIVE leaves the C kernels on: unset, empty or 1/true/yes/on (any case)
+    is on, 0/false/no/off is off; anything else is a KvcalibRuntimeError."""
+    raw = os.environ.get("KVCALIB_NATIVE", "")
+    value = raw.strip().lower()
+    if value in ("", *ON):
+        return True
+    if value in OFF:
+        return False
+    raise KvcalibRuntimeError(
+        f"KVCALIB_NATIVE={raw!r} is neither on nor off: set it to 0/false/no/off to run torch "
+        "ops instead of the C kernels, or 1/true/yes/on (or unset it) to use them"
+    )
 
 
 def _cpu_features() -> str:
@@ -53,34 +83,137 @@ def _cpu_features() -> str:
     return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
 
 
+def _run(step: list[str], seconds: float) -> str:
+    """The stdout of `step`, run in a process group of its own that is killed, children and
+    all, when it outlives `seconds` or the caller leaves early (an exception, a signal); OSError
+    when it cannot be executed, fails or runs out of time."""
+    proc = subprocess.Popen(step, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    done = False
+    try:
+        out, err = proc.communicate(timeout=seconds)
+        done = True
+    except subprocess.TimeoutExpired:
+        raise OSError(f"{Path(step[0]).name} gave no answer in {seconds:g} s") from None
+    finally:
+        if not done:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+    if proc.returncode:
+        raise OSError(err.strip().splitlines()[-1] if err.strip() else f"exit {proc.returncode}")
+    return out
+
+
 def _target(compiler: str) -> Path:
-    """Where the library built by `compiler` from today's sources lies in the cache."""
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    """Where the library built by `compiler` from today's sources lies in the cache; OSError
+    when the compiler cannot tell its version."""
+    versions = _LOADED.setdefault("version", {})
+    if compiler not in versions:
+        try:
+            versions[compiler] = _run([compiler, "--version"], VERSION_SECONDS)
+        except OSError as e:
+            versions[compiler] = OSError(f"{compiler} --version: {e.strerror or e}")
+    if isinstance(versions[compiler], OSError):
+        raise versions[compiler]
     sources = [part for p, flags in SOURCES.items() for part in (p.read_text(), *flags)]
     key = hashlib.sha256(
-        "\0".join([*sources, *FLAGS, *LIBS, version, platform.machine(), _cpu_features()]).encode()
+        "\0".join(
+            [*sources, *FLAGS, *LIBS, versions[compiler], platform.machine(), _cpu_features()]
+        ).encode()
     ).hexdigest()[:16]
     return cache_dir() / "native" / f"kvcalib-{key}.so"
 
 
-def _build(compiler: str) -> Path:
-    """The compiled library in the cache, built there (atomically) when missing; OSError when
+def _digest_of(target: Path) -> Path:
+    return target.with_suffix(".sha256")
+
+
+def _intact(target: Path) -> bool | None:
+    """True when the library and its digest are both there and agree; None when either is
+    missing (never built, or a build that ended before its digest); False when they disagree
+    or cannot be read."""
+    digest = _digest_of(target)
+    if not (target.is_file() and digest.is_file()):
+        return None
+    try:
+        return hashlib.sha256(target.read_bytes()).hexdigest() == digest.read_text().strip()
+    except OSError:
+        return False
+
+
+class _Signalled(BaseException):
+    """SIGTERM or SIGHUP during the build, raised so that every cleanup on the way out runs."""
+
+
+def _raise(signum, _frame):
+    raise _Signalled(signum)
+
+
+@contextlib.contextmanager
+def _signals_unwind():
+    """SIGTERM and SIGHUP, where nothing else handles them (their default: end the process at
+    once), raise inside the block instead; once it has unwound, the signal ends the process as
+    it would have."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    mine = [s for s in (signal.SIGTERM, signal.SIGHUP) if signal.getsignal(s) == signal.SIG_DFL]
+    for s in mine:
+        signal.signal(s, _raise)
+    caught = None
+    try:
+        yield
+    except _Signalled as e:
+        caught = e.args[0]
+    finally:
+        for s in mine:
+            signal.signal(s, signal.SIG_DFL)
+    if caught is not None:
+        signal.raise_signal(caught)
+
+
+def _build(compiler: str, target: Path) -> None:
+    """Compile the library into `target` (atomically), then its digest beside it; OSError when
     it cannot be."""
-    target = _target(compiler)
-    if target.exists():
-        return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+    with _signals_unwind(), tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = [str(Path(tmp) / f"{p.stem}.o") for p in SOURCES]
         built = Path(tmp) / target.name
         steps = [[compiler, *FLAGS, *flags, "-c", str(p), "-o", o]
                  for (p, flags), o in zip(SOURCES.items(), objects, strict=True)]  # fmt: skip
         for step in [*steps, [compiler, "-shared", *objects, "-o", str(built), *LIBS]]:
-            done = subprocess.run(step, capture_output=True, text=True)
-            if done.returncode:
-                raise OSError(done.stderr.strip().splitlines()[-1] if done.stderr else "no output")
+            _run(step, BUILD_SECONDS)
+        digest = Path(tmp) / "digest"
+        digest.write_text(hashlib.sha256(built.read_bytes()).hexdigest() + "\n")
         built.replace(target)
-    return target
+        digest.replace(_digest_of(target))
+
+
+def _open(compiler: str):
+    """The library built by `compiler`, built first where the cache lacks it or holds one that
+    does not match its digest, checked for every function of SIGNATURES; OSError when it cannot
+    be had. Returns (library, a note on a damaged library rebuilt, or None)."""
+    target = _target(compiler)
+    state = _intact(target)
+    note = None
+    if state is False:
+        note = f"the cached {target} did not match its sha256 (damaged or changed since its build)"
+    if not state:
+        try:
+            _build(compiler, target)
+        except OSError as e:
+            raise OSError(f"{note}; rebuilding: {e}" if note else str(e)) from None
+    lib = ctypes.CDLL(str(target))
+    missing = [name for name in SIGNATURES if not hasattr(lib, name)]
+    if missing:
+        raise OSError(f"{target.name} does not export {', '.join(missing)}: not the runtime's")
+    for name, types in SIGNATURES.items():
+        getattr(lib, name).argtypes = list(types)
+        getattr(lib, name).restype = None
+    return lib, note
 
 
 def _compiler() -> str | None:
@@ -88,17 +221,24 @@ def _compiler() -> str | None:
 
 
 def pending() -> bool:
-    """True when `library()` would compile now: enabled, a compiler found, not yet built."""
-    if os.environ.get("KVCALIB_NATIVE", "1") == "0" or "lib" in _LOADED:
+    """True when `library()` would compile now: enabled, a compiler that answers, no intact
+    library in the cache yet."""
+    if not enabled() or "lib" in _LOADED:
         return False
     compiler = _compiler()
-    return compiler is not None and not _target(compiler).exists()
+    if compiler is None:
+        return False
+    try:
+        return not _intact(_target(compiler))
+    except OSError:  # the compiler does not answer: `library()` says so and builds nothing
+        return False
 
 
 def library():
-    """The loaded library, or None (no compiler, a build that failed, KVCALIB_NATIVE=0): built on
-    first use, once per process."""
-    if os.environ.get("KVCALIB_NATIVE", "1") == "0":
+    """The loaded library, or None (no compiler, a build that failed, a library that does not
+    check out, KVCALIB_NATIVE off): built on first use, once per process; one warning where
+    something failed."""
+    if not enabled():
         return None
     with _LOCK:
         if "lib" not in _LOADED:
@@ -106,13 +246,11 @@ def library():
             compiler = _compiler()
             if compiler is not None:
                 try:
-                    lib = ctypes.CDLL(str(_build(compiler)))
+                    _LOADED["lib"], note = _open(compiler)
                 except OSError as e:
                     warnings.warn(f"kvcalib_runtime: the CPU kernels did not build ({e}); "
                                   "running torch ops instead", stacklevel=2)  # fmt: skip
                 else:
-                    for name, types in SIGNATURES.items():
-                        getattr(lib, name).argtypes = list(types)
-                        getattr(lib, name).restype = None
-                    _LOADED["lib"] = lib
+                    if note is not None:
+                        warnings.warn(f"kvcalib_runtime: {note}; built it again", stacklevel=2)
         return _LOADED["lib"]

@@ -4,7 +4,10 @@
     geo.layers, geo.kv_heads, geo.head_dim, geo.group, geo.windows[i], geo.rope[i], geo.arch
 
 Sizes must be positive integers (JSON `true` is not an integer), whole KV-head groups, an even
-head_dim (RoPE rotates channel pairs); anything else is a FormatError naming the key. Sliding
+head_dim (RoPE rotates channel pairs); the numbers the forward divides by, raises to powers or
+takes roots of must be finite and in range (`_check_numbers`: rms_norm_eps, every layer type's
+rope_theta and scaling factors, Gemma's query_pre_attn_scalar and soft-caps); anything else is a
+FormatError naming the key. Sliding
 windows come from `layer_types` ("sliding_attention" / "full_attention") with `sliding_window`,
 or, without `layer_types`, from the family's pattern (Gemma 2: every 2nd layer global, Gemma 3:
 every 6th, or `sliding_window_pattern`), Mistral's `sliding_window` on every layer and Qwen2's
@@ -13,6 +16,7 @@ from position p, to the keys at positions p - w < j <= p (transformers' sliding 
 parameters are per layer type (`rope.rope_parameters`): Gemma 3's local and global bases.
 """
 
+import math
 from dataclasses import dataclass
 
 from kvcalib_runtime.errors import FormatError
@@ -36,7 +40,9 @@ def _size(config: dict, key: str, default: int | None = None) -> int:
     if v is None and default is not None:
         return default
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise FormatError(f"{CONFIG}: {key} = {v!r}; expected a positive integer")
+        raise FormatError(
+            f"{CONFIG}: {key} = {v!r}; expected a positive integer: use the model's own value"
+        )
     return v
 
 
@@ -48,7 +54,8 @@ class Geometry:
     max_position:  the context the model was trained for (None when the config has none)
     windows:       per layer, the sliding-window length, or None for global attention
     rope:          per layer, the RoPE parameters (`rope.rope_parameters`: rope_type,
-                   rope_theta, partial_rotary_factor, ...); not validated here
+                   rope_theta, partial_rotary_factor, ...); their numbers checked here, the
+                   rope_type where a Rope is built
     arch:          the architecture table's entry (archs.ARCHITECTURES), or None when the
                    model_type is not one the runtime serves
     """
@@ -84,16 +91,18 @@ class Geometry:
         if config.get("head_dim") is None and hidden % heads:
             raise FormatError(
                 f"{CONFIG}: hidden_size {hidden} is not a multiple of {heads} attention heads "
-                "and there is no head_dim"
+                "and there is no head_dim: use the model's own sizes"
             )
         head_dim = _size(config, "head_dim", hidden // heads)
         if heads % kv_heads:
             raise FormatError(
                 f"{CONFIG}: num_attention_heads = {heads} is not a multiple of "
-                f"num_key_value_heads = {kv_heads}"
+                f"num_key_value_heads = {kv_heads}: use the model's own head counts"
             )
         if head_dim % 2:
-            raise FormatError(f"{CONFIG}: head_dim = {head_dim} is odd; RoPE needs pairs")
+            raise FormatError(
+                f"{CONFIG}: head_dim = {head_dim} is odd; RoPE needs pairs: use the model's own"
+            )
         layers = _size(config, "num_hidden_layers")
         max_position = (
             _size(config, "max_position_embeddings")
@@ -103,6 +112,8 @@ class Geometry:
         arch = archs.lookup(model_type)
         windows = _windows(config, layers, arch)
         types = ["full_attention" if w is None else "sliding_attention" for w in windows]
+        rope = tuple(rope_parameters(config, t) for t in types)
+        _check_numbers(config, arch, dict(zip(types, rope, strict=True)))
         return cls(
             model_type=model_type,
             layers=layers,
@@ -114,7 +125,7 @@ class Geometry:
             intermediate=_size(config, "intermediate_size"),
             max_position=max_position,
             windows=windows,
-            rope=tuple(rope_parameters(config, t) for t in types),
+            rope=rope,
             arch=arch,
         )
 
@@ -140,6 +151,59 @@ class Geometry:
                 f"{archs.supported()})"
             )
         return self.arch
+
+
+# The config's numbers the forward divides by, raises to powers or takes roots of, and what it
+# does with them. rms_norm_eps defaults to 1e-6 when unset; Gemma's are off when unset or null.
+NUMBERS = {"rms_norm_eps": "RMSNorm takes 1/sqrt(mean square + eps)"}
+GEMMA_NUMBERS = {
+    "query_pre_attn_scalar": "queries are scaled by sqrt(head_dim / it)",
+    "attn_logit_softcapping": "scores are capped to cap * tanh(s / cap)",
+    "final_logit_softcapping": "logits are capped to cap * tanh(x / cap)",
+}
+ROPE_NUMBERS = {  # per rope_type, RoPE's parameters: key -> (use, the key it must exceed)
+    "default": {"rope_theta": ("RoPE raises it to powers", None)},
+    "linear": {"factor": ("RoPE divides its frequencies by it", None)},
+    "llama3": {
+        "factor": ("RoPE divides its low frequencies by it", None),
+        "low_freq_factor": ("RoPE divides the old context by it", None),
+        "high_freq_factor": ("RoPE divides by it minus low_freq_factor", "low_freq_factor"),
+        "original_max_position_embeddings": ("RoPE divides it by the frequency factors", None),
+    },
+}
+
+
+def _number(key: str, value, why: str, above: float = 0.0, name: str | None = None) -> None:
+    """FormatError unless `value` is a finite number > `above` (the value of key `name`)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not (ok and value > above):
+        bound = f"> {name} ({above:g})" if name else "> 0"
+        raise FormatError(f"{CONFIG}: {key} = {value!r}; {why}: use a finite number {bound}")
+
+
+def _check_numbers(config: dict, arch: archs.Arch | None, ropes: dict[str, dict]) -> None:
+    """FormatError for a number of `config`, or of a layer type's RoPE parameters (`ropes`:
+    layer type -> rope.rope_parameters), that would make the forward divide by zero, take a
+    root or power of a negative, or compute with NaN or Inf."""
+    for key, why in NUMBERS.items():
+        if key in config:
+            _number(key, config[key], why)
+    for key, why in GEMMA_NUMBERS.items() if arch is not None and arch.gemma else ():
+        if config.get(key) is not None:
+            _number(key, config[key], why)
+    for layer_type, params in ropes.items():
+        where = f" ({layer_type} layers)" if len(ropes) > 1 else ""
+        factor = params["partial_rotary_factor"]
+        _number(f"partial_rotary_factor{where}", factor, "RoPE rotates that share of a head")
+        if factor > 1:
+            raise FormatError(
+                f"{CONFIG}: partial_rotary_factor{where} = {factor!r}; RoPE rotates that share "
+                "of a head: use a number in (0, 1]"
+            )
+        rules = {**ROPE_NUMBERS["default"], **ROPE_NUMBERS.get(params["rope_type"], {})}
+        for key, (why, name) in rules.items():  # `name` is checked before the key above it
+            label = key if key == "rope_theta" else f"rope_parameters.{key}"
+            _number(f"{label}{where}", params.get(key), why, params[name] if name else 0.0, name)
 
 
 def _windows(config: dict, layers: int, arch: archs.Arch | None) -> tuple[int | None, ...]:

@@ -42,8 +42,9 @@ def rope_parameters(config: dict, layer_type: str = "full_attention") -> dict:
     else:
         params = dict(raw or config.get("rope_scaling") or {})
     params.setdefault("rope_type", params.pop("type", "default"))
-    params.setdefault("rope_theta", config.get("rope_theta") or DEFAULT_THETA)
-    params.setdefault("partial_rotary_factor", config.get("partial_rotary_factor") or 1.0)
+    for key, default in (("rope_theta", DEFAULT_THETA), ("partial_rotary_factor", 1.0)):
+        if params.get(key) is None:  # unset or null; 0 stays, for Geometry to refuse
+            params[key] = default if config.get(key) is None else config[key]
     if params["rope_type"] == "llama3":
         params.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
     return params

@@ -1,0 +1,177 @@
+"""What the runtime loads as its C library, and what a bad compiler costs (kernels/native.py):
+a cached library is opened only when its bytes match the sha256 written at its build, and only
+kept when it exports every kvcalib_* function; a compiler that cannot run, hangs or is signalled
+mid-build leaves the torch ops, one warning, no temporary folder and no process behind.
+
+The library is built once per machine in the default cache (what a CPU load does); every case
+works on a copy in its own cache folder, and the stand-in compilers (tests/native_cases.py) only
+copy or fail, so nothing here compiles kvcalib's sources again. Cases that a damaged library
+could crash run `native.library()` in a child process.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from native_cases import (
+    CC,
+    EMPTY,
+    FAILING,
+    HANG_BUILD,
+    HANG_VERSION,
+    LIBRARY,
+    RELINK,
+    alive,
+    built,
+    cache_with,
+    compiler,
+    run_library,
+    warnings_in,
+)
+
+from kvcalib_runtime.errors import KvcalibRuntimeError
+from kvcalib_runtime.kernels import native
+
+pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler: the CPU path runs torch ops")
+
+
+@pytest.fixture(scope="module")
+def good():
+    return built()
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """This process as if it had not tried the library yet, with an empty cache of its own."""
+    monkeypatch.setattr(native, "_LOADED", {})
+    monkeypatch.delenv("KVCALIB_NATIVE", raising=False)
+    monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path
+
+
+def test_a_truncated_library_is_built_again_not_opened(good, tmp_path):
+    # the red team's SIGBUS: the cached library cut to 10,000 bytes, then a load. The digest
+    # tells, the library is linked again (here: copied back by the stand-in), one warning
+    cache = cache_with(tmp_path / "cache", good)
+    library = cache / "native" / good[0].name
+    os.truncate(library, 10_000)
+    cc = compiler(tmp_path / "cc", RELINK, good=good[0])
+    done = run_library({"CC": cc, "KVCALIB_CACHE_DIR": cache})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == ["pending", "loaded"]  # generate announces the build
+    [warning] = warnings_in(done.stderr)
+    assert "did not match its sha256" in warning and "built it again" in warning
+    assert library.read_bytes() == good[0].read_bytes()
+
+
+def test_overwritten_code_falls_back_when_the_rebuild_fails(good, tmp_path):
+    # the red team's SIGILL: the library's code overwritten in place (same size, 0xCC = int3),
+    # and a compiler that cannot build it again: torch ops, one warning naming both
+    cache = cache_with(tmp_path / "cache", good)
+    library = cache / "native" / good[0].name
+    data = bytearray(library.read_bytes())
+    data[4096:-4096] = b"\xcc" * (len(data) - 8192)
+    library.write_bytes(bytes(data))
+    done = run_library({"CC": compiler(tmp_path / "cc", FAILING), "KVCALIB_CACHE_DIR": cache})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == ["pending", "torch"]
+    [warning] = warnings_in(done.stderr)
+    assert "did not match its sha256" in warning and "this compiler fails" in warning
+    assert "running torch ops instead" in warning
+
+
+def test_a_library_without_a_digest_is_built_again(good, fresh):
+    # a build that ended between the library and its digest, or a cache from before digests
+    cache = cache_with(fresh / "cache", good)
+    (cache / "native" / good[1].name).unlink()
+    assert native.pending()
+
+
+def test_a_library_without_the_kvcalib_functions_is_not_kept(fresh, monkeypatch):
+    # a compiler that links an empty library (or any .so at that name): its digest matches,
+    # it opens, but it is not the runtime's: torch ops and one warning, not an AttributeError
+    monkeypatch.setenv("CC", str(compiler(fresh / "cc", EMPTY)))
+    with pytest.warns(UserWarning, match="does not export kvcalib_scores, kvcalib_sum"):
+        assert native.library() is None
+
+
+def test_a_compiler_that_cannot_be_executed_leaves_torch(fresh, monkeypatch):
+    # an executable file that is no program (no shebang): pending() says no build is coming
+    # (generate asks it first) and library() warns once
+    cc = fresh / "cc"
+    cc.write_text("not a program\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    assert not native.pending()
+    with pytest.warns(UserWarning, match="Exec format error") as caught:
+        assert native.library() is None
+    assert len(caught) == 1
+
+
+@pytest.mark.parametrize("script", [HANG_VERSION, HANG_BUILD], ids=["version", "build"])
+def test_a_hanging_compiler_is_stopped(script, fresh):
+    # `cc --version` or a build step that never ends: killed, children too, at the limit (1 s
+    # here), and the load goes on with torch ops; nothing left in the cache folder
+    pid = fresh / "pid"
+    cc = compiler(fresh / "cc", script, pid=pid)
+    env = {"CC": cc, "KVCALIB_CACHE_DIR": fresh / "cache"}
+    start = time.perf_counter()
+    done = run_library(env, "VERSION_SECONDS=1", "BUILD_SECONDS=1", timeout=60)
+    assert time.perf_counter() - start < 30
+    assert done.stdout.split()[-1] == "torch", done.stderr[-2000:]
+    [warning] = warnings_in(done.stderr)
+    assert "gave no answer in 1 s" in warning
+    assert not alive(int(pid.read_text()), wait=10)
+    assert not list((fresh / "cache").rglob("tmp*"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_signal_during_the_build_leaves_nothing_behind(signum, fresh):
+    # the build's temporary folder removed and the compiler (a child of the stand-in) killed;
+    # SIGTERM and SIGHUP then end the process as they would have
+    pid = fresh / "pid"
+    env = {**os.environ, "CC": str(compiler(fresh / "cc", HANG_BUILD, pid=pid)),
+           "KVCALIB_CACHE_DIR": str(fresh / "cache")}  # fmt: skip
+    env.pop("KVCALIB_NATIVE", None)
+    proc = subprocess.Popen([sys.executable, "-c", LIBRARY], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (pid.exists() and pid.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list((fresh / "cache" / "native").glob("tmp*")), "the build had not started"
+    proc.send_signal(signum)
+    try:
+        proc.wait(timeout=30)
+    finally:
+        proc.kill()
+    if signum != signal.SIGINT:
+        assert proc.returncode == -signum
+    assert not alive(int(pid.read_text()), wait=10)
+    assert not list((fresh / "cache" / "native").glob("tmp*"))
+
+
+@pytest.mark.parametrize("value", ["0", "false", "FALSE", "no", "Off", " off "])
+def test_kvcalib_native_off_in_every_usual_spelling(value, fresh, monkeypatch):
+    monkeypatch.setenv("KVCALIB_NATIVE", value)
+    monkeypatch.setenv("CC", str(compiler(fresh / "cc", FAILING)))  # a build would warn
+    assert not native.pending()
+    assert native.library() is None
+    assert "lib" not in native._LOADED  # not tried: turned off
+
+
+@pytest.mark.parametrize("value", ["1", "true", "Yes", "ON", ""])
+def test_kvcalib_native_on(value, fresh, monkeypatch):
+    monkeypatch.setenv("KVCALIB_NATIVE", value)
+    assert native.enabled()
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "disable"])
+def test_kvcalib_native_unrecognised_is_refused_in_one_line(value, fresh, monkeypatch):
+    monkeypatch.setenv("KVCALIB_NATIVE", value)
+    for call in (native.pending, native.library):
+        with pytest.raises(KvcalibRuntimeError, match=f"KVCALIB_NATIVE='{value}' is neither") as e:
+            call()
+        assert "\n" not in str(e.value) and "set it to 0/false/no/off" in str(e.value)
