@@ -113,3 +113,15 @@ def test_every_flag_named_alone_is_some_commands():
             if not known and flag not in OTHERS:
                 missing.append(f"{page.name}: {flag}")
     assert missing == []
+
+
+def test_every_relative_link_resolves():
+    # Pages moved into docs/ and notes into docs/notes/: a link written for the old place
+    # points at nothing.
+    pages = [*PAGES, ROOT / "CHANGELOG.md", *sorted((ROOT / "docs" / "notes").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert broken == []
