@@ -14,7 +14,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 OUT ?= out
 MODEL ?= smollm2-135m
 
-.PHONY: setup setup-vllm demo test test-all test-runtime test-vllm lint leaderboard long-context gpu-check
+.PHONY: setup setup-vllm demo test test-all test-runtime test-vllm lint leaderboard long-context gpu-check docs
 
 $(STAMP): pyproject.toml runtime/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -89,6 +89,11 @@ long-context: setup
 		--name long_context_2bit
 	$(LC) --model qwen2.5-0.5b --lengths 8192,16384 --prompts 10 --tasks passkey,multikey \
 		--profile $(LC_QWEN)/profile --out benchmarks/long_context/qwen2.5-0.5b-long
+
+# Every results table in README.md and docs/, rewritten from the committed JSON records
+# (tests/toolkit/test_docs_tables.py fails when one differs).
+docs: setup
+	$(BIN)/python benchmarks/docs_tables.py
 
 # On a CUDA machine: the gpu-marked tests and the decode benchmark at 4K and 32K, appended to
 # benchmarks/RESULTS.md (under 8 minutes). Elsewhere it says so and exits 2.

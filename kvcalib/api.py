@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 __all__ = ["ProfileTerms", "convert", "default_profile", "default_profile_path", "evaluate"]
 CONVERTED = "converted checkpoint"  # the kind of output convert writes (atomic.KINDS)
 
-# What the default calibration costs, measured (benchmarks/RESULTS.md, bench_calibrate.py: 36.3 s
-# on the default model, 2.34x a plain forward over its tokens), as the README states it.
+# What the default calibration costs, measured from the profile's own timings on 2026-12-03 (the
+# answer-loss probe is 320 s of it), as docs/models.md states it.
 DEFAULT_COST = "390 s on 2 idle CPU cores for smollm2-135m"
 OTHER_COST = "about 16x a plain forward over 16 x 512 tokens on smollm2-135m"
 

@@ -4,7 +4,7 @@ A recipe is parsed once, at the edge, into frozen dataclasses; an unknown key, a
 an impossible combination raises RecipeError naming the recipe, the key and the fix. Presets
 live in `recipes/<name>.toml`; `load_recipe` takes a preset name or a path.
 
-    name, description, residual, rotation_seed, external, quantized_layers
+    name, description, version, residual, rotation_seed, external, quantized_layers
     [key]    bits granularity group_size symmetric clip codebook outliers outlier_slots
              slot_rule slot_code method split_channels split_fraction split_bits pairing
              metadata_code codebook_scope codebook_weight flush position rotation smooth
@@ -165,6 +165,7 @@ class LayerOverride:
 class Recipe:
     name: str
     description: str = ""
+    version: int | None = None  # a preset's: a changed preset gets the next (docs/recipes.md)
     key: TensorRecipe = TensorRecipe()
     value: TensorRecipe = TensorRecipe()
     residual: int = 0
@@ -218,6 +219,7 @@ _VALUE_ONLY_OUT = {"position", "smooth"}
 _TOP_KEYS = {
     "name": str,
     "description": str,
+    "version": int,
     "residual": int,
     "rotation_seed": int,
     "external": str,
@@ -327,6 +329,8 @@ def parse_recipe(data: dict, source: str = "<dict>") -> Recipe:
         raise RecipeError(f"{where}: missing key 'name'")
     if not data["name"].strip() or "\n" in data["name"]:
         raise RecipeError(f"{where}: 'name' must be a non-empty single line")
+    if data.get("version", 1) < 1:
+        raise RecipeError(f"{where}: version = {data['version']}: use an integer >= 1")
     if data.get("external") is not None:
         return _parse_external(data, source, where)
     key = _tensor(data.get("key", {}), "key", where)
@@ -355,6 +359,7 @@ def parse_recipe(data: dict, source: str = "<dict>") -> Recipe:
     recipe = Recipe(
         name=data["name"],
         description=data.get("description", ""),
+        version=data.get("version"),
         key=key,
         value=value,
         residual=data.get("residual", 0),
@@ -374,7 +379,7 @@ def parse_recipe(data: dict, source: str = "<dict>") -> Recipe:
 def _parse_external(data: dict, source: str, where: str) -> Recipe:
     if data["external"] not in EXTERNAL:
         raise RecipeError(f"{where}: external = {data['external']!r}; known: {', '.join(EXTERNAL)}")
-    extra = set(data) - {"name", "description", "external", "residual", "key", "value"}
+    extra = set(data) - {"name", "description", "version", "external", "residual", "key", "value"}
     if extra:
         raise RecipeError(f"{where}: an external recipe takes no {', '.join(sorted(extra))}")
     key = _tensor(data.get("key", {}), "key", where)
@@ -383,6 +388,7 @@ def _parse_external(data: dict, source: str, where: str) -> Recipe:
     return Recipe(
         name=data["name"],
         description=data.get("description", ""),
+        version=data.get("version"),
         key=key,
         value=value,
         residual=data.get("residual", 0),

@@ -82,9 +82,9 @@ def recipe_bits(recipe, *, num_layers: int, kv_heads: int, head_dim: int, contex
 
 
 def format_recipes() -> tuple[str, list[str]]:
-    """The `kvcalib recipes` table (name, bits/element at 4K and of the body, description) and
-    one warning per entry of the presets folders left out of it: an entry that is no file
-    (`preset_problems`) or a preset that does not load. One bad entry does not hide the
+    """The `kvcalib recipes` table (name, version, bits/element at 4K and of the body,
+    description) and one warning per entry of the presets folders left out of it: an entry that
+    is no file (`preset_problems`) or a preset that does not load. One bad entry does not hide the
     others: the table is what a user picks a recipe from, and the warning names the entry."""
     g = DEFAULT_GEOMETRY
     lines = [
@@ -93,8 +93,8 @@ def format_recipes() -> tuple[str, list[str]]:
         f"heads, head_dim {g['head_dim']}); fp16 is 16. 'at 4K' counts everything the cache "
         "allocates (residual window and kept sinks too), 'body' the quantized tokens alone.",
         "",
-        "| recipe | at 4K | body | description |",
-        "|---|---|---|---|",
+        "| recipe | version | at 4K | body | description |",
+        "|---|---|---|---|---|",
     ]
     allocating, warnings = [], preset_problems()
     for name in presets():
@@ -104,7 +104,8 @@ def format_recipes() -> tuple[str, list[str]]:
         except RecipeError as e:
             warnings.append(f"preset {name} left out: {e}")
             continue
-        lines.append(f"| {name} | {total:.2f} | {body:.2f} | {recipe.description} |")
+        row = f"| {name} | {recipe.version} | {total:.2f} | {body:.2f} | {recipe.description} |"
+        lines.append(row)
         allocating += [name] if recipe.allocation is not None else []
     lines += [
         "",

@@ -5,6 +5,7 @@ the layouts whose sizes are known by hand are checked exactly."""
 import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -15,15 +16,30 @@ from kvcalib.core.recipe import load_recipe, presets
 from kvcalib.errors import RecipeError
 
 
-def _table() -> dict[str, tuple[float, float, str]]:
+def _rows() -> dict[str, tuple[int, float, float, str]]:
     result = CliRunner().invoke(main, ["recipes"])
     assert result.exit_code == 0, result.output
     rows = {}
     for line in result.output.splitlines():
-        m = re.fullmatch(r"\| (\S+) \| ([\d.]+) \| ([\d.]+) \| (.+) \|", line)
+        m = re.fullmatch(r"\| (\S+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| (.+) \|", line)
         if m:
-            rows[m.group(1)] = (float(m.group(2)), float(m.group(3)), m.group(4))
+            rows[m.group(1)] = (int(m.group(2)), float(m.group(3)), float(m.group(4)), m.group(5))
     return rows
+
+
+def _table() -> dict[str, tuple[float, float, str]]:
+    return {name: row[1:] for name, row in _rows().items()}
+
+
+def test_every_preset_is_listed_with_its_version():
+    # One name, one recipe: a preset's version is what its records are labelled with, so the
+    # listing shows it, every preset has one, and CHANGELOG.md names each current version.
+    rows = _rows()
+    assert set(rows) == set(presets())
+    changelog = " ".join((Path(__file__).resolve().parents[2] / "CHANGELOG.md").read_text().split())
+    for name, (version, *_) in rows.items():
+        assert version == load_recipe(name).version >= 1, name
+        assert f"`{name}` version {version}" in changelog, name
 
 
 def test_every_preset_is_listed_with_its_description():

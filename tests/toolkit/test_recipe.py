@@ -271,3 +271,19 @@ def test_two_overrides_of_one_field_of_a_layer_are_refused_naming_both():
     assert [(layer.key.bits, layer.value.bits) for layer in scheme.layers] == [
         (4, 2), (4, 2), (4, 4), (4, 2)
     ]  # fmt: skip
+
+
+def test_a_version_is_a_label_that_changes_no_plan():
+    # Presets carry `version`; a file of one's own may leave it out. The version labels records
+    # and never reaches the scheme, so adding it kept every record's plan digest.
+    kv2 = load_recipe("kvcalib-2")
+    doc = {"name": "x", "key": {"bits": 2}, "value": {"bits": 2}}
+    assert kv2.version == 1 and parse_recipe(doc).version is None
+    assert plan(parse_recipe({**doc, "version": 7}), num_layers=2) == plan(
+        parse_recipe(doc), num_layers=2
+    )
+    with pytest.raises(RecipeError, match=r"version = 0: use an integer >= 1"):
+        parse_recipe({**doc, "version": 0})
+    with pytest.raises(RecipeError, match=r"'version' must be int"):
+        parse_recipe({**doc, "version": "1"})
+    assert parse_recipe({"name": "q", "external": "hf-quanto", "version": 2}).version == 2
