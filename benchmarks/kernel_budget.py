@@ -38,6 +38,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import budget_read as read
 
 TRITON = "3.9.0"
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 # (name, SMs, registers/SM, warps/SM, CTAs/SM, shared bytes/SM) of the GPU each arch is read for
 GPUS = {90: ("H100 SXM", 132, 65536, 64, 32, 228 * 1024),
         80: ("A100", 108, 65536, 64, 32, 164 * 1024)}  # fmt: skip
@@ -55,7 +57,7 @@ RECIPES = ("kvcalib-2", "kvcalib-3", "kvcalib-4", "kvcalib-1.5", "full-precision
 LOADS = ((4096, 1), (4096, 16), (32768, 1), (32768, 16))  # (context, batch): programs_per_sm
 COMPILED_AT = (32768, 16)  # the load whose launch is compiled
 PAGE = 16  # vLLM's default block_size
-ROPE_THETA = 500000.0
+ROPE_THETA = 500000.0  # Llama-3's (what is compiled does not depend on it)
 
 
 class BudgetError(Exception):
@@ -134,16 +136,17 @@ def layer_scheme(recipe: str, pre_rope: bool):
     return scheme_of(key, value, r.residual), r
 
 
-def params_for(layer, recipe, hkv: int, d: int):
-    """Calibrated tensors of the right shapes (the kernel's speed does not depend on them)."""
+def params_for(layer, recipe, hkv: int, d: int, params=None, index: int = 0):
+    """Calibrated tensors of the right shapes for layer `index` (added to `params`): the
+    kernel's speed does not depend on them."""
     from kvcalib_runtime.cache.scheme import KVParams
 
-    params = KVParams()
+    params = KVParams() if params is None else params
     for name, spec, t in (("key", layer.key, recipe.key), ("value", layer.value, recipe.value)):
         if spec is None:
             continue
         if spec.layout.calibrated_range:
-            getattr(params, f"{name}_range")[0] = (-torch.ones(hkv, d), torch.ones(hkv, d))
+            getattr(params, f"{name}_range")[index] = (-torch.ones(hkv, d), torch.ones(hkv, d))
         if spec.codebook:
             heads = hkv if t.codebook_scope == "head" else 0
             if spec.layout.vectors:
@@ -151,13 +154,14 @@ def params_for(layer, recipe, hkv: int, d: int):
             else:
                 book = torch.linspace(-1 if spec.symmetric else 0, 1, spec.levels)
                 book = book.expand(heads, -1).contiguous() if heads else book
-            getattr(params, f"{name}_codebook")[0] = book
+            getattr(params, f"{name}_codebook")[index] = book
     return params
 
 
-def inputs(v: Variant, context: int, batch: int):
-    """decode_attention's (args, kwargs) on the meta device, as `QuantizedCache._decode` (or,
-    paged, the vLLM plugin's `_decode`) passes them, for a cache of `context` positions."""
+def inputs(v: Variant, context: int, batch: int, device="meta"):
+    """decode_attention's (args, kwargs) on `device` (meta: nothing allocated), as
+    `QuantizedCache._decode` (or, paged, the vLLM plugin's `_decode`) passes them, for a cache
+    of `context` positions (lengths 0: what is read does not change what is compiled)."""
     from kvcalib_runtime.cache.kvcache import QuantizedCache
     from kvcalib_runtime.cache.scheme import KVScheme
     from kvcalib_runtime.kernels.layout import Sinks
@@ -171,16 +175,16 @@ def inputs(v: Variant, context: int, batch: int):
     params = params_for(layer, recipe, hkv, d)
     cache = QuantizedCache(scheme, params, Transforms.online(scheme, params), num_layers=1,
                            batch=batch, kv_heads=hkv, head_dim=d, max_len=context + 1,
-                           device="meta", dtype=torch.float16, use_kernels=False)  # fmt: skip
+                           device=device, dtype=torch.float16, use_kernels=False)  # fmt: skip
     keys, values = cache.keys[0].stored(), cache.values[0].stored()
     sinks = Sinks(cache.sink_k[0], cache.sink_v[0], cache.sink_pos, cache.is_sink)
     options = {}
     if v.pre_rope:
-        options["inv_freq"] = Rope({"rope_theta": ROPE_THETA}, d).inv_freq.to("meta")
+        options["inv_freq"] = Rope({"rope_theta": ROPE_THETA}, d).inv_freq.to(device)
     if v.paged:
         keys, values, options["block_table"] = pages(scheme, params, keys, values, batch, context)
-    q = torch.empty(batch, heads, 1, d, device="meta", dtype=torch.float16)
-    new = torch.empty(batch, hkv, 1, d, device="meta", dtype=torch.float16)
+    q = torch.zeros(batch, heads, 1, d, device=device, dtype=torch.float16)
+    new = torch.zeros(batch, hkv, 1, d, device=device, dtype=torch.float16)
     return (q, new, new, keys, values, sinks, cache.lengths), options
 
 
@@ -195,9 +199,10 @@ def pages(scheme, params, keys, values, batch: int, context: int):
     _, hkv, _, d = keys.tail.shape
     layout = PageLayout(scheme, params, kv_heads=hkv, head_dim=d, dtype=torch.float16)
     per_seq = -(-(context + 1) // PAGE)
-    raw = torch.empty(batch * per_seq, PAGE, layout.row_bytes, dtype=torch.uint8, device="meta")
+    device = keys.tail.device
+    raw = torch.zeros(batch * per_seq, PAGE, layout.row_bytes, dtype=torch.uint8, device=device)
     k_pages, v_pages = layout.tensors[0]
-    table = torch.empty(batch, per_seq, dtype=torch.int32, device="meta")
+    table = torch.arange(batch * per_seq, dtype=torch.int32, device=device).view(batch, -1)
     return keys._replace(body=k_pages.body(raw)), values._replace(body=v_pages.body(raw)), table
 
 
@@ -293,7 +298,7 @@ def measure(v: Variant, outdir: Path) -> list[dict]:
             grids.setdefault(config, {})[f"{context // 1024}K x {batch}"] = grid
             if (context, batch) == COMPILED_AT:
                 at[config] = (fn, args, kwargs)
-    rows = []
+    rows, bytes_read = [], bytes_held(inputs(v, *COMPILED_AT))
     for config, (fn, args, kwargs) in at.items():
         if not v.candidates and config != chosen:
             continue
@@ -306,7 +311,6 @@ def measure(v: Variant, outdir: Path) -> list[dict]:
         (outdir / f"{name}.cubin").write_bytes(kernel.asm["cubin"])
         facts = read.facts(kernel, log, kwargs, GPUS[v.arch])
         programs = {load: math.prod(g) / GPUS[v.arch][1] for load, g in grids[config].items()}
-        bytes_read = bytes_held(inputs(v, *COMPILED_AT))
         rows.append(dict(arch=f"sm_{v.arch}", recipe=v.recipe, shape=v.shape, keys=v.keys,
                          paged=v.paged, chosen=config == chosen, kernel=fn.__name__,
                          **facts, programs_per_sm=programs, bytes_read_32k_x16=bytes_read,
@@ -348,13 +352,33 @@ def held(fresh: list[dict], committed: list[dict]) -> tuple[list[str], list[str]
     return worse, better
 
 
+def write_results(doc: dict) -> None:
+    """benchmarks/RESULTS.md's budget section (between read.BEGIN and read.END), replaced, or
+    inserted after the first H200 run's section."""
+    text = RESULTS.read_text()
+    section = read.results_section(doc, text)
+    if read.BEGIN in text:
+        head, rest = text.split(read.BEGIN, 1)
+        text = head + section + rest.split(read.END, 1)[1]
+    else:
+        at = text.index("\n## ", text.index("## First GPU run: H200")) + 1
+        text = text[:at] + section + "\n\n" + text[at:]
+    RESULTS.write_text(text)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="budget.json, budget.md, cubins")
+    parser.add_argument("--results", action="store_true", help="only rewrite RESULTS.md's "
+                        "budget section from DIR/budget.json")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="kvcalib-2 and the exact stream "
                         "at 32/8/128, sm_90, the chosen config only")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.results:
+        write_results(json.loads((args.out / "budget.json").read_text()))
+        return 0
     os.environ.pop("TRITON_INTERPRET", None)  # the tests' setting: kernels must compile, not run
+    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")  # its default: fused
     try:
         check_triton()
     except BudgetError as e:
