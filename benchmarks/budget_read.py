@@ -48,6 +48,31 @@ def to_fake(mode, value):
     return _map(lambda t: FakeTensor(mode, t.to("meta"), torch.device("cuda", 0)), value)
 
 
+def index(t: torch.Tensor, key):
+    """t[key] through aten ops, for ints, slices, None, Ellipsis and one tensor: a FakeTensor on
+    "cuda" cannot go through `Tensor.__getitem__` (its device guard) where torch has no CUDA."""
+    key = key if isinstance(key, tuple) else (key,)
+    if Ellipsis in key:
+        at = key.index(Ellipsis)
+        named = sum(1 for k in key if k is not None and k is not Ellipsis)
+        key = key[:at] + (slice(None),) * (t.dim() - named) + key[at + 1 :]
+    dim = 0
+    for k in key:
+        if k is None:
+            t = t.unsqueeze(dim)
+            dim += 1
+        elif isinstance(k, int):
+            t = t.select(dim, k)
+        elif isinstance(k, slice):
+            t = torch.ops.aten.slice.Tensor(t, dim, *k.indices(t.shape[dim]))
+            dim += 1
+        elif isinstance(k, torch.Tensor) and len(key) == 1:
+            return torch.ops.aten.index.Tensor(t, [k])
+        else:
+            raise TypeError(f"kernel_budget cannot index a fake CUDA tensor with {key!r}")
+    return t
+
+
 def to_meta(value):
     """Every tensor as a meta tensor of its dtype, shape, strides and storage offset: what
     Triton's binder specializes on (a meta tensor's data_ptr is its offset in bytes, and a real
@@ -112,7 +137,9 @@ def compile_launch(fn, args, kwargs, arch: int):
 
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;")
 BRANCH = re.compile(r"\bBRA(?:\.\S+)?\s+(?:`\()?(0x[0-9a-f]+)")
-ASYNC_DEST = re.compile(r"-> <((?:\d+x)+)(\w+),")
+ASYNC = ("async_copy_global_to_local", "async_tma_copy_global_to_local")  # cp.async, TMA
+ASYNC_DEST = re.compile(r"-> (?:!ttg\.memdesc)?<((?:\d+x)+)(\w+)[,>]")
+SYNC = (" tt.load ", " tt.descriptor_load ")
 SIZES = {"i8": 1, "i16": 2, "i32": 4, "i64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8}
 
 
@@ -147,8 +174,8 @@ def steady_loop(sass: str) -> tuple[list[str], list[int]]:
 
 
 def ttgir_loops(ttgir: str) -> list[dict]:
-    """Per outermost `scf.for` of the TTGIR: its async copies (count and bytes per iteration)
-    and its synchronous tensor loads."""
+    """Per outermost `scf.for` of the TTGIR: its async copies (cp.async or TMA: count and bytes
+    per iteration) and its synchronous tensor loads."""
     lines = ttgir.splitlines()
     out, i = [], 0
     while i < len(lines):
@@ -159,12 +186,12 @@ def ttgir_loops(ttgir: str) -> list[dict]:
         end = next(j for j in range(i + 1, len(lines))
                    if lines[j].startswith(" " * indent + "}"))  # fmt: skip
         body = lines[i + 1 : end]
-        copies = [x for x in body if "ttg.async_copy_global_to_local" in x]
+        copies = [x for x in body if any(op in x for op in ASYNC)]
         nbytes = 0
         for x in copies:
             dims, ty = ASYNC_DEST.search(x).groups()
             nbytes += math.prod(int(d) for d in dims.rstrip("x").split("x")) * SIZES[ty]
-        sync = [x for x in body if " tt.load " in x and "tensor<" in x.split(" : ")[-1]]
+        sync = [x for x in body if any(op in x for op in SYNC) and "tensor<" in x.split(" : ")[-1]]
         out.append(dict(async_copies=len(copies), async_bytes=nbytes, sync_loads=len(sync)))
         i = end + 1
     return out

@@ -168,16 +168,16 @@ def _tokens_per_s(step) -> float:
 
 def e2e(dry_run: bool) -> list[str]:
     device, dtype = ("meta" if dry_run else "cuda"), torch.float16
+    from bench_decode import fill
+
     model, cache = _qwen_runtime(device, dtype)
     hf, hf_cache = _qwen_transformers(device, dtype)
+    fill(cache, CONTEXT)  # on the meta device too: its dtype checks are the GPU's
     if dry_run:
         return [f"| Qwen2.5-0.5B | {CONTEXT} | {BATCH} | dry run: runtime cache "
                 f"{type(cache).__name__}, transformers {type(hf_cache).__name__} |"]  # fmt: skip
-    from bench_decode import fill
-
     from kvcalib_runtime.generate import DecodeStep
 
-    fill(cache, CONTEXT)
     tokens = torch.zeros(BATCH, dtype=torch.long, device=device)
     with torch.inference_mode():
         step = DecodeStep(model, cache, cuda_graph=True)

@@ -235,15 +235,20 @@ class _Event:  # torch.cuda.Event while tuning: every candidate times the same
 @contextlib.contextmanager
 def pretend_gpu(sms: int, capturing: bool, launches: list):
     """The host side of a CUDA device with `sms` SMs: device properties, stream capture,
-    events; every `JITFunction.run` appended to `launches` as (fn, args, kwargs, grid) instead
-    of launched."""
+    events, indexing (`read.index`); every `JITFunction.run` appended to `launches` as (fn,
+    args, kwargs, grid) instead of launched."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from triton.runtime.jit import JITFunction
 
     props = type("Props", (), {"multi_processor_count": sms, "name": "pretend"})()
     saved = [(torch.cuda, n, getattr(torch.cuda, n)) for n in
              ("get_device_properties", "is_current_stream_capturing", "Event")]  # fmt: skip
-    saved.append((JITFunction, "run", JITFunction.run))
+    saved += [(JITFunction, "run", JITFunction.run), (torch.Tensor, "__getitem__",
+              torch.Tensor.__getitem__)]  # fmt: skip
+    getitem = torch.Tensor.__getitem__
+    torch.Tensor.__getitem__ = lambda t, key: (
+        read.index(t, key) if t.device.type == "cuda" else getitem(t, key)
+    )
     torch.cuda.get_device_properties = lambda *a, **k: props
     torch.cuda.is_current_stream_capturing = lambda: capturing
     torch.cuda.Event = _Event
