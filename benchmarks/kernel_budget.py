@@ -235,26 +235,31 @@ class _Event:  # torch.cuda.Event while tuning: every candidate times the same
 @contextlib.contextmanager
 def pretend_gpu(sms: int, capturing: bool, launches: list):
     """The host side of a CUDA device with `sms` SMs: device properties, stream capture,
-    events, indexing (`read.index`); every `JITFunction.run` appended to `launches` as (fn,
-    args, kwargs, grid) instead of launched."""
+    events, synchronization, indexing (`read.index`); every `JITFunction.run` appended to
+    `launches` as (fn, args, kwargs, grid) instead of launched."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from triton.runtime.jit import JITFunction
 
     props = type("Props", (), {"multi_processor_count": sms, "name": "pretend"})()
     saved = [(torch.cuda, n, getattr(torch.cuda, n)) for n in
-             ("get_device_properties", "is_current_stream_capturing", "Event")]  # fmt: skip
-    saved += [(JITFunction, "run", JITFunction.run), (torch.Tensor, "__getitem__",
-              torch.Tensor.__getitem__)]  # fmt: skip
-    getitem = torch.Tensor.__getitem__
+             ("get_device_properties", "is_current_stream_capturing", "Event", "synchronize",
+              "current_device")]  # fmt: skip
+    saved.append((JITFunction, "run", JITFunction.run))
+    getitem = torch.Tensor.__getitem__  # torch._C.TensorBase's: shadowed here, then unshadowed
     torch.Tensor.__getitem__ = lambda t, key: (
         read.index(t, key) if t.device.type == "cuda" else getitem(t, key)
     )
     torch.cuda.get_device_properties = lambda *a, **k: props
     torch.cuda.is_current_stream_capturing = lambda: capturing
     torch.cuda.Event = _Event
+    torch.cuda.synchronize = lambda *a: None
+    torch.cuda.current_device = lambda: 0
 
     def run(self, *args, grid, warmup, **kwargs):
-        launches.append((self, read.to_meta(args), read.to_meta(kwargs), grid))
+        if callable(grid):  # as JITFunction.run calls it: with every argument by name
+            named = {k: v for k, v in kwargs.items() if k in self.arg_names}
+            grid = grid(self.signature.bind(*args, **named).arguments)
+        launches.append((self, read.to_meta(args), read.to_meta(kwargs), tuple(grid)))
 
     JITFunction.run = run
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -264,6 +269,7 @@ def pretend_gpu(sms: int, capturing: bool, launches: list):
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
+        del torch.Tensor.__getitem__
 
 
 def launch(v: Variant, context: int, batch: int, capturing: bool) -> list:
