@@ -215,8 +215,11 @@ def main(argv=None) -> int:
             kb.check_triton()
         except kb.BudgetError as e:  # another Triton: the GPU's counts are still worth a row
             print(f"note: {e}; the CPU column is Triton {kb.TRITON}'s", flush=True)
-    lines = (registers if args.step == "registers" else e2e)(args.dry_run)
-    print("\n".join(["", *HEADERS[args.step], *lines]))
+    print("\n".join(["", *HEADERS[args.step]]), flush=True)
+    if args.step == "registers":
+        registers(args.dry_run)  # prints each row as it is measured
+    else:
+        print("\n".join(e2e(args.dry_run)))
     return 0
 
 
