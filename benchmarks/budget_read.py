@@ -102,17 +102,15 @@ def ptxas_version(arch: int) -> str:
     return f"{Path(found.path).name} {found.version}"
 
 
-def compile_launch(fn, args, kwargs, arch: int):
-    """(CompiledKernel, ptxas log) of fn launched with (args, kwargs), for sm_{arch}: the
-    binder and packing of `JITFunction.run`, then `triton.compile` (never from Triton's cache,
-    so that ptxas runs and logs)."""
-    import triton
+def _bound(fn, args, kwargs, arch: int):
+    """Triton's binder and packing for sm_{arch}: (target, backend, options, signature,
+    constexprs, attrs, specialization), with what `JITFunction.run` adds before binding."""
     from triton import knobs
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
+    from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
-    kwargs = dict(kwargs)  # what JITFunction.run adds before binding
+    kwargs = dict(kwargs)
     kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
     kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
     kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
@@ -120,8 +118,31 @@ def compile_launch(fn, args, kwargs, arch: int):
     backend = make_backend(target)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound, specialization, options = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound,
-                                                          specialization, options)  # fmt: skip
+    packed = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return target, *packed, specialization
+
+
+def specialization(fn, args, kwargs, arch: int) -> str:
+    """What Triton keys its compiled kernels on: the arguments' specialization and options."""
+    _target, options, _sig, _const, _attrs, spec = _bound(fn, args, kwargs, arch)
+    return repr((spec, sorted(options.__dict__.items())))
+
+
+def ptxas_report(log: str) -> tuple[int, int]:
+    """(registers, spill store bytes) from ptxas's -v log."""
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    return regs, int(re.search(r"(\d+) bytes spill stores", log).group(1))
+
+
+def compile_launch(fn, args, kwargs, arch: int):
+    """(CompiledKernel, ptxas log) of fn launched with (args, kwargs), for sm_{arch}: the
+    binder and packing of `JITFunction.run`, then `triton.compile` (never from Triton's cache,
+    so that ptxas runs and logs)."""
+    import triton
+    from triton import knobs
+    from triton.compiler import ASTSource
+
+    target, options, signature, constexprs, attrs, _spec = _bound(fn, args, kwargs, arch)
     log = io.StringIO()
     with knobs.compilation.scope(), knobs.nvidia.scope(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")

@@ -232,11 +232,40 @@ class _Event:  # torch.cuda.Event while tuning: every candidate times the same
         return 1.0
 
 
+_COMPILED: dict = {}  # (source, arch, specialization, options) -> (CompiledKernel, ptxas log)
+
+
+def compiled(fn, args, kwargs, arch: int):
+    """(CompiledKernel, ptxas log) of a launch, compiled once per specialization (as Triton's
+    own cache: a reloaded launcher's kernels are the same source)."""
+    key = (fn.cache_key, arch, read.specialization(fn, args, kwargs, arch))
+    if key not in _COMPILED:
+        _COMPILED[key] = read.compile_launch(fn, args, kwargs, arch)
+    return _COMPILED[key]
+
+
+class _Launched:
+    """What `JITFunction.run` returns, compiled only if the launcher reads it (a launcher may
+    size its grid from the kernel's registers): `n_regs` and `n_spills` as ptxas reports them
+    (the driver's, on a GPU), the rest the CompiledKernel's."""
+
+    def __init__(self, fn, args, kwargs, arch: int):
+        self._launch = (fn, args, kwargs, arch)
+
+    def __getattr__(self, name):
+        kernel, log = compiled(*self._launch)
+        if name in ("n_regs", "n_spills"):
+            regs, spills = read.ptxas_report(log)
+            return regs if name == "n_regs" else spills
+        return getattr(kernel, name)
+
+
 @contextlib.contextmanager
-def pretend_gpu(sms: int, capturing: bool, launches: list):
+def pretend_gpu(sms: int, capturing: bool, launches: list, arch: int = 90):
     """The host side of a CUDA device with `sms` SMs: device properties, stream capture,
     events, synchronization, indexing (`read.index`); every `JITFunction.run` appended to
-    `launches` as (fn, args, kwargs, grid) instead of launched."""
+    `launches` as (fn, args, kwargs, grid) instead of launched, and answered with the kernel
+    compiled for sm_{arch} should the launcher read it (`_Launched`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from triton.runtime.jit import JITFunction
 
@@ -259,7 +288,9 @@ def pretend_gpu(sms: int, capturing: bool, launches: list):
         if callable(grid):  # as JITFunction.run calls it: with every argument by name
             named = {k: v for k, v in kwargs.items() if k in self.arg_names}
             grid = grid(self.signature.bind(*args, **named).arguments)
-        launches.append((self, read.to_meta(args), read.to_meta(kwargs), tuple(grid)))
+        args, kwargs = read.to_meta(args), read.to_meta(kwargs)
+        launches.append((self, args, kwargs, tuple(grid)))
+        return _Launched(self, args, kwargs, arch)
 
     JITFunction.run = run
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -281,7 +312,7 @@ def launch(v: Variant, context: int, batch: int, capturing: bool) -> list:
     dec = importlib.reload(dec)
     args, options = inputs(v, context, batch)
     launches = []
-    with pretend_gpu(GPUS[v.arch][1], capturing, launches) as mode:
+    with pretend_gpu(GPUS[v.arch][1], capturing, launches, v.arch) as mode:
         fake = read.to_fake(mode, (args, options))
         dec.decode_attention(*fake[0], **fake[1])
     first = launches[0][0]
@@ -318,7 +349,7 @@ def measure(v: Variant, outdir: Path) -> list[dict]:
         where = f"{'pre' if v.pre_rope else 'post'}{'-paged' if v.paged else ''}"
         name = f"sm{v.arch}-{v.recipe}-{v.shape.replace('/', '_')}-{where}-{config_name}"
         started = time.monotonic()
-        kernel, log = read.compile_launch(fn, args, kwargs, v.arch)
+        kernel, log = compiled(fn, args, kwargs, v.arch)
         (outdir / f"{name}.cubin").write_bytes(kernel.asm["cubin"])
         facts = read.facts(kernel, log, kwargs, GPUS[v.arch])
         programs = {load: math.prod(g) / GPUS[v.arch][1] for load, g in grids[config].items()}
