@@ -1,7 +1,8 @@
-"""What `kernel_budget.py` reads from one intercepted launch: the compile through Triton's own
-binder (sm_90 or sm_80, Triton's bundled ptxas and cuobjdump), then registers, spills, shared
-memory, occupancy, the SASS of the steady-state loop and the TTGIR's loads; and the Markdown
-it writes from the rows."""
+"""How `kernel_budget.py` reads one launch of the decode kernel without a GPU: the host side of
+a CUDA device pretended (FakeTensors on "cuda", the SM count, stream capture, events) while the
+runtime's own launcher runs and its launches are intercepted; each compiled through Triton's
+own binder for sm_90 or sm_80 with Triton's bundled ptxas and cuobjdump; then registers, spills,
+shared memory, occupancy, the SASS of the steady-state loop and the TTGIR's loads."""
 
 import contextlib
 import dataclasses
@@ -154,6 +155,94 @@ def compile_launch(fn, args, kwargs, arch: int):
     return kernel, log.getvalue()
 
 
+# -- the launch, intercepted ------------------------------------------------------------------
+
+
+class _Event:  # torch.cuda.Event while tuning: every candidate times the same
+    def __init__(self, **_):
+        pass
+
+    def record(self, *_):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, _other) -> float:
+        return 1.0
+
+
+_COMPILED: dict = {}  # (source, arch, specialization, options) -> (CompiledKernel, ptxas log)
+
+
+def compiled(fn, args, kwargs, arch: int):
+    """(CompiledKernel, ptxas log) of a launch, compiled once per specialization (as Triton's
+    own cache: a reloaded launcher's kernels are the same source)."""
+    key = (fn.cache_key, arch, specialization(fn, args, kwargs, arch))
+    if key not in _COMPILED:
+        _COMPILED[key] = compile_launch(fn, args, kwargs, arch)
+    return _COMPILED[key]
+
+
+class _Launched:
+    """What `JITFunction.run` returns, compiled only if the launcher reads it (a launcher may
+    size its grid from the kernel's registers): `n_regs` and `n_spills` as ptxas reports them
+    (the driver's, on a GPU), the rest the CompiledKernel's."""
+
+    def __init__(self, fn, args, kwargs, arch: int):
+        self._launch = (fn, args, kwargs, arch)
+
+    def __getattr__(self, name):
+        kernel, log = compiled(*self._launch)
+        if name in ("n_regs", "n_spills"):
+            regs, spills = ptxas_report(log)
+            return regs if name == "n_regs" else spills
+        return getattr(kernel, name)
+
+
+@contextlib.contextmanager
+def pretend_gpu(sms: int, capturing: bool, launches: list, arch: int = 90):
+    """The host side of a CUDA device with `sms` SMs: device properties, stream capture,
+    events, synchronization, indexing (`index`); every `JITFunction.run` appended to
+    `launches` as (fn, args, kwargs, grid) instead of launched, and answered with the kernel
+    compiled for sm_{arch} should the launcher read it (`_Launched`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from triton.runtime.jit import JITFunction
+
+    props = type("Props", (), {"multi_processor_count": sms, "name": "pretend"})()
+    saved = [(torch.cuda, n, getattr(torch.cuda, n)) for n in
+             ("get_device_properties", "is_current_stream_capturing", "Event", "synchronize",
+              "current_device")]  # fmt: skip
+    saved.append((JITFunction, "run", JITFunction.run))
+    getitem = torch.Tensor.__getitem__  # torch._C.TensorBase's: shadowed here, then unshadowed
+    torch.Tensor.__getitem__ = lambda t, key: (
+        index(t, key) if t.device.type == "cuda" else getitem(t, key)
+    )
+    torch.cuda.get_device_properties = lambda *a, **k: props
+    torch.cuda.is_current_stream_capturing = lambda: capturing
+    torch.cuda.Event = _Event
+    torch.cuda.synchronize = lambda *a: None
+    torch.cuda.current_device = lambda: 0
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if callable(grid):  # as JITFunction.run calls it: with every argument by name
+            named = {k: v for k, v in kwargs.items() if k in self.arg_names}
+            grid = grid(self.signature.bind(*args, **named).arguments)
+        args, kwargs = to_meta(args), to_meta(kwargs)
+        launches.append((self, args, kwargs, tuple(grid)))
+        return _Launched(self, args, kwargs, arch)
+
+    JITFunction.run = run
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with mode:
+            yield mode
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+        del torch.Tensor.__getitem__
+
+
 # -- reading it -------------------------------------------------------------------------------
 
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;")
@@ -269,150 +358,3 @@ def facts(kernel, log: str, kwargs: dict, gpu) -> dict:
         loop_sync_loads=sum(x["sync_loads"] for x in loops),
         loops=sizes[:6], loop_opcodes=dict(opcodes.most_common()),
     )  # fmt: skip
-
-
-# -- writing it -------------------------------------------------------------------------------
-
-
-def summary(row: dict) -> str:
-    where = f"{row['arch']} {row['recipe']} {row['shape']} {row['keys']}" + (
-        " paged" if row["paged"] else "")  # fmt: skip
-    if "registers" not in row:
-        why = "skipped" if "skipped" in row else "FAILED"
-        return f"{where}: {why} ({row.get('skipped') or row['failed']})"
-    return (f"{where} ({row['block_n']}, {row['num_warps']}, {row['num_stages']})"
-            f"{' *' if row['chosen'] else ''}: {row['registers']} regs, {row['spill_bytes']} B "
-            f"spilled, {row['warps_per_sm']} warps/SM, loop {row['loop_instructions']} -> "
-            f"{row['per_position']}/position, {row['compile_s']} s")  # fmt: skip
-
-
-COLUMNS = ("arch | recipe | shape | keys | paged | BLOCK_N, warps, stages | regs | stack B | "
-           "spill B | shared KB | warps/SM | programs/SM 4Kx1, 4Kx16, 32Kx1, 32Kx16 | "
-           "in flight KB/SM | loop instr. | per position | LDL+STL in loop | loop loads "
-           "async / sync")  # fmt: skip
-
-
-def table(rows: list[dict]) -> list[str]:
-    out = ["| " + COLUMNS + " |", "|" + "---|" * 6 + "---:|" * 12]
-    for r in rows:
-        if "registers" not in r:
-            continue
-        programs = ", ".join(
-            f"{p:.2f}".rstrip("0").rstrip(".") for p in r["programs_per_sm"].values()
-        )
-        out.append(
-            f"| {r['arch']} | {r['recipe']} | {r['shape']} | {r['keys']} | "
-            f"{'yes' if r['paged'] else 'no'} | {r['block_n']}, {r['num_warps']}, "
-            f"{r['num_stages']}{' *' if r['chosen'] else ''} | {r['registers']} | {r['stack']} | "
-            f"{r['spill_bytes']} | {r['shared_bytes'] / 1024:.1f} | {r['warps_per_sm']} | "
-            f"{programs} | {r['bytes_in_flight_per_sm'] / 1024:.1f} | "
-            f"{r['loop_instructions']} | {r['per_position']} | {r['loop_local']} | "
-            f"{r['loop_async_loads']} / {r['loop_sync_loads']} |"
-        )  # fmt: skip
-    return out
-
-
-def markdown(doc: dict) -> str:
-    skipped = [summary(r) for r in doc["rows"] if "registers" not in r]
-    gpus = "; ".join(f"{a}: {g[0]}, {g[1]} SMs" for a, g in doc["gpus"].items())
-    return "\n".join([
-        f"# Decode-kernel budget (Triton {doc['triton']}, torch {doc['torch']})",
-        "",
-        "Compiled on a CPU with Triton's bundled tools: "
-        + "; ".join(f"{a}: {p}" for a, p in doc["ptxas"].items()) + ".",
-        "",
-        f"Launch configurations as the launcher picks them on: {gpus}. `*`: the configuration "
-        "it launches without tuning (CUDA-graph capture); the others are the candidates it "
-        f"times on a GPU. Compiled at {doc['compiled_at']}; programs/SM at each load. "
-        "per position = loop instructions x warps / BLOCK_N (warp-instructions per position x "
-        "KV head); loop loads: ttg.async_copy_global_to_local / synchronous tensor tt.load "
-        "inside the TTGIR's loops. `benchmarks/kernel_budget.py` says how each is read.",
-        "",
-        *table(doc["rows"]),
-        *(["", "Not compiled:", "", *[f"- {s}" for s in skipped]] if skipped else []),
-    ])  # fmt: skip
-
-
-# -- what the budget predicts (benchmarks/RESULTS.md's section) --------------------------------
-
-# (name, SMs, boost clock GHz, HBM TB/s): spec-sheet numbers (H100 SXM5, H200 SXM)
-DEVICES = (("H100 SXM", 132, 1.98, 3.35), ("H200", 132, 1.98, 4.8))
-SCHEDULERS = 4  # warp schedulers per SM, one warp-instruction issued per clock each
-BEGIN, END = "<!-- kernel-budget: begin -->", "<!-- kernel-budget: end -->"
-
-
-def h200_measured(results: str) -> dict[str, dict[str, float]]:
-    """From RESULTS.md's first H200 run: {keys: {"flash": us, "ours": us, "exact": us}} for
-    kvcalib-2 at 32/8/128, 32K x 16, fp16, with the full-precision stream timed beside it (its
-    bench_decode table: columns found by their headers)."""
-    section = results[results.index("## First GPU run: H200") :]
-    section = section[: section.index("\n## ", 1)]
-    lines = [x for x in section.splitlines() if x.startswith("|")]
-    header = next(x for x in lines if "flash us" in x)
-    names = [c.strip() for c in header.strip("|").split("|")]
-    out = {}
-    for line in lines:
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        if cells[:4] == ["32/8/128", "32768", "16", "kvcalib-2"] and cells[5] == "float16":
-            out[cells[4]] = {key: float(cells[names.index(column)]) for key, column in
-                             (("flash", "flash us"), ("ours", "ours graph us"),
-                              ("exact", "exact stream us"))}  # fmt: skip
-    return out
-
-
-def results_section(doc: dict, results: str) -> str:
-    """RESULTS.md's budget section, from budget.json: kvcalib-2's rows (and the full-precision
-    stream's) at 32/8/128 on sm_90, and the floors they predict at 32K x 16 on an H100 and an
-    H200 beside what the H200 measured."""
-
-    def shown(r):
-        if "registers" not in r or r["paged"] or (r["arch"], r["shape"]) != ("sm_90", "32/8/128"):
-            return False
-        return r["recipe"] == "kvcalib-2" or (r["recipe"] == "full-precision" and r["chosen"])
-
-    rows = [r for r in doc["rows"] if shown(r)]
-    positions = 32768 * 8 * 16
-    measured = h200_measured(results)
-    fp16_bytes = 2 * positions * 128 * 2
-    lines = [
-        BEGIN,
-        "## The decode kernel's budget, read on a CPU (issue 51)",
-        "",
-        f"`make kernel-budget` (Triton {doc['triton']}, {doc['ptxas']['sm_90']}; no GPU): "
-        "benchmarks/kernel_budget/budget.md has every variant; generated from its budget.json by "
-        "`python benchmarks/kernel_budget.py --results`. kvcalib-2 (the preset's first layer: "
-        "2-bit static codebook keys with one fp8 exact slot, 2-bit per-token values with "
-        "one-byte metadata) at 32/8/128, sm_90, the launch an H100 gets at 32K x 16 "
-        "(`*`: untuned; the others are the candidates the launcher times):",
-        "",
-        *table(rows),
-        "",
-        f"What it predicts for one step at 32K x 16 (32,768 positions x 8 KV heads x 16 "
-        f"sequences = {positions / 1e6:.2f} M rows). Instruction floor = per position x rows / "
-        f"(SMs x {SCHEDULERS} schedulers x boost clock), at perfect issue; byte floor = bytes "
-        "the step reads (every buffer the launch is handed: codes, metadata, slots, ring, "
-        "sinks, flags) / HBM bandwidth. Constants: "
-        + "; ".join(f"{n}: {s} SMs, {c} GHz, {b} TB/s" for n, s, c, b in DEVICES)
-        + f". FlashAttention over fp16 reads {fp16_bytes / 1e9:.2f} GB. Measured: the H200 "
-        "run of 2026-12-04 (Triton 3.6, the benchmark's own kvcalib-2 layout then: symmetric "
-        "codebook values, exact slots; not today's preset; the full-precision stream's time "
-        "is its `exact stream` column). Issue 51's target, 4x flash, is "
-        + " and ".join(f"{v['flash'] / 4:.0f} us {k}" for k, v in measured.items())
-        + " on the H200.",
-        "",
-        "| keys | config | device | instruction floor us | byte floor us | predicted floor us "
-        "| flash byte floor us | flash measured us (H200) | ours measured us (H200) |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
-    ]  # fmt: skip
-    for r in (r for r in rows if r["chosen"]):
-        for name, sms, clock, tbs in DEVICES:
-            issue = r["per_position"] * positions / (sms * SCHEDULERS * clock * 1e9) * 1e6
-            byte = r["bytes_read_32k_x16"] / (tbs * 1e12) * 1e6
-            at = measured.get(r["keys"], {}) if name == "H200" else {}
-            ours = at.get("ours" if r["recipe"] == "kvcalib-2" else "exact", "")
-            lines.append(
-                f"| {r['recipe']} {r['keys']} | {r['block_n']}, {r['num_warps']}, "
-                f"{r['num_stages']} | {name} | {issue:.0f} | {byte:.0f} | {max(issue, byte):.0f} "
-                f"| {fp16_bytes / (tbs * 1e12) * 1e6:.0f} | {at.get('flash', '')} | {ours} |"
-            )  # fmt: skip
-    return "\n".join([*lines, "", END])

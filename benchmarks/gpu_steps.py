@@ -14,7 +14,7 @@ e2e        greedy decode steps, tokens/s, of a random-weight Qwen2.5-0.5B (24 la
            layer's recipe in every layer, filled synthetically, replayed from a CUDA graph)
            against transformers' Qwen2 with SDPA over an fp16 DynamicCache of the same length
 
---dry-run (no GPU needed): registers intercepts the launches (`kernel_budget.pretend_gpu`) and
+--dry-run (no GPU needed): registers intercepts the launches (`budget_read.pretend_gpu`) and
 matches each configuration to its budget row; e2e builds both models and caches on the meta
 device. Both print what they would measure. Without CUDA and without --dry-run: exit 2.
 """
@@ -53,13 +53,13 @@ def budget_rows() -> dict[tuple, dict]:
 
 def _launched(v: kb.Variant, dec, dry_run: bool) -> list[tuple]:
     """(fn, kwargs, CompiledKernel or None) of every launch of one decode step of variant v,
-    untuned: on the GPU, or intercepted (`kernel_budget.pretend_gpu`) for a dry run."""
+    untuned: on the GPU, or intercepted (`budget_read.pretend_gpu`) for a dry run."""
     from triton.runtime.jit import JITFunction
 
     if dry_run:
         args, options = kb.inputs(v, *kb.COMPILED_AT)
         launched = []
-        with kb.pretend_gpu(kb.GPUS[90][1], True, launched) as mode:
+        with read.pretend_gpu(kb.GPUS[90][1], True, launched) as mode:
             fake = read.to_fake(mode, (args, options))
             dec.decode_attention(*fake[0], **fake[1])
         return [(fn, kw, None) for fn, _args, kw, _grid in launched]

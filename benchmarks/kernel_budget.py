@@ -30,7 +30,6 @@ Triton internals are read, so the version is pinned (TRITON): another one is ref
 """
 
 import argparse
-import contextlib
 import dataclasses
 import importlib
 import json
@@ -46,9 +45,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import budget_read as read
+import budget_report as report
 
 TRITON = "3.9.0"
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 # (name, SMs, registers/SM, warps/SM, CTAs/SM, shared bytes/SM) of the GPU each arch is read for
 GPUS = {90: ("H100 SXM", 132, 65536, 64, 32, 228 * 1024),
         80: ("A100", 108, 65536, 64, 32, 164 * 1024)}  # fmt: skip
@@ -215,92 +214,7 @@ def bytes_held(value) -> int:
     return sum(seen.values())
 
 
-# -- the launch, intercepted ------------------------------------------------------------------
-
-
-class _Event:  # torch.cuda.Event while tuning: every candidate times the same
-    def __init__(self, **_):
-        pass
-
-    def record(self, *_):
-        pass
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, _other) -> float:
-        return 1.0
-
-
-_COMPILED: dict = {}  # (source, arch, specialization, options) -> (CompiledKernel, ptxas log)
-
-
-def compiled(fn, args, kwargs, arch: int):
-    """(CompiledKernel, ptxas log) of a launch, compiled once per specialization (as Triton's
-    own cache: a reloaded launcher's kernels are the same source)."""
-    key = (fn.cache_key, arch, read.specialization(fn, args, kwargs, arch))
-    if key not in _COMPILED:
-        _COMPILED[key] = read.compile_launch(fn, args, kwargs, arch)
-    return _COMPILED[key]
-
-
-class _Launched:
-    """What `JITFunction.run` returns, compiled only if the launcher reads it (a launcher may
-    size its grid from the kernel's registers): `n_regs` and `n_spills` as ptxas reports them
-    (the driver's, on a GPU), the rest the CompiledKernel's."""
-
-    def __init__(self, fn, args, kwargs, arch: int):
-        self._launch = (fn, args, kwargs, arch)
-
-    def __getattr__(self, name):
-        kernel, log = compiled(*self._launch)
-        if name in ("n_regs", "n_spills"):
-            regs, spills = read.ptxas_report(log)
-            return regs if name == "n_regs" else spills
-        return getattr(kernel, name)
-
-
-@contextlib.contextmanager
-def pretend_gpu(sms: int, capturing: bool, launches: list, arch: int = 90):
-    """The host side of a CUDA device with `sms` SMs: device properties, stream capture,
-    events, synchronization, indexing (`read.index`); every `JITFunction.run` appended to
-    `launches` as (fn, args, kwargs, grid) instead of launched, and answered with the kernel
-    compiled for sm_{arch} should the launcher read it (`_Launched`)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from triton.runtime.jit import JITFunction
-
-    props = type("Props", (), {"multi_processor_count": sms, "name": "pretend"})()
-    saved = [(torch.cuda, n, getattr(torch.cuda, n)) for n in
-             ("get_device_properties", "is_current_stream_capturing", "Event", "synchronize",
-              "current_device")]  # fmt: skip
-    saved.append((JITFunction, "run", JITFunction.run))
-    getitem = torch.Tensor.__getitem__  # torch._C.TensorBase's: shadowed here, then unshadowed
-    torch.Tensor.__getitem__ = lambda t, key: (
-        read.index(t, key) if t.device.type == "cuda" else getitem(t, key)
-    )
-    torch.cuda.get_device_properties = lambda *a, **k: props
-    torch.cuda.is_current_stream_capturing = lambda: capturing
-    torch.cuda.Event = _Event
-    torch.cuda.synchronize = lambda *a: None
-    torch.cuda.current_device = lambda: 0
-
-    def run(self, *args, grid, warmup, **kwargs):
-        if callable(grid):  # as JITFunction.run calls it: with every argument by name
-            named = {k: v for k, v in kwargs.items() if k in self.arg_names}
-            grid = grid(self.signature.bind(*args, **named).arguments)
-        args, kwargs = read.to_meta(args), read.to_meta(kwargs)
-        launches.append((self, args, kwargs, tuple(grid)))
-        return _Launched(self, args, kwargs, arch)
-
-    JITFunction.run = run
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    try:
-        with mode:
-            yield mode
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
-        del torch.Tensor.__getitem__
+# -- the launch ----------------------------------------------------------------------------
 
 
 def launch(v: Variant, context: int, batch: int, capturing: bool) -> list:
@@ -312,7 +226,7 @@ def launch(v: Variant, context: int, batch: int, capturing: bool) -> list:
     dec = importlib.reload(dec)
     args, options = inputs(v, context, batch)
     launches = []
-    with pretend_gpu(GPUS[v.arch][1], capturing, launches, v.arch) as mode:
+    with read.pretend_gpu(GPUS[v.arch][1], capturing, launches, v.arch) as mode:
         fake = read.to_fake(mode, (args, options))
         dec.decode_attention(*fake[0], **fake[1])
     first = launches[0][0]
@@ -349,7 +263,7 @@ def measure(v: Variant, outdir: Path) -> list[dict]:
         where = f"{'pre' if v.pre_rope else 'post'}{'-paged' if v.paged else ''}"
         name = f"sm{v.arch}-{v.recipe}-{v.shape.replace('/', '_')}-{where}-{config_name}"
         started = time.monotonic()
-        kernel, log = compiled(fn, args, kwargs, v.arch)
+        kernel, log = read.compiled(fn, args, kwargs, v.arch)
         (outdir / f"{name}.cubin").write_bytes(kernel.asm["cubin"])
         facts = read.facts(kernel, log, kwargs, GPUS[v.arch])
         programs = {load: math.prod(g) / GPUS[v.arch][1] for load, g in grids[config].items()}
@@ -394,27 +308,6 @@ def held(fresh: list[dict], committed: list[dict]) -> tuple[list[str], list[str]
     return worse, better
 
 
-def dumps(doc: dict) -> str:
-    """budget.json's text: one line per row (a regenerated table diffs row by row)."""
-    head = json.dumps({k: v for k, v in doc.items() if k != "rows"}, indent=1)[:-2]
-    rows = ",\n".join(json.dumps(r) for r in doc["rows"])
-    return f'{head},\n "rows": [\n{rows}\n ]\n}}\n'
-
-
-def write_results(doc: dict) -> None:
-    """benchmarks/RESULTS.md's budget section (between read.BEGIN and read.END), replaced, or
-    inserted after the first H200 run's section."""
-    text = RESULTS.read_text()
-    section = read.results_section(doc, text)
-    if read.BEGIN in text:
-        head, rest = text.split(read.BEGIN, 1)
-        text = head + section + rest.split(read.END, 1)[1]
-    else:
-        at = text.index("\n## ", text.index("## First GPU run: H200")) + 1
-        text = text[:at] + section + "\n\n" + text[at:]
-    RESULTS.write_text(text)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="budget.json, budget.md, cubins")
@@ -424,7 +317,7 @@ def main(argv=None) -> int:
                         "at 32/8/128, sm_90, the chosen config only")  # fmt: skip
     args = parser.parse_args(argv)
     if args.results:
-        write_results(json.loads((args.out / "budget.json").read_text()))
+        report.write_results(json.loads((args.out / "budget.json").read_text()))
         return 0
     os.environ.pop("TRITON_INTERPRET", None)  # the tests' setting: kernels must compile, not run
     warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")  # its default: fused
@@ -443,7 +336,7 @@ def main(argv=None) -> int:
             found = [dict(arch=f"sm_{v.arch}", recipe=v.recipe, shape=v.shape, keys=v.keys,
                           paged=v.paged, failed=failed)]  # fmt: skip
         for row in found:
-            print(read.summary(row), flush=True)
+            print(report.summary(row), flush=True)
             row.pop("compile_s", None)  # this machine's load, not the kernel's
         rows += found
     import triton
@@ -453,8 +346,8 @@ def main(argv=None) -> int:
                compiled_at=f"{COMPILED_AT[0] // 1024}K x {COMPILED_AT[1]}",
                ptxas={f"sm_{a}": read.ptxas_version(a) for a in GPUS}, rows=rows)  # fmt: skip
     assert triton.__version__ == TRITON
-    (args.out / "budget.json").write_text(dumps(doc))
-    (args.out / "budget.md").write_text(read.markdown(doc) + "\n")
+    (args.out / "budget.json").write_text(report.dumps(doc))
+    (args.out / "budget.md").write_text(report.markdown(doc) + "\n")
     counts = Counter(r["arch"] for r in rows)
     print(f"wrote {args.out}/budget.json and budget.md: {dict(counts)} rows", file=sys.stderr)
     return 1 if any("failed" in r for r in rows) else 0
