@@ -14,7 +14,8 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 OUT ?= out
 MODEL ?= smollm2-135m
 
-.PHONY: setup setup-vllm demo test test-all test-runtime test-vllm lint leaderboard long-context gpu-check docs
+.PHONY: setup setup-vllm demo test test-all test-runtime test-vllm lint leaderboard long-context gpu-check \
+	kernel-budget docs
 
 $(STAMP): pyproject.toml runtime/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -99,6 +100,15 @@ docs: setup
 # benchmarks/RESULTS.md (under 8 minutes). Elsewhere it says so and exits 2.
 gpu-check: setup
 	$(BIN)/python benchmarks/gpu_check.py
+
+# The decode kernel's budget read on this CPU (issue 51): every variant the presets launch
+# compiled for sm_90 and sm_80 through Triton's own binder, registers, occupancy and the
+# steady-state loop's instructions per position, into benchmarks/kernel_budget/ (budget.json,
+# budget.md; cubins not committed) and its section of benchmarks/RESULTS.md;
+# tests/runtime/test_kernel_budget.py holds the kernel to it (~20 min of one core).
+kernel-budget: setup
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/kernel_budget.py --out benchmarks/kernel_budget
+	$(BIN)/python benchmarks/kernel_budget.py --out benchmarks/kernel_budget --results
 
 # The fast suite (no real-model test); everything (what CI runs): the runtime's tests with the
 # runtime installed alone, then the whole suite with the toolkit.

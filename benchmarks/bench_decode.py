@@ -123,6 +123,15 @@ def params_for(layers: int, kv_heads: int, head_dim: int, layout: str = "kvcalib
     )  # fmt: skip
 
 
+def _uniform(t: torch.Tensor, low: float, high: float) -> None:
+    """t uniform in [low, high), or random bytes below 0x7F where it holds codes (one-byte
+    metadata, fp8 deltas: finite, positive)."""
+    if t.dtype.is_floating_point:
+        t.uniform_(low, high)
+    else:
+        t.random_(0, 0x7F)
+
+
 def fill(cache: QuantizedCache, length: int) -> None:
     """Every sequence `length` tokens long, written straight into the buffers: random codes,
     scales and slots, the decode rule's body sizes, the ring, token 0 and 8 later sinks (the
@@ -132,10 +141,10 @@ def fill(cache: QuantizedCache, length: int) -> None:
             body = stream.body
             body.codes.random_(0, 256)
             if not stream.spec.layout.calibrated_range:
-                body.scale.uniform_(0.01, 0.1)
+                _uniform(body.scale, 0.01, 0.1)
             if getattr(body, "slot_index", None) is not None:
                 body.slot_index.random_(0, body.width)
-                body.slot_delta.normal_()
+                _uniform(body.slot_delta, -1.0, 1.0)
         else:
             stream.exact.normal_()
         stream.tail.normal_()

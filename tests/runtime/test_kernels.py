@@ -208,32 +208,15 @@ def test_decode_attention_on_gpu(case, dtype, monkeypatch):
 
 
 COMPILE_SCRIPT = """
-import inspect, torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction, mangle_type
-
-def nested(path, value, mangled, constants):  # a tuple's ints equal to 1: constexpr, as the JIT
-    if isinstance(mangled, tuple):
-        for j, (v, m) in enumerate(zip(value, mangled)):
-            nested((*path, j), v, m, constants)
-    elif mangled == "constexpr":
-        constants[path] = value
+import sys, torch
+from triton.runtime.jit import JITFunction
+sys.path.insert(0, BENCHMARKS)
+from budget_read import compile_launch, to_meta, ttgir_loops
 
 def compile_instead(self, *args, grid, warmup, **kwargs):  # compile for sm_90, launch nothing
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion")
-               if k in kwargs}
-    bound = inspect.signature(self.fn).bind(*args, **kwargs).arguments
-    signature, constants = {}, {}
-    for i, (name, value) in enumerate(bound.items()):
-        if i in self.constexprs or value is None:
-            signature[name], constants[(i,)] = "constexpr", value
-        else:
-            signature[name] = mangle_type(value)
-            nested((i,), value, signature[name], constants)
-    source = ASTSource(self, signature, constants)
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-    print("compiled", self.fn.__name__)
+    kernel, _log = compile_launch(self, to_meta(args), to_meta(kwargs), 90)
+    copies = sum(loop["async_copies"] for loop in ttgir_loops(kernel.asm["ttgir"]))
+    print("compiled", self.fn.__name__, copies)
 
 JITFunction.run = compile_instead
 from kvcalib_runtime.kernels import decode_attention as dec
@@ -279,6 +262,10 @@ table = torch.zeros(B, N // 16, dtype=torch.int32)
 dec.decode_attention(torch.zeros(B, 4 * H, 1, D, dtype=torch.float16), new, new,
                      Stored(keys, tail, nb), Stored(values, tail, nb), sinks, nb,
                      inv_freq=torch.ones(D // 2), block_table=table)
+# the full-precision stream (a tensor left exact)
+exact = Stored(torch.zeros(B, H, N, D, dtype=torch.float16), tail, nb)
+dec.decode_attention(torch.zeros(B, 4 * H, 1, D, dtype=torch.float16), new, new, exact, exact,
+                     sinks, nb)
 # vector codes (kvcalib-1.5): 6-bit indices of RoPE-pair quads (keys) and adjacent quads (values)
 vq = [QuantSpec(6, "static", 4, codebook=True, method="vq", pairing=p)
       for p in ("rope", "adjacent")]
@@ -293,21 +280,33 @@ dec.decode_attention(torch.zeros(B, 4 * H, 1, D, dtype=torch.float16), new, new,
 def test_kernels_compile_for_hopper_without_a_gpu():
     """The interpreter never compiles a kernel, so code that only a GPU compile rejects (a
     non-constexpr global, an op without a lowering, a dtype mismatch in a dot) would pass every
-    test above: compile the main variants of every kernel for sm_90 in a fresh process."""
+    test above: compile the main variants of every kernel for sm_90 in a fresh process, through
+    Triton's own binder (benchmarks/budget_read.py), so that pointers carry the 16-byte
+    alignment a real launch gives them: compiled without it the full-precision stream loses
+    every cp.async of its loop."""
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
     triton = pytest.importorskip("triton")
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton has no NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True,
+    benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    script = COMPILE_SCRIPT.replace("BENCHMARKS", repr(benchmarks))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    compiled = [line.split()[1:] for line in done.stdout.splitlines()
+                if line.startswith("compiled")]  # fmt: skip
     # quant_pack, flush, split, combine; four times (exact slots, none, fp8 slots, one-byte
-    # value metadata); paged split and combine; vector codes' split and combine
-    assert done.stdout.split().count("compiled") == 20
+    # value metadata); paged split and combine; the full-precision stream's split and combine;
+    # vector codes' split and combine
+    assert len(compiled) == 22
+    # every decode variant streams its tiles through cp.async (ttg.async_copy_global_to_local)
+    splits = [int(copies) for name, copies in compiled if name == "_decode_split_kernel"]
+    assert len(splits) == 7 and min(splits) > 0, splits
 
 
 def test_the_decode_benchmark_runs_its_smoke_configuration():

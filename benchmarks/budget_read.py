@@ -1,0 +1,360 @@
+"""How `kernel_budget.py` reads one launch of the decode kernel without a GPU: the host side of
+a CUDA device pretended (FakeTensors on "cuda", the SM count, stream capture, events) while the
+runtime's own launcher runs and its launches are intercepted; each compiled through Triton's
+own binder for sm_90 or sm_80 with Triton's bundled ptxas and cuobjdump; then registers, spills,
+shared memory, occupancy, the SASS of the steady-state loop and the TTGIR's loads."""
+
+import contextlib
+import dataclasses
+import io
+import math
+import re
+import subprocess
+import tempfile
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+# -- tensors of nested inputs -------------------------------------------------------------------
+
+
+def _map(fn, value):
+    """value with fn applied to every tensor in it (tuples, named tuples, dataclasses, dicts)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _map(fn, v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        items = [_map(fn, v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _map(fn, getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return dataclasses.replace(value, **fields)
+    return value
+
+
+def tensors(value) -> list[torch.Tensor]:
+    found = []
+    _map(found.append, value)
+    return found
+
+
+def to_fake(mode, value):
+    """Every tensor as a FakeTensor on "cuda" with its shape, strides and storage offset (a
+    CPU tensor among them, such as a page layout's per-layer constants, too)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return _map(lambda t: FakeTensor(mode, t.to("meta"), torch.device("cuda", 0)), value)
+
+
+def index(t: torch.Tensor, key):
+    """t[key] through aten ops, for ints, slices, None, Ellipsis and one tensor: a FakeTensor on
+    "cuda" cannot go through `Tensor.__getitem__` (its device guard) where torch has no CUDA."""
+    key = key if isinstance(key, tuple) else (key,)
+    if Ellipsis in key:
+        at = key.index(Ellipsis)
+        named = sum(1 for k in key if k is not None and k is not Ellipsis)
+        key = key[:at] + (slice(None),) * (t.dim() - named) + key[at + 1 :]
+    dim = 0
+    for k in key:
+        if k is None:
+            t = t.unsqueeze(dim)
+            dim += 1
+        elif isinstance(k, int):
+            t = t.select(dim, k)
+        elif isinstance(k, slice):
+            t = torch.ops.aten.slice.Tensor(t, dim, *k.indices(t.shape[dim]))
+            dim += 1
+        elif isinstance(k, torch.Tensor) and len(key) == 1:
+            return torch.ops.aten.index.Tensor(t, [k])
+        else:
+            raise TypeError(f"kernel_budget cannot index a fake CUDA tensor with {key!r}")
+    return t
+
+
+def to_meta(value):
+    """Every tensor as a meta tensor of its dtype, shape, strides and storage offset: what
+    Triton's binder specializes on (a meta tensor's data_ptr is its offset in bytes, and a real
+    allocation starts 256-byte aligned)."""
+
+    def meta(t):
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            base = torch.empty(t.storage_offset() + 1, dtype=t.dtype, device="meta")
+            return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    return _map(meta, value)
+
+
+# -- the compile ----------------------------------------------------------------------------
+
+
+def tool(name: str) -> str:
+    from triton import knobs
+
+    return getattr(knobs.nvidia, name).path
+
+
+def ptxas_version(arch: int) -> str:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    found = get_ptxas(arch)
+    return f"{Path(found.path).name} {found.version}"
+
+
+def _bound(fn, args, kwargs, arch: int):
+    """Triton's binder and packing for sm_{arch}: (target, backend, options, signature,
+    constexprs, attrs, specialization), with what `JITFunction.run` adds before binding."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kwargs = dict(kwargs)
+    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    packed = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return target, *packed, specialization
+
+
+def specialization(fn, args, kwargs, arch: int) -> str:
+    """What Triton keys its compiled kernels on: the arguments' specialization and options."""
+    _target, options, _sig, _const, _attrs, spec = _bound(fn, args, kwargs, arch)
+    return repr((spec, sorted(options.__dict__.items())))
+
+
+def ptxas_report(log: str) -> tuple[int, int]:
+    """(registers, spill store bytes) from ptxas's -v log."""
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    return regs, int(re.search(r"(\d+) bytes spill stores", log).group(1))
+
+
+def compile_launch(fn, args, kwargs, arch: int):
+    """(CompiledKernel, ptxas log) of fn launched with (args, kwargs), for sm_{arch}: the
+    binder and packing of `JITFunction.run`, then `triton.compile` (never from Triton's cache,
+    so that ptxas runs and logs)."""
+    import triton
+    from triton import knobs
+    from triton.compiler import ASTSource
+
+    target, options, signature, constexprs, attrs, _spec = _bound(fn, args, kwargs, arch)
+    log = io.StringIO()
+    with knobs.compilation.scope(), knobs.nvidia.scope(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
+        knobs.compilation.always_compile = True
+        knobs.nvidia.dump_ptxas_log = True
+        with contextlib.redirect_stdout(log):
+            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                    options=options.__dict__)  # fmt: skip
+    return kernel, log.getvalue()
+
+
+# -- the launch, intercepted ------------------------------------------------------------------
+
+
+class _Event:  # torch.cuda.Event while tuning: every candidate times the same
+    def __init__(self, **_):
+        pass
+
+    def record(self, *_):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, _other) -> float:
+        return 1.0
+
+
+_COMPILED: dict = {}  # (source, arch, specialization, options) -> (CompiledKernel, ptxas log)
+
+
+def compiled(fn, args, kwargs, arch: int):
+    """(CompiledKernel, ptxas log) of a launch, compiled once per specialization (as Triton's
+    own cache: a reloaded launcher's kernels are the same source)."""
+    key = (fn.cache_key, arch, specialization(fn, args, kwargs, arch))
+    if key not in _COMPILED:
+        _COMPILED[key] = compile_launch(fn, args, kwargs, arch)
+    return _COMPILED[key]
+
+
+class _Launched:
+    """What `JITFunction.run` returns, compiled only if the launcher reads it (a launcher may
+    size its grid from the kernel's registers): `n_regs` and `n_spills` as ptxas reports them
+    (the driver's, on a GPU), the rest the CompiledKernel's."""
+
+    def __init__(self, fn, args, kwargs, arch: int):
+        self._launch = (fn, args, kwargs, arch)
+
+    def __getattr__(self, name):
+        kernel, log = compiled(*self._launch)
+        if name in ("n_regs", "n_spills"):
+            regs, spills = ptxas_report(log)
+            return regs if name == "n_regs" else spills
+        return getattr(kernel, name)
+
+
+@contextlib.contextmanager
+def pretend_gpu(sms: int, capturing: bool, launches: list, arch: int = 90):
+    """The host side of a CUDA device with `sms` SMs: device properties, stream capture,
+    events, synchronization, indexing (`index`); every `JITFunction.run` appended to
+    `launches` as (fn, args, kwargs, grid) instead of launched, and answered with the kernel
+    compiled for sm_{arch} should the launcher read it (`_Launched`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from triton.runtime.jit import JITFunction
+
+    props = type("Props", (), {"multi_processor_count": sms, "name": "pretend"})()
+    saved = [(torch.cuda, n, getattr(torch.cuda, n)) for n in
+             ("get_device_properties", "is_current_stream_capturing", "Event", "synchronize",
+              "current_device")]  # fmt: skip
+    saved.append((JITFunction, "run", JITFunction.run))
+    getitem = torch.Tensor.__getitem__  # torch._C.TensorBase's: shadowed here, then unshadowed
+    torch.Tensor.__getitem__ = lambda t, key: (
+        index(t, key) if t.device.type == "cuda" else getitem(t, key)
+    )
+    torch.cuda.get_device_properties = lambda *a, **k: props
+    torch.cuda.is_current_stream_capturing = lambda: capturing
+    torch.cuda.Event = _Event
+    torch.cuda.synchronize = lambda *a: None
+    torch.cuda.current_device = lambda: 0
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if callable(grid):  # as JITFunction.run calls it: with every argument by name
+            named = {k: v for k, v in kwargs.items() if k in self.arg_names}
+            grid = grid(self.signature.bind(*args, **named).arguments)
+        args, kwargs = to_meta(args), to_meta(kwargs)
+        launches.append((self, args, kwargs, tuple(grid)))
+        return _Launched(self, args, kwargs, arch)
+
+    JITFunction.run = run
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with mode:
+            yield mode
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+        del torch.Tensor.__getitem__
+
+
+# -- reading it -------------------------------------------------------------------------------
+
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;")
+BRANCH = re.compile(r"\bBRA(?:\.\S+)?\s+(?:`\()?(0x[0-9a-f]+)")
+ASYNC = ("async_copy_global_to_local", "async_tma_copy_global_to_local")  # cp.async, TMA
+ASYNC_DEST = re.compile(r"-> (?:!ttg\.memdesc)?<((?:\d+x)+)(\w+)[,>]")
+SYNC = (" tt.load ", " tt.descriptor_load ")
+SIZES = {"i8": 1, "i16": 2, "i32": 4, "i64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8}
+
+
+def _cubin_text(cubin: bytes, flag: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        done = subprocess.run([tool("cuobjdump"), flag, f.name], capture_output=True,
+                              text=True, check=True)  # fmt: skip
+    return done.stdout
+
+
+def resources(cubin: bytes) -> dict[str, int]:
+    """cuobjdump --dump-resource-usage of the cubin's one function: REG, STACK, SHARED, LOCAL."""
+    text = _cubin_text(cubin, "--dump-resource-usage")
+    line = next(x for x in text.splitlines() if "REG:" in x)
+    return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
+
+
+def steady_loop(sass: str) -> tuple[list[str], list[int]]:
+    """The body of the largest backward branch of the SASS (its instructions, predicate
+    stripped) and the sizes of every loop, largest first."""
+    found = [(int(a, 16), text) for a, text in INSTRUCTION.findall(sass)]
+    loops = []
+    for addr, text in found:
+        branch = BRANCH.search(text)
+        if branch and int(branch.group(1), 16) <= addr:
+            top = int(branch.group(1), 16)
+            loops.append([re.sub(r"^@!?\w+\s+", "", t) for a, t in found if top <= a <= addr])
+    loops.sort(key=len, reverse=True)
+    return (loops[0] if loops else []), [len(x) for x in loops]
+
+
+def ttgir_loops(ttgir: str) -> list[dict]:
+    """Per outermost `scf.for` of the TTGIR: its async copies (cp.async or TMA: count and bytes
+    per iteration) and its synchronous tensor loads."""
+    lines = ttgir.splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        if " scf.for " not in lines[i]:
+            i += 1
+            continue
+        indent = len(lines[i]) - len(lines[i].lstrip())
+        end = next(j for j in range(i + 1, len(lines))
+                   if lines[j].startswith(" " * indent + "}"))  # fmt: skip
+        body = lines[i + 1 : end]
+        copies = [x for x in body if any(op in x for op in ASYNC)]
+        nbytes = 0
+        for x in copies:
+            dims, ty = ASYNC_DEST.search(x).groups()
+            nbytes += math.prod(int(d) for d in dims.rstrip("x").split("x")) * SIZES[ty]
+        sync = [x for x in body if any(op in x for op in SYNC) and "tensor<" in x.split(" : ")[-1]]
+        out.append(dict(async_copies=len(copies), async_bytes=nbytes, sync_loads=len(sync)))
+        i = end + 1
+    return out
+
+
+def _parameter(kwargs: dict, names: tuple[str, ...], default=None):
+    return next((kwargs[n] for n in names if n in kwargs), default)
+
+
+def block_n(kwargs: dict) -> int:
+    """Positions per tile of the steady loop: the launch's BLOCK_N (or BLOCK_KV, BN)."""
+    found = _parameter(kwargs, ("BLOCK_N", "BLOCK_KV", "BN"))
+    if found is None:
+        raise ValueError(f"no BLOCK_N among the launch's keyword arguments {sorted(kwargs)}")
+    return found
+
+
+def num_warps(kwargs: dict) -> int:
+    return _parameter(kwargs, ("num_warps",), 4)
+
+
+def num_stages(kwargs: dict) -> int:
+    """The loop's pipeline depth: the kernel's STAGES constexpr (tl.range's num_stages), else
+    the launch option."""
+    return _parameter(kwargs, ("STAGES", "NUM_STAGES", "num_stages"), 3)
+
+
+def occupancy(regs: int, warps: int, shared: int, gpu) -> int:
+    """CTAs per SM: registers (allocated per warp in units of 256), shared memory, warp and CTA
+    slots."""
+    _name, _sms, regs_sm, warps_sm, ctas_sm, shared_sm = gpu
+    per_cta = math.ceil(regs * 32 / 256) * 256 * warps
+    return min(ctas_sm, warps_sm // warps, regs_sm // per_cta, shared_sm // max(shared, 1))
+
+
+def facts(kernel, log: str, kwargs: dict, gpu) -> dict:
+    """A compiled launch's row fields (everything but where it came from and its grid)."""
+    use = resources(kernel.asm["cubin"])
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    loop, sizes = steady_loop(_cubin_text(kernel.asm["cubin"], "-sass"))
+    opcodes = Counter(x.split()[0].split(".")[0] for x in loop)
+    loops = ttgir_loops(kernel.asm["ttgir"])
+    bn, warps, stages = block_n(kwargs), num_warps(kwargs), num_stages(kwargs)
+    shared = kernel.metadata.shared + use["SHARED"]
+    ctas = occupancy(use["REG"], warps, shared, gpu)
+    return dict(
+        block_n=bn, num_warps=warps, num_stages=stages, registers=use["REG"],
+        stack=use["STACK"], spill_bytes=int(spills.group(1)), spill_loads=int(spills.group(2)),
+        shared_bytes=shared, ctas_per_sm=ctas, warps_per_sm=ctas * warps,
+        bytes_in_flight_per_sm=ctas * stages * max((x["async_bytes"] for x in loops), default=0),
+        loop_instructions=len(loop), per_position=round(len(loop) * warps / bn, 1),
+        loop_local=opcodes["LDL"] + opcodes["STL"],
+        loop_async_loads=sum(x["async_copies"] for x in loops),
+        loop_sync_loads=sum(x["sync_loads"] for x in loops),
+        loops=sizes[:6], loop_opcodes=dict(opcodes.most_common()),
+    )  # fmt: skip
