@@ -82,3 +82,29 @@ def test_the_probe_is_the_answer_nll_through_a_cache_quantized_in_one_layer(arch
                     assert float(s[layer, j]) == pytest.approx(want, abs=2e-5), (tensor, layer, j)
                     moved = max(moved, abs(want))
     assert moved > 1e-3  # the bound above is far below what quantizing does to the answer
+
+
+# (batch, query rows, window): the prompt's own causal forward; branches folded into one query
+# block (no mask); a batch of versions, each its own keys, under a sliding-window mask
+@pytest.mark.parametrize("b, rows, window", [(1, 300, 300), (1, 80, None), (5, 16, 100)])
+def test_the_fused_attention_is_the_one_with_the_scores_in_memory(b, rows, window):
+    """The probe's attention parts through torch's fused CPU kernel (log-sum-exp, z = 1) equal
+    those computed with the scores in memory (`_part`): float32 rounding over 300 keys is
+    ~1e-7."""
+    torch.manual_seed(0)
+    hkv, g, keys, d = 2, 3, 300, 16
+    q = torch.randn(b, hkv, g, rows, d) * 2
+    kv = [torch.randn(b, hkv, keys, d) for _ in range(2)]
+    mask = None
+    if window is not None:
+        pos = torch.arange(rows)[:, None] + (keys - rows)
+        cols = torch.arange(keys)[None]
+        keep = (cols <= pos) & (cols > pos - window)
+        mask = torch.zeros(1, 1, rows, keys).masked_fill(~keep, torch.finfo(torch.float32).min)
+    m, z, o = answerprobe._over(q, *kv, mask, 0.25, None)
+    assert bool((z == 1).all())  # the fused kernel's parts: log-sum-exp and normalized values
+    in_memory = None if mask is None else mask[:, :, None]
+    m2, z2, o2 = answerprobe._part(q, *(x[:, :, None] for x in kv), in_memory, 0.25, None)
+    torch.testing.assert_close(o, o2 / z2, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(m, m2 + z2.log(), atol=1e-5, rtol=1e-5)
+    assert float((o2 / z2).abs().mean()) > 0.1  # the bound is far below the values compared
