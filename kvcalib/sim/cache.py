@@ -7,8 +7,11 @@ Storage and the decode rule are kvcalib_runtime's `QuantizedCache` (its referenc
 what generation sees here is what the runtime serves and what `kvcalib eval --mode decode`
 simulates. The cache owns two kinds of hooks on the model while it is open — one capturing
 pre-RoPE keys, one handing the sink predictor its residual stream and committing each forward
-— and removes them on exit.
+through it — and removes them on exit. A forward of the model through another cache meanwhile
+leaves this one as it was.
 """
+
+import contextlib
 
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -127,17 +130,36 @@ class QuantizedKVCache(Cache):
             self.store.observe_hidden(sp.layer, hidden[sp.layer])
         self.store.commit(keys[0].shape[2])
 
+    @contextlib.contextmanager
+    def tentative(self):
+        """Forwards inside leave the cache as it was before: every buffer the store holds
+        (`QuantizedCache.parts`) and its lengths are put back on exit (a teacher-forced score
+        of a continuation the session does not keep)."""
+        held = {id(t): (t, t.clone()) for ts in self.store.parts().values() for t in ts}
+        filled = list(self.store._filled)
+        try:
+            yield self
+        finally:
+            for t, saved in held.values():
+                t.copy_(saved)
+            self.store._filled[:] = filled
+            self.store._pending.clear()
+            self.store._pending_flags = None
+            self._key_pre.clear()
+
     def seq_length(self) -> int:
         return int(self.store.lengths.max())
 
     def _observe(self, layer: int):
         def hook(module, args, output):
-            self.store.observe_hidden(layer, hidden_of(output))
+            if self.store._pending:  # a forward through this cache, not another one
+                self.store.observe_hidden(layer, hidden_of(output))
 
         return hook
 
     def _commit(self, module, args, output) -> None:
-        self.store.commit(hidden_of(output).shape[1])
+        if self.store._pending:  # the model may run with another cache while this one is open
+            self.store.commit(hidden_of(output).shape[1])
 
     def _update(self, i: int, key_states, value_states):
         """Stage layer i's new tokens and return all keys/values as the cache holds them."""
