@@ -227,3 +227,32 @@ def test_runner_writes_a_cell_per_session_and_recipe_and_skips_done_ones(
     args.turns = 3  # another session size: another session, every cell runs
     bench._worker(args, [0], ["fp16", "kivi-2"], (model, tok, cands, moved))
     assert ran == ["kivi-2", "fp16", "kivi-2"]
+
+
+def test_cli_runs_sessions_and_prints_the_tables(monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    import kvcalib.api
+    from kvcalib.cli import main
+
+    seen = {}
+
+    def fake(model, recipes, **kwargs):
+        seen.update(kwargs, recipes=recipes)
+        row = {"turn": 1, "n": 1, "mean": 0.5, "low": 0.1, "high": 0.9}
+        scores = {k: [row] for k in (*sessionreport.SCORES, "repeat3", "repeat4_diff")}
+        scores["recall"] = []
+        return {}, {"fp16": scores}
+
+    monkeypatch.setattr(kvcalib.api, "evaluate_sessions", fake)
+    out = CliRunner().invoke(
+        main,
+        ["eval", "--recipe", "kivi-2", "--session", "--sessions", "3", "--session-turns", "9",
+         "--plots", str(tmp_path)],
+    )  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert seen["sessions"] == 3 and seen["turns"] == 9 and seen["residual"] == 128
+    assert seen["recipes"] == ["kivi-2"] and "Drift" in out.output
+    assert (tmp_path / "session.png").is_file()
+    bad = CliRunner().invoke(main, ["eval", "--recipe", "kivi-2", "--session", "--sessions", "0"])
+    assert bad.exit_code == 2 and "--sessions" in bad.output
