@@ -137,7 +137,7 @@ def inspect(path, trust_remote_code):
     "--session-turns",
     type=click.IntRange(min=1),
     default=None,
-    help="User turns per session with --session (default 24).",
+    help="User turns per session with --session (default 21).",
 )
 @click.option(
     "--plots", type=click.Path(), help="Write key-error, token-0 and long-context plots here."

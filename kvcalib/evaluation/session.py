@@ -50,9 +50,9 @@ from kvcalib.evaluation.longprobe import Probe
 from kvcalib.sim.cache import QuantizedKVCache
 
 SYSTEM_TOKENS = 1500
-TURNS = 24
-PROBE_EVERY = 8
-USER_TOKENS = (30, 180)
+TURNS = 21
+PROBE_EVERY = 7
+USER_TOKENS = (30, 150)
 MAX_NEW = 48
 MARK = "\x00ANSWER{}\x00"
 
