@@ -167,7 +167,7 @@ def report(by_recipe: dict) -> str:
 def plot(by_recipe: dict, path: str | Path) -> Path:
     """Each score against the turn number, a line per recipe with its 95% interval band."""
     fig = figure(13.5, 7.2)
-    axes = fig.subplots(2, 3).flatten()
+    axes = fig.subplots(2, 3, sharex=True).flatten()
     for k, (recipe, s) in enumerate(by_recipe.items()):
         for ax, (key, title) in zip(axes, SCORES.items(), strict=True):
             rows = [r for r in s[key] if r["n"]]
@@ -181,6 +181,8 @@ def plot(by_recipe: dict, path: str | Path) -> Path:
             ax.set_title(title, fontsize="medium")
     for ax in axes:
         ax.set_xlabel("turn")
+    for ax in axes[[0, 2, 3]]:  # shares
+        ax.set_ylim(-0.05, 1.05)
     for ax in axes[4:]:
         ax.axhline(0.0, color="grey", lw=0.8, ls=":")
     axes[1].legend(fontsize="small")  # drift: drawn at every turn
