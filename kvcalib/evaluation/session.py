@@ -8,10 +8,13 @@ user turns of a few dozen to a few hundred tokens cut from the evaluation split 
 text (`kvcalib.core.data`: text the calibration never saw); every PROBE_EVERY-th turn asks for
 one of the facts instead. The model's chat template frames it.
 
-Each recipe runs the whole session itself (`run_session`): every turn is prefilled as one chunk
-INTO its cache (attending to the history as the cache stores it: quantized body, sinks, exact
-residual window; the chunk to itself exact), answered greedily (up to `max_new` tokens, or the
-end of turn), and the answer stays in the cache as a real session keeps it. Beside it, a
+Each recipe runs the whole session itself (`run_session`). Turn 1 (system prompt and first user
+turn) is prefilled once in full precision and filled into its cache, which stores what a
+prefill through it stores (`QuantizedKVCache.fill`, as the long-context suite does); every later
+turn is prefilled as one chunk INTO the cache (attending to the history as the cache stores it:
+quantized body, sinks, exact residual window; the chunk to itself exact). Each turn is answered
+greedily (up to `max_new` tokens, or the end of turn), and the answer stays in the cache as a
+real session keeps it. Beside it, a
 full-precision cache (transformers' DynamicCache) is teacher-forced through the same tokens —
 the recipe's own history — so every answer token is also scored by full precision given the same
 history. Per turn the record holds:
