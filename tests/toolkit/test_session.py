@@ -256,3 +256,13 @@ def test_cli_runs_sessions_and_prints_the_tables(monkeypatch, tmp_path):
     assert (tmp_path / "session.png").is_file()
     bad = CliRunner().invoke(main, ["eval", "--recipe", "kivi-2", "--session", "--sessions", "0"])
     assert bad.exit_code == 2 and "--sessions" in bad.output
+
+
+def test_api_refuses_a_session_without_a_probe_turn():
+    from kvcalib.api import evaluate_sessions
+    from kvcalib.errors import OptionError
+
+    with pytest.raises(OptionError, match=r"--session-turns 3: .* every 7 turns"):
+        evaluate_sessions(recipes=["kivi-2"], turns=3)
+    with pytest.raises(OptionError, match="--sessions 0"):
+        evaluate_sessions(recipes=["kivi-2"], sessions=0)
