@@ -259,3 +259,60 @@ def evaluate(
         progress=progress,
         report=report,
     )
+
+
+def evaluate_sessions(
+    model=None,
+    recipes=(),
+    *,
+    profile=None,
+    residual: int | None = 128,
+    sessions: int = 2,
+    turns: int | None = None,
+    device: str = "cpu",
+    dtype: str | torch.dtype = torch.float32,
+    calibrate_missing: bool = True,
+    trust_remote_code: bool = False,
+) -> tuple[dict, dict]:
+    """Run `sessions` seeded chat sessions of `turns` user turns (`kvcalib.evaluation.session`)
+    through every recipe's cache on the original model, fp16 always among them (every score is
+    paired against it): ({seed: {recipe: record}}, {recipe: per-turn scores}, as
+    `sessionreport.scores` computes them)."""
+    from kvcalib.errors import OptionError
+    from kvcalib.evaluation import session, sessionreport
+    from kvcalib.evaluation.score import candidates
+
+    if sessions < 1:
+        raise OptionError(f"--sessions {sessions}: run at least one session")
+    turns = session.TURNS if turns is None else turns
+    if turns < session.PROBE_EVERY:
+        raise OptionError(
+            f"--session-turns {turns}: a session asks for a fact every {session.PROBE_EVERY} "
+            f"turns; use at least {session.PROBE_EVERY}"
+        )
+    preflight.inputs(model, profile=profile, recipes=recipes)
+    loaded = [r if isinstance(r, Recipe) else load_recipe(r) for r in recipes]
+    if "fp16" not in [r.name for r in loaded]:
+        loaded.insert(0, load_recipe("fp16"))
+    source = resolve(model, trust_remote_code=trust_remote_code)
+    if (source.path / META).is_file():
+        raise RecipeError(
+            f"--session runs recipes on the original model, and {model} is a converted folder: "
+            f"pass its source model ({read_checkpoint(source.path).meta['source']['spec']})"
+        )
+    if profile is not None or any(r.needs_profile for r in loaded):
+        profile = default_profile(source, profile, calibrate_missing=calibrate_missing)
+    config = json.loads((source.path / "config.json").read_text())
+    cands = candidates(config, loaded, profile, residual=residual)
+    net, tokenizer = load_model(
+        model,
+        device=device,
+        dtype=options.dtype("--dtype", dtype),
+        trust_remote_code=trust_remote_code,
+    )
+    records = {}
+    with torch.no_grad():
+        for seed in range(sessions):
+            s = session.generate(tokenizer, seed, turns=turns)
+            records[seed] = {c.name: session.run_session(net, tokenizer, c, s) for c in cands}
+    return records, {c.name: sessionreport.scores(records, c.name) for c in cands}

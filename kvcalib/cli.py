@@ -127,6 +127,26 @@ def inspect(path, trust_remote_code):
     help="Prompts per task and length (passkey: one per depth, cycling over 5 depths).",
 )
 @click.option(
+    "--session",
+    is_flag=True,
+    help="Instead: run long chat sessions (a ~1.5K-token system prompt with facts, dozens of "
+    "turns, answers kept in the cache) through every recipe at residual 128 (or --residual), "
+    "scored per turn against full precision.",
+)
+@click.option(
+    "--sessions",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Seeded sessions with --session.",
+)
+@click.option(
+    "--session-turns",
+    type=click.IntRange(min=1),
+    default=None,
+    help="User turns per session with --session (default 21).",
+)
+@click.option(
     "--plots", type=click.Path(), help="Write key-error, token-0 and long-context plots here."
 )
 @click.option("--json", "json_out", type=click.Path(), help="Write the results as JSON.")
@@ -139,6 +159,10 @@ def eval_(model, recipes, long_context, long_context_lengths, json_out, no_calib
     smollm2-135m, or a converted folder, evaluated with its own side-car). The JSON is a list
     with one object per recipe; each carries the run's setup."""
     paths.check(model=model, data=options["data"], profile=options["profile"], recipes=recipes)
+    session = options.pop("session"), options.pop("sessions"), options.pop("session_turns")
+    if session[0]:
+        _eval_sessions(model, recipes, json_out, no_calibrate, *session[1:], **options)
+        return
     import json
     from pathlib import Path
 
@@ -186,6 +210,38 @@ def eval_(model, recipes, long_context, long_context_lengths, json_out, no_calib
     if json_out:
         with file_staging(Path(json_out), "--json") as tmp:
             tmp.write_text(json.dumps([r.to_json() for r in results], indent=2))
+
+
+def _eval_sessions(model, recipes, json_out, no_calibrate, sessions, turns, **options):
+    """`kvcalib eval --session`: the session benchmark's tables, its plot under --plots."""
+    import json
+    from pathlib import Path
+
+    from kvcalib.api import evaluate_sessions
+    from kvcalib.evaluation import sessionreport
+    from kvcalib.io.atomic import file_staging
+
+    residual = 128 if options["residual"] is None else options["residual"]
+    _, scores = evaluate_sessions(
+        model,
+        list(recipes),
+        profile=options["profile"],
+        residual=residual,
+        sessions=sessions,
+        turns=turns,
+        device=options["device"],
+        dtype=options["dtype"],
+        calibrate_missing=not no_calibrate,
+        trust_remote_code=options["trust_remote_code"],
+    )
+    click.echo(f"{sessions} session(s) per recipe, residual {residual}.\n")
+    click.echo(sessionreport.report(scores))
+    if options["plots"]:
+        Path(options["plots"]).mkdir(parents=True, exist_ok=True)
+        click.echo(f"plot: {sessionreport.plot(scores, Path(options['plots']) / 'session.png')}")
+    if json_out:
+        with file_staging(Path(json_out), "--json") as tmp:
+            tmp.write_text(json.dumps(scores, indent=1) + "\n")
 
 
 @main.command("recipes")

@@ -23,6 +23,8 @@ this cache (any other forward leaves it as it was); `close()`, or leaving a `wit
 removes the hooks.
 """
 
+import contextlib
+
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvcalib.core.plan import plan_for_model
@@ -163,6 +165,23 @@ class QuantizedKVCache(Cache):
         if sp is not None and self.scheme.sink_budget:
             self.store.observe_hidden(sp.layer, hidden[sp.layer])
         self.store.commit(keys[0].shape[2])
+
+    @contextlib.contextmanager
+    def tentative(self):
+        """Forwards inside leave the cache as it was before: every buffer the store holds
+        (`QuantizedCache.parts`) and its lengths are put back on exit (a teacher-forced score
+        of a continuation the session does not keep)."""
+        held = {id(t): (t, t.clone()) for ts in self.store.parts().values() for t in ts}
+        filled = list(self.store._filled)
+        try:
+            yield self
+        finally:
+            for t, saved in held.values():
+                t.copy_(saved)
+            self.store._filled[:] = filled
+            self.store._pending.clear()
+            self.store._pending_flags = None
+            self._key_pre.clear()
 
     def seq_length(self) -> int:
         return int(self.store.lengths.max())
