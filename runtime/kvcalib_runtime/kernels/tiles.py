@@ -40,6 +40,9 @@ TOKEN, CHANNEL, STATIC, EXACT, VECTORS = (tl.constexpr(int(k)) for k in Kind)
 INV_TWO_PI = tl.constexpr(0.5 / math.pi)
 TWO_PI_HI = tl.constexpr(float(torch.tensor(2 * math.pi, dtype=torch.float32)))  # + LO = 2 pi
 TWO_PI_LO = tl.constexpr(float(torch.tensor(2 * math.pi - TWO_PI_HI.value, dtype=torch.float32)))
+TWO_OVER_PI = tl.constexpr(2 / math.pi)
+HALF_PI_HI = tl.constexpr(float(torch.tensor(math.pi / 2, dtype=torch.float32)))  # + LO = pi/2
+HALF_PI_LO = tl.constexpr(float(torch.tensor(math.pi / 2 - HALF_PI_HI.value, dtype=torch.float32)))
 FP8_MAX = tl.constexpr(fp8.FP8_MAX)  # the largest finite E4M3FN value
 ROUNDING = tl.constexpr(12582912.0)  # 1.5 * 2**23: fp32 (v + R) - R rounds v half to even
 SCALE_BASE = tl.constexpr(metabyte.BASE)  # one-byte metadata (layouts.metabyte)
@@ -106,10 +109,23 @@ def zero_decode(zero, scale, SPAN: tl.constexpr):
 
 @triton.jit
 def trig(angle):
-    """(cos, sin) of fp32 angles, reduced to [-pi, pi] first (Cody-Waite)."""
+    """(cos, sin) of fp32 angles without libdevice (whose slow path for large arguments puts a
+    local-memory array in the loop): reduced to [-pi, pi] (Cody-Waite), then by quadrant to
+    [-pi/4, pi/4], where Cephes' sinf / cosf polynomials are within 2 ulp."""
     turns = (angle * INV_TWO_PI + ROUNDING) - ROUNDING
     angle = tl.fma(-turns, TWO_PI_LO, tl.fma(-turns, TWO_PI_HI, angle))
-    return tl.cos(angle), tl.sin(angle)
+    quad = (angle * TWO_OVER_PI + ROUNDING) - ROUNDING  # -2 .. 2
+    r = tl.fma(-quad, HALF_PI_LO, tl.fma(-quad, HALF_PI_HI, angle))
+    z = r * r
+    s = tl.fma(r * z, tl.fma(z, tl.fma(z, -1.9515295891e-4, 8.3321608736e-3), -1.6666654611e-1),
+               r)  # fmt: skip
+    c = tl.fma(z * z, tl.fma(z, tl.fma(z, 2.443315711809948e-5, -1.388731625493765e-3),
+                             4.166664568298827e-2), 1.0 - 0.5 * z)  # fmt: skip
+    k = quad.to(tl.int32) & 3  # angle = k pi/2 + r
+    odd = (k & 1) != 0
+    cos = tl.where(odd, s, c)
+    sin = tl.where(odd, c, s)
+    return tl.where(((k + 1) & 2) != 0, -cos, cos), tl.where((k & 2) != 0, -sin, sin)
 
 
 @triton.jit
@@ -215,7 +231,7 @@ def spread(meta, ROWS: tl.constexpr, REPEAT: tl.constexpr, COLS: tl.constexpr):
 # fmt: off
 @triton.jit
 def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, o_static,
-         BN: tl.constexpr, BLOCK_C: tl.constexpr, C: tl.constexpr):
+         BN: tl.constexpr, BLOCK_C: tl.constexpr, C: tl.constexpr, FOLD: tl.constexpr = False):
     # fmt: on
     """One half of a head from the body (buffers S, layout L: decode_attention's StreamBuffers
     and StreamLayout; LEVELS: the codebook row), fp32 [BN, BLOCK_C]: channels c0 + [0, C) of the
@@ -225,6 +241,7 @@ def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, 
     in) from the caller; VECTORS reads LEVELS as the head's codebook [E, GROUP]. CHANNEL
     (contiguous only: blk a scalar): the tile's positions are pos0 + [0, BN), pos0 a multiple
     of BN, the metadata rows groups of GROUP positions. EXACT: S.codes holds the values.
+    FOLD (`foldable`): the levels alone, the caller applies the metadata outside the tile.
     """
     CODES = S.codes
     SCALE = S.scale
@@ -243,11 +260,14 @@ def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, 
     elif GRAN == VECTORS:
         x = coordinates(CODES, LEVELS, row, c0, live, BN, BLOCK_C, C, BITS, GROUP,
                         L.PAIRS)  # fmt: skip
-        x = x * s_static[None, :] + o_static[None, :]
+        if not FOLD:
+            x = x * s_static[None, :] + o_static[None, :]
     else:
         lv = level(codes(CODES, row, c0, live, BN, BLOCK_C, C, BITS, L.UNIT), LEVELS, BITS,
                    CODEBOOK)  # fmt: skip
-        if GRAN == STATIC:
+        if FOLD:
+            x = lv
+        elif GRAN == STATIC:
             x = lv * s_static[None, :] + o_static[None, :]
         elif GRAN == TOKEN:  # per row: the half in one group, C / GROUP whole groups, or any
             ONE: tl.constexpr = GROUP % C == 0
@@ -291,6 +311,33 @@ def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, 
     return x
 
 
+def foldable(layout, C: int) -> bool:
+    """Whether `half(FOLD=True)` reads a StreamLayout (C channels a half): metadata per channel
+    ("static", "vq") or one group per half row ("token")."""
+    one_group = int(Kind.TOKEN) == layout.GRAN and layout.GROUP % C == 0
+    return layout.GRAN in (int(Kind.STATIC), int(Kind.VECTORS)) or one_group
+
+
+@triton.jit
+def row_meta(S, L: tl.constexpr, blk, head, slot, live, c0, C: tl.constexpr):
+    """fp32 (scale, offset) [BN] of the "token" rows (blk, head, slot) for channels c0 + [0, C),
+    which one metadata group holds (`foldable`): what `half` applies to each element."""
+    SHIFT: tl.constexpr = 2 ** (L.BITS - 1) - 1 if L.SYM and not L.CB else 0
+    meta = at(S.strides.meta, blk, head, slot) + c0 // L.GROUP
+    if L.BYTE:  # one-byte scale and zero point (layouts.metabyte)
+        scale = scale_decode(tl.load(S.scale + meta, mask=live, other=0))
+        offset = -SHIFT * scale
+        if not L.SYM:
+            zero = tl.load(S.offset + meta, mask=live, other=0)
+            offset = zero_decode(zero, scale, 1.0 if L.CB else 2.0**L.BITS - 1)
+    else:
+        scale = tl.load(S.scale + meta, mask=live, other=0.0).to(tl.float32)
+        offset = -SHIFT * scale
+        if not L.SYM:
+            offset += tl.load(S.offset + meta, mask=live, other=0.0).to(tl.float32)
+    return scale, offset
+
+
 @triton.jit
 def static_meta(S, L: tl.constexpr, h, c0, BLOCK_C: tl.constexpr, C: tl.constexpr, D: tl.constexpr):
     """A "static" half's scale and offset [BLOCK_C] (fp32, symmetric shift folded in), read
@@ -326,26 +373,30 @@ def slot(INDEX, DELTA, SCALE, i_row, d_row, live, base, k, FP8: tl.constexpr, D:
 
 # fmt: off
 @triton.jit
-def slot_scores(INDEX, DELTA, SCALE, Q_ROWS, q_mask, i_row, d_row, live, base, pos, INV_FREQ,
+def slot_scores(INDEX, DELTA, SCALE, q_lo, q_hi, i_row, d_row, live, base, j, freq,
                 K: tl.constexpr, D: tl.constexpr, PRE_ROPE: tl.constexpr, FP8: tl.constexpr):
     # fmt: on
-    """What the keys' exact slots add to the scores, fp32 [BLOCK_G, BN]: q . rope(delta e_c)
-    for each slot (channel c), from the queries Q_ROWS [BLOCK_G] pointers (rows of D; q_mask
-    the real heads). Before RoPE, delta at channel c lands on c and its pair c +- D/2:
+    """What the keys' exact slots add to the scores, fp32 [BLOCK_G, BN]: q . R(j) (delta e_c)
+    for each slot (channel c), q's halves q_lo, q_hi fp32 [BLOCK_G, BLOCK_C] gathered in
+    registers. Before RoPE, q is the query rotated back by the tile's first position (R(p0)^T q,
+    so that q . R(p0 + j) k = q' . R(j) k), j [BN] the positions within the tile, freq
+    [BLOCK_C] RoPE's; delta at channel c lands on c and its pair c +- D/2:
     delta (q_c cos + q_pair sin) for c < D/2, delta (q_c cos - q_pair sin) otherwise."""
-    out = tl.zeros([Q_ROWS.shape[0], pos.shape[0]], tl.float32)
+    C: tl.constexpr = D // 2
+    out = tl.zeros([q_lo.shape[0], j.shape[0]], tl.float32)
     for k in tl.static_range(K):
         index, delta = slot(INDEX, DELTA, SCALE, i_row, d_row, live, base, k, FP8, D)
-        q = tl.load(Q_ROWS[:, None] + index[None, :], mask=q_mask[:, None], other=0.0)
-        q = q.to(tl.float32)
+        upper = index >= C
+        c = tl.where(upper, index - C, index)
+        at_c = tl.broadcast_to(c[None, :], out.shape)
+        lo = tl.gather(q_lo, at_c, axis=1)
+        hi = tl.gather(q_hi, at_c, axis=1)
         if PRE_ROPE:
-            upper = index >= D // 2
-            pair = tl.where(upper, index - D // 2, index + D // 2)
-            q_pair = tl.load(Q_ROWS[:, None] + pair[None, :], mask=q_mask[:, None], other=0.0)
-            freq = tl.load(INV_FREQ + index % (D // 2))
-            cos, sin = trig(pos.to(tl.float32) * freq)
-            sign = tl.where(upper, -1.0, 1.0)
-            q = q * cos[None, :] + q_pair.to(tl.float32) * (sign * sin)[None, :]
+            cos, sin = trig(j.to(tl.float32) * tl.gather(freq, c, axis=0))
+            q = tl.where(upper[None, :], hi * cos[None, :] - lo * sin[None, :],
+                         lo * cos[None, :] + hi * sin[None, :])  # fmt: skip
+        else:
+            q = tl.where(upper[None, :], hi, lo)
         out += q * delta[None, :]
     return out
 
