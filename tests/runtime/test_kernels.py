@@ -182,6 +182,23 @@ def test_the_kernels_trig_is_within_3_ulp_of_cos_and_sin():
     assert (sin.double() - exact.sin()).abs().max() <= 3.6e-7
 
 
+def test_splits_fill_the_gpu_by_the_compiled_kernels_occupancy(monkeypatch):
+    """num_splits is FlashInfer's rule: resident programs per SM (from the compiled kernel's
+    registers, warps and shared memory) x SMs, no split when the programs fill that. At
+    32/8/128 x batch 16 on an H100 (132 SMs, 128 programs): 208 registers x 8 warps hold one
+    program per SM, so splitting only adds a second wave; 128 registers x 4 warps hold four."""
+    monkeypatch.setattr(dec, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert dec.resident(208, 8, 22000) == 1
+    assert dec.resident(128, 4, 22000) == 4
+    assert dec.resident(128, 4, 100000) == 2  # shared memory caps it
+    assert dec.num_splits(cuda, 128, 32768, 64, dec.resident(208, 8, 22000)) == 1
+    assert dec.num_splits(cuda, 128, 32768, 64, dec.resident(128, 4, 22000)) == 4
+    assert dec.num_splits(cuda, 8, 32768, 64, 4) == 66  # batch 1: 4 x 132 / 8
+    assert dec.num_splits(cuda, 8, 1024, 64, 4) == 4  # at least 4 blocks a split
+    assert dec.num_splits(torch.device("cpu"), 8, 32768, 64, 4) == 1
+
+
 def test_supports_every_preset_layout():
     """Every layout kvcalib's presets and the peers the runtime serves store, at the head dims
     of real models, is read by both kernels (no reference fallback)."""

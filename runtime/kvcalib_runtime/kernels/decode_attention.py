@@ -498,13 +498,28 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def num_splits(device: torch.device, programs: int, span: int, block_n: int) -> int:
-    """Splits per (sequence, KV head): enough programs to fill the GPU twice, each at least 4
-    blocks of the longest span a sequence can reach (fixed by capacity, not by lengths)."""
+def num_splits(device: torch.device, programs: int, span: int, block_n: int,
+               resident: int = 1) -> int:  # fmt: skip
+    """Splits per (sequence, KV head): as many programs as the GPU runs at once, `resident` per
+    SM (FlashInfer's scheduler: occupancy x SMs, no split when the programs fill it), each at
+    least 4 blocks of the longest span a sequence can reach (fixed by capacity, not by
+    lengths: a CUDA graph replays one grid)."""
     if device.type != "cuda":
         return 1
-    wanted = max(1, 2 * _sm_count(device) // max(programs, 1))
+    wanted = max(1, resident * _sm_count(device) // max(programs, 1))
     return max(1, min(wanted, triton.cdiv(span, 4 * block_n)))
+
+
+def resident(regs: int, warps: int, shared: int) -> int:
+    """Programs an SM (sm_80/sm_90: 64K registers, 64 warps, 32 blocks, 227 KB of shared
+    memory) holds at once, of a kernel using regs registers per thread (allocated 8 at a time,
+    per warp), `warps` warps and `shared` bytes."""
+    by_regs = 65536 // (triton.cdiv(max(regs, 1), 8) * 8 * 32 * warps)
+    by_shared = 232448 // shared if shared else 32
+    return max(1, min(by_regs, 64 // warps, 32, by_shared))
+
+
+_RESIDENT: dict = {}  # (key, config): resident programs per SM, read off the compiled kernel
 
 
 _TUNED: dict = {}
@@ -588,14 +603,15 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
     # own, values' are added into the tile
     fold_k = inv_freq is None and k_layout.GRAN in (tiles.STATIC.value, tiles.VECTORS.value)
     fold_v = tiles.foldable(v_layout, D // 2) and v_layout.K == 0
+    key = (D, G, inv_freq is not None, q.dtype, k_layout, v_layout, page)
 
     def launch(config):
         block_n, warps, stages = config
-        splits = num_splits(q.device, B * hkv, span, block_n)
+        splits = num_splits(q.device, B * hkv, span, block_n, _RESIDENT.get((key, config), 1))
         part = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
         stats = torch.empty(B, H, splits, 2, device=q.device, dtype=torch.float32)
         # fmt: off
-        _decode_split_kernel[(B, hkv, splits)](
+        kernel = _decode_split_kernel[(B, hkv, splits)](
             q, k_new, v_new, sink_buffers,
             lengths, inv_freq if inv_freq is not None else part,
             part, stats, k_buffers, v_buffers,
@@ -609,6 +625,8 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
             PAGED=paged, PAGE=page, FOLD_K=fold_k, FOLD_V=fold_v, num_warps=warps,
         )
         # fmt: on
+        if q.device.type == "cuda" and (key, config) not in _RESIDENT:  # later launches split
+            _RESIDENT[key, config] = resident(kernel.n_regs, warps, kernel.metadata.shared)
         _combine_kernel[(B * H,)](
             part,
             stats,
@@ -620,6 +638,5 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
             num_warps=4,
         )  # fmt: skip
 
-    key = (D, G, inv_freq is not None, q.dtype, k_layout, v_layout, page)
     launch(_config(key, q.device, launch))
     return out
