@@ -48,19 +48,20 @@ INTERPRETED = (32, 4, 1)
 @triton.jit
 def _stream(S, L: tl.constexpr, LEVELS, blk, head, kv, slot, pos, pos0, live, in_body, base,
             s_lo, o_lo, s_hi, o_hi, ring_size, BN: tl.constexpr, BLOCK_C: tl.constexpr,
-            D: tl.constexpr, MIXED: tl.constexpr, FOLD: tl.constexpr = False):
+            D: tl.constexpr, MIXED: tl.constexpr, FOLD: tl.constexpr = False, table=None,
+            LDT: tl.constexpr = tl.float16, PACKED: tl.constexpr = False):
     # fmt: on
     """Keys or values (buffers S, layout L; LEVELS: this head's codebook row) at positions pos
     [BN], as two halves fp32 [BN, BLOCK_C]: the body where in_body, with MIXED the residual ring
     elsewhere (where live). (blk, head, slot): the body's rows (tiles.at; head 0 for "vector"),
     base: where the head's channels start in them; kv: the ring's (sequence, head); s_*, o_*:
     each half's "static" metadata; FOLD: the body's levels, its metadata left to the caller
-    (tiles.foldable, never with MIXED)."""
+    (tiles.foldable, never with MIXED); table, LDT, PACKED: 2-bit codes' levels (tiles.half)."""
     C: tl.constexpr = D // 2
     lo = tiles.half(S, L, LEVELS, blk, head, slot, pos0, in_body, base, s_lo, o_lo, BN, BLOCK_C,
-                    C, FOLD)  # fmt: skip
+                    C, FOLD, table, LDT, PACKED)  # fmt: skip
     hi = tiles.half(S, L, LEVELS, blk, head, slot, pos0, in_body, base + C, s_hi, o_hi, BN,
-                    BLOCK_C, C, FOLD)  # fmt: skip
+                    BLOCK_C, C, FOLD, table, LDT, PACKED)  # fmt: skip
     if MIXED:
         ring = live & ~in_body
         lo = tl.where(in_body[:, None], lo, tiles.ring(S.tail, kv, pos, ring, ring_size, 0, D,
@@ -123,6 +124,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
     STAGES: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
     FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,  # metadata folded out of whole tiles
+    PACKED: tl.constexpr,                  # 2-bit levels by inline PTX (tiles.lut2): a GPU
 ):
     """Program (b, KV head hk, split): the split-th chunk of the positions sequence b attends to
     (body, then the ring), plus the sink slots and the new token in split 0, for query heads
@@ -183,6 +185,11 @@ def _decode_split_kernel(
     V_META: tl.constexpr = (1 if VL.GRAN == tiles.TOKEN else 2) if FOLD_V else 0
     k_levels = KS.levels + hk * KL.BOOK  # this head's codebook row
     v_levels = VS.levels + hk * VL.BOOK
+    # 2-bit levels as 16-bit tables: in the dot's dtype for folded whole tiles, else fp16
+    k_table0 = tiles.table2(k_levels, KL.CB, DT if FOLD_K else tl.float16)
+    k_table1 = tiles.table2(k_levels, KL.CB, tl.float16)
+    v_table0 = tiles.table2(v_levels, VL.CB, DT if FOLD_V else tl.float16)
+    v_table1 = tiles.table2(v_levels, VL.CB, tl.float16)
     freq = zero
     cos_j = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
     sin_j = cos_j
@@ -218,7 +225,9 @@ def _decode_split_kernel(
             FV: tl.constexpr = FOLD_V and phase == 0
             k_lo, k_hi = _stream(KS, KL, k_levels, k_blk, k_head, kv, k_slot, pos, start, valid,
                                  k_in, k_base, ks_lo, ko_lo, ks_hi, ko_hi, ring_size,
-                                 pos.shape[0], BLOCK_C, D, phase == 1, FK)  # fmt: skip
+                                 pos.shape[0], BLOCK_C, D, phase == 1, FK,
+                                 k_table0 if FK else k_table1, DT if FK else tl.float16,
+                                 PACKED)  # fmt: skip
             q1_lo, q1_hi, q2_lo, q2_hi = qs_lo, qs_hi, qf_lo, qf_hi
             in_tile = pos
             if PRE_ROPE:
@@ -247,7 +256,9 @@ def _decode_split_kernel(
             s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
             v_lo, v_hi = _stream(VS, VL, v_levels, v_blk, v_head, kv, v_slot, pos, start, valid,
                                  v_in, v_base, vs_lo, vo_lo, vs_hi, vo_hi, ring_size,
-                                 pos.shape[0], BLOCK_C, D, phase == 1, FV)  # fmt: skip
+                                 pos.shape[0], BLOCK_C, D, phase == 1, FV,
+                                 v_table0 if FV else v_table1, DT if FV else tl.float16,
+                                 PACKED)  # fmt: skip
             if VL.K > 0:
                 v_lo, v_hi = tiles.slot_values(v_lo, v_hi, VS.slot_index, VS.slot_delta,
                                                VS.scale + hk * D,
@@ -622,7 +633,8 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             BLOCK_G=tiles.next_pow2(G), BLOCK_C=max(16, tiles.next_pow2(D // 2)),
             BLOCK_N=block_n, BLOCK_X=max(16, tiles.next_pow2(num_sinks + 1)), STAGES=stages,
-            PAGED=paged, PAGE=page, FOLD_K=fold_k, FOLD_V=fold_v, num_warps=warps,
+            PAGED=paged, PAGE=page, FOLD_K=fold_k, FOLD_V=fold_v,
+            PACKED=q.device.type == "cuda", num_warps=warps,
         )
         # fmt: on
         if q.device.type == "cuda" and (key, config) not in _RESIDENT:  # later launches split
