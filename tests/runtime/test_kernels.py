@@ -19,7 +19,7 @@ from bodies import random_body, tensors, to_device
 from decode_cases import DECODE_CASES, decode_inputs, reference
 
 from kvcalib_runtime.kernels import decode_attention as dec
-from kvcalib_runtime.kernels import decode_torch, tiles
+from kvcalib_runtime.kernels import decode_torch, packed, tiles
 from kvcalib_runtime.kernels import quant_pack as qp
 from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.layouts.quant import QuantSpec
@@ -199,13 +199,12 @@ def test_splits_fill_the_gpu_by_the_compiled_kernels_occupancy(monkeypatch):
     assert dec.num_splits(torch.device("cpu"), 8, 32768, 64, 4) == 1
 
 
-def _run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Execute the PTX of tiles.LUT2_ASM on int64 tensors of 32-bit values (prmt.b32 in its
-    default mode, and.b32, mad.lo.u32; the PTX ISA's definitions): returns $0."""
+def _run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Execute kernels.packed's PTX on int64 tensors of 32-bit values (prmt.b32 in its default
+    mode, and.b32, shr.u32, mad.lo.u32, mov.b32 {lo, hi}: the PTX ISA's definitions)."""
     mask = 0xFFFFFFFF
 
     def value(token):
-        token = token.strip()
         return regs[token] if token in regs else torch.tensor(int(token, 0))
 
     for line in asm.strip("{} \n").split(";"):
@@ -213,47 +212,53 @@ def _run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> torch.Tensor:
         if not line or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
+        if op == "mov.b32":  # {lo, hi}, src: the two 16-bit halves
+            halves, src = args.rsplit(",", 1)
+            lo, hi = (h.strip(" {}") for h in halves.split(","))
+            regs[lo], regs[hi] = value(src.strip()) & 0xFFFF, value(src.strip()) >> 16
+            continue
         dst, *src = [a.strip() for a in args.split(",")]
         a, b = value(src[0]), value(src[1])
         if op == "and.b32":
             out = a & b
+        elif op == "shr.u32":
+            out = a >> b
         elif op == "mad.lo.u32":
-            out = (a * b + value(src[2])) & mask
-        elif op == "prmt.b32":  # byte i of d: byte (selector nibble i & 7) of {b, a}
+            out = a * b + value(src[2])
+        elif op == "prmt.b32":  # byte i of d: byte (selector nibble i) of {b, a}
             pool = [(a >> 8 * k) & 0xFF for k in range(4)] + [(b >> 8 * k) & 0xFF for k in range(4)]
             sel, out = value(src[2]), 0
             for i in range(4):
                 nibble = (sel >> 4 * i) & 0xF
-                assert not (nibble & 8).any()  # sign-replicate mode: never selected here
-                byte = sum(torch.where(nibble == k, pool[k], 0) for k in range(8))
-                out = out | byte << 8 * i
+                assert not (nibble & 8).any()  # the sign-replicate mode: never selected here
+                out = out | sum(torch.where(nibble == k, pool[k], 0) for k in range(8)) << 8 * i
         else:
             raise AssertionError(f"unexpected PTX {op}")
         regs[dst] = out & mask
-    return regs["$0"]
+    return regs
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_packed_2_bit_lookup_is_the_plain_decode_for_every_code(dtype):
-    """tiles.lut2's inline PTX (which only a GPU runs) executed here instruction by instruction
-    on every pair of 2-bit codes (with junk in the bits above, as `codes(RAW=True)` leaves
-    them) and each level set a 2-bit layout has (uniform 0..3; codebooks: random, sorted, with
-    negative, tiny and repeated levels): both 16-bit halves are the plain decode's level of
-    their element, bit for bit, in fp16 and bf16."""
+    """kernels.packed's inline PTX (which only a GPU runs) executed here instruction by
+    instruction on words holding every 2-bit code at every one of their 16 positions, for each
+    level set a 2-bit layout has (uniform 0..3; codebooks: random, sorted, with negative, tiny
+    and repeated levels): output n is the plain decode's level of code n, bit for bit, in fp16
+    and bf16 (the interpreter's path, plain Triton on the same table, is held to the reference
+    by the decode tests)."""
     gen = torch.Generator().manual_seed(0)
     books = [torch.arange(4.0), torch.randn(4, generator=gen),
              torch.randn(4, generator=gen).sort().values, torch.tensor([-3.5, -1e-3, 1e-3, 7.25]),
              torch.tensor([0.5, 0.5, -0.5, -0.5])]  # fmt: skip
-    a, b = torch.meshgrid(torch.arange(4), torch.arange(4), indexing="ij")
-    junk = torch.randint(0, 2**30, (2, 16), generator=gen)
-    x_a, x_b = (c.reshape(-1) | (j << 2) for c, j in zip((a, b), junk, strict=True))
+    every = torch.arange(4).repeat_interleave(16).reshape(4, 16)  # each code at each position
+    codes = torch.cat([every, torch.randint(0, 4, (64, 16), generator=gen)])
+    words = (codes << 2 * torch.arange(16)).sum(1)
     for levels in books:
         bits = levels.to(dtype).view(torch.int16).long() & 0xFFFF
         lo, hi = bits[0] | bits[1] << 16, bits[2] | bits[3] << 16
-        out = _run_ptx(tiles.LUT2_ASM.value, {"$1": x_a, "$2": x_b, "$3": lo, "$5": hi})
-        plain = bits[torch.stack([a.reshape(-1), b.reshape(-1)])]  # the plain decode's levels
-        assert torch.equal(out & 0xFFFF, plain[0])
-        assert torch.equal(out >> 16, plain[1])
+        regs = _run_ptx(packed.LUT16_ASM.value, {"$16": words, "$17": lo, "$18": hi})
+        out = torch.stack([regs[f"${n}"] for n in range(16)], 1)
+        assert torch.equal(out, bits[codes])
 
 
 def test_supports_every_preset_layout():

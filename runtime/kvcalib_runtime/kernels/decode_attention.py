@@ -49,19 +49,21 @@ INTERPRETED = (32, 4, 1)
 def _stream(S, L: tl.constexpr, LEVELS, blk, head, kv, slot, pos, pos0, live, in_body, base,
             s_lo, o_lo, s_hi, o_hi, ring_size, BN: tl.constexpr, BLOCK_C: tl.constexpr,
             D: tl.constexpr, MIXED: tl.constexpr, FOLD: tl.constexpr = False, table=None,
-            LDT: tl.constexpr = tl.float16, PACKED: tl.constexpr = False):
+            LDT: tl.constexpr = tl.float16, PACKED: tl.constexpr = False,
+            LUT: tl.constexpr = False):
     # fmt: on
     """Keys or values (buffers S, layout L; LEVELS: this head's codebook row) at positions pos
     [BN], as two halves fp32 [BN, BLOCK_C]: the body where in_body, with MIXED the residual ring
     elsewhere (where live). (blk, head, slot): the body's rows (tiles.at; head 0 for "vector"),
     base: where the head's channels start in them; kv: the ring's (sequence, head); s_*, o_*:
     each half's "static" metadata; FOLD: the body's levels, its metadata left to the caller
-    (tiles.foldable, never with MIXED); table, LDT, PACKED: 2-bit codes' levels (tiles.half)."""
+    (tiles.foldable, never with MIXED); table, LDT, PACKED: 2-bit codes' levels, by
+    kernels.packed in whole tiles with LUT (not MIXED; tiles.half)."""
     C: tl.constexpr = D // 2
     lo = tiles.half(S, L, LEVELS, blk, head, slot, pos0, in_body, base, s_lo, o_lo, BN, BLOCK_C,
-                    C, FOLD, table, LDT, PACKED)  # fmt: skip
+                    C, FOLD, table, LDT, PACKED, LUT and not MIXED)  # fmt: skip
     hi = tiles.half(S, L, LEVELS, blk, head, slot, pos0, in_body, base + C, s_hi, o_hi, BN,
-                    BLOCK_C, C, FOLD, table, LDT, PACKED)  # fmt: skip
+                    BLOCK_C, C, FOLD, table, LDT, PACKED, LUT and not MIXED)  # fmt: skip
     if MIXED:
         ring = live & ~in_body
         lo = tl.where(in_body[:, None], lo, tiles.ring(S.tail, kv, pos, ring, ring_size, 0, D,
@@ -124,7 +126,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
     STAGES: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
     FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,  # metadata folded out of whole tiles
-    PACKED: tl.constexpr,                  # 2-bit levels by inline PTX (tiles.lut2): a GPU
+    PACKED: tl.constexpr,                  # 2-bit levels by inline PTX (kernels.packed): a GPU
 ):
     """Program (b, KV head hk, split): the split-th chunk of the positions sequence b attends to
     (body, then the ring), plus the sink slots and the new token in split 0, for query heads
@@ -185,10 +187,12 @@ def _decode_split_kernel(
     V_META: tl.constexpr = (1 if VL.GRAN == tiles.TOKEN else 2) if FOLD_V else 0
     k_levels = KS.levels + hk * KL.BOOK  # this head's codebook row
     v_levels = VS.levels + hk * VL.BOOK
-    # 2-bit levels as 16-bit tables: in the dot's dtype for folded whole tiles, else fp16
-    k_table0 = tiles.table2(k_levels, KL.CB, DT if FOLD_K else tl.float16)
+    # 2-bit levels as 16-bit tables (a 16-bit cache: LUT): in the dot's dtype for folded whole
+    # tiles, else fp16
+    LUT: tl.constexpr = DT.primitive_bitwidth == 16
+    k_table0 = tiles.table2(k_levels, KL.CB, DT if FOLD_K and LUT else tl.float16)
     k_table1 = tiles.table2(k_levels, KL.CB, tl.float16)
-    v_table0 = tiles.table2(v_levels, VL.CB, DT if FOLD_V else tl.float16)
+    v_table0 = tiles.table2(v_levels, VL.CB, DT if FOLD_V and LUT else tl.float16)
     v_table1 = tiles.table2(v_levels, VL.CB, tl.float16)
     freq = zero
     cos_j = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
@@ -227,7 +231,7 @@ def _decode_split_kernel(
                                  k_in, k_base, ks_lo, ko_lo, ks_hi, ko_hi, ring_size,
                                  pos.shape[0], BLOCK_C, D, phase == 1, FK,
                                  k_table0 if FK else k_table1, DT if FK else tl.float16,
-                                 PACKED)  # fmt: skip
+                                 PACKED, LUT)  # fmt: skip
             q1_lo, q1_hi, q2_lo, q2_hi = qs_lo, qs_hi, qf_lo, qf_hi
             in_tile = pos
             if PRE_ROPE:
@@ -258,7 +262,7 @@ def _decode_split_kernel(
                                  v_in, v_base, vs_lo, vo_lo, vs_hi, vo_hi, ring_size,
                                  pos.shape[0], BLOCK_C, D, phase == 1, FV,
                                  v_table0 if FV else v_table1, DT if FV else tl.float16,
-                                 PACKED)  # fmt: skip
+                                 PACKED, LUT)  # fmt: skip
             if VL.K > 0:
                 v_lo, v_hi = tiles.slot_values(v_lo, v_hi, VS.slot_index, VS.slot_delta,
                                                VS.scale + hk * D,

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcalib_runtime.kernels import packed
 from kvcalib_runtime.layouts import Kind, fp8, metabyte
 
 # the kernels' switch
@@ -145,12 +146,10 @@ def at(STRIDE, blk, head, slot):
 # fmt: off
 @triton.jit
 def codes(CODES, row, c0, live, BN: tl.constexpr, BLOCK_C: tl.constexpr, C: tl.constexpr,
-          BITS: tl.constexpr, UNIT: tl.constexpr, RAW: tl.constexpr = False):
+          BITS: tl.constexpr, UNIT: tl.constexpr):
     # fmt: on
     """int32 codes [BN, BLOCK_C] of channels c0 + [0, C) of the body rows starting at element
-    offsets `row` [BN] (int64; where `live`) of CODES: int32 words (UNIT 32) or bytes (UNIT 8).
-    RAW: each code in the low bits of its word shifted down, the bits above left (`lut2` masks
-    them)."""
+    offsets `row` [BN] (int64; where `live`) of CODES: int32 words (UNIT 32) or bytes (UNIT 8)."""
     if 8 % BITS == 0:
         PER: tl.constexpr = UNIT // BITS
         u = tl.arange(0, BLOCK_C // PER)
@@ -166,9 +165,7 @@ def codes(CODES, row, c0, live, BN: tl.constexpr, BLOCK_C: tl.constexpr, C: tl.c
         for r in tl.static_range(BITS):
             word |= tl.load(ptr + r, mask=mask, other=0).to(WIDE) << (8 * r)
     shift = tl.arange(0, PER) * BITS
-    split = word[:, :, None] >> shift[None, None, :]
-    if not RAW:
-        split &= 2**BITS - 1
+    split = (word[:, :, None] >> shift[None, None, :]) & (2**BITS - 1)
     return tl.reshape(split, [BN, BLOCK_C]).to(tl.int32)
 
 
@@ -195,38 +192,13 @@ def level(code, LEVELS, BITS: tl.constexpr, CODEBOOK: tl.constexpr):
 
 @triton.jit
 def table2(LEVELS, CODEBOOK: tl.constexpr, DT: tl.constexpr):
-    """A 2-bit layout's 4 levels (`level` of codes 0..3) in dtype DT (16 bits), as `lut2`
-    reads them: int32 scalars (lo: levels 0, 1; hi: levels 2, 3; the first in the low half)."""
+    """A 2-bit layout's 4 levels (`level` of codes 0..3) in dtype DT (16 bits) as packed.levels
+    reads them: int32 scalars, lo levels 0, 1, hi levels 2, 3, the first of each in the low
+    half."""
     c = tl.arange(0, 4)
     bits = level(c, LEVELS, 2, CODEBOOK).to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     bits = bits << (c % 2) * 16
     return tl.sum(tl.where(c < 2, bits, 0)), tl.sum(tl.where(c >= 2, bits, 0))
-
-
-# lut2 on a GPU, two elements an invocation: $0 the two 16-bit levels (the first element's in the
-# low half), $1 $2 the elements' codes, $3 $4 / $5 $6 the table's lo / hi (the same scalars)
-LUT2_ASM = tl.constexpr("""{ .reg .b32 s;
-prmt.b32 s, $1, $2, 0x40;
-and.b32 s, s, 0x303;
-mad.lo.u32 s, s, 34, 4112;
-prmt.b32 $0, $3, $5, s; }""")
-
-
-@triton.jit
-def lut2(x, lo, hi, DT: tl.constexpr, PACKED: tl.constexpr):
-    """The level (dtype DT, 16 bits) of each 2-bit code in bits 0..1 of x (int32, bits above
-    ignored) from the table (lo, hi) of `table2`. PACKED (a GPU): two codes per byte permute
-    (PRMT), ~2 instructions an element: the codes' bytes side by side (PRMT), masked (LOP3),
-    times 0x22 plus 0x1010 (IMAD) is the selector whose nibbles 2c, 2c+1 pick level c's two
-    bytes of the 8 in (lo, hi); else (the interpreter) the same selection in plain Triton."""
-    if PACKED:
-        bits = tl.inline_asm_elementwise(asm=LUT2_ASM, constraints="=r,r,r,r,r,r,r",
-                                         args=[x, lo, hi], dtype=tl.int16, is_pure=True,
-                                         pack=2)  # fmt: skip
-    else:
-        c = x & 3
-        bits = ((tl.where(c < 2, lo, hi) >> (c % 2) * 16) & 0xFFFF).to(tl.int16)
-    return bits.to(DT, bitcast=True)
 
 
 # fmt: off
@@ -272,7 +244,8 @@ def spread(meta, ROWS: tl.constexpr, REPEAT: tl.constexpr, COLS: tl.constexpr):
 @triton.jit
 def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, o_static,
          BN: tl.constexpr, BLOCK_C: tl.constexpr, C: tl.constexpr, FOLD: tl.constexpr = False,
-         table=None, LDT: tl.constexpr = tl.float16, PACKED: tl.constexpr = False):
+         table=None, LDT: tl.constexpr = tl.float16, PACKED: tl.constexpr = False,
+         WIDE: tl.constexpr = False):
     # fmt: on
     """One half of a head from the body (buffers S, layout L: decode_attention's StreamBuffers
     and StreamLayout; LEVELS: the codebook row), fp32 [BN, BLOCK_C]: channels c0 + [0, C) of the
@@ -283,8 +256,8 @@ def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, 
     (contiguous only: blk a scalar): the tile's positions are pos0 + [0, BN), pos0 a multiple
     of BN, the metadata rows groups of GROUP positions. EXACT: S.codes holds the values.
     FOLD (`foldable`): the levels alone, the caller applies the metadata outside the tile.
-    2-bit codes: levels looked up in `table` (table2, dtype LDT: the dot's with FOLD, else
-    fp16 then fp32) by `lut2` (PACKED: on a GPU).
+    WIDE (whole tiles) 2-bit codes in words: levels looked up in `table` (table2, dtype LDT:
+    the dot's with FOLD, else fp16 then fp32) by packed.levels (PACKED: inline PTX, a GPU).
     """
     CODES = S.codes
     SCALE = S.scale
@@ -306,9 +279,9 @@ def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, 
         if not FOLD:
             x = x * s_static[None, :] + o_static[None, :]
     else:
-        if BITS == 2:
-            lv = lut2(codes(CODES, row, c0, live, BN, BLOCK_C, C, BITS, L.UNIT, True), table[0],
-                      table[1], LDT, PACKED)  # fmt: skip
+        if WIDE and BITS == 2 and L.UNIT == 32:
+            lv = packed.levels(CODES, row, c0, live, table[0], table[1], BN, BLOCK_C, C, LDT,
+                               PACKED)  # fmt: skip
             if not FOLD:
                 lv = lv.to(tl.float32)
         else:
