@@ -641,7 +641,8 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
             PACKED=q.device.type == "cuda", num_warps=warps,
         )
         # fmt: on
-        if q.device.type == "cuda" and (key, config) not in _RESIDENT:  # later launches split
+        # later launches split by it (Triton returns no kernel where a cache hook compiled it)
+        if q.device.type == "cuda" and kernel is not None and (key, config) not in _RESIDENT:
             _RESIDENT[key, config] = resident(kernel.n_regs, warps, kernel.metadata.shared)
         _combine_kernel[(B * H,)](
             part,
