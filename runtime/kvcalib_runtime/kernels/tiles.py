@@ -4,12 +4,16 @@ channels], in fp32 registers, from what the cache stores (kernels.layout).
     packed codes   read whole: 32-bit words (2/4/8 bits, when a half row is whole words) or
                    bytes, split into codes by shifts in registers; 3/5/6-bit codes as words of
                    8 codes (BITS bytes)
-    level          code itself, or a calibrated codebook entry (L scalars, read once per tile)
+    level          code itself, or a calibrated codebook entry (L scalars, read once per tile);
+                   2-bit words of whole tiles: 16 levels a word by a byte-permute table
+                   (`table2`, kernels.packed), 16-bit
     x              level * scale + offset, the metadata read once per group: per channel
                    ("static", read once per program by the caller), per group of channels of a
                    row ("token", "vector"; one byte each for metadata_code "byte", decoded
                    from their bits), per group of tokens ("channel": one row per GROUP
-                   positions, broadcast)
+                   positions, broadcast); whole tiles whose metadata is per channel or one
+                   group a half row (`foldable`) stay levels: the caller applies it outside
+                   the tile
     vector codes   "vq": each channel's level is a coordinate of its vector's codebook entry
                    (`coordinates`: the vector's index gathered from the packed row, then the
                    entry's coordinate from the head's codebook), scaled per channel as "static"
@@ -18,8 +22,9 @@ channels], in fp32 registers, from what the cache stores (kernels.layout).
                    an "fp8" delta is its E4M3 byte times the channel's static scale
 
 A head is read as two halves (channels [0, D/2) and [D/2, D)) because RoPE pairs channel c
-with c + D/2: keys stored before RoPE are rotated in registers, R(p0 + j) = R(p0) R(j) with
-R(j) built once per program and R(p0) once per tile.
+with c + D/2: keys stored before RoPE are rotated in registers. In whole tiles only by R(j),
+built once per program, since q . R(p0 + j) k = (R(p0)^T q) . R(j) k: the caller rotates q
+once per tile.
 
 A row (one token of one head, or of every head for "vector") is found by its buffer's element
 strides (block or sequence, head row, slot) — `at` — so the same reads serve a contiguous cache
@@ -170,11 +175,25 @@ def codes(CODES, row, c0, live, BN: tl.constexpr, BLOCK_C: tl.constexpr, C: tl.c
 
 
 @triton.jit
+def _entry(code, LEVELS, FIRST: tl.constexpr, BITS: tl.constexpr):
+    """Entry FIRST + (code mod 2^BITS) of LEVELS, fp32: a select on each bit of the code,
+    2^BITS - 1 selects (a chain comparing the code with each entry takes twice as many)."""
+    if BITS == 0:
+        out = tl.load(LEVELS + FIRST).to(tl.float32)
+    else:
+        HALF: tl.constexpr = 2 ** (BITS - 1)
+        low = _entry(code, LEVELS, FIRST, BITS - 1)
+        high = _entry(code, LEVELS, FIRST + HALF, BITS - 1)
+        out = tl.where((code & HALF) != 0, high, low)
+    return out
+
+
+@triton.jit
 def level(code, LEVELS, BITS: tl.constexpr, CODEBOOK: tl.constexpr):
     """fp32 level of each code: the codebook row at LEVELS (L scalars), or the code itself
     (a symmetric grid's -(2^(b-1) - 1) is folded into the offset by the caller). A 2-bit
     codebook is the cubic through its 4 levels (Horner: 3 FMAs, exact to fp32 rounding); wider
-    ones a chain of selects."""
+    ones a tree of selects (`_entry`)."""
     if CODEBOOK and BITS == 2:
         l0, l1 = tl.load(LEVELS), tl.load(LEVELS + 1)
         l2, l3 = tl.load(LEVELS + 2), tl.load(LEVELS + 3)
@@ -182,9 +201,7 @@ def level(code, LEVELS, BITS: tl.constexpr, CODEBOOK: tl.constexpr):
         c = code.to(tl.float32)
         out = l0 + c * ((d1 - d2 / 2 + d3 / 3) + c * ((d2 - d3) / 2 + c * (d3 / 6)))
     elif CODEBOOK:
-        out = tl.zeros(code.shape, tl.float32) + tl.load(LEVELS)
-        for j in tl.static_range(1, 2**BITS):
-            out = tl.where(code == j, tl.load(LEVELS + j), out)
+        out = _entry(code, LEVELS, 0, BITS)
     else:
         out = code.to(tl.float32)
     return out
@@ -279,7 +296,8 @@ def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, 
         if not FOLD:
             x = x * s_static[None, :] + o_static[None, :]
     else:
-        if WIDE and BITS == 2 and L.UNIT == 32:
+        UNIT: tl.constexpr = L.UNIT
+        if WIDE and BITS == 2 and UNIT == 32:
             lv = packed.levels(CODES, row, c0, live, table[0], table[1], BN, BLOCK_C, C, LDT,
                                PACKED)  # fmt: skip
             if not FOLD:
