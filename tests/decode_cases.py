@@ -29,6 +29,9 @@ DECODE_CASES = {
     "kvcalib-2 byte values G4 D128": (S(2, "static", codebook=True, outliers=0.01,
                                         outlier_slots=1, slot_rule="error", slot_code="fp8"),
                                       S(2, metadata_code="byte"), 8, 2, 128, True, None),
+    "kvcalib-2 post-RoPE G4 D128": (S(2, "static", codebook=True, outliers=0.01,
+                                      outlier_slots=1, slot_rule="error"),
+                                    S(2, metadata_code="byte"), 8, 2, 128, False, None),
     "byte metadata groups, slots, codebook G2 D64": (
         S(4, group_size=16, outliers=0.1, slot_rule="error", metadata_code="byte"),
         S(3, group_size=32, symmetric=True, codebook=True, metadata_code="byte"), 4, 2, 64,

@@ -13,11 +13,13 @@ import threading
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from bodies import random_body, tensors, to_device
 from decode_cases import DECODE_CASES, decode_inputs, reference
 
 from kvcalib_runtime.kernels import decode_attention as dec
-from kvcalib_runtime.kernels import decode_torch
+from kvcalib_runtime.kernels import decode_torch, packed, tiles
 from kvcalib_runtime.kernels import quant_pack as qp
 from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.layouts.quant import QuantSpec
@@ -37,6 +39,7 @@ S = QuantSpec
 def test_decode_attention_matches_its_reference(case, config, splits, monkeypatch):
     if config != (32, 4, 1) and case not in (
         "kvcalib-2 G4 D128",
+        "kvcalib-2 post-RoPE G4 D128",
         "kivi-4 G3 D64",
         "window pre-RoPE ring",
         "vector values G3 D64",
@@ -156,6 +159,108 @@ def test_cpu_decode_path_results_outlive_its_scratch(monkeypatch):
     assert torch.equal(first, kept) and torch.equal(again, kept) and torch.equal(last, kept)
 
 
+@triton.jit
+def _trig_kernel(A, COS, SIN, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    c, s = tiles.trig(tl.load(A + i, mask=i < n, other=0.0))
+    tl.store(COS + i, c, mask=i < n)
+    tl.store(SIN + i, s, mask=i < n)
+
+
+def test_the_kernels_trig_is_within_3_ulp_of_cos_and_sin():
+    """tiles.trig (polynomials after reducing the angle, no libdevice: its slow path put local
+    memory in the decode loop) against float64 cos / sin at RoPE's angles (a position times a
+    frequency up to 128K) and in every quadrant: within 3 fp32 ulp of 1 (3.6e-7), far below
+    the fp16 keys it rotates (4.9e-4)."""
+    gen = torch.Generator().manual_seed(0)
+    angle = torch.cat([torch.linspace(-7, 7, 4001), torch.rand(4000, generator=gen) * 131072,
+                       torch.arange(0, 131072, 37.0) * 0.75])  # fmt: skip
+    cos, sin = torch.empty_like(angle), torch.empty_like(angle)
+    _trig_kernel[(1,)](angle, cos, sin, angle.numel(), BLOCK=tiles.next_pow2(angle.numel()))
+    exact = angle.double()
+    assert (cos.double() - exact.cos()).abs().max() <= 3.6e-7
+    assert (sin.double() - exact.sin()).abs().max() <= 3.6e-7
+
+
+def test_splits_fill_the_gpu_by_the_compiled_kernels_occupancy(monkeypatch):
+    """num_splits is FlashInfer's rule: resident programs per SM (from the compiled kernel's
+    registers, warps and shared memory) x SMs, no split when the programs fill that. At
+    32/8/128 x batch 16 on an H100 (132 SMs, 128 programs): 208 registers x 8 warps hold one
+    program per SM, so splitting only adds a second wave; 128 registers x 4 warps hold four."""
+    monkeypatch.setattr(dec, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert dec.resident(208, 8, 22000) == 1
+    assert dec.resident(128, 4, 22000) == 4
+    assert dec.resident(128, 4, 100000) == 2  # shared memory caps it
+    assert dec.num_splits(cuda, 128, 32768, 64, dec.resident(208, 8, 22000)) == 1
+    assert dec.num_splits(cuda, 128, 32768, 64, dec.resident(128, 4, 22000)) == 4
+    assert dec.num_splits(cuda, 8, 32768, 64, 4) == 66  # batch 1: 4 x 132 / 8
+    assert dec.num_splits(cuda, 8, 1024, 64, 4) == 4  # at least 4 blocks a split
+    assert dec.num_splits(torch.device("cpu"), 8, 32768, 64, 4) == 1
+
+
+def _run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Execute kernels.packed's PTX on int64 tensors of 32-bit values (prmt.b32 in its default
+    mode, and.b32, shr.u32, mad.lo.u32, mov.b32 {lo, hi}: the PTX ISA's definitions)."""
+    mask = 0xFFFFFFFF
+
+    def value(token):
+        return regs[token] if token in regs else torch.tensor(int(token, 0))
+
+    for line in asm.strip("{} \n").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        if op == "mov.b32":  # {lo, hi}, src: the two 16-bit halves
+            halves, src = args.rsplit(",", 1)
+            lo, hi = (h.strip(" {}") for h in halves.split(","))
+            regs[lo], regs[hi] = value(src.strip()) & 0xFFFF, value(src.strip()) >> 16
+            continue
+        dst, *src = [a.strip() for a in args.split(",")]
+        a, b = value(src[0]), value(src[1])
+        if op == "and.b32":
+            out = a & b
+        elif op == "shr.u32":
+            out = a >> b
+        elif op == "mad.lo.u32":
+            out = a * b + value(src[2])
+        elif op == "prmt.b32":  # byte i of d: byte (selector nibble i) of {b, a}
+            pool = [(a >> 8 * k) & 0xFF for k in range(4)] + [(b >> 8 * k) & 0xFF for k in range(4)]
+            sel, out = value(src[2]), 0
+            for i in range(4):
+                nibble = (sel >> 4 * i) & 0xF
+                assert not (nibble & 8).any()  # the sign-replicate mode: never selected here
+                out = out | sum(torch.where(nibble == k, pool[k], 0) for k in range(8)) << 8 * i
+        else:
+            raise AssertionError(f"unexpected PTX {op}")
+        regs[dst] = out & mask
+    return regs
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_packed_2_bit_lookup_is_the_plain_decode_for_every_code(dtype):
+    """kernels.packed's inline PTX (which only a GPU runs) executed here instruction by
+    instruction on words holding every 2-bit code at every one of their 16 positions, for each
+    level set a 2-bit layout has (uniform 0..3; codebooks: random, sorted, with negative, tiny
+    and repeated levels): output n is the plain decode's level of code n, bit for bit, in fp16
+    and bf16 (the interpreter's path, plain Triton on the same table, is held to the reference
+    by the decode tests)."""
+    gen = torch.Generator().manual_seed(0)
+    books = [torch.arange(4.0), torch.randn(4, generator=gen),
+             torch.randn(4, generator=gen).sort().values, torch.tensor([-3.5, -1e-3, 1e-3, 7.25]),
+             torch.tensor([0.5, 0.5, -0.5, -0.5])]  # fmt: skip
+    every = torch.arange(4).repeat_interleave(16).reshape(4, 16)  # each code at each position
+    codes = torch.cat([every, torch.randint(0, 4, (64, 16), generator=gen)])
+    words = (codes << 2 * torch.arange(16)).sum(1)
+    for levels in books:
+        bits = levels.to(dtype).view(torch.int16).long() & 0xFFFF
+        lo, hi = bits[0] | bits[1] << 16, bits[2] | bits[3] << 16
+        regs = _run_ptx(packed.LUT16_ASM.value, {"$16": words, "$17": lo, "$18": hi})
+        out = torch.stack([regs[f"${n}"] for n in range(16)], 1)
+        assert torch.equal(out, bits[codes])
+
+
 def test_supports_every_preset_layout():
     """Every layout kvcalib's presets and the peers the runtime serves store, at the head dims
     of real models, is read by both kernels (no reference fallback)."""
@@ -214,6 +319,8 @@ sys.path.insert(0, BENCHMARKS)
 from budget_read import compile_launch, to_meta, ttgir_loops
 
 def compile_instead(self, *args, grid, warmup, **kwargs):  # compile for sm_90, launch nothing
+    if "PACKED" in kwargs:  # what a GPU launch compiles: the inline PTX, not the interpreter's
+        kwargs["PACKED"] = True
     kernel, _log = compile_launch(self, to_meta(args), to_meta(kwargs), 90)
     copies = sum(loop["async_copies"] for loop in ttgir_loops(kernel.asm["ttgir"]))
     print("compiled", self.fn.__name__, copies)

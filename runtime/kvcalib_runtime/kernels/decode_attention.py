@@ -48,18 +48,22 @@ INTERPRETED = (32, 4, 1)
 @triton.jit
 def _stream(S, L: tl.constexpr, LEVELS, blk, head, kv, slot, pos, pos0, live, in_body, base,
             s_lo, o_lo, s_hi, o_hi, ring_size, BN: tl.constexpr, BLOCK_C: tl.constexpr,
-            D: tl.constexpr, MIXED: tl.constexpr):
+            D: tl.constexpr, MIXED: tl.constexpr, FOLD: tl.constexpr = False, table=None,
+            LDT: tl.constexpr = tl.float16, PACKED: tl.constexpr = False,
+            LUT: tl.constexpr = False):
     # fmt: on
     """Keys or values (buffers S, layout L; LEVELS: this head's codebook row) at positions pos
     [BN], as two halves fp32 [BN, BLOCK_C]: the body where in_body, with MIXED the residual ring
     elsewhere (where live). (blk, head, slot): the body's rows (tiles.at; head 0 for "vector"),
     base: where the head's channels start in them; kv: the ring's (sequence, head); s_*, o_*:
-    each half's "static" metadata."""
+    each half's "static" metadata; FOLD: the body's levels, its metadata left to the caller
+    (tiles.foldable, never with MIXED); table, LDT, PACKED: 2-bit codes' levels, by
+    kernels.packed in whole tiles with LUT (not MIXED; tiles.half)."""
     C: tl.constexpr = D // 2
     lo = tiles.half(S, L, LEVELS, blk, head, slot, pos0, in_body, base, s_lo, o_lo, BN, BLOCK_C,
-                    C)  # fmt: skip
+                    C, FOLD, table, LDT, PACKED, LUT and not MIXED)  # fmt: skip
     hi = tiles.half(S, L, LEVELS, blk, head, slot, pos0, in_body, base + C, s_hi, o_hi, BN,
-                    BLOCK_C, C)  # fmt: skip
+                    BLOCK_C, C, FOLD, table, LDT, PACKED, LUT and not MIXED)  # fmt: skip
     if MIXED:
         ring = live & ~in_body
         lo = tl.where(in_body[:, None], lo, tiles.ring(S.tail, kv, pos, ring, ring_size, 0, D,
@@ -69,18 +73,42 @@ def _stream(S, L: tl.constexpr, LEVELS, blk, head, kv, slot, pos, pos0, live, in
     return lo, hi
 
 
+# fmt: off
 @triton.jit
-def _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT: tl.constexpr, PRECISION: tl.constexpr):
+def _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT: tl.constexpr, PRECISION: tl.constexpr,
+            w_lo=None, b_lo=None, w_hi=None, b_hi=None, META: tl.constexpr = 0,
+            OFFSET: tl.constexpr = False):
+    # fmt: on
     """Fold scores s [BLOCK_G, BN] (log2 units, -inf where invalid) and value halves [BN,
-    BLOCK_C] into the running max m_i, sum l_i and unnormalized halves acc (online softmax)."""
+    BLOCK_C] into the running max m_i, sum l_i and unnormalized halves acc (online softmax).
+    The halves are levels whose metadata (w, b per half) is applied outside the [BN, BLOCK_C]
+    tiles: META 1, per row (w, b [BN]): the probabilities scaled by w, b a rank-1 term p . b;
+    META 2, per channel (w, b [BLOCK_C]): the product scaled by w, b times the probabilities'
+    sum; OFFSET: b is not zero."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: keep zeros
     p = tl.exp2(s - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
-    pd = p.to(DT)
-    acc_lo = acc_lo * alpha[:, None] + tl.dot(pd, v_lo.to(DT), input_precision=PRECISION)
-    acc_hi = acc_hi * alpha[:, None] + tl.dot(pd, v_hi.to(DT), input_precision=PRECISION)
-    return m_new, l_i * alpha + tl.sum(p, axis=1), acc_lo, acc_hi
+    p_sum = tl.sum(p, axis=1)
+    if META == 1:
+        lo = tl.dot((p * w_lo[None, :]).to(DT), v_lo.to(DT), input_precision=PRECISION)
+        hi = tl.dot((p * w_hi[None, :]).to(DT), v_hi.to(DT), input_precision=PRECISION)
+        if OFFSET:
+            lo += tl.sum(p * b_lo[None, :], axis=1)[:, None]
+            hi += tl.sum(p * b_hi[None, :], axis=1)[:, None]
+    else:
+        pd = p.to(DT)
+        lo = tl.dot(pd, v_lo.to(DT), input_precision=PRECISION)
+        hi = tl.dot(pd, v_hi.to(DT), input_precision=PRECISION)
+        if META == 2:
+            lo *= w_lo[None, :]
+            hi *= w_hi[None, :]
+            if OFFSET:
+                lo += p_sum[:, None] * b_lo[None, :]
+                hi += p_sum[:, None] * b_hi[None, :]
+    acc_lo = acc_lo * alpha[:, None] + lo
+    acc_hi = acc_hi * alpha[:, None] + hi
+    return m_new, l_i * alpha + p_sum, acc_lo, acc_hi
 
 
 # fmt: off
@@ -97,12 +125,19 @@ def _decode_split_kernel(
     G: tl.constexpr, D: tl.constexpr, PRE_ROPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
     STAGES: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+    FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,  # metadata folded out of whole tiles
+    PACKED: tl.constexpr,                  # 2-bit levels by inline PTX (kernels.packed): a GPU
 ):
     """Program (b, KV head hk, split): the split-th chunk of the positions sequence b attends to
     (body, then the ring), plus the sink slots and the new token in split 0, for query heads
     hk * G .. hk * G + G - 1. Writes PART (unnormalized) and STATS (running max in log2 units,
     sum). PAGED: position p of the bodies is slot p % PAGE of block BLOCK_TABLE[b, p // PAGE]
-    (vLLM's pages); else slot p (p % slots for a ring) of sequence b."""
+    (vLLM's pages); else slot p (p % slots for a ring) of sequence b.
+
+    Whole tiles (phase 0) keep metadata out of the [BN, BLOCK_C] tiles where the layout allows
+    (FOLD_K, FOLD_V): per-channel key metadata folded into q once per program (q s . level +
+    q . o), value metadata applied to the probabilities or the product. Pre-RoPE keys are
+    rotated by R(j), j < BLOCK_N, built once, and q by R(p0)^T once per tile."""
     b, hk, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(LENGTHS + b).to(tl.int32)
     nbk, nbv = tl.load(KS.n_body + b).to(tl.int32), tl.load(VS.n_body + b).to(tl.int32)
@@ -129,6 +164,7 @@ def _decode_split_kernel(
     q_lo = tl.load(q_rows[:, None] + ch[None, :], mask=q_mask, other=0.0)
     q_hi = tl.load(q_rows[:, None] + C + ch[None, :], mask=q_mask, other=0.0)
     DT: tl.constexpr = Q.dtype.element_ty
+    qf_lo, qf_hi = q_lo.to(tl.float32), q_hi.to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc_lo = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
@@ -142,8 +178,22 @@ def _decode_split_kernel(
     if VL.GRAN == tiles.STATIC or VL.GRAN == tiles.VECTORS:
         vs_lo, vo_lo = tiles.static_meta(VS, VL, hk, 0, BLOCK_C, C, D)
         vs_hi, vo_hi = tiles.static_meta(VS, VL, hk, C, BLOCK_C, C, D)
+    qs_lo, qs_hi, q_off = q_lo, q_hi, tl.zeros([BLOCK_G], tl.float32)
+    if FOLD_K:  # scores = (q s) . level + q . o
+        qs_lo = (qf_lo * ks_lo[None, :]).to(DT)
+        qs_hi = (qf_hi * ks_hi[None, :]).to(DT)
+        q_off = tl.sum(qf_lo * ko_lo[None, :], axis=1) + tl.sum(qf_hi * ko_hi[None, :], axis=1)
+    V_OFFSET: tl.constexpr = not (VL.SYM and (VL.CB or VL.BITS == 1))  # level 0 is not 0
+    V_META: tl.constexpr = (1 if VL.GRAN == tiles.TOKEN else 2) if FOLD_V else 0
     k_levels = KS.levels + hk * KL.BOOK  # this head's codebook row
     v_levels = VS.levels + hk * VL.BOOK
+    # 2-bit levels as 16-bit tables (a 16-bit cache: LUT): in the dot's dtype for folded whole
+    # tiles, else fp16
+    LUT: tl.constexpr = DT.primitive_bitwidth == 16
+    k_table0 = tiles.table2(k_levels, KL.CB, DT if FOLD_K and LUT else tl.float16)
+    k_table1 = tiles.table2(k_levels, KL.CB, tl.float16)
+    v_table0 = tiles.table2(v_levels, VL.CB, DT if FOLD_V and LUT else tl.float16)
+    v_table1 = tiles.table2(v_levels, VL.CB, tl.float16)
     freq = zero
     cos_j = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
     sin_j = cos_j
@@ -175,29 +225,44 @@ def _decode_split_kernel(
                     k_slot = pos % KS.slots
                 if VL.RING:
                     v_slot = pos % VS.slots
+            FK: tl.constexpr = FOLD_K and phase == 0
+            FV: tl.constexpr = FOLD_V and phase == 0
             k_lo, k_hi = _stream(KS, KL, k_levels, k_blk, k_head, kv, k_slot, pos, start, valid,
                                  k_in, k_base, ks_lo, ko_lo, ks_hi, ko_hi, ring_size,
-                                 pos.shape[0], BLOCK_C, D, phase == 1)  # fmt: skip
+                                 pos.shape[0], BLOCK_C, D, phase == 1, FK,
+                                 k_table0 if FK else k_table1, DT if FK else tl.float16,
+                                 PACKED, LUT)  # fmt: skip
+            q1_lo, q1_hi, q2_lo, q2_hi = qs_lo, qs_hi, qf_lo, qf_hi
+            in_tile = pos
             if PRE_ROPE:
-                if phase == 0:  # R(start + j) = R(start) R(j)
+                if phase == 0:  # q . R(start + j) k = (R(start)^T q) . R(j) k
                     cos_a, sin_a = tiles.trig((start * 1.0) * freq)
-                    cos = cos_a[None, :] * cos_j - sin_a[None, :] * sin_j
-                    sin = sin_a[None, :] * cos_j + cos_a[None, :] * sin_j
+                    q2_lo = qf_lo * cos_a[None, :] + qf_hi * sin_a[None, :]
+                    q2_hi = qf_hi * cos_a[None, :] - qf_lo * sin_a[None, :]
+                    q1_lo, q1_hi = q2_lo.to(DT), q2_hi.to(DT)
+                    in_tile = j
+                    k_lo, k_hi = tiles.rotate(k_lo, k_hi, cos_j, sin_j)
                 else:
                     cos, sin = tiles.trig(pos[:, None].to(tl.float32) * freq[None, :])
-                k_lo, k_hi = tiles.rotate(k_lo, k_hi, cos, sin)
-            s = tl.dot(q_lo, tl.trans(k_lo.to(DT)), input_precision=PRECISION)
-            s += tl.dot(q_hi, tl.trans(k_hi.to(DT)), input_precision=PRECISION)
+                    k_lo, k_hi = tiles.rotate(k_lo, k_hi, cos, sin)
+            elif not FK:
+                q1_lo, q1_hi = q_lo, q_hi
+            s = tl.dot(q1_lo, tl.trans(k_lo.to(DT)), input_precision=PRECISION)
+            s += tl.dot(q1_hi, tl.trans(k_hi.to(DT)), input_precision=PRECISION)
+            if FK:
+                s += q_off[:, None]
             if KL.K > 0:
-                s += tiles.slot_scores(KS.slot_index, KS.slot_delta, KS.scale + hk * D, q_rows,
-                                       g < G, tiles.at(KS.strides.index, k_blk, k_head, k_slot),
+                s += tiles.slot_scores(KS.slot_index, KS.slot_delta, KS.scale + hk * D, q2_lo,
+                                       q2_hi, tiles.at(KS.strides.index, k_blk, k_head, k_slot),
                                        tiles.at(KS.strides.delta, k_blk, k_head, k_slot), k_in,
-                                       k_base, pos, INV_FREQ, KL.K, D, PRE_ROPE,
+                                       k_base, in_tile, freq, KL.K, D, PRE_ROPE,
                                        KL.FP8)  # fmt: skip
             s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
             v_lo, v_hi = _stream(VS, VL, v_levels, v_blk, v_head, kv, v_slot, pos, start, valid,
                                  v_in, v_base, vs_lo, vo_lo, vs_hi, vo_hi, ring_size,
-                                 pos.shape[0], BLOCK_C, D, phase == 1)  # fmt: skip
+                                 pos.shape[0], BLOCK_C, D, phase == 1, FV,
+                                 v_table0 if FV else v_table1, DT if FV else tl.float16,
+                                 PACKED, LUT)  # fmt: skip
             if VL.K > 0:
                 v_lo, v_hi = tiles.slot_values(v_lo, v_hi, VS.slot_index, VS.slot_delta,
                                                VS.scale + hk * D,
@@ -205,8 +270,19 @@ def _decode_split_kernel(
                                                tiles.at(VS.strides.delta, v_blk, v_head, v_slot),
                                                v_in, v_base, VL.K, D, BLOCK_C,
                                                VL.FP8)  # fmt: skip
-            m_i, l_i, acc_lo, acc_hi = _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT,
-                                               PRECISION)  # fmt: skip
+            if FV and V_META == 1:  # one metadata group per half row
+                w_lo, b_lo = tiles.row_meta(VS, VL, v_blk, v_head, v_slot, v_in, v_base, C)
+                w_hi, b_hi = tiles.row_meta(VS, VL, v_blk, v_head, v_slot, v_in, v_base + C, C)
+                m_i, l_i, acc_lo, acc_hi = _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT,
+                                                   PRECISION, w_lo, b_lo, w_hi, b_hi, 1,
+                                                   V_OFFSET)  # fmt: skip
+            elif FV:
+                m_i, l_i, acc_lo, acc_hi = _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT,
+                                                   PRECISION, vs_lo, vo_lo, vs_hi, vo_hi, 2,
+                                                   V_OFFSET)  # fmt: skip
+            else:
+                m_i, l_i, acc_lo, acc_hi = _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT,
+                                                   PRECISION)  # fmt: skip
     if split == 0:  # exact extras: x < num_sinks the sink slots, x == num_sinks the new token
         x = tl.arange(0, BLOCK_X)
         is_new = x == num_sinks
@@ -437,13 +513,28 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def num_splits(device: torch.device, programs: int, span: int, block_n: int) -> int:
-    """Splits per (sequence, KV head): enough programs to fill the GPU twice, each at least 4
-    blocks of the longest span a sequence can reach (fixed by capacity, not by lengths)."""
+def num_splits(device: torch.device, programs: int, span: int, block_n: int,
+               resident: int = 1) -> int:  # fmt: skip
+    """Splits per (sequence, KV head): as many programs as the GPU runs at once, `resident` per
+    SM (FlashInfer's scheduler: occupancy x SMs, no split when the programs fill it), each at
+    least 4 blocks of the longest span a sequence can reach (fixed by capacity, not by
+    lengths: a CUDA graph replays one grid)."""
     if device.type != "cuda":
         return 1
-    wanted = max(1, 2 * _sm_count(device) // max(programs, 1))
+    wanted = max(1, resident * _sm_count(device) // max(programs, 1))
     return max(1, min(wanted, triton.cdiv(span, 4 * block_n)))
+
+
+def resident(regs: int, warps: int, shared: int) -> int:
+    """Programs an SM (sm_80/sm_90: 64K registers, 64 warps, 32 blocks, 227 KB of shared
+    memory) holds at once, of a kernel using regs registers per thread (allocated 8 at a time,
+    per warp), `warps` warps and `shared` bytes."""
+    by_regs = 65536 // (triton.cdiv(max(regs, 1), 8) * 8 * 32 * warps)
+    by_shared = 232448 // shared if shared else 32
+    return max(1, min(by_regs, 64 // warps, 32, by_shared))
+
+
+_RESIDENT: dict = {}  # (key, config): resident programs per SM, read off the compiled kernel
 
 
 _TUNED: dict = {}
@@ -523,14 +614,19 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
     span = min(window or positions, positions)
     num_sinks = sinks.positions.shape[1]
     out = torch.empty_like(q)
+    # per-channel key metadata folds into q (post-RoPE); keys' exact slots are scores of their
+    # own, values' are added into the tile
+    fold_k = inv_freq is None and k_layout.GRAN in (tiles.STATIC.value, tiles.VECTORS.value)
+    fold_v = tiles.foldable(v_layout, D // 2) and v_layout.K == 0
+    key = (D, G, inv_freq is not None, q.dtype, k_layout, v_layout, page)
 
     def launch(config):
         block_n, warps, stages = config
-        splits = num_splits(q.device, B * hkv, span, block_n)
+        splits = num_splits(q.device, B * hkv, span, block_n, _RESIDENT.get((key, config), 1))
         part = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
         stats = torch.empty(B, H, splits, 2, device=q.device, dtype=torch.float32)
         # fmt: off
-        _decode_split_kernel[(B, hkv, splits)](
+        kernel = _decode_split_kernel[(B, hkv, splits)](
             q, k_new, v_new, sink_buffers,
             lengths, inv_freq if inv_freq is not None else part,
             part, stats, k_buffers, v_buffers,
@@ -541,9 +637,13 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             BLOCK_G=tiles.next_pow2(G), BLOCK_C=max(16, tiles.next_pow2(D // 2)),
             BLOCK_N=block_n, BLOCK_X=max(16, tiles.next_pow2(num_sinks + 1)), STAGES=stages,
-            PAGED=paged, PAGE=page, num_warps=warps,
+            PAGED=paged, PAGE=page, FOLD_K=fold_k, FOLD_V=fold_v,
+            PACKED=q.device.type == "cuda", num_warps=warps,
         )
         # fmt: on
+        # later launches split by it (Triton returns no kernel where a cache hook compiled it)
+        if q.device.type == "cuda" and kernel is not None and (key, config) not in _RESIDENT:
+            _RESIDENT[key, config] = resident(kernel.n_regs, warps, kernel.metadata.shared)
         _combine_kernel[(B * H,)](
             part,
             stats,
@@ -555,6 +655,5 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
             num_warps=4,
         )  # fmt: skip
 
-    key = (D, G, inv_freq is not None, q.dtype, k_layout, v_layout, page)
     launch(_config(key, q.device, launch))
     return out

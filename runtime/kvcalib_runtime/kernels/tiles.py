@@ -4,12 +4,16 @@ channels], in fp32 registers, from what the cache stores (kernels.layout).
     packed codes   read whole: 32-bit words (2/4/8 bits, when a half row is whole words) or
                    bytes, split into codes by shifts in registers; 3/5/6-bit codes as words of
                    8 codes (BITS bytes)
-    level          code itself, or a calibrated codebook entry (L scalars, read once per tile)
+    level          code itself, or a calibrated codebook entry (L scalars, read once per tile);
+                   2-bit words of whole tiles: 16 levels a word by a byte-permute table
+                   (`table2`, kernels.packed), 16-bit
     x              level * scale + offset, the metadata read once per group: per channel
                    ("static", read once per program by the caller), per group of channels of a
                    row ("token", "vector"; one byte each for metadata_code "byte", decoded
                    from their bits), per group of tokens ("channel": one row per GROUP
-                   positions, broadcast)
+                   positions, broadcast); whole tiles whose metadata is per channel or one
+                   group a half row (`foldable`) stay levels: the caller applies it outside
+                   the tile
     vector codes   "vq": each channel's level is a coordinate of its vector's codebook entry
                    (`coordinates`: the vector's index gathered from the packed row, then the
                    entry's coordinate from the head's codebook), scaled per channel as "static"
@@ -18,8 +22,9 @@ channels], in fp32 registers, from what the cache stores (kernels.layout).
                    an "fp8" delta is its E4M3 byte times the channel's static scale
 
 A head is read as two halves (channels [0, D/2) and [D/2, D)) because RoPE pairs channel c
-with c + D/2: keys stored before RoPE are rotated in registers, R(p0 + j) = R(p0) R(j) with
-R(j) built once per program and R(p0) once per tile.
+with c + D/2: keys stored before RoPE are rotated in registers. In whole tiles only by R(j),
+built once per program, since q . R(p0 + j) k = (R(p0)^T q) . R(j) k: the caller rotates q
+once per tile.
 
 A row (one token of one head, or of every head for "vector") is found by its buffer's element
 strides (block or sequence, head row, slot) — `at` — so the same reads serve a contiguous cache
@@ -33,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcalib_runtime.kernels import packed
 from kvcalib_runtime.layouts import Kind, fp8, metabyte
 
 # the kernels' switch
@@ -40,6 +46,9 @@ TOKEN, CHANNEL, STATIC, EXACT, VECTORS = (tl.constexpr(int(k)) for k in Kind)
 INV_TWO_PI = tl.constexpr(0.5 / math.pi)
 TWO_PI_HI = tl.constexpr(float(torch.tensor(2 * math.pi, dtype=torch.float32)))  # + LO = 2 pi
 TWO_PI_LO = tl.constexpr(float(torch.tensor(2 * math.pi - TWO_PI_HI.value, dtype=torch.float32)))
+TWO_OVER_PI = tl.constexpr(2 / math.pi)
+HALF_PI_HI = tl.constexpr(float(torch.tensor(math.pi / 2, dtype=torch.float32)))  # + LO = pi/2
+HALF_PI_LO = tl.constexpr(float(torch.tensor(math.pi / 2 - HALF_PI_HI.value, dtype=torch.float32)))
 FP8_MAX = tl.constexpr(fp8.FP8_MAX)  # the largest finite E4M3FN value
 ROUNDING = tl.constexpr(12582912.0)  # 1.5 * 2**23: fp32 (v + R) - R rounds v half to even
 SCALE_BASE = tl.constexpr(metabyte.BASE)  # one-byte metadata (layouts.metabyte)
@@ -106,10 +115,23 @@ def zero_decode(zero, scale, SPAN: tl.constexpr):
 
 @triton.jit
 def trig(angle):
-    """(cos, sin) of fp32 angles, reduced to [-pi, pi] first (Cody-Waite)."""
+    """(cos, sin) of fp32 angles without libdevice (whose slow path for large arguments puts a
+    local-memory array in the loop): reduced to [-pi, pi] (Cody-Waite), then by quadrant to
+    [-pi/4, pi/4], where Cephes' sinf / cosf polynomials are within 2 ulp."""
     turns = (angle * INV_TWO_PI + ROUNDING) - ROUNDING
     angle = tl.fma(-turns, TWO_PI_LO, tl.fma(-turns, TWO_PI_HI, angle))
-    return tl.cos(angle), tl.sin(angle)
+    quad = (angle * TWO_OVER_PI + ROUNDING) - ROUNDING  # -2 .. 2
+    r = tl.fma(-quad, HALF_PI_LO, tl.fma(-quad, HALF_PI_HI, angle))
+    z = r * r
+    s = tl.fma(r * z, tl.fma(z, tl.fma(z, -1.9515295891e-4, 8.3321608736e-3), -1.6666654611e-1),
+               r)  # fmt: skip
+    c = tl.fma(z * z, tl.fma(z, tl.fma(z, 2.443315711809948e-5, -1.388731625493765e-3),
+                             4.166664568298827e-2), 1.0 - 0.5 * z)  # fmt: skip
+    k = quad.to(tl.int32) & 3  # angle = k pi/2 + r
+    odd = (k & 1) != 0
+    cos = tl.where(odd, s, c)
+    sin = tl.where(odd, c, s)
+    return tl.where(((k + 1) & 2) != 0, -cos, cos), tl.where((k & 2) != 0, -sin, sin)
 
 
 @triton.jit
@@ -153,11 +175,25 @@ def codes(CODES, row, c0, live, BN: tl.constexpr, BLOCK_C: tl.constexpr, C: tl.c
 
 
 @triton.jit
+def _entry(code, LEVELS, FIRST: tl.constexpr, BITS: tl.constexpr):
+    """Entry FIRST + (code mod 2^BITS) of LEVELS, fp32: a select on each bit of the code,
+    2^BITS - 1 selects (a chain comparing the code with each entry takes twice as many)."""
+    if BITS == 0:
+        out = tl.load(LEVELS + FIRST).to(tl.float32)
+    else:
+        HALF: tl.constexpr = 2 ** (BITS - 1)
+        low = _entry(code, LEVELS, FIRST, BITS - 1)
+        high = _entry(code, LEVELS, FIRST + HALF, BITS - 1)
+        out = tl.where((code & HALF) != 0, high, low)
+    return out
+
+
+@triton.jit
 def level(code, LEVELS, BITS: tl.constexpr, CODEBOOK: tl.constexpr):
     """fp32 level of each code: the codebook row at LEVELS (L scalars), or the code itself
     (a symmetric grid's -(2^(b-1) - 1) is folded into the offset by the caller). A 2-bit
     codebook is the cubic through its 4 levels (Horner: 3 FMAs, exact to fp32 rounding); wider
-    ones a chain of selects."""
+    ones a tree of selects (`_entry`)."""
     if CODEBOOK and BITS == 2:
         l0, l1 = tl.load(LEVELS), tl.load(LEVELS + 1)
         l2, l3 = tl.load(LEVELS + 2), tl.load(LEVELS + 3)
@@ -165,12 +201,21 @@ def level(code, LEVELS, BITS: tl.constexpr, CODEBOOK: tl.constexpr):
         c = code.to(tl.float32)
         out = l0 + c * ((d1 - d2 / 2 + d3 / 3) + c * ((d2 - d3) / 2 + c * (d3 / 6)))
     elif CODEBOOK:
-        out = tl.zeros(code.shape, tl.float32) + tl.load(LEVELS)
-        for j in tl.static_range(1, 2**BITS):
-            out = tl.where(code == j, tl.load(LEVELS + j), out)
+        out = _entry(code, LEVELS, 0, BITS)
     else:
         out = code.to(tl.float32)
     return out
+
+
+@triton.jit
+def table2(LEVELS, CODEBOOK: tl.constexpr, DT: tl.constexpr):
+    """A 2-bit layout's 4 levels (`level` of codes 0..3) in dtype DT (16 bits) as packed.levels
+    reads them: int32 scalars, lo levels 0, 1, hi levels 2, 3, the first of each in the low
+    half."""
+    c = tl.arange(0, 4)
+    bits = level(c, LEVELS, 2, CODEBOOK).to(DT).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    bits = bits << (c % 2) * 16
+    return tl.sum(tl.where(c < 2, bits, 0)), tl.sum(tl.where(c >= 2, bits, 0))
 
 
 # fmt: off
@@ -215,7 +260,9 @@ def spread(meta, ROWS: tl.constexpr, REPEAT: tl.constexpr, COLS: tl.constexpr):
 # fmt: off
 @triton.jit
 def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, o_static,
-         BN: tl.constexpr, BLOCK_C: tl.constexpr, C: tl.constexpr):
+         BN: tl.constexpr, BLOCK_C: tl.constexpr, C: tl.constexpr, FOLD: tl.constexpr = False,
+         table=None, LDT: tl.constexpr = tl.float16, PACKED: tl.constexpr = False,
+         WIDE: tl.constexpr = False):
     # fmt: on
     """One half of a head from the body (buffers S, layout L: decode_attention's StreamBuffers
     and StreamLayout; LEVELS: the codebook row), fp32 [BN, BLOCK_C]: channels c0 + [0, C) of the
@@ -225,6 +272,9 @@ def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, 
     in) from the caller; VECTORS reads LEVELS as the head's codebook [E, GROUP]. CHANNEL
     (contiguous only: blk a scalar): the tile's positions are pos0 + [0, BN), pos0 a multiple
     of BN, the metadata rows groups of GROUP positions. EXACT: S.codes holds the values.
+    FOLD (`foldable`): the levels alone, the caller applies the metadata outside the tile.
+    WIDE (whole tiles) 2-bit codes in words: levels looked up in `table` (table2, dtype LDT:
+    the dot's with FOLD, else fp16 then fp32) by packed.levels (PACKED: inline PTX, a GPU).
     """
     CODES = S.codes
     SCALE = S.scale
@@ -243,11 +293,21 @@ def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, 
     elif GRAN == VECTORS:
         x = coordinates(CODES, LEVELS, row, c0, live, BN, BLOCK_C, C, BITS, GROUP,
                         L.PAIRS)  # fmt: skip
-        x = x * s_static[None, :] + o_static[None, :]
+        if not FOLD:
+            x = x * s_static[None, :] + o_static[None, :]
     else:
-        lv = level(codes(CODES, row, c0, live, BN, BLOCK_C, C, BITS, L.UNIT), LEVELS, BITS,
-                   CODEBOOK)  # fmt: skip
-        if GRAN == STATIC:
+        UNIT: tl.constexpr = L.UNIT
+        if WIDE and BITS == 2 and UNIT == 32:
+            lv = packed.levels(CODES, row, c0, live, table[0], table[1], BN, BLOCK_C, C, LDT,
+                               PACKED)  # fmt: skip
+            if not FOLD:
+                lv = lv.to(tl.float32)
+        else:
+            lv = level(codes(CODES, row, c0, live, BN, BLOCK_C, C, BITS, L.UNIT), LEVELS, BITS,
+                       CODEBOOK)  # fmt: skip
+        if FOLD:
+            x = lv
+        elif GRAN == STATIC:
             x = lv * s_static[None, :] + o_static[None, :]
         elif GRAN == TOKEN:  # per row: the half in one group, C / GROUP whole groups, or any
             ONE: tl.constexpr = GROUP % C == 0
@@ -291,6 +351,33 @@ def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, 
     return x
 
 
+def foldable(layout, C: int) -> bool:
+    """Whether `half(FOLD=True)` reads a StreamLayout (C channels a half): metadata per channel
+    ("static", "vq") or one group per half row ("token")."""
+    one_group = int(Kind.TOKEN) == layout.GRAN and layout.GROUP % C == 0
+    return layout.GRAN in (int(Kind.STATIC), int(Kind.VECTORS)) or one_group
+
+
+@triton.jit
+def row_meta(S, L: tl.constexpr, blk, head, slot, live, c0, C: tl.constexpr):
+    """fp32 (scale, offset) [BN] of the "token" rows (blk, head, slot) for channels c0 + [0, C),
+    which one metadata group holds (`foldable`): what `half` applies to each element."""
+    SHIFT: tl.constexpr = 2 ** (L.BITS - 1) - 1 if L.SYM and not L.CB else 0
+    meta = at(S.strides.meta, blk, head, slot) + c0 // L.GROUP
+    if L.BYTE:  # one-byte scale and zero point (layouts.metabyte)
+        scale = scale_decode(tl.load(S.scale + meta, mask=live, other=0))
+        offset = -SHIFT * scale
+        if not L.SYM:
+            zero = tl.load(S.offset + meta, mask=live, other=0)
+            offset = zero_decode(zero, scale, 1.0 if L.CB else 2.0**L.BITS - 1)
+    else:
+        scale = tl.load(S.scale + meta, mask=live, other=0.0).to(tl.float32)
+        offset = -SHIFT * scale
+        if not L.SYM:
+            offset += tl.load(S.offset + meta, mask=live, other=0.0).to(tl.float32)
+    return scale, offset
+
+
 @triton.jit
 def static_meta(S, L: tl.constexpr, h, c0, BLOCK_C: tl.constexpr, C: tl.constexpr, D: tl.constexpr):
     """A "static" half's scale and offset [BLOCK_C] (fp32, symmetric shift folded in), read
@@ -326,26 +413,30 @@ def slot(INDEX, DELTA, SCALE, i_row, d_row, live, base, k, FP8: tl.constexpr, D:
 
 # fmt: off
 @triton.jit
-def slot_scores(INDEX, DELTA, SCALE, Q_ROWS, q_mask, i_row, d_row, live, base, pos, INV_FREQ,
+def slot_scores(INDEX, DELTA, SCALE, q_lo, q_hi, i_row, d_row, live, base, j, freq,
                 K: tl.constexpr, D: tl.constexpr, PRE_ROPE: tl.constexpr, FP8: tl.constexpr):
     # fmt: on
-    """What the keys' exact slots add to the scores, fp32 [BLOCK_G, BN]: q . rope(delta e_c)
-    for each slot (channel c), from the queries Q_ROWS [BLOCK_G] pointers (rows of D; q_mask
-    the real heads). Before RoPE, delta at channel c lands on c and its pair c +- D/2:
+    """What the keys' exact slots add to the scores, fp32 [BLOCK_G, BN]: q . R(j) (delta e_c)
+    for each slot (channel c), q's halves q_lo, q_hi fp32 [BLOCK_G, BLOCK_C] gathered in
+    registers. Before RoPE, q is the query rotated back by the tile's first position (R(p0)^T q,
+    so that q . R(p0 + j) k = q' . R(j) k), j [BN] the positions within the tile, freq
+    [BLOCK_C] RoPE's; delta at channel c lands on c and its pair c +- D/2:
     delta (q_c cos + q_pair sin) for c < D/2, delta (q_c cos - q_pair sin) otherwise."""
-    out = tl.zeros([Q_ROWS.shape[0], pos.shape[0]], tl.float32)
+    C: tl.constexpr = D // 2
+    out = tl.zeros([q_lo.shape[0], j.shape[0]], tl.float32)
     for k in tl.static_range(K):
         index, delta = slot(INDEX, DELTA, SCALE, i_row, d_row, live, base, k, FP8, D)
-        q = tl.load(Q_ROWS[:, None] + index[None, :], mask=q_mask[:, None], other=0.0)
-        q = q.to(tl.float32)
+        upper = index >= C
+        c = tl.where(upper, index - C, index)
+        at_c = tl.broadcast_to(c[None, :], out.shape)
+        lo = tl.gather(q_lo, at_c, axis=1)
+        hi = tl.gather(q_hi, at_c, axis=1)
         if PRE_ROPE:
-            upper = index >= D // 2
-            pair = tl.where(upper, index - D // 2, index + D // 2)
-            q_pair = tl.load(Q_ROWS[:, None] + pair[None, :], mask=q_mask[:, None], other=0.0)
-            freq = tl.load(INV_FREQ + index % (D // 2))
-            cos, sin = trig(pos.to(tl.float32) * freq)
-            sign = tl.where(upper, -1.0, 1.0)
-            q = q * cos[None, :] + q_pair.to(tl.float32) * (sign * sin)[None, :]
+            cos, sin = trig(j.to(tl.float32) * tl.gather(freq, c, axis=0))
+            q = tl.where(upper[None, :], hi * cos[None, :] - lo * sin[None, :],
+                         lo * cos[None, :] + hi * sin[None, :])  # fmt: skip
+        else:
+            q = tl.where(upper[None, :], hi, lo)
         out += q * delta[None, :]
     return out
 
