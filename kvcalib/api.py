@@ -46,9 +46,10 @@ __all__ = ["ProfileTerms", "convert", "default_profile", "default_profile_path",
 CONVERTED = "converted checkpoint"  # the kind of output convert writes (atomic.KINDS)
 
 # What the default calibration costs, measured from the profile's own timings on 2026-12-03 (the
-# answer-loss probe is 320 s of it), as docs/models.md states it.
+# answer-loss probe is 320 s of it), as docs/models.md states it: an upper bound since the probe's
+# fused attention (14.9x a plain forward against 31x before, back to back under load).
 DEFAULT_COST = "390 s on 2 idle CPU cores for smollm2-135m"
-OTHER_COST = "about 16x a plain forward over 16 x 512 tokens on smollm2-135m"
+OTHER_COST = "about 15x a plain forward over 16 x 512 tokens on smollm2-135m"
 
 
 def _stderr(line: str) -> None:
