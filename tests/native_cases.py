@@ -33,8 +33,13 @@ EMPTY = ARGS + (  # links a library of no functions
 )
 HANG_VERSION = 'sleep 1000 & echo $! > "{pid}"; wait\n'
 HANG_BUILD = VERSION + ARGS + ': > "$out"; sleep 1000 & echo $! > "{pid}"; wait\n'
+# The signals start at their defaults, as a terminal or a service manager sends them: a suite run
+# under nohup (or in the background) would otherwise hand the child SIGHUP (or SIGINT) ignored.
 LIBRARY = """
-import sys, warnings
+import signal, sys, warnings
+for s in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_DFL)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 warnings.simplefilter("always")
 from kvcalib_runtime.kernels import native
 for name, value in (a.split("=") for a in sys.argv[1:]):
