@@ -35,7 +35,7 @@ from kvcalib.core.models import (
 from kvcalib.core.plan import scheme_with_residual
 from kvcalib.core.profile import FORMAT_VERSION, Profile
 from kvcalib.core.recipe import Recipe, load_recipe
-from kvcalib.errors import ProfileError, RecipeError
+from kvcalib.errors import OptionError, ProfileError, RecipeError
 from kvcalib.io import atomic
 from kvcalib_runtime.checkpoint.format import META, read_checkpoint
 
@@ -279,7 +279,6 @@ def evaluate_sessions(
     through every recipe's cache on the original model, fp16 always among them (every score is
     paired against it): ({seed: {recipe: record}}, {recipe: per-turn scores}, as
     `sessionreport.scores` computes them)."""
-    from kvcalib.errors import OptionError
     from kvcalib.evaluation import session, sessionreport
     from kvcalib.evaluation.score import candidates
 
