@@ -113,6 +113,7 @@ def default_profile(
             )
         from kvcalib.calibration import SEQ_LEN, calibrate
 
+        writable_cache_dir()  # where the profile goes: judged before what goes into it
         stated = (source.path / "config.json").is_file()
         limit = preflight.max_positions(source) if stated else None
         if limit is not None and limit < SEQ_LEN:
@@ -122,7 +123,6 @@ def default_profile(
                 f"context of {limit}: run kvcalib calibrate {source.spec} -o DIR --seq-len "
                 f"{limit} and {terms.give}"
             )
-        writable_cache_dir()
         log(f"note: {what}; this runs once ({terms.stop})")
 
         calibrate(str(source.path), path, progress=progress)
