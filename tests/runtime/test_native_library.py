@@ -156,6 +156,42 @@ def test_a_signal_during_the_build_leaves_nothing_behind(signum, fresh):
     assert not list((fresh / "cache" / "native").glob("tmp*"))
 
 
+# a signal that comes inside Popen, once the compiler runs but before Popen returns its handle
+SIGNAL_IN_POPEN = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
+for s in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(s, signal.SIG_DFL)
+pid, signum = sys.argv[1], int(sys.argv[2])
+start = subprocess.Popen.__init__
+def started_then_signalled(self, args, *rest, **kwargs):
+    start(self, args, *rest, **kwargs)
+    if "--version" not in args:
+        while not (os.path.exists(pid) and open(pid).read().strip()):
+            time.sleep(0.05)
+        signal.raise_signal(signum)
+subprocess.Popen.__init__ = started_then_signalled
+from kvcalib_runtime.kernels import native
+native.library()
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_the_compiler_starts_leaves_nothing_behind(signum, fresh):
+    # the compiler had started, Popen had not yet returned it: the signal's exception left
+    # nothing to kill the compiler by, and it ran on (a flaky failure of the test above under
+    # load). Signals are held while it starts, then handled as they would have been
+    pid = fresh / "pid"
+    env = {**os.environ, "CC": str(compiler(fresh / "cc", HANG_BUILD, pid=pid)),
+           "KVCALIB_CACHE_DIR": str(fresh / "cache")}  # fmt: skip
+    env.pop("KVCALIB_NATIVE", None)
+    done = subprocess.run([sys.executable, "-c", SIGNAL_IN_POPEN, str(pid), str(int(signum))],
+                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == -signum, done.stderr[-2000:]  # as the signal would have ended it
+    assert not alive(int(pid.read_text()), wait=10), done.stderr[-2000:]
+    assert not list((fresh / "cache" / "native").glob("tmp*"))
+
+
 def test_a_build_killed_outright_is_swept_by_a_later_load(good, fresh):
     # SIGKILL runs no cleanup: the build's folder stays (the red team's native/tmpXXXX). The
     # next load removes it once it is older than a build may take (3 steps of BUILD_SECONDS, 1 s

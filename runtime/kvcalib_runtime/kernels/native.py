@@ -16,7 +16,8 @@ after the library), and a library whose bytes no longer match (truncated, overwr
 again, never opened; an opened library must export every function of SIGNATURES. The compiler
 runs in its own process group under a time limit (VERSION_SECONDS, BUILD_SECONDS) and is killed
 with its children, and the build's temporary folder removed, on any way out: an error, Ctrl-C,
-SIGTERM or SIGHUP (which then end the process as they would have). A build holds a lock on its
+SIGTERM or SIGHUP (which then end the process as they would have; held back while a compiler
+starts, so that it is never left running without a handle). A build holds a lock on its
 folder; one that SIGKILL left behind (no lock held, older than a build may take) is removed by
 the next process that opens the library. $CC is split as a shell splits it (`ccache gcc`), as make
 and setuptools read it. With no compiler, one that
@@ -94,20 +95,45 @@ def _cpu_features() -> str:
     return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
 
 
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT, SIGTERM and SIGHUP held back while the block runs, then handled as they would
+    have been: a signal inside `Popen`, after the compiler started but before its handle was
+    returned, left the compiler running with nothing to kill it by."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    saved = {s: h for s, h in saved.items() if h is not None}  # None: set outside Python
+    for s in saved:
+        signal.signal(s, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        for s in held:
+            signal.raise_signal(s)
+
+
 def _run(step: list[str], seconds: float) -> str:
     """The stdout of `step`, run in a process group of its own that is killed, children and
-    all, when it outlives `seconds` or the caller leaves early (an exception, a signal); OSError
-    when it cannot be executed, fails or runs out of time."""
-    proc = subprocess.Popen(step, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-    done = False
+    all, when it outlives `seconds` or the caller leaves early (an exception, a signal, even
+    one that came while it started); OSError when it cannot be executed, fails or runs out of
+    time."""
+    proc, done = None, False
     try:
+        with _signals_held():
+            proc = subprocess.Popen(step, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)  # fmt: skip
         out, err = proc.communicate(timeout=seconds)
         done = True
     except subprocess.TimeoutExpired:
         raise OSError(f"{Path(step[0]).name} gave no answer in {seconds:g} s") from None
     finally:
-        if not done:
+        if not done and proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
