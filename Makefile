@@ -122,7 +122,8 @@ test-runtime: $(RUNTIME_STAMP)
 # The vLLM plugin's tests, not part of test-all (its venv is too heavy for CI): the toolkit
 # profiles SmolLM2-135M and converts it with kvcalib-2 and fp16, and makes a tiny random Qwen2
 # conversion (all kept in $(VLLM_OUT) between runs), then vLLM serves them on CPU through the
-# plugin (~4 minutes on one core once the folders exist, ~6 more for the SmolLM2 profile); then
+# plugin (~4 minutes on one core once the folders exist, ~6 more for the SmolLM2 profile, ~3
+# more for the refusals through vLLM's server and LLM, test_refusals.py); then
 # the paged decode kernel serving the tiny Qwen2 (kvcalib-2 and kvcalib-1.5 conversions) through
 # Triton's interpreter (~2 minutes).
 VLLM_OUT ?= $(OUT)/vllm
@@ -131,14 +132,15 @@ $(VLLM_OUT)/profile/profile.json: $(STAMP)
 $(VLLM_OUT)/smollm2-%/kvcalib.json: $(VLLM_OUT)/profile/profile.json recipes/%.toml
 	$(BIN)/kvcalib convert --profile $(VLLM_OUT)/profile --recipe $* -o $(VLLM_OUT)/smollm2-$* --force
 
-TINY := $(foreach r,kvcalib-2 kvcalib-1.5 kvcalib-2-codebook,$(VLLM_OUT)/tiny-qwen2-$(r)/kvcalib.json)
+TINY := $(foreach r,kvcalib-2 kvcalib-1.5 kvcalib-2-codebook kivi-2,$(VLLM_OUT)/tiny-qwen2-$(r)/kvcalib.json)
 $(TINY) &: $(STAMP) vllm_plugin/tests/make_tiny.py
 	PYTHONPATH=tests $(BIN)/python vllm_plugin/tests/make_tiny.py $(VLLM_OUT)
 
 VLLM_FOLDERS := $(foreach f,smollm2-kvcalib-2 smollm2-fp16,$(VLLM_OUT)/$(f)/kvcalib.json) $(TINY)
 VLLM_ENV := KVCALIB_VLLM_TINY_QWEN2=$(VLLM_OUT)/tiny-qwen2-kvcalib-2 \
 	KVCALIB_VLLM_TINY_QWEN2_VQ=$(VLLM_OUT)/tiny-qwen2-kvcalib-1.5 \
-	KVCALIB_VLLM_TINY_QWEN2_CODEBOOK=$(VLLM_OUT)/tiny-qwen2-kvcalib-2-codebook
+	KVCALIB_VLLM_TINY_QWEN2_CODEBOOK=$(VLLM_OUT)/tiny-qwen2-kvcalib-2-codebook \
+	KVCALIB_VLLM_TINY_QWEN2_KIVI=$(VLLM_OUT)/tiny-qwen2-kivi-2
 test-vllm: $(VLLM_STAMP) $(VLLM_FOLDERS)
 	$(BIN)/ruff check vllm_plugin
 	KVCALIB_VLLM_KVCALIB2=$(VLLM_OUT)/smollm2-kvcalib-2 KVCALIB_VLLM_FP16=$(VLLM_OUT)/smollm2-fp16 \

@@ -53,9 +53,9 @@ def built() -> tuple[Path, Path]:
     """The intact library and its digest in the default cache, built there first if missing."""
     saved = os.environ.pop("KVCALIB_CACHE_DIR", None)
     try:
-        target = native._target(CC)
+        target = native._target((CC,))
         if not native._intact(target):
-            native._build(CC, target)
+            native._build((CC,), target)
     finally:
         if saved is not None:
             os.environ["KVCALIB_CACHE_DIR"] = saved

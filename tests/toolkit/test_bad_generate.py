@@ -13,6 +13,7 @@ load the model (before_load=False), as a chat template's need the loaded tokeniz
 import os
 import subprocess
 import sys
+import time
 
 import native_cases
 import pytest
@@ -297,3 +298,46 @@ def test_generate_with_a_compiler_that_cannot_run_answers_with_torch(corpus, tmp
     model = kvcalib_runtime.load(corpus.converted, device="cpu")  # torch ops, as above
     [ids] = model.generate("hi", 4)
     assert result.stdout.startswith(model.decode(ids) + "\nprefill:")
+
+
+def _generate(folder, env: dict) -> subprocess.CompletedProcess:
+    """`kvcalib generate` on the CPU path in a fresh process, with `env` added."""
+    full = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "KVCALIB_NATIVE")}
+    full.update({k: str(v) for k, v in env.items()})
+    return subprocess.run(
+        [sys.executable, "-c", "from kvcalib.cli import main; main()", "generate", str(folder),
+         "--prompt", "hi", "--max-new-tokens", "4", "--device", "cpu"],
+        env=full, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(native_cases.CC is None, reason="no C compiler: no C library to build")
+def test_generate_builds_through_a_compiler_command_with_arguments(corpus, tmp_path):
+    # CC="ccache gcc" counted as no compiler: torch ops, without a word. Now it is split as a
+    # shell splits it, and the library is built through it (here `env` running the stand-in,
+    # which links the intact library), announced, with no warning
+    good = native_cases.built()
+    (tmp_path / "my cc").mkdir()
+    cc = native_cases.compiler(tmp_path / "my cc" / "cc", native_cases.RELINK, good=good[0])
+    done = _generate(corpus.converted, {"CC": f"env '{cc}'", "KVCALIB_CACHE_DIR": tmp_path / "c"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "building the runtime's CPU kernels" in done.stderr
+    assert not native_cases.warnings_in(done.stderr)
+    assert (tmp_path / "c" / "native" / good[0].name).read_bytes() == good[0].read_bytes()
+
+
+@pytest.mark.skipif(native_cases.CC is None, reason="no C compiler: no C library to build")
+def test_generate_sweeps_a_build_folder_a_sigkill_left(corpus, tmp_path):
+    # a build killed outright (SIGKILL, a power cut) leaves native/tmpXXXX with its objects,
+    # never removed; the next load removes it once it is older than a build may take (3 steps
+    # of 300 s; an hour here) and no live build holds its lock
+    cache = native_cases.cache_with(tmp_path / "cache", native_cases.built())
+    stale = cache / "native" / "tmpk1ll3d"
+    stale.mkdir()
+    (stale / "decode_cpu.o").write_bytes(b"\0" * 4096)
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    done = _generate(corpus.converted, {"CC": native_cases.CC, "KVCALIB_CACHE_DIR": cache})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not native_cases.warnings_in(done.stderr)
+    assert not stale.exists()

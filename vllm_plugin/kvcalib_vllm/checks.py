@@ -6,10 +6,13 @@ approximately: a scheme, an architecture or a vLLM setting the plugin does not i
 stops the engine before a weight is read.
 """
 
+from pathlib import Path
+
 import torch
 
 from kvcalib_runtime.cache.shard import check_shardable
-from kvcalib_runtime.checkpoint.format import Checkpoint
+from kvcalib_runtime.checkpoint.format import META, Checkpoint, read_checkpoint
+from kvcalib_runtime.errors import FormatError
 from kvcalib_runtime.layouts import Kind
 
 # vLLM releases whose CPU attention backend, KV cache spec and model classes this plugin was
@@ -115,3 +118,22 @@ def check_config(vllm_config, on_cpu: bool) -> None:
         raise KvcalibVllmError(
             "kvcalib: the plugin's attention and sink hook run eagerly: pass enforce_eager=True"
         )
+
+
+def check_folder(vllm_config, version: str, on_cpu: bool) -> Checkpoint | None:
+    """Every check above on vLLM's model folder and settings: its checkpoint, or None for a
+    folder without a side-car (vLLM's own attention serves it). Run twice: in vLLM's front-end
+    process, as the engine config is made (`plugin`), where a refusal reaches the user as it
+    is; and in each worker as the model is built (`sidecar.activate`)."""
+    folder = Path(vllm_config.model_config.model)
+    if not (folder / META).is_file():
+        return None
+    check_version(version)
+    try:
+        ckpt = read_checkpoint(folder)
+    except FormatError as e:
+        raise KvcalibVllmError(f"kvcalib: {e}") from None
+    check_checkpoint(ckpt)
+    check_config(vllm_config, on_cpu)
+    check_tensor_parallel(ckpt, vllm_config.parallel_config.tensor_parallel_size)
+    return ckpt

@@ -1,14 +1,10 @@
 """The side-car this process serves: read once when vLLM builds the model, then asked by the
 attention backend (whose hooks vLLM calls without the model) and the model wrapper."""
 
-from pathlib import Path
-
 import vllm
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.platforms import current_platform
 
-from kvcalib_runtime.checkpoint.format import META, read_checkpoint
-from kvcalib_runtime.errors import FormatError
 from kvcalib_vllm import checks
 from kvcalib_vllm.serving import Serving
 
@@ -26,19 +22,11 @@ def activate(vllm_config) -> Serving | None:
     refuses (`checks`): KvcalibVllmError in one line, before a weight is read. Under tensor
     parallelism each rank's process serves its share of the KV heads."""
     global _ACTIVE
-    folder = Path(vllm_config.model_config.model)
-    if not (folder / META).is_file():
-        _ACTIVE = None
+    _ACTIVE = None
+    ckpt = checks.check_folder(vllm_config, vllm.__version__, current_platform.is_cpu())
+    if ckpt is None:
         return None
-    checks.check_version(vllm.__version__)
-    try:
-        ckpt = read_checkpoint(folder)
-    except FormatError as e:
-        raise checks.KvcalibVllmError(f"kvcalib: {e}") from None
-    checks.check_checkpoint(ckpt)
-    checks.check_config(vllm_config, current_platform.is_cpu())
     world = vllm_config.parallel_config.tensor_parallel_size
-    checks.check_tensor_parallel(ckpt, world)
     rows = 2 * vllm_config.scheduler_config.max_num_seqs  # finished sequences linger a step
     _ACTIVE = Serving(ckpt, dtype=vllm_config.model_config.dtype, rows=rows,
                       max_len=vllm_config.model_config.max_model_len,

@@ -42,3 +42,9 @@ def tiny_qwen2_vq() -> Path:
 def tiny_qwen2_codebook() -> Path:
     """The same Qwen2 converted with kvcalib-2's values symmetric with a calibrated codebook."""
     return _folder("KVCALIB_VLLM_TINY_QWEN2_CODEBOOK")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_kivi() -> Path:
+    """The same Qwen2 converted with kivi-2: per-channel keys, which the plugin refuses."""
+    return _folder("KVCALIB_VLLM_TINY_QWEN2_KIVI")

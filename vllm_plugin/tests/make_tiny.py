@@ -4,12 +4,14 @@ test-vllm` in the toolkit's venv, the repository's tests/ on PYTHONPATH):
     python vllm_plugin/tests/make_tiny.py OUT_DIR  ->  OUT_DIR/tiny-qwen2-kvcalib-2/
                                                        OUT_DIR/tiny-qwen2-kvcalib-1.5/
                                                        OUT_DIR/tiny-qwen2-kvcalib-2-codebook/
+                                                       OUT_DIR/tiny-qwen2-kivi-2/
 
 A random 2-layer Qwen2 (hidden 128, 4 heads, 2 KV heads of 32 channels, q/k/v biases, one token
 per character), calibrated once on the corpus's text and converted with kvcalib-2, with
 kvcalib-1.5 (vector codes) and with kvcalib-2's values symmetric with a calibrated codebook (the
 value layout of kvcalib-3 and -4, and of kvcalib-2 until 2026-12-04), each less its predicted
-sinks (random weights have no massive activation to predict one from).
+sinks (random weights have no massive activation to predict one from); and with kivi-2, whose
+per-channel keys the plugin refuses (its refusal tests).
 """
 
 import sys
@@ -56,6 +58,7 @@ def main(out: Path) -> None:
                       seq_len=64, progress=False, force=True)  # fmt: skip
     recipes = {name: first_sink_only(name, root) for name in ("kvcalib-2", "kvcalib-1.5")}
     recipes["kvcalib-2-codebook"] = codebook_values(recipes["kvcalib-2"])
+    recipes["kivi-2"] = "kivi-2"
     for name, recipe in recipes.items():
         kvcalib.convert(src, recipe=recipe, output=out / f"tiny-qwen2-{name}",
                         profile=root / "profile", force=True)  # fmt: skip

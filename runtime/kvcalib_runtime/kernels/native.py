@@ -16,7 +16,11 @@ after the library), and a library whose bytes no longer match (truncated, overwr
 again, never opened; an opened library must export every function of SIGNATURES. The compiler
 runs in its own process group under a time limit (VERSION_SECONDS, BUILD_SECONDS) and is killed
 with its children, and the build's temporary folder removed, on any way out: an error, Ctrl-C,
-SIGTERM or SIGHUP (which then end the process as they would have). With no compiler, one that
+SIGTERM or SIGHUP (which then end the process as they would have; held back while a compiler
+starts, so that it is never left running without a handle). A build holds a lock on its
+folder; one that SIGKILL left behind (no lock held, older than a build may take) is removed by
+the next process that opens the library. $CC is split as a shell splits it (`ccache gcc`), as make
+and setuptools read it. With no compiler, one that
 cannot run, fails or hangs, a library that does not check out, or KVCALIB_NATIVE off
 (`enabled`), `library()` is None (with one warning where something failed) and the callers keep
 their torch ops.
@@ -27,13 +31,20 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import signal
 import subprocess
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # no flock (Windows): a stale build folder is told by its age alone
+    fcntl = None
 
 from kvcalib_runtime.cachedir import cache_dir
 from kvcalib_runtime.errors import KvcalibRuntimeError
@@ -54,6 +65,7 @@ SIGNATURES = {  # every exported function: its argument types (it returns nothin
 }  # fmt: skip
 VERSION_SECONDS = 10.0  # `cc --version`: a compiler silent this long is not used
 BUILD_SECONDS = 300.0  # each compile or link step (the -O3 one takes 10-15 s of CPU)
+LOCK = "build.lock"  # in a build's temporary folder, locked (flock) while the build runs
 ON, OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")  # KVCALIB_NATIVE, any case
 
 _LOCK = threading.Lock()
@@ -83,20 +95,45 @@ def _cpu_features() -> str:
     return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), "")
 
 
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT, SIGTERM and SIGHUP held back while the block runs, then handled as they would
+    have been: a signal inside `Popen`, after the compiler started but before its handle was
+    returned, left the compiler running with nothing to kill it by."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    saved = {s: h for s, h in saved.items() if h is not None}  # None: set outside Python
+    for s in saved:
+        signal.signal(s, lambda signum, _frame: held.append(signum))
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
+        for s in held:
+            signal.raise_signal(s)
+
+
 def _run(step: list[str], seconds: float) -> str:
     """The stdout of `step`, run in a process group of its own that is killed, children and
-    all, when it outlives `seconds` or the caller leaves early (an exception, a signal); OSError
-    when it cannot be executed, fails or runs out of time."""
-    proc = subprocess.Popen(step, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-    done = False
+    all, when it outlives `seconds` or the caller leaves early (an exception, a signal, even
+    one that came while it started); OSError when it cannot be executed, fails or runs out of
+    time."""
+    proc, done = None, False
     try:
+        with _signals_held():
+            proc = subprocess.Popen(step, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)  # fmt: skip
         out, err = proc.communicate(timeout=seconds)
         done = True
     except subprocess.TimeoutExpired:
         raise OSError(f"{Path(step[0]).name} gave no answer in {seconds:g} s") from None
     finally:
-        if not done:
+        if not done and proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -107,15 +144,15 @@ def _run(step: list[str], seconds: float) -> str:
     return out
 
 
-def _target(compiler: str) -> Path:
-    """Where the library built by `compiler` from today's sources lies in the cache; OSError
-    when the compiler cannot tell its version."""
+def _target(compiler: tuple[str, ...]) -> Path:
+    """Where the library built by `compiler` (its command line) from today's sources lies in
+    the cache; OSError when the compiler cannot tell its version."""
     versions = _LOADED.setdefault("version", {})
     if compiler not in versions:
         try:
-            versions[compiler] = _run([compiler, "--version"], VERSION_SECONDS)
+            versions[compiler] = _run([*compiler, "--version"], VERSION_SECONDS)
         except OSError as e:
-            versions[compiler] = OSError(f"{compiler} --version: {e.strerror or e}")
+            versions[compiler] = OSError(f"{shlex.join(compiler)} --version: {e.strerror or e}")
     if isinstance(versions[compiler], OSError):
         raise versions[compiler]
     sources = [part for p, flags in SOURCES.items() for part in (p.read_text(), *flags)]
@@ -175,28 +212,69 @@ def _signals_unwind():
         signal.raise_signal(caught)
 
 
-def _build(compiler: str, target: Path) -> None:
-    """Compile the library into `target` (atomically), then its digest beside it; OSError when
-    it cannot be."""
+def _lock(fd: int, wait: bool) -> bool:
+    """Take the build lock open at `fd` (flock), waiting for it or not; False when a live build
+    holds it. Without flock every folder counts as unlocked."""
+    if fcntl is None:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        return False
+    return True
+
+
+def _sweep(native: Path) -> None:
+    """Remove the temporary folders of builds that ended without cleaning up (SIGKILL, a
+    power cut): those older than every step of a build may take together, whose lock no live
+    build holds. A younger folder or a locked one is a build under way (or about to take its
+    lock), and is left."""
+    oldest = time.time() - (len(SOURCES) + 1) * BUILD_SECONDS
+    for folder in native.glob("tmp*"):
+        try:
+            if folder.is_symlink() or not folder.is_dir() or folder.stat().st_mtime > oldest:
+                continue
+            fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:  # gone meanwhile, or not ours to open: left as it is
+            continue
+        try:
+            if _lock(fd, wait=False):
+                shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(fd)
+
+
+def _build(compiler: tuple[str, ...], target: Path) -> None:
+    """Compile the library into `target` (atomically), then its digest beside it, holding its
+    temporary folder's lock throughout; OSError when it cannot be."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _signals_unwind(), tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects = [str(Path(tmp) / f"{p.stem}.o") for p in SOURCES]
-        built = Path(tmp) / target.name
-        steps = [[compiler, *FLAGS, *flags, "-c", str(p), "-o", o]
-                 for (p, flags), o in zip(SOURCES.items(), objects, strict=True)]  # fmt: skip
-        for step in [*steps, [compiler, "-shared", *objects, "-o", str(built), *LIBS]]:
-            _run(step, BUILD_SECONDS)
-        digest = Path(tmp) / "digest"
-        digest.write_text(hashlib.sha256(built.read_bytes()).hexdigest() + "\n")
-        built.replace(target)
-        digest.replace(_digest_of(target))
+    with _signals_unwind(), tempfile.TemporaryDirectory(dir=target.parent) as name:
+        tmp = Path(name)
+        lock = os.open(tmp / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            _lock(lock, wait=True)
+            objects = [str(tmp / f"{p.stem}.o") for p in SOURCES]
+            built = tmp / target.name
+            steps = [[*compiler, *FLAGS, *flags, "-c", str(p), "-o", o]
+                     for (p, flags), o in zip(SOURCES.items(), objects, strict=True)]  # fmt: skip
+            for step in [*steps, [*compiler, "-shared", *objects, "-o", str(built), *LIBS]]:
+                _run(step, BUILD_SECONDS)
+            digest = tmp / "digest"
+            digest.write_text(hashlib.sha256(built.read_bytes()).hexdigest() + "\n")
+            built.replace(target)
+            digest.replace(_digest_of(target))
+        finally:
+            os.close(lock)
 
 
-def _open(compiler: str):
+def _open(compiler: tuple[str, ...]):
     """The library built by `compiler`, built first where the cache lacks it or holds one that
     does not match its digest, checked for every function of SIGNATURES; OSError when it cannot
-    be had. Returns (library, a note on a damaged library rebuilt, or None)."""
+    be had. Returns (library, a note on a damaged library rebuilt, or None). Stale build
+    folders are swept first (`_sweep`)."""
     target = _target(compiler)
+    if target.parent.is_dir():
+        _sweep(target.parent)
     state = _intact(target)
     note = None
     if state is False:
@@ -216,8 +294,15 @@ def _open(compiler: str):
     return lib, note
 
 
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc"))
+def _compiler() -> tuple[str, ...] | None:
+    """$CC (or `cc`) split as a shell splits it, its program found on PATH: `ccache gcc` is
+    ccache running gcc. None when there is no such program; OSError when $CC does not parse."""
+    try:
+        argv = shlex.split(os.environ.get("CC", "cc"))
+    except ValueError as e:
+        raise OSError(f"CC={os.environ['CC']!r} does not parse as a command ({e})") from None
+    program = shutil.which(argv[0]) if argv else None
+    return None if program is None else (program, *argv[1:])
 
 
 def pending() -> bool:
@@ -225,12 +310,10 @@ def pending() -> bool:
     library in the cache yet."""
     if not enabled() or "lib" in _LOADED:
         return False
-    compiler = _compiler()
-    if compiler is None:
-        return False
     try:
-        return not _intact(_target(compiler))
-    except OSError:  # the compiler does not answer: `library()` says so and builds nothing
+        compiler = _compiler()
+        return compiler is not None and not _intact(_target(compiler))
+    except OSError:  # $CC does not parse or does not answer: `library()` says so, builds nothing
         return False
 
 
@@ -243,14 +326,14 @@ def library():
     with _LOCK:
         if "lib" not in _LOADED:
             _LOADED["lib"] = None
-            compiler = _compiler()
-            if compiler is not None:
-                try:
-                    _LOADED["lib"], note = _open(compiler)
-                except OSError as e:
-                    warnings.warn(f"kvcalib_runtime: the CPU kernels did not build ({e}); "
-                                  "running torch ops instead", stacklevel=2)  # fmt: skip
-                else:
-                    if note is not None:
-                        warnings.warn(f"kvcalib_runtime: {note}; built it again", stacklevel=2)
+            try:
+                compiler = _compiler()
+                lib, note = (None, None) if compiler is None else _open(compiler)
+            except OSError as e:
+                warnings.warn(f"kvcalib_runtime: the CPU kernels did not build ({e}); "
+                              "running torch ops instead", stacklevel=2)  # fmt: skip
+            else:
+                _LOADED["lib"] = lib
+                if note is not None:
+                    warnings.warn(f"kvcalib_runtime: {note}; built it again", stacklevel=2)
         return _LOADED["lib"]
