@@ -152,7 +152,7 @@ def test_concurrent_completions_and_chats_match_the_runtime(server, runtime):
 
 
 def test_sigterm_stops_the_server_and_its_engine(server):
-    """SIGTERM to the server (as a service manager or Ctrl-C stops it) ends it and its
+    """SIGTERM to the server (as a service manager stops it) ends it and its
     engine-core process within a minute: no process of its group is left. Runs last: it stops
     the module's server."""
     process, _ = server
