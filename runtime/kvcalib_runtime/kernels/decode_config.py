@@ -11,6 +11,12 @@ import triton
 # (BLOCK_N, num_warps, num_stages): what `choose` times on a GPU, per (D, G, schemes, dtype)
 CONFIGS = ((32, 4, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3), (128, 8, 2))
 INTERPRETED = (32, 4, 1)
+# what `choose` launches untuned (a CUDA graph captured before any eager step), by whether
+# keys are pre-RoPE: the candidate with the fewest steady-loop warp-instructions per position
+# that does not spill, read on sm_90 at 32/8/128 (benchmarks/kernel_budget; kvcalib-2 post-RoPE
+# 48.6 at 64/4/2 against 62.5 at 64/8/2, also fewer for kvcalib-1.5 and -4 and the full-precision
+# stream; pre-RoPE keys spill at 4 warps)
+UNTUNED = {False: (64, 4, 2), True: (64, 8, 2)}
 
 
 @functools.cache
@@ -46,14 +52,15 @@ TUNED: dict = {}
 
 
 def choose(key, device: torch.device, launch) -> tuple[int, int, int]:
-    """The (BLOCK_N, num_warps, num_stages) of `key`: timed once per key on a GPU (not while a
-    CUDA graph is being captured: the first eager step tunes), a fixed one interpreted."""
+    """The (BLOCK_N, num_warps, num_stages) of `key` (D, G, keys pre-RoPE, ...): timed once per
+    key on a GPU (not while a CUDA graph is being captured: UNTUNED then, and the first eager
+    step tunes), a fixed one interpreted."""
     if device.type != "cuda":
         return INTERPRETED
     if key in TUNED:
         return TUNED[key]
     if torch.cuda.is_current_stream_capturing():
-        return CONFIGS[2]
+        return UNTUNED[bool(key[2])]
     best = None
     for config in CONFIGS if key[0] <= 128 else [c for c in CONFIGS if c[0] <= 64]:
         launch(config)  # compile and warm
