@@ -61,6 +61,7 @@ from kvcalib_runtime.cache.kvcache import QuantizedCache  # noqa: E402
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme  # noqa: E402
 from kvcalib_runtime.generate import DecodeStep  # noqa: E402
 from kvcalib_runtime.kernels import decode_attention as dec  # noqa: E402
+from kvcalib_runtime.kernels import decode_config  # noqa: E402
 from kvcalib_runtime.kernels.layout import Sinks  # noqa: E402
 from kvcalib_runtime.layouts import Kind  # noqa: E402
 from kvcalib_runtime.layouts.affine import PackedBody  # noqa: E402
@@ -317,7 +318,7 @@ def bytes_read(cache, batch, heads, d, context, nb) -> dict[str, float]:
     out["metadata"] += constants + batch * context  # static ranges, codebooks; is-sink flags
     exact_rows = context - nb + cache.sink_pos.shape[1] + 1  # ring, sink slots, new token
     out["exact"] = 2 * batch * keys.tail.shape[1] * exact_rows * d * keys.tail.element_size()
-    splits = dec.num_splits(cache.lengths.device, batch * keys.tail.shape[1], context, 64)
+    splits = decode_config.num_splits(cache.lengths.device, batch * keys.tail.shape[1], context, 64)
     out["partials"] = 2 * batch * heads * splits * (d + 2) * 4
     return out
 

@@ -6,8 +6,10 @@ shared memory, occupancy, the SASS of the steady-state loop and the TTGIR's load
 
 import contextlib
 import dataclasses
+import inspect
 import io
 import math
+import os
 import re
 import subprocess
 import tempfile
@@ -246,41 +248,87 @@ def pretend_gpu(sms: int, capturing: bool, launches: list, arch: int = 90):
 # -- reading it -------------------------------------------------------------------------------
 
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;")
-BRANCH = re.compile(r"\bBRA(?:\.\S+)?\s+(?:`\()?(0x[0-9a-f]+)")
+BRANCH = re.compile(r"\bBRA(?:\.\S+)?\s+(?:`\()?(0x[0-9a-f]+|\.L_x_\d+)")
+LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+WHERE = re.compile(r'"([^"]+)", line (\d+)')  # nvdisasm -g: //## File "f", line n [inlined at ..]
+STEADY = "budget: steady loop"  # the comment tagging a line of a kernel's steady-state loop
 ASYNC = ("async_copy_global_to_local", "async_tma_copy_global_to_local")  # cp.async, TMA
 ASYNC_DEST = re.compile(r"-> (?:!ttg\.memdesc)?<((?:\d+x)+)(\w+)[,>]")
 SYNC = (" tt.load ", " tt.descriptor_load ")
 SIZES = {"i8": 1, "i16": 2, "i32": 4, "i64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8}
 
 
-def _cubin_text(cubin: bytes, flag: str) -> str:
+def _cubin_text(cubin: bytes, tool_name: str, *flags: str) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        done = subprocess.run([tool("cuobjdump"), flag, f.name], capture_output=True,
+        done = subprocess.run([tool(tool_name), *flags, f.name], capture_output=True,
                               text=True, check=True)  # fmt: skip
     return done.stdout
 
 
 def resources(cubin: bytes) -> dict[str, int]:
     """cuobjdump --dump-resource-usage of the cubin's one function: REG, STACK, SHARED, LOCAL."""
-    text = _cubin_text(cubin, "--dump-resource-usage")
+    text = _cubin_text(cubin, "cuobjdump", "--dump-resource-usage")
     line = next(x for x in text.splitlines() if "REG:" in x)
     return {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
 
 
-def steady_loop(sass: str) -> tuple[list[str], list[int]]:
-    """The body of the largest backward branch of the SASS (its instructions, predicate
-    stripped) and the sizes of every loop, largest first."""
-    found = [(int(a, 16), text) for a, text in INSTRUCTION.findall(sass)]
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A backward branch of the SASS: its body's addresses and instructions (predicates
+    stripped) and the source lines (file, line) they come from, call sites of inlined
+    functions included."""
+
+    addresses: tuple[int, ...]
+    instructions: tuple[str, ...]
+    lines: frozenset
+
+
+def sass_loops(sass: str) -> list[Loop]:
+    """Every loop of the SASS (`nvdisasm -g -c`: branches to labels, line comments; or
+    `cuobjdump -sass`: branches to addresses, no lines), largest first."""
+    found, labels, pending, where = [], {}, [], frozenset()
+    for text in sass.splitlines():
+        if text.lstrip().startswith("//##"):
+            where = frozenset((os.path.realpath(f), int(n)) for f, n in WHERE.findall(text))
+        elif label := LABEL.match(text):
+            pending.append(label.group(1))
+        elif instruction := INSTRUCTION.search(text):
+            addr = int(instruction.group(1), 16)
+            labels.update((name, addr) for name in pending)
+            pending = []
+            found.append((addr, instruction.group(2), where))
     loops = []
-    for addr, text in found:
+    for addr, text, _ in found:
         branch = BRANCH.search(text)
-        if branch and int(branch.group(1), 16) <= addr:
-            top = int(branch.group(1), 16)
-            loops.append([re.sub(r"^@!?\w+\s+", "", t) for a, t in found if top <= a <= addr])
-    loops.sort(key=len, reverse=True)
-    return (loops[0] if loops else []), [len(x) for x in loops]
+        if not branch:
+            continue
+        target = branch.group(1)
+        top = labels.get(target) if target.startswith(".") else int(target, 16)
+        if top is not None and top <= addr:
+            body = [x for x in found if top <= x[0] <= addr]
+            loops.append(Loop(tuple(a for a, _, _ in body),
+                              tuple(re.sub(r"^@!?\w+\s+", "", t) for _, t, _ in body),
+                              frozenset().union(*(w for _, _, w in body))))  # fmt: skip
+    return sorted(loops, key=lambda x: len(x.instructions), reverse=True)
+
+
+def marker(fn) -> tuple[str, int] | None:
+    """(file, line) of the line of a JIT function's source carrying the STEADY comment: a line
+    only its steady-state loop executes (the decode kernel's whole-tile loop); None without."""
+    lines, first = inspect.getsourcelines(fn.fn)
+    tagged = [first + i for i, text in enumerate(lines) if STEADY in text]
+    if len(tagged) > 1:
+        raise ValueError(f"{fn.__name__} tags {len(tagged)} lines '# {STEADY}': tag one")
+    return (os.path.realpath(inspect.getsourcefile(fn.fn)), tagged[0]) if tagged else None
+
+
+def steady_loop(loops: list[Loop], tag: tuple[str, int] | None) -> Loop | None:
+    """The steady-state loop: the innermost loop holding an instruction of the tagged line;
+    without a tag, or where no loop holds it, the largest loop (the issue's first rule)."""
+    tagged = [x for x in loops if tag in x.lines]
+    return min(tagged, key=lambda x: len(x.instructions)) if tagged else (loops or [None])[0]
 
 
 def ttgir_loops(ttgir: str) -> list[dict]:
@@ -337,13 +385,24 @@ def occupancy(regs: int, warps: int, shared: int, gpu) -> int:
     return min(ctas_sm, warps_sm // warps, regs_sm // per_cta, shared_sm // max(shared, 1))
 
 
-def facts(kernel, log: str, kwargs: dict, gpu) -> dict:
-    """A compiled launch's row fields (everything but where it came from and its grid)."""
+def facts(kernel, log: str, kwargs: dict, gpu, tag: tuple[str, int] | None = None) -> dict:
+    """A compiled launch's row fields (everything but where it came from and its grid). The
+    steady-state loop is the one tagged (`marker`, `steady_loop`): loop_instructions,
+    per_position and the opcode histogram are its; largest_loop_instructions and
+    per_position_largest_loop the largest backward branch's (the rule of the first budget,
+    which since the kernel split its masked tail out counts the 16-row mixed loop); loop_local
+    counts LDL/STL in every loop."""
     use = resources(kernel.asm["cubin"])
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    loop, sizes = steady_loop(_cubin_text(kernel.asm["cubin"], "-sass"))
+    loops = sass_loops(_cubin_text(kernel.asm["cubin"], "nvdisasm", "-g", "-c"))
+    steady = steady_loop(loops, tag)
+    loop = list(steady.instructions) if steady else []
+    largest = len(loops[0].instructions) if loops else 0
     opcodes = Counter(x.split()[0].split(".")[0] for x in loop)
-    loops = ttgir_loops(kernel.asm["ttgir"])
+    local = {}  # address -> opcode, of every instruction inside a loop
+    for x in loops:
+        local.update(zip(x.addresses, (i.split()[0] for i in x.instructions), strict=True))
+    ttgir = ttgir_loops(kernel.asm["ttgir"])
     bn, warps, stages = block_n(kwargs), num_warps(kwargs), num_stages(kwargs)
     shared = kernel.metadata.shared + use["SHARED"]
     ctas = occupancy(use["REG"], warps, shared, gpu)
@@ -351,10 +410,13 @@ def facts(kernel, log: str, kwargs: dict, gpu) -> dict:
         block_n=bn, num_warps=warps, num_stages=stages, registers=use["REG"],
         stack=use["STACK"], spill_bytes=int(spills.group(1)), spill_loads=int(spills.group(2)),
         shared_bytes=shared, ctas_per_sm=ctas, warps_per_sm=ctas * warps,
-        bytes_in_flight_per_sm=ctas * stages * max((x["async_bytes"] for x in loops), default=0),
+        bytes_in_flight_per_sm=ctas * stages * max((x["async_bytes"] for x in ttgir), default=0),
+        steady_loop=f"tagged line {tag[1]}" if steady and tag in steady.lines else "largest",
         loop_instructions=len(loop), per_position=round(len(loop) * warps / bn, 1),
-        loop_local=opcodes["LDL"] + opcodes["STL"],
-        loop_async_loads=sum(x["async_copies"] for x in loops),
-        loop_sync_loads=sum(x["sync_loads"] for x in loops),
-        loops=sizes[:6], loop_opcodes=dict(opcodes.most_common()),
+        largest_loop_instructions=largest,
+        per_position_largest_loop=round(largest * warps / bn, 1),
+        loop_local=sum(op.split(".")[0] in ("LDL", "STL") for op in local.values()),
+        loop_async_loads=sum(x["async_copies"] for x in ttgir),
+        loop_sync_loads=sum(x["sync_loads"] for x in ttgir),
+        loops=[len(x.instructions) for x in loops][:6], loop_opcodes=dict(opcodes.most_common()),
     )  # fmt: skip

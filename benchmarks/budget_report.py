@@ -20,17 +20,18 @@ def summary(row: dict) -> str:
     return (f"{where} ({row['block_n']}, {row['num_warps']}, {row['num_stages']})"
             f"{' *' if row['chosen'] else ''}: {row['registers']} regs, {row['spill_bytes']} B "
             f"spilled, {row['warps_per_sm']} warps/SM, loop {row['loop_instructions']} -> "
-            f"{row['per_position']}/position, {row['compile_s']} s")  # fmt: skip
+            f"{row['per_position']}/position (largest loop {row['largest_loop_instructions']} -> "
+            f"{row['per_position_largest_loop']}), {row['compile_s']} s")  # fmt: skip
 
 
 COLUMNS = ("arch | recipe | shape | keys | paged | BLOCK_N, warps, stages | regs | stack B | "
            "spill B | shared KB | warps/SM | programs/SM 4Kx1, 4Kx16, 32Kx1, 32Kx16 | "
-           "in flight KB/SM | loop instr. | per position | LDL+STL in loop | loop loads "
-           "async / sync")  # fmt: skip
+           "in flight KB/SM | steady loop instr. | per position | largest loop instr. | per "
+           "position, largest loop | LDL+STL in loops | loop loads async / sync")  # fmt: skip
 
 
 def table(rows: list[dict]) -> list[str]:
-    out = ["| " + COLUMNS + " |", "|" + "---|" * 6 + "---:|" * 12]
+    out = ["| " + COLUMNS + " |", "|" + "---|" * 6 + "---:|" * 14]
     for r in rows:
         if "registers" not in r:
             continue
@@ -43,7 +44,9 @@ def table(rows: list[dict]) -> list[str]:
             f"{r['num_stages']}{' *' if r['chosen'] else ''} | {r['registers']} | {r['stack']} | "
             f"{r['spill_bytes']} | {r['shared_bytes'] / 1024:.1f} | {r['warps_per_sm']} | "
             f"{programs} | {r['bytes_in_flight_per_sm'] / 1024:.1f} | "
-            f"{r['loop_instructions']} | {r['per_position']} | {r['loop_local']} | "
+            f"{r['loop_instructions']} | {r['per_position']} | "
+            f"{r['largest_loop_instructions']} | {r['per_position_largest_loop']} | "
+            f"{r['loop_local']} | "
             f"{r['loop_async_loads']} / {r['loop_sync_loads']} |"
         )  # fmt: skip
     return out
@@ -61,9 +64,12 @@ def markdown(doc: dict) -> str:
         f"Launch configurations as the launcher picks them on: {gpus}. `*`: the configuration "
         "it launches without tuning (CUDA-graph capture); the others are the candidates it "
         f"times on a GPU. Compiled at {doc['compiled_at']}; programs/SM at each load. "
-        "per position = loop instructions x warps / BLOCK_N (warp-instructions per position x "
-        "KV head); loop loads: ttg.async_copy_global_to_local / synchronous tensor tt.load "
-        "inside the TTGIR's loops. `benchmarks/kernel_budget.py` says how each is read.",
+        "per position = steady loop instructions x warps / BLOCK_N (warp-instructions per "
+        "position x KV head); the steady loop is the whole-tile loop (the tagged line's), the "
+        "largest loop the first budget's rule (since the masked tail split out: the 16-row "
+        "mixed loop, once per program) divided by BLOCK_N likewise; loop loads: "
+        "ttg.async_copy_global_to_local / synchronous tensor tt.load inside the TTGIR's "
+        "loops. `benchmarks/kernel_budget.py` says how each is read.",
         "",
         *table(doc["rows"]),
         *(["", "Not compiled:", "", *[f"- {s}" for s in skipped]] if skipped else []),

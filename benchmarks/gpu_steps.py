@@ -86,10 +86,12 @@ def _launched(v: kb.Variant, dec, dry_run: bool) -> list[tuple]:
 def registers(dry_run: bool) -> list[str]:
     """Table rows: each compiled configuration's CPU and GPU registers."""
     from kvcalib_runtime.kernels import decode_attention as dec
+    from kvcalib_runtime.kernels import decode_config
 
     budget, lines = budget_rows(), []
     for v in kb.variants(quick=True):
-        found = _launched(v, importlib.reload(dec), dry_run)
+        importlib.reload(decode_config)  # no tuning remembered
+        found = _launched(v, dec, dry_run)
         first = found[0][0]
         seen = {}
         for fn, kw, kernel in found:

@@ -37,12 +37,57 @@ SASS = """
 """
 
 
-def test_the_steady_loop_is_the_largest_backward_branch():
+def test_without_a_tag_the_steady_loop_is_the_largest_backward_branch():
     """Backward branches only (the forward BRA 0x80 is not a loop), the largest first, its body
     from the target to the branch, predicates stripped."""
-    loop, sizes = read.steady_loop(SASS)
-    assert loop == ["LDL R2, [R1]", "FFMA R2, R2, R2, R2", "BRA 0x10"]
-    assert sizes == [3, 2]
+    loops = read.sass_loops(SASS)
+    assert [len(x.instructions) for x in loops] == [3, 2]
+    assert read.steady_loop(loops, None).instructions == (
+        "LDL R2, [R1]", "FFMA R2, R2, R2, R2", "BRA 0x10",
+    )  # fmt: skip
+
+
+KERNEL = "/k/decode_attention.py"
+NVDISASM = f"""
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+\t//## File "{KERNEL}", line 210
+        /*0010*/                   LDG.E.U8 R2, desc[UR4][R4.64] ;
+\t//## File "/k/tiles.py", line 148 inlined at "{KERNEL}", line 220
+        /*0020*/                   FFMA R3, R2, R2, R3 ;
+        /*0030*/               @P0 BRA `(.L_x_0) ;
+.L_x_1:
+\t//## File "{KERNEL}", line 213
+        /*0040*/                   LDG.E.U8 R2, desc[UR4][R4.64] ;
+        /*0050*/                   STL [R1], R2 ;
+\t//## File "/k/tiles.py", line 148 inlined at "{KERNEL}", line 220
+        /*0060*/                   FFMA R3, R2, R2, R3 ;
+        /*0070*/              @!P1 BRA `(.L_x_1) ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_the_steady_loop_is_the_loop_holding_the_tagged_line():
+    """nvdisasm's labels and line comments (inlined call sites included): the whole-tile loop
+    (tagged line 210) is the steady one though the mixed loop (line 213) is larger; a tag no
+    loop holds falls back to the largest loop."""
+    loops = read.sass_loops(NVDISASM)
+    assert [len(x.instructions) for x in loops] == [4, 3]
+    steady = read.steady_loop(loops, (KERNEL, 210))
+    assert steady.instructions[0] == "LDG.E.U8 R2, desc[UR4][R4.64]"
+    assert len(steady.instructions) == 3 and (KERNEL, 220) in steady.lines
+    assert read.steady_loop(loops, (KERNEL, 999)) is loops[0]
+
+
+def test_the_decode_kernel_tags_its_whole_tile_loop():
+    """One line of `_decode_split_kernel` carries the tag: the unmasked is-sink load that only
+    the whole-tile loop (phase 0) runs."""
+    from kvcalib_runtime.kernels import decode_kernel
+
+    path, line = read.marker(decode_kernel._decode_split_kernel)
+    assert Path(path).name == "decode_kernel.py"
+    text = Path(path).read_text().splitlines()[line - 1]
+    assert read.STEADY in text and "tl.load(SINKS.is_sink" in text and "mask" not in text
 
 
 TTGIR = """
@@ -74,8 +119,9 @@ def test_occupancy_counts_registers_shared_memory_and_slots(regs, warps, shared,
 
 def test_held_fails_a_regression_and_a_gain_left_uncommitted():
     row = dict(arch="sm_90", recipe="kvcalib-2", shape="32/8/128", keys="post-RoPE", paged=False,
-               chosen=True, registers=200, per_position=100.0, spill_bytes=0, stack=0,
-               loop_local=0, loop_sync_loads=5, warps_per_sm=8)  # fmt: skip
+               chosen=True, registers=200, per_position=100.0, per_position_largest_loop=110.0,
+               spill_bytes=0, stack=0, loop_local=0, loop_sync_loads=5,
+               warps_per_sm=8)  # fmt: skip
     assert kb.held([row], [row]) == ([], [])
     assert kb.held([{**row, "registers": 205}], [row]) == ([], [])  # within 3%
     worse, _ = kb.held([{**row, "registers": 210, "loop_local": 2}], [row])

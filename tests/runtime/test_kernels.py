@@ -19,6 +19,7 @@ from bodies import random_body, tensors, to_device
 from decode_cases import DECODE_CASES, decode_inputs, reference
 
 from kvcalib_runtime.kernels import decode_attention as dec
+from kvcalib_runtime.kernels import decode_config as cfg
 from kvcalib_runtime.kernels import decode_torch, packed, tiles
 from kvcalib_runtime.kernels import quant_pack as qp
 from kvcalib_runtime.layouts.affine import PackedBody
@@ -45,8 +46,8 @@ def test_decode_attention_matches_its_reference(case, config, splits, monkeypatc
         "vector values G3 D64",
     ):
         pytest.skip("tile and split variants run on four layouts")  # fmt: skip
-    monkeypatch.setattr(dec, "INTERPRETED", config)
-    monkeypatch.setattr(dec, "num_splits", lambda *a: splits)
+    monkeypatch.setattr(cfg, "INTERPRETED", config)
+    monkeypatch.setattr(cfg, "num_splits", lambda *a: splits)
     gen = torch.Generator().manual_seed(len(case))
     args, options = decode_inputs(case, gen)
     ours = dec.decode_attention(*args, **options).double()
@@ -187,16 +188,16 @@ def test_splits_fill_the_gpu_by_the_compiled_kernels_occupancy(monkeypatch):
     registers, warps and shared memory) x SMs, no split when the programs fill that. At
     32/8/128 x batch 16 on an H100 (132 SMs, 128 programs): 208 registers x 8 warps hold one
     program per SM, so splitting only adds a second wave; 128 registers x 4 warps hold four."""
-    monkeypatch.setattr(dec, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(cfg, "_sm_count", lambda device: 132)
     cuda = torch.device("cuda")
-    assert dec.resident(208, 8, 22000) == 1
-    assert dec.resident(128, 4, 22000) == 4
-    assert dec.resident(128, 4, 100000) == 2  # shared memory caps it
-    assert dec.num_splits(cuda, 128, 32768, 64, dec.resident(208, 8, 22000)) == 1
-    assert dec.num_splits(cuda, 128, 32768, 64, dec.resident(128, 4, 22000)) == 4
-    assert dec.num_splits(cuda, 8, 32768, 64, 4) == 66  # batch 1: 4 x 132 / 8
-    assert dec.num_splits(cuda, 8, 1024, 64, 4) == 4  # at least 4 blocks a split
-    assert dec.num_splits(torch.device("cpu"), 8, 32768, 64, 4) == 1
+    assert cfg.resident(208, 8, 22000) == 1
+    assert cfg.resident(128, 4, 22000) == 4
+    assert cfg.resident(128, 4, 100000) == 2  # shared memory caps it
+    assert cfg.num_splits(cuda, 128, 32768, 64, cfg.resident(208, 8, 22000)) == 1
+    assert cfg.num_splits(cuda, 128, 32768, 64, cfg.resident(128, 4, 22000)) == 4
+    assert cfg.num_splits(cuda, 8, 32768, 64, 4) == 66  # batch 1: 4 x 132 / 8
+    assert cfg.num_splits(cuda, 8, 1024, 64, 4) == 4  # at least 4 blocks a split
+    assert cfg.num_splits(torch.device("cpu"), 8, 32768, 64, 4) == 1
 
 
 def _run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -306,8 +307,8 @@ def test_decode_attention_on_gpu(case, dtype, monkeypatch):
     args, options = to_device(args), {k: to_device(v) for k, v in options.items()}
     exact = reference(args, options, dtype=torch.float64)
     bound = 2 * (reference(args, options).double() - exact).abs().max()
-    for config in dec.CONFIGS:
-        monkeypatch.setattr(dec, "_config", lambda key, device, launch, config=config: config)
+    for config in cfg.CONFIGS:
+        monkeypatch.setattr(cfg, "choose", lambda key, device, launch, config=config: config)
         ours = dec.decode_attention(*args, **options)
         assert (ours.double() - exact).abs().max() <= bound, config
 
@@ -327,12 +328,13 @@ def compile_instead(self, *args, grid, warmup, **kwargs):  # compile for sm_90, 
 
 JITFunction.run = compile_instead
 from kvcalib_runtime.kernels import decode_attention as dec
+from kvcalib_runtime.kernels import decode_config as cfg
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.kernels.quant_pack import flush, quant_pack
 from kvcalib_runtime.layouts.quant import QuantSpec
 
-dec._config = lambda key, device, launch: dec.CONFIGS[3]
+cfg.choose = lambda key, device, launch: cfg.CONFIGS[3]
 B, H, N, D = 2, 8, 256, 128
 kvcalib2 = QuantSpec(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error")
 fp8 = QuantSpec(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error",

@@ -24,6 +24,7 @@ from bodies import random_body, tensors, to_device
 from decode_cases import random_sinks
 
 from kvcalib_runtime.kernels import decode_attention as dec
+from kvcalib_runtime.kernels import decode_config as cfg
 from kvcalib_runtime.kernels import paged
 from kvcalib_runtime.kernels.layout import Stored
 from kvcalib_runtime.layouts.quant import QuantSpec as S
@@ -126,8 +127,8 @@ def _inputs(case, gen, dtype=torch.float16, device="cpu"):
 def test_paged_decode_matches_contiguous_and_reference(case, config, splits, monkeypatch):
     if config != (32, 4, 1) and case != "kvcalib-2 G4 D64":
         pytest.skip("tile and split variants run on kvcalib-2")
-    monkeypatch.setattr(dec, "INTERPRETED", config)
-    monkeypatch.setattr(dec, "num_splits", lambda *a: splits)
+    monkeypatch.setattr(cfg, "INTERPRETED", config)
+    monkeypatch.setattr(cfg, "num_splits", lambda *a: splits)
     gen = torch.Generator().manual_seed(len(case))
     args, contiguous, table, inv_freq = _inputs(case, gen)
     keys, values = args[3], args[4]
@@ -196,8 +197,8 @@ def test_paged_decode_on_gpu(case, dtype, monkeypatch):
     exact = ref(torch.float64)
     bound = 2 * (ref() - exact).abs().max()
     flat = (*args[:3], args[3]._replace(body=contiguous[0]), args[4]._replace(body=contiguous[1]))
-    for config in dec.CONFIGS:
-        monkeypatch.setattr(dec, "_config", lambda key, device, launch, config=config: config)
+    for config in cfg.CONFIGS:
+        monkeypatch.setattr(cfg, "choose", lambda key, device, launch, config=config: config)
         ours = dec.decode_attention(*args, inv_freq=inv_freq, block_table=table).double()
         assert (ours - exact).abs().max() <= bound, config
         theirs = dec.decode_attention(*flat, *args[5:], inv_freq=inv_freq).double()

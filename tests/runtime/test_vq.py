@@ -11,6 +11,7 @@ from bodies import to_device
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
 from kvcalib_runtime.checkpoint import checks
 from kvcalib_runtime.kernels import decode_attention as dec
+from kvcalib_runtime.kernels import decode_config as cfg
 from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels.decode_reference import decode_attention_reference
 from kvcalib_runtime.kernels.layout import Sinks, Stored
@@ -195,8 +196,8 @@ def test_decode_kernel_reads_vector_codes(bits, w, pairing, per_head, config, sp
     # its error is at most twice the reference's own in fp16. The bound can fail: a wrong channel
     # order (pairing swapped), another head's codebook or shifted index bits move the exact result
     # by more than ten times it.
-    monkeypatch.setattr(dec, "INTERPRETED", config)
-    monkeypatch.setattr(dec, "num_splits", lambda *a: splits)
+    monkeypatch.setattr(cfg, "INTERPRETED", config)
+    monkeypatch.setattr(cfg, "num_splits", lambda *a: splits)
     spec = S(bits, w, pairing)
     assert dec.supports(spec, 64, 3)
     args, options = _decode_inputs(spec, torch.Generator().manual_seed(bits + w), per_head=per_head)
@@ -226,8 +227,8 @@ def test_decode_kernel_reads_vector_codes_on_gpu(pairing, dtype, monkeypatch):
     args, options = to_device(args), {k: to_device(v) for k, v in options.items()}
     exact = decode_attention_reference(*args, **options, dtype=torch.float64)
     bound = 2 * (decode_attention_reference(*args, **options).double() - exact).abs().max()
-    for config in dec.CONFIGS:
-        monkeypatch.setattr(dec, "_config", lambda key, device, launch, config=config: config)
+    for config in cfg.CONFIGS:
+        monkeypatch.setattr(cfg, "choose", lambda key, device, launch, config=config: config)
         ours = dec.decode_attention(*args, **options)
         assert (ours.double() - exact).abs().max() <= bound, config
 

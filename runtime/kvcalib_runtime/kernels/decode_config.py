@@ -1,0 +1,76 @@
+"""How the decode kernel is launched: its (BLOCK_N, num_warps, num_stages), timed once per
+kernel variant on a GPU (`choose`), and its split count from occupancy (`num_splits`,
+`resident`). State per process: RESIDENT (programs per SM read off each compiled kernel) and
+TUNED (each variant's timed choice); reloading the module forgets both."""
+
+import functools
+
+import torch
+import triton
+
+# (BLOCK_N, num_warps, num_stages): what `choose` times on a GPU, per (D, G, schemes, dtype)
+CONFIGS = ((32, 4, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3), (128, 8, 2))
+INTERPRETED = (32, 4, 1)
+# what `choose` launches untuned (a CUDA graph captured before any eager step), by whether
+# keys are pre-RoPE: the candidate with the fewest steady-loop warp-instructions per position
+# that does not spill, read on sm_90 at 32/8/128 (benchmarks/kernel_budget; kvcalib-2 post-RoPE
+# 48.6 at 64/4/2 against 62.5 at 64/8/2, also fewer for kvcalib-1.5 and -4 and the full-precision
+# stream; pre-RoPE keys spill at 4 warps)
+UNTUNED = {False: (64, 4, 2), True: (64, 8, 2)}
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(device: torch.device, programs: int, span: int, block_n: int,
+               resident: int = 1) -> int:  # fmt: skip
+    """Splits per (sequence, KV head): as many programs as the GPU runs at once, `resident` per
+    SM (FlashInfer's scheduler: occupancy x SMs, no split when the programs fill it), each at
+    least 4 blocks of the longest span a sequence can reach (fixed by capacity, not by
+    lengths: a CUDA graph replays one grid)."""
+    if device.type != "cuda":
+        return 1
+    wanted = max(1, resident * _sm_count(device) // max(programs, 1))
+    return max(1, min(wanted, triton.cdiv(span, 4 * block_n)))
+
+
+def resident(regs: int, warps: int, shared: int) -> int:
+    """Programs an SM (sm_80/sm_90: 64K registers, 64 warps, 32 blocks, 227 KB of shared
+    memory) holds at once, of a kernel using regs registers per thread (allocated 8 at a time,
+    per warp), `warps` warps and `shared` bytes."""
+    by_regs = 65536 // (triton.cdiv(max(regs, 1), 8) * 8 * 32 * warps)
+    by_shared = 232448 // shared if shared else 32
+    return max(1, min(by_regs, 64 // warps, 32, by_shared))
+
+
+RESIDENT: dict = {}  # (key, config): resident programs per SM, read off the compiled kernel
+
+
+TUNED: dict = {}
+
+
+def choose(key, device: torch.device, launch) -> tuple[int, int, int]:
+    """The (BLOCK_N, num_warps, num_stages) of `key` (D, G, keys pre-RoPE, ...): timed once per
+    key on a GPU (not while a CUDA graph is being captured: UNTUNED then, and the first eager
+    step tunes), a fixed one interpreted."""
+    if device.type != "cuda":
+        return INTERPRETED
+    if key in TUNED:
+        return TUNED[key]
+    if torch.cuda.is_current_stream_capturing():
+        return UNTUNED[bool(key[2])]
+    best = None
+    for config in CONFIGS if key[0] <= 128 else [c for c in CONFIGS if c[0] <= 64]:
+        launch(config)  # compile and warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            launch(config)
+        end.record()
+        end.synchronize()
+        if best is None or start.elapsed_time(end) < best[0]:
+            best = (start.elapsed_time(end), config)
+    TUNED[key] = best[1]
+    return best[1]
