@@ -62,16 +62,9 @@ from kvcalib.core.profile import SENSITIVITY_LOSSES
 from kvcalib.errors import RecipeError
 from kvcalib_runtime.cache.scheme import KEY_POSITIONS, KVScheme, LayerScheme
 from kvcalib_runtime.checkpoint.checks import MAX_TOKENS
-from kvcalib_runtime.layouts import Kind, Layout, layout_class
-from kvcalib_runtime.layouts.spec import (
-    GRANULARITIES,
-    METADATA_CODES,
-    METHODS,
-    PAIRINGS,
-    SLOT_CODES,
-    SLOT_RULES,
-    QuantSpec,
-)
+from kvcalib_runtime.layouts import GRANULARITIES, METHODS, Kind, Layout, layout_class
+from kvcalib_runtime.layouts.base import PAIRINGS
+from kvcalib_runtime.layouts.spec import METADATA_CODES, SLOT_CODES, SLOT_RULES, QuantSpec
 
 MAX_LAYERS = 4096  # an override index beyond this is a typo, not a layer
 MAX_CODEBOOK_BITS = 4

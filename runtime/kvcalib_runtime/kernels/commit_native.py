@@ -18,7 +18,7 @@ import torch
 from kvcalib_runtime.kernels import native
 from kvcalib_runtime.layouts import Kind, metabyte
 from kvcalib_runtime.layouts.affine import PackedBody
-from kvcalib_runtime.layouts.spec import slot_index_dtype
+from kvcalib_runtime.layouts.base import slot_index_dtype
 
 MAX_WIDTH = 1024  # commit_cpu.c's MAX_WIDTH: channels a row may have
 EXACT, STATIC, TOKEN = 0, 1, 2

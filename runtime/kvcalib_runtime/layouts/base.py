@@ -1,6 +1,7 @@
-"""What every stored layout shares: `Layout` (one layout bound to its QuantSpec), `Kind` (the
-switch the kernels compile on), `QTensor` (a quantized tensor in reference form) and the
-constants of the numerics."""
+"""What every stored layout shares: `Layout` (one layout bound to its QuantSpec), the registry
+layouts enter with `register` (`layout_class` and `bind` read it), `Kind` (the switch the kernels
+compile on), `QTensor` (a quantized tensor in reference form) and the constants of the
+numerics. It imports no other module of the package: spec.py and every layout sit on it."""
 
 import dataclasses
 import enum
@@ -13,6 +14,7 @@ import torch
 BITS = (2, 3, 4, 5, 6, 8)
 METADATA_BITS = 16  # scales, offsets and exact values in an fp16/bf16 cache
 MAX_SLOTS = 64  # exact slots per vector: beyond this dense storage is cheaper
+PAIRINGS = ("adjacent", "rope")  # how vector codes group channels (layouts.vq)
 
 
 def slot_index_dtype(n: int) -> torch.dtype:
@@ -61,6 +63,8 @@ class Layout:
     kernels read of it (`kind`, `affine`, `joins_heads`, `row_group`, `token_group`).
 
     name              the recipe's and side-car's word for it: a granularity, or a peer's method
+    method            "affine" (kvcalib's numerics: `name` is a granularity), or `name` (a
+                      method of its own, whatever the spec's granularity)
     kind              where its metadata lives (Kind)
     affine            kvcalib's numerics, which the kernels read (peers' own numerics are not)
     decoded           the decode attention's reference and CPU path read its body (a layer whose
@@ -73,6 +77,7 @@ class Layout:
     """
 
     name: ClassVar[str]
+    method: ClassVar[str] = "affine"
     kind: ClassVar[Kind] = Kind.TOKEN
     affine: ClassVar[bool] = True
     vectors: ClassVar[bool] = False
@@ -207,3 +212,49 @@ class Layout:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec})"
+
+
+_BY_GRANULARITY: dict[str, type[Layout]] = {}  # method "affine": the layout of each granularity
+_BY_METHOD: dict[str, type[Layout]] = {}  # the methods of their own
+
+
+def register(cls: type[Layout]) -> type[Layout]:
+    """Class decorator: `cls` becomes the layout its name selects, as a granularity (method
+    "affine") or as a method of its own (method = name). A name taken twice is a programming
+    error."""
+    if cls.method not in ("affine", cls.name):
+        raise TypeError(f"layout {cls.__name__}: method is 'affine' or its name {cls.name!r}")
+    table = _BY_GRANULARITY if cls.method == "affine" else _BY_METHOD
+    if cls.name in table or cls.name == "affine":
+        raise TypeError(f"layout {cls.__name__}: the name {cls.name!r} is taken")
+    table[cls.name] = cls
+    return cls
+
+
+def granularities() -> tuple[str, ...]:
+    """The registered granularities, in registration order."""
+    return tuple(_BY_GRANULARITY)
+
+
+def methods() -> tuple[str, ...]:
+    """"affine" and the registered methods of their own, in registration order."""
+    return ("affine", *_BY_METHOD)
+
+
+def registered() -> dict[str, type[Layout]]:
+    """Every registered layout by name: the granularities', then the methods'."""
+    return {**_BY_GRANULARITY, **_BY_METHOD}
+
+
+def layout_class(method: str, granularity: str) -> type[Layout]:
+    """The Layout a spec's method and granularity select; ValueError naming the field."""
+    if method not in methods():
+        raise ValueError(f"method = {method!r} is unknown: use one of {methods()}")
+    if granularity not in _BY_GRANULARITY:
+        raise ValueError(f"granularity = {granularity!r} is unknown: use one of {granularities()}")
+    return _BY_GRANULARITY[granularity] if method == "affine" else _BY_METHOD[method]
+
+
+def bind(spec) -> Layout:
+    """spec's layout, bound to it."""
+    return layout_class(spec.method, spec.granularity)(spec)

@@ -6,9 +6,10 @@ metadata broadcasts to [..., 1, D]."""
 import torch
 
 from kvcalib_runtime.layouts.affine import AffineLayout
-from kvcalib_runtime.layouts.base import Kind
+from kvcalib_runtime.layouts.base import Kind, register
 
 
+@register
 class StaticChannels(AffineLayout):
     name = "static"
     kind = Kind.STATIC

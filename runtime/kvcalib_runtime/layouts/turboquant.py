@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcalib_runtime.layouts.base import Layout, QTensor
+from kvcalib_runtime.layouts.base import Layout, QTensor, register
 from kvcalib_runtime.layouts.codebooks import lloyd_max, random_rotation
 from kvcalib_runtime.layouts.packing import pack, packed_size, unpack
 
@@ -192,8 +192,9 @@ class TurboBody:
         return out if b is None else out[0]
 
 
+@register
 class TurboSets(Layout):
-    name = "turboquant"
+    name = method = "turboquant"
     affine = False
     splits = True
     bits = TURBO_BITS

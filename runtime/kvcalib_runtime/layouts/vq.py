@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcalib_runtime.layouts.base import Kind, Layout, QTensor
+from kvcalib_runtime.layouts.base import Kind, Layout, QTensor, register
 from kvcalib_runtime.layouts.packing import pack, packed_size, unpack
 from kvcalib_runtime.layouts.turboquant import TurboBody
 
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from kvcalib_runtime.layouts.spec import QuantSpec
 
 VQ_BITS = (1, 2, 3, 4, 5, 6, 7, 8)  # index bits per vector: E = 2**bits entries
-PAIRINGS = ("adjacent", "rope")
 # QuantSpec fields a "vq" spec leaves at their defaults
 FIXED = ("symmetric", "clip", "outliers", "outlier_slots", "slot_rule", "slot_code")
 FIXED += ("split_channels", "split_bits")
@@ -192,8 +191,9 @@ class CodeBody:
         return out if b is None else out[0]
 
 
+@register
 class VectorCodes(Layout):
-    name = "vq"
+    name = method = "vq"
     kind = Kind.VECTORS
     affine = False
     decoded = True
