@@ -26,6 +26,7 @@ from decode_cases import random_sinks
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import paged
 from kvcalib_runtime.kernels.layout import Stored
+from kvcalib_runtime.layouts.body import as_body
 from kvcalib_runtime.layouts.quant import QuantSpec as S
 
 PAGE, POOL, R = 16, 16, 16  # slots per block, blocks in the pool, residual ring
@@ -49,7 +50,7 @@ CASES = {
 
 
 def _fields(body) -> dict[str, torch.Tensor]:
-    return {"exact": body} if isinstance(body, torch.Tensor) else paged.per_token(body)
+    return as_body(body).per_token()
 
 
 def _paginate(body, stale, table: torch.Tensor, gen, skip: int, device):

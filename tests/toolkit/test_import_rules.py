@@ -6,6 +6,7 @@ imports so `kvcalib --help` answers fast, and an optional dependency may be impo
 needed, with its ImportError turned into a message."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -221,3 +222,30 @@ def test_layouts_have_no_import_circle():
 
     for m in sorted(graph):
         visit(m)
+
+
+BODIES = {"PackedBody", "CodeBody", "TurboBody", "ExactBody", "ROW_BODIES"}
+
+
+def test_only_the_layouts_ask_a_body_its_class():
+    """What a layout allocates is read through layouts.body's protocol (its tensors, per-token
+    rows, stream arguments, reference read and writer): no code outside layouts/ asks a body
+    which class it is (`isinstance` with a body class, or of anything named body), so a new
+    layout's body needs no branch elsewhere."""
+    import kvcalib_runtime
+
+    runtime = Path(kvcalib_runtime.__file__).parent
+    plugin = ROOT.parent / "vllm_plugin" / "kvcalib_vllm"
+    sources = [*_modules(), *runtime.rglob("*.py"), *plugin.rglob("*.py")]
+    sources += [*(ROOT.parent / "benchmarks").glob("*.py")]
+    found = []
+    for path in sources:
+        if "layouts" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance"):
+                continue
+            what, classes = (ast.unparse(a) for a in node.args)
+            if re.search(r"body\b", what) or BODIES & set(re.findall(r"\w+", classes)):
+                found.append(f"{path.name}:{node.lineno} isinstance({what}, {classes})")
+    assert not found, found

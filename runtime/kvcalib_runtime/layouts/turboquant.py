@@ -25,11 +25,11 @@ fields at their defaults. The kernels do not read it.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvcalib_runtime.layouts.base import Layout, QTensor, register
+from kvcalib_runtime.layouts.base import Kind, Layout, QTensor, register
 from kvcalib_runtime.layouts.codebooks import lloyd_max, random_rotation
 from kvcalib_runtime.layouts.packing import pack, packed_size, unpack
 
@@ -115,7 +115,12 @@ class TurboBody:
                (kvcalib_runtime.layouts.packing's row layout)
     scale      dtype [B, Hkv, N, S]  the sets' norms
     split      int64 [Hkv, n_o], the outlier channels of each head, or None without a split
+
+    A layouts.body.Body with its own writer, which neither the decode kernels nor vLLM's pages
+    read (`per_token`, `stream_args` refuse).
     """
+
+    packed: ClassVar[bool] = False
 
     spec: "QuantSpec"
     head_dim: int
@@ -142,9 +147,26 @@ class TurboBody:
         scale = torch.zeros(b, hkv, n, len(sets), device=device, dtype=dtype)
         return cls(spec, d, codes, scale, split if spec.split_channels else None)
 
+    @property
+    def kind(self) -> Kind:
+        return self.spec.layout.kind
+
+    @property
+    def slots(self) -> int:
+        return self.scale.shape[2]
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this body holds (what its memory is)."""
         return [*self.codes, self.scale, *([self.split] if self.split is not None else [])]
+
+    def per_token(self) -> dict[str, torch.Tensor]:
+        raise ValueError("a 'turboquant' body is read by the reference path only: it is not paged")
+
+    def with_rows(self, rows: dict[str, torch.Tensor]) -> "TurboBody":
+        raise ValueError("a 'turboquant' body is read by the reference path only: it is not paged")
+
+    def stream_args(self, head_dim: int, unit) -> None:
+        raise ValueError("the decode kernel does not read TurboQuant's numerics (layout.decoded)")
 
     def view(self, b: int) -> "TurboBody":
         """Sequence b alone (B = 1), sharing storage."""

@@ -26,11 +26,12 @@ here.
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from kvcalib_runtime.layouts.base import Kind, Layout, QTensor, register
+from kvcalib_runtime.layouts.body import NONE, StreamArgs, Unit, replace_rows, rows
 from kvcalib_runtime.layouts.packing import pack, packed_size, unpack
 from kvcalib_runtime.layouts.turboquant import TurboBody
 
@@ -123,7 +124,12 @@ class CodeBody:
     scale     dtype [Hkv, D]      hi - lo of each channel's calibrated range
     offset    dtype [Hkv, D]      lo
     book      dtype [Hc, E, w]    the codebook (Hc = 1 or Hkv), in the normalized domain
+
+    A layouts.body.Body with its own writer.
     """
+
+    kind: ClassVar[Kind] = Kind.VECTORS
+    packed: ClassVar[bool] = False
 
     spec: "QuantSpec"
     head_dim: int
@@ -149,9 +155,29 @@ class CodeBody:
         book = codebook.to(device=device, dtype=dtype).contiguous()
         return cls(spec, d, codes, (hi - lo).to(dtype), lo.to(dtype), book)
 
+    @property
+    def slots(self) -> int:
+        return self.codes.shape[2]
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this body holds (what its memory is)."""
         return [self.codes, self.scale, self.offset, self.book]
+
+    def per_token(self) -> dict[str, torch.Tensor]:
+        """The codes: the ranges and the codebook are per layer."""
+        return {"codes": self.codes}
+
+    with_rows = replace_rows
+
+    def stream_args(self, head_dim: int, unit: Unit) -> StreamArgs:
+        """levels: the codebook [Hc, E, w]; BOOK: one KV head's entries where Hc > 1."""
+        spec, codes, book = self.spec, self.codes, self.book.contiguous()
+        fields = dict(BITS=spec.bits, GRAN=Kind.VECTORS.value, GROUP=spec.group_size, SYM=False,
+                      CB=True, K=0, FP8=False, VEC=False, UNIT=8,
+                      BOOK=book[0].numel() if book.shape[0] > 1 else 0,
+                      PAIRS=spec.pairing == "rope")  # fmt: skip
+        buffers = (codes, self.scale, self.offset, book, codes, codes)
+        return StreamArgs(buffers, (rows(codes), NONE, NONE, NONE), 1, fields)
 
     def view(self, b: int) -> "CodeBody":
         """Sequence b alone (B = 1), sharing storage."""
