@@ -237,7 +237,7 @@ def granularities() -> tuple[str, ...]:
 
 
 def methods() -> tuple[str, ...]:
-    """"affine" and the registered methods of their own, in registration order."""
+    """The method "affine" and the registered methods of their own, in registration order."""
     return ("affine", *_BY_METHOD)
 
 

@@ -124,3 +124,14 @@ def replace_rows(body, rows: dict[str, torch.Tensor]):
     """`with_rows` of a dataclass body whose per-token fields are named as `per_token` names
     them."""
     return dataclasses.replace(body, **rows)
+
+
+def flush_by_write(body, tail, new, lengths, start, end, n: int) -> None:
+    """A decode step's flush (kernels.quant_pack.flush_reference's contract) through a body's
+    own `write`: positions [start[b], start[b] + n) where start[b] < end[b], from the ring tail
+    [B, Hkv, R, D] below lengths[b] and the new token new [B, Hkv, D] otherwise."""
+    seq = torch.arange(len(start), device=start.device)
+    pos = start[:, None] + torch.arange(n, device=start.device)  # [B, n]
+    old = tail[seq[:, None], :, pos % tail.shape[2]]  # [B, n, Hkv, D]
+    x = torch.where((pos < lengths[:, None])[..., None, None], old, new[:, None])
+    body.write(x.transpose(1, 2), seq, start, active=start < end)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvcalib_runtime.layouts.base import Kind, Layout, QTensor, register
+from kvcalib_runtime.layouts.body import flush_by_write
 from kvcalib_runtime.layouts.codebooks import lloyd_max, random_rotation
 from kvcalib_runtime.layouts.packing import pack, packed_size, unpack
 
@@ -192,15 +193,7 @@ class TurboBody:
                 first += c
             self.scale[b, :, where] = q.scale[..., 0]
 
-    def flush(self, tail, new, lengths, start, end, n: int) -> None:
-        """A decode step's flush (kernels.quant_pack.flush_reference's contract): positions
-        [start[b], start[b] + n) where start[b] < end[b], from the ring tail [B, Hkv, R, D]
-        below lengths[b] and the new token new [B, Hkv, D] otherwise."""
-        seq = torch.arange(len(start), device=start.device)
-        pos = start[:, None] + torch.arange(n, device=start.device)  # [B, n]
-        old = tail[seq[:, None], :, pos % tail.shape[2]]  # [B, n, Hkv, D]
-        x = torch.where((pos < lengths[:, None])[..., None, None], old, new[:, None])
-        self.write(x.transpose(1, 2), seq, start, active=start < end)
+    flush = flush_by_write
 
     def dequantize(self, dtype: torch.dtype, b: int | None = None, n: int | None = None):
         """Slots [0, n) (default all) of sequence b (default every sequence) in plain torch:

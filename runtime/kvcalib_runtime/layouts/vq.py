@@ -31,9 +31,15 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvcalib_runtime.layouts.base import Kind, Layout, QTensor, register
-from kvcalib_runtime.layouts.body import NONE, StreamArgs, Unit, replace_rows, rows
+from kvcalib_runtime.layouts.body import (
+    NONE,
+    StreamArgs,
+    Unit,
+    flush_by_write,
+    replace_rows,
+    rows,
+)
 from kvcalib_runtime.layouts.packing import pack, packed_size, unpack
-from kvcalib_runtime.layouts.turboquant import TurboBody
 
 if TYPE_CHECKING:
     from kvcalib_runtime.layouts.spec import QuantSpec
@@ -203,7 +209,7 @@ class CodeBody:
         w = self.spec.layout.width_of_vector
         return nearest(x.float()[..., order].unflatten(-1, (-1, w)), table)
 
-    flush = TurboBody.flush  # a decode step's flush through `write`, as TurboQuant's body does
+    flush = flush_by_write
 
     def dequantize(self, dtype: torch.dtype, b: int | None = None, n: int | None = None):
         """Slots [0, n) (default all) of sequence b (default every sequence): [B, Hkv, n, D]
