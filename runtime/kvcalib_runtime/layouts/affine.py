@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from kvcalib_runtime.layouts import fp8, metabyte
-from kvcalib_runtime.layouts.base import Kind, Layout, QTensor, slot_index_dtype
+from kvcalib_runtime.layouts.base import CODEBOOK, Kind, Layout, QTensor, slot_index_dtype
 from kvcalib_runtime.layouts.body import NONE, StreamArgs, Unit, replace_rows, rows
 from kvcalib_runtime.layouts.packing import packed_size, unpack
 
@@ -47,6 +47,8 @@ def select_slots(xf: torch.Tensor, base: torch.Tensor, excess: torch.Tensor, k: 
 
 class AffineLayout(Layout):
     """A layout of kvcalib's affine numerics; subclasses say how elements form groups."""
+
+    calibrates = (CODEBOOK,)
 
     # -- groups (per layout) ---------------------------------------------------------------------
 

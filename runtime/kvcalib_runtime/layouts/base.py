@@ -7,7 +7,7 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -20,6 +20,28 @@ PAIRINGS = ("adjacent", "rope")  # how vector codes group channels (layouts.vq)
 def slot_index_dtype(n: int) -> torch.dtype:
     """The dtype of a slot's channel index in a vector of n channels."""
     return torch.uint8 if n <= 256 else torch.int16
+
+
+class Calibrated(NamedTuple):
+    """A tensor a layout needs calibrated, per layer, for keys and for values: KVParams'
+    `{kind}_{name}` (kind "key" or "value"), the side-car's layers.{i}.{kind}_{name} (a `pair`:
+    _lo and _hi), `argument` of `Layout.allocate`. checkpoint.format checks its rank and dtype
+    family, cache.shard gives each rank its heads' rows (all of them where `shared` says the
+    tensor is the layer's for every head)."""
+
+    name: str
+    argument: str
+    shape: str  # as FORMAT.md writes it
+    ranks: tuple[int, ...]
+    dtype: torch.dtype
+    pair: bool = False
+    shared: bool = False  # one row ([L] or [1, ...]) is shared by every head
+
+
+RANGE = Calibrated("range", "static_range", "[Hkv, D]", (2,), torch.float32, pair=True)
+CODEBOOK = Calibrated(
+    "codebook", "codebook", "[L], [Hkv, L] or [Hkv, L, w]", (1, 2, 3), torch.float32, shared=True
+)
 
 
 class Kind(enum.IntEnum):
@@ -71,8 +93,10 @@ class Layout:
                       layouts are not decodes through dequantize-then-attend)
     vectors           a code indexes a vector of group_size channels (`pairing` applies)
     joins_heads       a stored row is one token of every KV head
-    calibrated_range  its ranges come from calibration (KVParams.key_range / value_range)
-    splits            its channels split into sets by calibration (KVParams.key_split / ...)
+    calibrates        the calibrated tensors it may need (Calibrated; `calibrated` says which
+                      and their shapes for its spec); every affine layout may take a codebook
+    calibrated_range  its ranges come from calibration (RANGE: KVParams.key_range / ...)
+    splits            its channels split into sets by calibration ("split": KVParams.key_split)
     bits              the code widths it supports
     """
 
@@ -82,9 +106,15 @@ class Layout:
     affine: ClassVar[bool] = True
     vectors: ClassVar[bool] = False
     joins_heads: ClassVar[bool] = False
+    calibrates: ClassVar[tuple[Calibrated, ...]] = ()
     calibrated_range: ClassVar[bool] = False
     splits: ClassVar[bool] = False
     bits: ClassVar[tuple[int, ...]] = BITS
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.calibrated_range = RANGE in cls.calibrates
+        cls.splits = any(c.argument == "split" for c in cls.calibrates)
 
     def __init__(self, spec):
         self.spec = spec
@@ -144,6 +174,16 @@ class Layout:
         """The shape of a codebook of this layout for kv_heads heads (one per layer)."""
         return (self.spec.levels,)
 
+    def calibrated(self, kv_heads: int, head_dim: int) -> dict[str, tuple]:
+        """The calibrated tensors this spec needs for a layer of kv_heads heads of head_dim
+        channels: allocate's argument -> (shape, dtype) of the tensor (of each end of a pair)."""
+        spec, need = self.spec, {}
+        if RANGE in self.calibrates:
+            need[RANGE.argument] = ((kv_heads, head_dim), RANGE.dtype)
+        if spec.codebook and CODEBOOK in self.calibrates:
+            need[CODEBOOK.argument] = (self.codebook_shape(kv_heads), CODEBOOK.dtype)
+        return need
+
     def check_head(self, head_dim: int, kv_heads: int | None = None) -> None:
         """ValueError unless rows of heads of head_dim channels (kv_heads of them, where the
         layout joins heads and they are known) can be stored."""
@@ -196,18 +236,11 @@ class Layout:
         """Bits per element of a body of `tokens` tokens of kv_heads heads in a `dtype` cache,
         walked from the buffers of one allocated on the meta device: codes, metadata, exact
         slots and the layer's calibrated constants (ranges, codebooks, split channels)."""
-        spec, meta = self.spec, torch.device("meta")
-        found = torch.zeros(kv_heads, head_dim, device=meta)
-        body = self.allocate(
-            (1, kv_heads, tokens, head_dim),
-            meta,
-            dtype,
-            static_range=(found, found) if self.calibrated_range else None,
-            codebook=torch.zeros(self.codebook_shape(kv_heads), device=meta)
-            if spec.codebook
-            else None,
-            split=torch.zeros(kv_heads, spec.split_channels, dtype=torch.long, device=meta),
-        )
+        meta, given = torch.device("meta"), {}
+        for argument, (shape, kind) in self.calibrated(kv_heads, head_dim).items():
+            found = torch.zeros(shape, dtype=kind, device=meta)
+            given[argument] = (found, found) if argument == RANGE.argument else found
+        body = self.allocate((1, kv_heads, tokens, head_dim), meta, dtype, **given)
         return sum(t.nbytes for t in body.tensors()) * 8 / (tokens * kv_heads * head_dim)
 
     def __repr__(self) -> str:
@@ -229,6 +262,11 @@ def register(cls: type[Layout]) -> type[Layout]:
         raise TypeError(f"layout {cls.__name__}: the name {cls.name!r} is taken")
     table[cls.name] = cls
     return cls
+
+
+def calibrated_tensors() -> dict[str, Calibrated]:
+    """Every calibrated tensor a registered layout declares, by name."""
+    return {c.name: c for cls in registered().values() for c in cls.calibrates}
 
 
 def granularities() -> tuple[str, ...]:

@@ -21,6 +21,7 @@ GGML_GROUP = 32  # llama.cpp's QK4_0 = QK8_0
 @register
 class GgmlBlocks(TokenGroups):
     name = method = "ggml"
+    calibrates = ()  # llama.cpp's levels: no codebook
     affine = False
 
     def check(self) -> None:

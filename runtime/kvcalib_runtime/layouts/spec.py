@@ -7,13 +7,33 @@ import functools
 import math
 from dataclasses import dataclass
 
-from kvcalib_runtime.layouts.base import MAX_SLOTS, PAIRINGS, Layout, bind
+from kvcalib_runtime.layouts.base import (
+    MAX_SLOTS,
+    PAIRINGS,
+    Layout,
+    bind,
+    granularities,
+    methods,
+)
 
 SLOT_RULES = ("outside", "error")
 SLOT_CODES = ("exact", "fp8")
 METADATA_CODES = ("dtype", "byte")
 
-__all__ = ["METADATA_CODES", "SLOT_CODES", "SLOT_RULES", "QuantSpec"]
+__all__ = ["METADATA_CODES", "SLOT_CODES", "SLOT_RULES", "QuantSpec", "choices"]
+
+
+def choices() -> dict[str, tuple[str, ...]]:
+    """The values each enumerated QuantSpec field takes: the registry's granularities and
+    methods, and the tables above."""
+    return {
+        "granularity": granularities(),
+        "slot_rule": SLOT_RULES,
+        "slot_code": SLOT_CODES,
+        "method": methods(),
+        "pairing": PAIRINGS,
+        "metadata_code": METADATA_CODES,
+    }
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvcalib_runtime.layouts.base import Kind, Layout, QTensor, register
+from kvcalib_runtime.layouts.base import Calibrated, Kind, Layout, QTensor, register
 from kvcalib_runtime.layouts.body import flush_by_write
 from kvcalib_runtime.layouts.codebooks import lloyd_max, random_rotation
 from kvcalib_runtime.layouts.packing import pack, packed_size, unpack
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from kvcalib_runtime.layouts.spec import QuantSpec
 
 TURBO_BITS = (1, 2, 3, 4, 5)  # Lloyd-Max tables TurboQuant's sets use
+# the outlier set's channels of each KV head (KVParams.key_split / value_split)
+SPLIT = Calibrated("split", "split", "[Hkv, n]", (2,), torch.int64)
 
 
 def _sets(x: torch.Tensor, spec, split: torch.Tensor | None) -> list[torch.Tensor]:
@@ -211,7 +213,7 @@ class TurboBody:
 class TurboSets(Layout):
     name = method = "turboquant"
     affine = False
-    splits = True
+    calibrates = (SPLIT,)
     bits = TURBO_BITS
 
     def check(self) -> None:
@@ -242,6 +244,10 @@ class TurboSets(Layout):
                 f"of a vector of {n}"
             )
         return ((spec.split_channels, spec.split_bits), (n - spec.split_channels, spec.bits))
+
+    def calibrated(self, kv_heads: int, head_dim: int) -> dict[str, tuple]:
+        n = self.spec.split_channels
+        return {SPLIT.argument: ((kv_heads, n), SPLIT.dtype)} if n else {}
 
     def check_head(self, head_dim: int, kv_heads: int | None = None) -> None:
         self.sets(head_dim)

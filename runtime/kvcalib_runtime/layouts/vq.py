@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvcalib_runtime.layouts.base import Kind, Layout, QTensor, register
+from kvcalib_runtime.layouts.base import CODEBOOK, RANGE, Kind, Layout, QTensor, register
 from kvcalib_runtime.layouts.body import (
     NONE,
     StreamArgs,
@@ -229,7 +229,7 @@ class VectorCodes(Layout):
     kind = Kind.VECTORS
     affine = False
     decoded = True
-    calibrated_range = True
+    calibrates = (RANGE, CODEBOOK)
     vectors = True
     bits = VQ_BITS
 
