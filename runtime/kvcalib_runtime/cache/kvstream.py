@@ -32,7 +32,7 @@ from kvcalib_runtime.kernels.layout import Stored
 
 def kernel_layout(spec) -> bool:
     """Whether a tensor stored with spec (None: full precision) is laid out as the decode
-    attention and its references read it: an affine layout's PackedBody, or a "vq" CodeBody;
+    attention and its references read it (`layout.decoded`: an affine PackedBody, a CodeBody);
     `supports()` of each kernel decides the rest. Peers' own numerics
     (llama.cpp's, TurboQuant's) are not."""
     return spec is None or spec.layout.decoded
