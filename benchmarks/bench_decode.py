@@ -64,10 +64,9 @@ from kvcalib_runtime.kernels import decode_attention as dec  # noqa: E402
 from kvcalib_runtime.kernels import decode_config  # noqa: E402
 from kvcalib_runtime.kernels.layout import Sinks  # noqa: E402
 from kvcalib_runtime.layouts import Kind  # noqa: E402
-from kvcalib_runtime.layouts.affine import PackedBody  # noqa: E402
+from kvcalib_runtime.layouts.body import Body  # noqa: E402
 from kvcalib_runtime.layouts.packing import unpack  # noqa: E402
 from kvcalib_runtime.layouts.quant import QuantSpec  # noqa: E402
-from kvcalib_runtime.layouts.vq import CodeBody  # noqa: E402
 from kvcalib_runtime.model.forward import Transformer  # noqa: E402
 from kvcalib_runtime.model.rope import Rope  # noqa: E402
 from kvcalib_runtime.model.transforms import Transforms  # noqa: E402
@@ -221,9 +220,9 @@ def probe(buffers: list[torch.Tensor]):
     return run
 
 
-def dequantized(body: PackedBody | CodeBody, nb: int, dtype, rope: Rope | None):
+def dequantized(body: Body, nb: int, dtype, rope: Rope | None):
     """The unfused baseline's first half: positions [0, nb) of every sequence in dtype."""
-    if isinstance(body, CodeBody):
+    if not body.packed:  # vector codes: its own read
         return _rotated(body.dequantize(torch.float32, n=nb), rope).to(dtype)
     codes = unpack(body.codes[:, :, :nb], body.spec.bits, body.width)
     x = body.levels[0][codes.long()]

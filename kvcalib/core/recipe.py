@@ -63,15 +63,7 @@ from kvcalib.errors import RecipeError
 from kvcalib_runtime.cache.scheme import KEY_POSITIONS, KVScheme, LayerScheme
 from kvcalib_runtime.checkpoint.checks import MAX_TOKENS
 from kvcalib_runtime.layouts import Kind, Layout, layout_class
-from kvcalib_runtime.layouts.spec import (
-    GRANULARITIES,
-    METADATA_CODES,
-    METHODS,
-    PAIRINGS,
-    SLOT_CODES,
-    SLOT_RULES,
-    QuantSpec,
-)
+from kvcalib_runtime.layouts.spec import QuantSpec, choices
 
 MAX_LAYERS = 4096  # an override index beyond this is a typo, not a layer
 MAX_CODEBOOK_BITS = 4
@@ -84,29 +76,33 @@ EXTERNAL = ("hf-quanto",)
 QUANTIZED_LAYERS = ("all", "global")
 
 
-@dataclass(frozen=True)
-class TensorRecipe:
-    """How keys (or values) are quantized; see the module docstring for each field. The layout's
-    fields are the runtime QuantSpec's, under the same names (`spec` resolves them; `codebook`
-    names where levels come from, `split_fraction` sizes the split by head); `flush`, `position`,
-    `rotation` and `smooth` place the layout in the model."""
+def _layout_fields() -> list[tuple]:
+    """QuantSpec's fields, in its order, as a recipe writes them: `bits` defaults to full
+    precision, `codebook` names where levels come from ("uniform" or "calibrated"), and
+    `split_fraction` (after split_channels) sizes the split by head."""
+    out = []
+    for f in dataclasses.fields(QuantSpec):
+        kind, default = f.type, f.default
+        if f.name == "bits":
+            default = FULL_PRECISION
+        elif f.name == "codebook":
+            kind, default = str, "uniform"
+        out.append((f.name, kind, dataclasses.field(default=default)))
+        if f.name == "split_channels":
+            out.append(("split_fraction", float, dataclasses.field(default=0.0)))
+    return out
 
-    bits: int = FULL_PRECISION
-    granularity: str = "token"
-    group_size: int = 0
-    symmetric: bool = False
-    clip: float = 1.0
-    codebook: str = "uniform"
-    outliers: float = 0.0
-    outlier_slots: int = 0
-    slot_rule: str = "outside"
-    slot_code: str = "exact"
-    method: str = "affine"
-    split_channels: int = 0
-    split_fraction: float = 0.0
-    split_bits: int = 0
-    pairing: str = "adjacent"
-    metadata_code: str = "dtype"
+
+_LayoutFields = dataclasses.make_dataclass("_LayoutFields", _layout_fields(), frozen=True)
+
+
+@dataclass(frozen=True)
+class TensorRecipe(_LayoutFields):
+    """How keys (or values) are quantized; see the module docstring for each field. The layout's
+    fields are the runtime QuantSpec's, derived from it under the same names (`_layout_fields`;
+    `spec` resolves them); `flush`, `position`, `rotation` and `smooth` place the layout in the
+    model."""
+
     codebook_scope: str = "layer"
     codebook_weight: str = "fisher"
     flush: int = 0
@@ -232,16 +228,11 @@ _TOP_KEYS = {
 }
 _SINK_KEYS = {"first": int, "predicted": bool, "budget": int}
 _ALLOCATION_KEYS = {"budget": float, "choices": list, "sensitivity": str}
-_CHOICES = {  # the runtime's own tables where the runtime defines the field
-    "granularity": GRANULARITIES,
-    "slot_rule": SLOT_RULES,
-    "slot_code": SLOT_CODES,
-    "method": METHODS,
+_CHOICES = {  # the runtime's own tables (QuantSpec's fields, the registry's layouts), then ours
+    **choices(),
     "codebook": ("uniform", "calibrated"),
     "position": KEY_POSITIONS,
     "rotation": ("none", "hadamard"),
-    "pairing": PAIRINGS,
-    "metadata_code": METADATA_CODES,
     "codebook_scope": ("layer", "head"),
     "codebook_weight": ("fisher", "fisher+answer", "plain"),
 }

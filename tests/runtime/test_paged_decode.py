@@ -27,6 +27,7 @@ from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import decode_config as cfg
 from kvcalib_runtime.kernels import paged
 from kvcalib_runtime.kernels.layout import Stored
+from kvcalib_runtime.layouts.body import as_body
 from kvcalib_runtime.layouts.quant import QuantSpec as S
 
 PAGE, POOL, R = 16, 16, 16  # slots per block, blocks in the pool, residual ring
@@ -50,7 +51,7 @@ CASES = {
 
 
 def _fields(body) -> dict[str, torch.Tensor]:
-    return {"exact": body} if isinstance(body, torch.Tensor) else paged.per_token(body)
+    return as_body(body).per_token()
 
 
 def _paginate(body, stale, table: torch.Tensor, gen, skip: int, device):

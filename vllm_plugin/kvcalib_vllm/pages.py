@@ -38,8 +38,7 @@ import torch
 
 from kvcalib_runtime.cache.scheme import KVParams, LayerScheme
 from kvcalib_runtime.kernels import paged
-from kvcalib_runtime.layouts.affine import PackedBody
-from kvcalib_runtime.layouts.vq import CodeBody
+from kvcalib_runtime.layouts.body import Body
 
 ALIGN = 8  # bytes: a row is a multiple of every element size it holds (and of the model dtype)
 
@@ -86,7 +85,7 @@ class TensorPages:
         one = layout.allocate((1, kv_heads, 1, head_dim), torch.device("meta"), dtype, **calibrated)
         self.const = layout.allocate((1, kv_heads, 0, head_dim), "cpu", dtype, **calibrated)
         self.fields = []
-        for name, t in paged.per_token(one).items():
+        for name, t in one.per_token().items():
             assert t.shape[0] == 1 and t.shape[2] == 1, (name, t.shape)
             self.fields.append(Field(name, t.dtype, (t.shape[1], *t.shape[3:])))
 
@@ -95,14 +94,14 @@ class TensorPages:
         """Bytes of one token of this tensor in a page."""
         return sum(f.nbytes for f in self.fields)
 
-    def body(self, raw: torch.Tensor) -> PackedBody | CodeBody | torch.Tensor:
+    def body(self, raw: torch.Tensor) -> Body | torch.Tensor:
         """The whole cache as this tensor's storage: raw uint8 [blocks, block_size, C] (a view
         of vLLM's page buffer) -> PackedBody or CodeBody with B = blocks, N = block_size (views,
         no copy), or an exact dtype [blocks, Hkv, block_size, D] view."""
         views = {f.name: _view(raw, f) for f in self.fields}
         if self.const is None:
             return views["exact"]
-        return dataclasses.replace(self.const, **views)
+        return self.const.with_rows(views)
 
     def gather(self, body, blocks: torch.Tensor):
         """A sequence's storage in position order: blocks LongTensor [m] (its block table) ->

@@ -33,7 +33,6 @@ from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels.decode_attention import decode_attention
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.kernels.quant_pack import quant_pack_reference
-from kvcalib_runtime.layouts.vq import CodeBody
 from kvcalib_runtime.model.rope import layer_ropes
 from kvcalib_vllm.pages import PageLayout, TensorPages
 from kvcalib_vllm.sequences import Row, Sequences
@@ -194,9 +193,7 @@ class Serving:
         nb = _body(tp, self.scheme.residual, n)
         if nb:
             held = tp.gather(body, st.blocks)
-            out[0, :, :nb] = (
-                held.dequantize(self.dtype, 0, nb) if tp.const is not None else held[0, :, :nb]
-            )
+            out[0, :, :nb] = held.dequantize(self.dtype, 0, nb)
         for slot, p in enumerate(st.row.sink_pos.tolist()):
             if 0 <= p < nb:
                 out[0, :, p] = sinks[layer, :, slot]
@@ -244,10 +241,10 @@ class Serving:
             where, at = st.blocks[pos // self.block_size], pos % self.block_size
             if tp.const is None:
                 body[where, :, at] = block
-            elif isinstance(body, CodeBody):  # vector codes: the body's own writer
-                body.write(block[:, :, None], where, at)
-            else:
+            elif body.packed:
                 quant_pack_reference(block[:, :, None], body, where, at)
+            else:  # vector codes: the body's own writer
+                body.write(block[:, :, None], where, at)
         start = max(n, target)
         if start < n + T and residual:
             tail[:, torch.arange(start, n + T) % ring] = new[:, start - n :]

@@ -4,8 +4,7 @@ It implements the cache interface of `FullPrecisionCache` (positions / attend / 
 commit / view / reset) and follows the decode rule of `kvcalib_runtime.cache.scheme`. Storage, per
 layer, for B sequences of up to N tokens, Hkv KV heads of D channels (`kvstream.Stream`):
 
-    body         what the spec's layout allocates (kvcalib_runtime.layouts): a PackedBody
-                 (layouts.turboquant.TurboBody for "turboquant" specs):
+    body         what the spec's layout allocates (a layouts.body.Body), e.g. a PackedBody:
                  codes uint8 [B, Hkv, S, ceil(D * bits / 8)] and
                  scale/offset per group of channels of a token [B, Hkv, S, D/g], per group of
                  tokens of a channel [B, Hkv, S/G, D], or per channel ("static", from the

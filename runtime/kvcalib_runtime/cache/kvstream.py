@@ -1,8 +1,8 @@
 """One layer's keys or values in the quantized cache: body + residual ring, and how tokens move
 between them (`kvcalib_runtime.cache.kvcache` owns one per layer and tensor).
 
-    body     what the spec's layout allocates (kvcalib_runtime.layouts: a PackedBody
-             [B, heads, S, ...], a TurboBody for "turboquant", a CodeBody for "vq"); exact
+    body     what the spec's layout allocates (a layouts.body.Body: written by the packed
+             writer, kernels.quant_pack, or by its own); exact
              dtype [B, Hkv, S, D] for a tensor left in full precision,
              S = scheme.body_slots: position t in slot t % S
              (every position, or a ring for a sliding-window layer)
@@ -28,16 +28,11 @@ from kvcalib_runtime.cache.scheme import (
 )
 from kvcalib_runtime.kernels import quant_pack as qp
 from kvcalib_runtime.kernels.layout import Stored
-from kvcalib_runtime.layouts.affine import PackedBody
-from kvcalib_runtime.layouts.turboquant import TurboBody
-from kvcalib_runtime.layouts.vq import CodeBody
-
-ROW_BODIES = (TurboBody, CodeBody)  # bodies that quantize and store rows themselves
 
 
 def kernel_layout(spec) -> bool:
     """Whether a tensor stored with spec (None: full precision) is laid out as the decode
-    attention and its references read it: an affine layout's PackedBody, or a "vq" CodeBody;
+    attention and its references read it (`layout.decoded`: an affine PackedBody, a CodeBody);
     `supports()` of each kernel decides the rest. Peers' own numerics
     (llama.cpp's, TurboQuant's) are not."""
     return spec is None or spec.layout.decoded
@@ -92,7 +87,7 @@ class Stream:
         if self.spec is None:
             pos = start[:, None] + torch.arange(x.shape[2], device=x.device)
             self.exact[seq[:, None], :, pos % self.slots] = x.transpose(1, 2)
-        elif isinstance(self.body, ROW_BODIES):
+        elif not self.body.packed:  # a body that quantizes and stores rows itself
             self.body.write(x, seq, start)
         elif kernel and self.packs:
             qp.quant_pack(x, self.body, seq, start, is_sink)
@@ -107,7 +102,7 @@ class Stream:
         if self.spec is None:
             if self.slots:
                 self.exact[torch.arange(len(n), device=n.device), :, n % self.slots] = new
-        elif self.slots and isinstance(self.body, ROW_BODIES):
+        elif self.slots and not self.body.packed:
             self.body.flush(self.tail, new, n, self.n_body, target, self.flush)
         elif self.slots:
             flush = qp.flush if kernel and self.packs else qp.flush_reference
@@ -122,7 +117,7 @@ class Stream:
 
     def batch_key(self):
         """Streams with equal keys flush as one through `append_many`; None: `append` alone."""
-        if self.spec is None or not isinstance(self.body, PackedBody):
+        if self.spec is None or not self.body.packed:
             return None
         return qp.batch_key(self.body, self.flush)
 

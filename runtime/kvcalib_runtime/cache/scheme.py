@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvcalib_runtime.checkpoint.closed import closed
+from kvcalib_runtime.layouts.base import calibrated_tensors
 from kvcalib_runtime.layouts.quant import QuantSpec
 
 KEY_POSITIONS = ("pre_rope", "post_rope")
@@ -240,14 +241,12 @@ class KVParams:
     def tensors(self) -> dict[str, torch.Tensor]:
         """Flat safetensors names: layers.{i}.key_range_lo, ..., layers.{i}.value_split,
         sink_predictor.dims."""
-        out = {}
-        for name in ("key_range", "value_range"):
-            for i, (lo, hi) in getattr(self, name).items():
-                out[f"layers.{i}.{name}_lo"] = lo
-                out[f"layers.{i}.{name}_hi"] = hi
-        for name in ("key_codebook", "value_codebook", "key_smooth", "key_split", "value_split"):
-            for i, t in getattr(self, name).items():
-                out[f"layers.{i}.{name}"] = t
+        out = {f"layers.{i}.key_smooth": t for i, t in self.key_smooth.items()}
+        for c in calibrated_tensors().values():  # what the layouts declare (layouts.base)
+            for name in (f"key_{c.name}", f"value_{c.name}"):
+                for i, t in getattr(self, name).items():
+                    ends = zip(("_lo", "_hi"), t, strict=True) if c.pair else [("", t)]
+                    out.update({f"layers.{i}.{name}{end}": part for end, part in ends})
         if self.sink_predictor is not None:
             sp = self.sink_predictor
             out["sink_predictor.dims"] = torch.tensor(sp.dims, dtype=torch.int64)

@@ -20,6 +20,7 @@ that does not divide the KV heads.
 from dataclasses import replace
 
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme
+from kvcalib_runtime.layouts.base import calibrated_tensors
 
 
 def head_share(kv_heads: int, rank: int, world: int) -> slice:
@@ -55,7 +56,7 @@ def shard_params(scheme: KVScheme, params: KVParams, *, kv_heads: int, rank: int
     check_shardable(scheme, kv_heads, world)
 
     def rows(table: dict, per_layer: bool = False) -> dict:
-        def shared(t):  # one codebook for every head of a layer: [L], or [1, L, w] ("vq")
+        def shared(t):  # one row for every head of a layer: a codebook's [L], or [1, L, w]
             return per_layer and (t.dim() == 1 or t.shape[0] == 1)
 
         return {i: t if shared(t) else t[heads] for i, t in table.items()}
@@ -63,13 +64,9 @@ def shard_params(scheme: KVScheme, params: KVParams, *, kv_heads: int, rank: int
     def pairs(table: dict) -> dict:
         return {i: (lo[heads], hi[heads]) for i, (lo, hi) in table.items()}
 
-    return replace(
-        params,
-        key_range=pairs(params.key_range),
-        value_range=pairs(params.value_range),
-        key_codebook=rows(params.key_codebook, per_layer=True),
-        value_codebook=rows(params.value_codebook, per_layer=True),
-        key_smooth=rows(params.key_smooth),
-        key_split=rows(params.key_split),
-        value_split=rows(params.value_split),
-    )
+    share = {"key_smooth": rows(params.key_smooth)}
+    for c in calibrated_tensors().values():  # what the layouts declare (layouts.base)
+        for name in (f"key_{c.name}", f"value_{c.name}"):
+            table = getattr(params, name)
+            share[name] = pairs(table) if c.pair else rows(table, per_layer=c.shared)
+    return replace(params, **share)

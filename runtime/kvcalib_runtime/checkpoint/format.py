@@ -26,6 +26,7 @@ from kvcalib_runtime.cache.scheme import KVParams, KVScheme
 from kvcalib_runtime.checkpoint import checks
 from kvcalib_runtime.checkpoint.closed import closed
 from kvcalib_runtime.errors import FormatError
+from kvcalib_runtime.layouts.base import calibrated_tensors
 from kvcalib_runtime.model.geometry import Geometry
 from kvcalib_runtime.model.transforms import FUSED, NONE, ONLINE, LayerTransforms, Transforms
 
@@ -49,21 +50,38 @@ DTYPES = {
 }  # fmt: skip
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER = 100 << 20  # the safetensors library refuses larger headers too
-# kv_params.safetensors tensor names (KVParams.tensors()) -> the dtype family they must have.
+# kv_params.safetensors tensor names (KVParams.tensors()): the layouts' calibrated tensors
+# (layouts.base.Calibrated; a pair's ends _lo, _hi), the key smoothing, the sink predictor.
+_CALIBRATED = calibrated_tensors()
+_LAYER_NAMES = [
+    f"{kind}_{c.name}{end}"
+    for c in _CALIBRATED.values()
+    for kind in ("key", "value")
+    for end in (("_lo", "_hi") if c.pair else ("",))
+]
 _PARAM_NAMES = re.compile(
-    r"layers\.(\d+)\.(key_range_lo|key_range_hi|value_range_lo|value_range_hi|key_codebook|"
-    r"value_codebook|key_smooth|key_split|value_split)|sink_predictor\.(dims|threshold|layer)"
+    rf"layers\.(\d+)\.({'|'.join([*_LAYER_NAMES, 'key_smooth'])})|"
+    r"sink_predictor\.(dims|threshold|layer)"
 )
 # kv_params tensors whose shape does not depend on the model: what FORMAT.md says, and a check.
 _PARAM_SHAPES = {
     "dims": ("[n]", lambda shape: len(shape) == 1),
     "threshold": ("[1]", lambda shape: shape == (1,)),
     "layer": ("[1]", lambda shape: shape == (1,)),
-    "key_codebook": ("[L], [Hkv, L] or [Hkv, L, w]", lambda shape: len(shape) in (1, 2, 3)),
-    "value_codebook": ("[L], [Hkv, L] or [Hkv, L, w]", lambda shape: len(shape) in (1, 2, 3)),
-    "key_split": ("[Hkv, n]", lambda shape: len(shape) == 2),
-    "value_split": ("[Hkv, n]", lambda shape: len(shape) == 2),
+} | {
+    f"{kind}_{c.name}": (c.shape, lambda shape, ranks=c.ranks: len(shape) in ranks)
+    for c in _CALIBRATED.values()
+    if not c.pair  # a pair is [Hkv, D], checked against the model below
+    for kind in ("key", "value")
 }
+# kv_params tensors of int64 (every other one is floating point)
+_INTEGER = {"dims", "layer"} | {
+    f"{kind}_{c.name}"
+    for c in _CALIBRATED.values()
+    if not c.dtype.is_floating_point
+    for kind in ("key", "value")
+}
+_MODEL_SHAPED = {"key_smooth"} | {n for n in _LAYER_NAMES if n.endswith(("_lo", "_hi"))}
 _META_KEYS_V2 = {
     "format_version": int, "source": dict, "recipe": dict, "profile": (dict, type(None)),
     "transforms": dict, "residual_rotation_seed": (int, type(None)), "untied_embeddings": bool,
@@ -432,17 +450,11 @@ def _read_params(path: Path, num_layers: int, kv_heads: int, head_dim: int) -> K
         want, fits = _PARAM_SHAPES.get(m.group(2) or m.group(3), ("", None))
         if fits is not None and not fits(info.shape):
             fail(f"{name!r} has shape {list(info.shape)}, expected {want}")
-        integer = m.group(3) in ("dims", "layer") or m.group(2) in ("key_split", "value_split")
+        integer = (m.group(2) or m.group(3)) in _INTEGER
         floating = info.dtype in ("F32", "F16", "BF16")
         if integer != (info.dtype == "I64") or not (integer or floating):
             fail(f"{name!r} has dtype {info.dtype}")
-        if m.group(2) in (
-            "key_smooth",
-            "key_range_lo",
-            "key_range_hi",
-            "value_range_lo",
-            "value_range_hi",
-        ) and info.shape != (kv_heads, head_dim):
+        if m.group(2) in _MODEL_SHAPED and info.shape != (kv_heads, head_dim):
             fail(
                 f"{name!r} has shape {list(info.shape)}, expected "
                 f"[{kv_heads}, {head_dim}] (KV heads, head_dim)"
@@ -551,7 +563,8 @@ def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
     for i, layer in enumerate(scheme.layers):
         for kind, spec in (("key", layer.key), ("value", layer.value)):
             split = getattr(params, f"{kind}_split").get(i)
-            want = (kv_heads, spec.split_channels) if spec and spec.split_channels else None
+            need = spec.layout.calibrated(kv_heads, head_dim) if spec else {}
+            want = need["split"][0] if "split" in need else None  # as the layout declares it
             if want and (split is None or tuple(split.shape) != want):
                 raise FormatError(
                     f"{PARAMS}: layers.{i}.{kind}_split must have shape {want}; convert the "

@@ -17,8 +17,7 @@ import torch
 
 from kvcalib_runtime.kernels import native
 from kvcalib_runtime.layouts import Kind, metabyte
-from kvcalib_runtime.layouts.affine import PackedBody
-from kvcalib_runtime.layouts.spec import slot_index_dtype
+from kvcalib_runtime.layouts.base import slot_index_dtype
 
 MAX_WIDTH = 1024  # commit_cpu.c's MAX_WIDTH: channels a row may have
 EXACT, STATIC, TOKEN = 0, 1, 2
@@ -93,7 +92,7 @@ def takes(stream) -> bool:
     if stream.spec is None:
         return True
     body, spec = stream.body, stream.spec
-    if not isinstance(body, PackedBody) or not spec.layout.affine or body.vector:
+    if not spec.layout.affine or spec.layout.joins_heads:  # affine: a PackedBody
         return False
     if body.width > MAX_WIDTH or not all(
         t is None or t.dtype in (torch.float32, torch.uint8, torch.int16) for t in body.tensors()

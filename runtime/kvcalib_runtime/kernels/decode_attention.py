@@ -33,10 +33,8 @@ from kvcalib_runtime.kernels import tiles
 from kvcalib_runtime.kernels.decode_kernel import _combine_kernel, _decode_split_kernel
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts import Kind
-from kvcalib_runtime.layouts.vq import CodeBody
+from kvcalib_runtime.layouts.body import as_body
 
-EXACT = tiles.EXACT.value  # StreamLayout.GRAN of a tensor left in full precision
-VECTORS = tiles.VECTORS.value  # ... of vector codes ("vq")
 LOG2E = 1.4426950408889634
 
 
@@ -135,84 +133,21 @@ class StreamLayout(NamedTuple):
     BYTE: bool = False
 
 
-NONE = (0, 0, 0)
-
-
-def _rows(t: torch.Tensor | None) -> tuple[int, int, int]:
-    """Strides (block or sequence, head row, slot) of t [B, heads, N, ...], or NONE."""
-    return NONE if t is None else tuple(t.stride()[:3])
-
-
-def _words(codes: torch.Tensor) -> torch.Tensor | None:
-    """codes as int32 words (a view), or None where a row does not start on a word (a page
-    field placed at a byte offset that is not a multiple of 4)."""
-    if codes.storage_offset() % 4 or any(s % 4 for s in codes.stride()[:-1]):
-        return None
-    return codes.view(torch.int32)
-
-
 def _stream_args(stored: Stored, head_dim: int, positions: int, paged: bool):
-    """One stream's (StreamBuffers, StreamLayout); RING: fewer body slots than `positions`
-    (a paged body holds every position in its blocks)."""
-    body, half = stored.body, head_dim // 2
-    if isinstance(body, torch.Tensor):
-        slots = body.shape[2]
-        strides = Strides(_rows(body), NONE, NONE, NONE)
-        buffers = StreamBuffers(*[body] * 6, stored.tail, stored.n_body, max(slots, 1), 1,
-                                strides)  # fmt: skip
-        ring = not paged and slots < positions
-        exact = StreamLayout(16, EXACT, 1, True, False, 0, False, False, 8, ring, 0, False)
-        return buffers, exact
-    if isinstance(body, CodeBody):
-        codes, slots, spec = body.codes, body.codes.shape[2], body.spec
-        book = body.book.contiguous()
-        strides = Strides(_rows(codes), NONE, NONE, NONE)
-        buffers = StreamBuffers(codes, body.scale, body.offset, book, codes, codes, stored.tail,
-                                stored.n_body, max(slots, 1), 1, strides)  # fmt: skip
-        per_head = book[0].numel() if book.shape[0] > 1 else 0
-        vectors = StreamLayout(spec.bits, VECTORS, spec.group_size, False, True, 0, False, False,
-                               8, not paged and slots < positions, per_head,
-                               spec.pairing == "rope")  # fmt: skip
-        return buffers, vectors
-    spec = body.spec
-    unit = tiles.unit(spec.bits, half)
-    words = _words(body.codes) if unit == 32 else None
-    unit = 32 if words is not None else 8
-    codes = words if words is not None else body.codes
-    pointers = [body.scale, body.offset, body.levels, body.slot_index, body.slot_delta]
-    pointers = [t if t is not None else codes for t in pointers]
-    layout = spec.layout
-    meta_rows = body.scale.shape[2] if layout.kind == Kind.CHANNEL else 1
-    assert body.offset is None or body.offset.stride() == body.scale.stride()
-    meta = NONE if layout.kind == Kind.STATIC else _rows(body.scale)
-    strides = Strides(_rows(codes), meta, _rows(body.slot_index), _rows(body.slot_delta))
-    slots = body.codes.shape[2]
-    buffers = StreamBuffers(codes, *pointers, stored.tail, stored.n_body, max(slots, 1),
-                            meta_rows, strides)  # fmt: skip
-    layout = StreamLayout(
-        BITS=spec.bits,
-        GRAN=layout.kind.value,
-        GROUP=max(layout.metadata_group(body.width), 1),
-        SYM=spec.symmetric,
-        CB=spec.codebook,
-        K=layout.slots(body.width),
-        FP8=spec.slot_code == "fp8",
-        VEC=body.vector,
-        UNIT=unit,
-        RING=not paged and slots < positions,
-        BOOK=spec.levels if spec.codebook and not body.vector else 0,
-        PAIRS=False,
-        BYTE=spec.metadata_code == "byte",
-    )
-    return buffers, layout
+    """One stream's (StreamBuffers, StreamLayout), from what its body gives the kernel
+    (layouts.body's `stream_args`); RING: fewer body slots than `positions` (a paged body holds
+    every position in its blocks)."""
+    body = as_body(stored.body)
+    args, slots = body.stream_args(head_dim, tiles.unit), body.slots
+    buffers = StreamBuffers(*args.buffers, stored.tail, stored.n_body, max(slots, 1),
+                            args.meta_rows, Strides(*args.strides))  # fmt: skip
+    return buffers, StreamLayout(**args.layout, RING=not paged and slots < positions)
 
 
 def _page_size(keys: Stored, values: Stored, block_table, batch: int, window) -> int:
     """The slots per block of paged bodies (vLLM's block_size), after the checks."""
-    sizes = {(s.body if isinstance(s.body, torch.Tensor) else s.body.codes).shape[2]
-             for s in (keys, values)}  # fmt: skip
-    kinds = [s.body.spec.layout.kind for s in (keys, values)
-             if not isinstance(s.body, torch.Tensor)]  # fmt: skip
+    bodies = [as_body(s.body) for s in (keys, values)]
+    sizes, kinds = {b.slots for b in bodies}, [b.kind for b in bodies]
     if block_table.dim() != 2 or block_table.shape[0] != batch or len(sizes) != 1:
         raise ValueError(
             f"decode_attention: block_table {tuple(block_table.shape)} must be [B={batch}, "

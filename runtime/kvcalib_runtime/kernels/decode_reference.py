@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.layouts.body import as_body
 from kvcalib_runtime.model.rope import rotate_half
 
 
@@ -15,7 +16,7 @@ def _entries(stored: Stored, lengths, is_sink, dtype):
     """Every position a stream holds, scattered by position: (x [B, Hkv, P + 1, D] in dtype,
     held bool [B, P + 1]) with P = is_sink.shape[1]; column P collects the empty slots."""
     body, tail = stored.body, stored.tail
-    x_body = body.to(dtype) if isinstance(body, torch.Tensor) else body.dequantize(dtype)
+    x_body = as_body(body).dequantize(dtype)
     n, nb, P = lengths[:, None], stored.n_body[:, None], is_sink.shape[1]
     dev = tail.device
 

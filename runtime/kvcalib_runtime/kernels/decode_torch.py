@@ -36,7 +36,7 @@ from kvcalib_runtime.kernels.decode_reference import decode_attention_reference
 from kvcalib_runtime.kernels.layout import Sinks, Stored
 from kvcalib_runtime.layouts import Kind, fp8, metabyte
 from kvcalib_runtime.layouts.affine import PackedBody
-from kvcalib_runtime.layouts.vq import CodeBody
+from kvcalib_runtime.layouts.body import as_body
 
 
 def _window(body: PackedBody) -> int:
@@ -179,20 +179,17 @@ def _rope_table(inv_freq: torch.Tensor, wide, length: int):
 
 
 def _slots(stored: Stored) -> int:
-    body = stored.body
-    return (body if isinstance(body, torch.Tensor) else body.codes).shape[2]
+    return as_body(stored.body).slots
 
 
 def _held(stored: Stored, b: int, n: int, dtype, name: str) -> tuple[torch.Tensor, int]:
     """(x, nb): sequence b's body positions [0, nb) (nb = its n_body, at most n) as [Hkv, nb,
     D] in dtype — dequantized (into the scratch buffer `name`), or a view of an exact body — and
     nb."""
-    nb = min(int(stored.n_body[b]), n)
-    if isinstance(stored.body, PackedBody):
-        return dequantize(stored.body, dtype, b, nb, scratch=name), nb
-    if isinstance(stored.body, CodeBody):  # vector codes: its own lookup
-        return stored.body.dequantize(dtype, b, nb), nb
-    return stored.body[b, :, :nb].to(dtype), nb
+    nb, body = min(int(stored.n_body[b]), n), as_body(stored.body)
+    if body.packed:  # by byte tables
+        return dequantize(body, dtype, b, nb, scratch=name), nb
+    return body.dequantize(dtype, b, nb), nb  # its own read (a view of an exact body)
 
 
 def _after(stored: Stored, b: int, body: torch.Tensor, nb: int, lo: int, n: int, dtype):
@@ -225,12 +222,14 @@ def _native(body, b: int, n: int, copies: bool = True) -> "decode_native.Body | 
     checked once for every slot of the body and kept while the buffers and table live. Other
     metadata and slots are read into float32 copies of the first n rows (with copies=False:
     None)."""
-    if isinstance(body, torch.Tensor):  # left in full precision: read as it lies
-        usable = body.dtype == torch.float32 and body.shape[-1] <= decode_native.MAX_ROW
-        if not usable or body.device.type != "cpu" or native.library() is None:
+    body = as_body(body)
+    if body.kind == Kind.EXACT:  # left in full precision: read as it lies
+        exact = body.values
+        usable = exact.dtype == torch.float32 and exact.shape[-1] <= decode_native.MAX_ROW
+        if not usable or exact.device.type != "cpu" or native.library() is None:
             return None
-        return decode_native.Body.exact(body[b], n)
-    bits = _window(body) if isinstance(body, PackedBody) else 0
+        return decode_native.Body.exact(exact[b], n)
+    bits = _window(body) if body.packed else 0
     if not bits or body.codes.device.type != "cpu" or native.library() is None:
         return None
     table, rows = _window_table(body, bits)

@@ -9,8 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvcalib_runtime.layouts.affine import PackedBody
-from kvcalib_runtime.layouts.vq import CodeBody
+from kvcalib_runtime.layouts.body import Body
 
 
 def use_triton(device: torch.device | str) -> bool:
@@ -22,15 +21,16 @@ def use_triton(device: torch.device | str) -> bool:
 class Stored(NamedTuple):
     """One layer's keys or values as the decode kernel reads them.
 
-    body     PackedBody, a "vq" CodeBody, or dtype [B, Hkv, N, D] exact values (a tensor left
-             in full precision);
+    body     what the layout allocated (layouts.body.Body: a kernel reads a PackedBody or a "vq"
+             CodeBody), or dtype [B, Hkv, N, D] exact values (a tensor left in full precision,
+             read through layouts.body.as_body);
              position t at slot t % N (N < every position: a sliding-window ring)
     tail     dtype [B, Hkv, R, D]  the residual ring: position t at slot t % R
     n_body   int64 [B] on the device: positions [0, n_body) are read from the body, the
              others (up to the sequence's length) from the tail
     """
 
-    body: PackedBody | CodeBody | torch.Tensor
+    body: Body | torch.Tensor
     tail: torch.Tensor
     n_body: torch.Tensor
 

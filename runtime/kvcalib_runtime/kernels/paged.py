@@ -1,7 +1,7 @@
 """Decode attention over paged bodies (vLLM's pages), and its reference: gather, then the spec.
 
-A paged body is a layer's keys or values for a pool of blocks: a PackedBody (a "vq" CodeBody,
-or an exact tensor) with B = blocks and N = block_size, whose per-token buffers may be any
+A paged body is a layer's keys or values for a pool of blocks: a body (layouts.body; an exact
+tensor) with B = blocks and N = block_size, whose per-token buffers (`Body.per_token`) may be any
 strided views (vLLM's page interleaves every field of a token in one row). Sequence b's
 position p lies at slot p % N of block block_table[b, p // N]:
 
@@ -14,33 +14,11 @@ sequence's blocks copied into a contiguous body of m * N slots (`gather`), then
 `decode_attention_reference`.
 """
 
-import dataclasses
-
 import torch
 
 from kvcalib_runtime.kernels.decode_reference import decode_attention_reference
 from kvcalib_runtime.kernels.layout import Sinks, Stored
-from kvcalib_runtime.layouts import Kind
-from kvcalib_runtime.layouts.affine import PackedBody
-from kvcalib_runtime.layouts.vq import CodeBody
-
-PER_TOKEN = ("codes", "scale", "offset", "slot_index", "slot_delta")
-
-
-def per_token(body: PackedBody | CodeBody) -> dict[str, torch.Tensor]:
-    """The buffers of `body` that hold one row per (block, head, slot), by field name: codes and
-    exact slots, and the scale and offset of a per-token layout ("static" and vector codes keep
-    theirs per layer). A "channel" body's metadata is per group of tokens: not paged."""
-    if isinstance(body, CodeBody):
-        return {"codes": body.codes}
-    if body.layout.kind == Kind.CHANNEL:
-        raise ValueError("a 'channel' body keeps metadata per group of tokens: it is not paged")
-    static = body.layout.kind == Kind.STATIC
-    return {
-        name: getattr(body, name)
-        for name in PER_TOKEN
-        if getattr(body, name) is not None and not (static and name in ("scale", "offset"))
-    }
+from kvcalib_runtime.layouts.body import Body, as_body
 
 
 def _rows(t: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -51,12 +29,11 @@ def _rows(t: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return g.movedim(1, 2).reshape(b, heads, m * n, *g.shape[4:]).contiguous()
 
 
-def gather(body: PackedBody | CodeBody | torch.Tensor, block_table: torch.Tensor):
-    """A paged body as a contiguous one: B = sequences, N = m * block_size (copies)."""
-    if isinstance(body, torch.Tensor):
-        return _rows(body, block_table)
-    rows = {name: _rows(t, block_table) for name, t in per_token(body).items()}
-    return dataclasses.replace(body, **rows)
+def gather(body: Body | torch.Tensor, block_table: torch.Tensor) -> Body:
+    """A paged body as a contiguous one: B = sequences, N = m * block_size (copies of its
+    per-token buffers, `Body.per_token`)."""
+    body = as_body(body)
+    return body.with_rows({name: _rows(t, block_table) for name, t in body.per_token().items()})
 
 
 def paged_decode_attention_reference(q, k_new, v_new, keys: Stored, values: Stored,

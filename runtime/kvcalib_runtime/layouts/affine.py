@@ -9,12 +9,13 @@ keeps the groups' metadata (`metadata_shape`, `metadata_index`, `read_metadata`)
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from kvcalib_runtime.layouts import fp8, metabyte
-from kvcalib_runtime.layouts.base import Kind, Layout, QTensor, slot_index_dtype
+from kvcalib_runtime.layouts.base import CODEBOOK, Kind, Layout, QTensor, slot_index_dtype
+from kvcalib_runtime.layouts.body import NONE, StreamArgs, Unit, replace_rows, rows
 from kvcalib_runtime.layouts.packing import packed_size, unpack
 
 if TYPE_CHECKING:
@@ -46,6 +47,8 @@ def select_slots(xf: torch.Tensor, base: torch.Tensor, excess: torch.Tensor, k: 
 
 class AffineLayout(Layout):
     """A layout of kvcalib's affine numerics; subclasses say how elements form groups."""
+
+    calibrates = (CODEBOOK,)
 
     # -- groups (per layout) ---------------------------------------------------------------------
 
@@ -276,7 +279,11 @@ class PackedBody:
                   256 channels: slot_index_dtype), or None when the spec keeps no outliers
     slot_delta    dtype [B, heads, N, K] what each slot adds back (uint8 E4M3 bytes in steps
                   of its channel's scale for slot_code "fp8": layouts.fp8)
+
+    A layouts.body.Body: `packed`, written by kernels.quant_pack.
     """
+
+    packed: ClassVar[bool] = True
 
     spec: "QuantSpec"
     head_dim: int
@@ -293,6 +300,14 @@ class PackedBody:
     @property
     def layout(self) -> AffineLayout:
         return self.spec.layout
+
+    @property
+    def kind(self) -> Kind:
+        return self.layout.kind
+
+    @property
+    def slots(self) -> int:
+        return self.codes.shape[2]
 
     @property
     def vector(self) -> bool:
@@ -348,3 +363,49 @@ class PackedBody:
         q = QTensor(codes, scale, offset, index, delta, self.kv_heads if self.vector else None)
         out = layout.dequantize(q, codebook=self.levels).to(dtype)
         return out if b is None else out[0]
+
+    def per_token(self) -> dict[str, torch.Tensor]:
+        """codes and exact slots, and the scale and offset of per-token groups ("static" keeps
+        them per layer); a "channel" body's metadata is per group of tokens: not paged."""
+        if self.kind == Kind.CHANNEL:
+            raise ValueError("a 'channel' body keeps metadata per group of tokens: it is not paged")
+        static = self.kind == Kind.STATIC
+        return {
+            name: getattr(self, name)
+            for name in ("codes", "scale", "offset", "slot_index", "slot_delta")
+            if getattr(self, name) is not None and not (static and name in ("scale", "offset"))
+        }
+
+    with_rows = replace_rows
+
+    def stream_args(self, head_dim: int, unit: Unit) -> StreamArgs:
+        """codes as int32 words where the kernel loads a word at once and a row starts on one
+        (a page field at a byte offset that is not a multiple of 4 does not), else bytes."""
+        spec, layout = self.spec, self.layout
+        words = None
+        if unit(spec.bits, head_dim // 2) == 32 and not (
+            self.codes.storage_offset() % 4 or any(s % 4 for s in self.codes.stride()[:-1])
+        ):
+            words = self.codes.view(torch.int32)
+        codes = words if words is not None else self.codes
+        pointers = [self.scale, self.offset, self.levels, self.slot_index, self.slot_delta]
+        pointers = [t if t is not None else codes for t in pointers]
+        meta_rows = self.scale.shape[2] if self.kind == Kind.CHANNEL else 1
+        assert self.offset is None or self.offset.stride() == self.scale.stride()
+        meta = NONE if self.kind == Kind.STATIC else rows(self.scale)
+        strides = (rows(codes), meta, rows(self.slot_index), rows(self.slot_delta))
+        fields = dict(
+            BITS=spec.bits,
+            GRAN=self.kind.value,
+            GROUP=max(layout.metadata_group(self.width), 1),
+            SYM=spec.symmetric,
+            CB=spec.codebook,
+            K=layout.slots(self.width),
+            FP8=spec.slot_code == "fp8",
+            VEC=self.vector,
+            UNIT=32 if words is not None else 8,
+            BOOK=spec.levels if spec.codebook and not self.vector else 0,
+            PAIRS=False,
+            BYTE=spec.metadata_code == "byte",
+        )
+        return StreamArgs((codes, *pointers), strides, meta_rows, fields)

@@ -1,23 +1,47 @@
-"""What every stored layout shares: `Layout` (one layout bound to its QuantSpec), `Kind` (the
-switch the kernels compile on), `QTensor` (a quantized tensor in reference form) and the
-constants of the numerics."""
+"""What every stored layout shares: `Layout` (one layout bound to its QuantSpec), the registry
+layouts enter with `register` (`layout_class` and `bind` read it), `Kind` (the switch the kernels
+compile on), `QTensor` (a quantized tensor in reference form) and the constants of the
+numerics. It imports no other module of the package: spec.py and every layout sit on it."""
 
 import dataclasses
 import enum
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
 BITS = (2, 3, 4, 5, 6, 8)
 METADATA_BITS = 16  # scales, offsets and exact values in an fp16/bf16 cache
 MAX_SLOTS = 64  # exact slots per vector: beyond this dense storage is cheaper
+PAIRINGS = ("adjacent", "rope")  # how vector codes group channels (layouts.vq)
 
 
 def slot_index_dtype(n: int) -> torch.dtype:
     """The dtype of a slot's channel index in a vector of n channels."""
     return torch.uint8 if n <= 256 else torch.int16
+
+
+class Calibrated(NamedTuple):
+    """A tensor a layout needs calibrated, per layer, for keys and for values: KVParams'
+    `{kind}_{name}` (kind "key" or "value"), the side-car's layers.{i}.{kind}_{name} (a `pair`:
+    _lo and _hi), `argument` of `Layout.allocate`. checkpoint.format checks its rank and dtype
+    family, cache.shard gives each rank its heads' rows (all of them where `shared` says the
+    tensor is the layer's for every head)."""
+
+    name: str
+    argument: str
+    shape: str  # as FORMAT.md writes it
+    ranks: tuple[int, ...]
+    dtype: torch.dtype
+    pair: bool = False
+    shared: bool = False  # one row ([L] or [1, ...]) is shared by every head
+
+
+RANGE = Calibrated("range", "static_range", "[Hkv, D]", (2,), torch.float32, pair=True)
+CODEBOOK = Calibrated(
+    "codebook", "codebook", "[L], [Hkv, L] or [Hkv, L, w]", (1, 2, 3), torch.float32, shared=True
+)
 
 
 class Kind(enum.IntEnum):
@@ -61,25 +85,36 @@ class Layout:
     kernels read of it (`kind`, `affine`, `joins_heads`, `row_group`, `token_group`).
 
     name              the recipe's and side-car's word for it: a granularity, or a peer's method
+    method            "affine" (kvcalib's numerics: `name` is a granularity), or `name` (a
+                      method of its own, whatever the spec's granularity)
     kind              where its metadata lives (Kind)
     affine            kvcalib's numerics, which the kernels read (peers' own numerics are not)
     decoded           the decode attention's reference and CPU path read its body (a layer whose
                       layouts are not decodes through dequantize-then-attend)
     vectors           a code indexes a vector of group_size channels (`pairing` applies)
     joins_heads       a stored row is one token of every KV head
-    calibrated_range  its ranges come from calibration (KVParams.key_range / value_range)
-    splits            its channels split into sets by calibration (KVParams.key_split / ...)
+    calibrates        the calibrated tensors it may need (Calibrated; `calibrated` says which
+                      and their shapes for its spec); every affine layout may take a codebook
+    calibrated_range  its ranges come from calibration (RANGE: KVParams.key_range / ...)
+    splits            its channels split into sets by calibration ("split": KVParams.key_split)
     bits              the code widths it supports
     """
 
     name: ClassVar[str]
+    method: ClassVar[str] = "affine"
     kind: ClassVar[Kind] = Kind.TOKEN
     affine: ClassVar[bool] = True
     vectors: ClassVar[bool] = False
     joins_heads: ClassVar[bool] = False
+    calibrates: ClassVar[tuple[Calibrated, ...]] = ()
     calibrated_range: ClassVar[bool] = False
     splits: ClassVar[bool] = False
     bits: ClassVar[tuple[int, ...]] = BITS
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.calibrated_range = RANGE in cls.calibrates
+        cls.splits = any(c.argument == "split" for c in cls.calibrates)
 
     def __init__(self, spec):
         self.spec = spec
@@ -139,6 +174,16 @@ class Layout:
         """The shape of a codebook of this layout for kv_heads heads (one per layer)."""
         return (self.spec.levels,)
 
+    def calibrated(self, kv_heads: int, head_dim: int) -> dict[str, tuple]:
+        """The calibrated tensors this spec needs for a layer of kv_heads heads of head_dim
+        channels: allocate's argument -> (shape, dtype) of the tensor (of each end of a pair)."""
+        spec, need = self.spec, {}
+        if RANGE in self.calibrates:
+            need[RANGE.argument] = ((kv_heads, head_dim), RANGE.dtype)
+        if spec.codebook and CODEBOOK in self.calibrates:
+            need[CODEBOOK.argument] = (self.codebook_shape(kv_heads), CODEBOOK.dtype)
+        return need
+
     def check_head(self, head_dim: int, kv_heads: int | None = None) -> None:
         """ValueError unless rows of heads of head_dim channels (kv_heads of them, where the
         layout joins heads and they are known) can be stored."""
@@ -191,19 +236,63 @@ class Layout:
         """Bits per element of a body of `tokens` tokens of kv_heads heads in a `dtype` cache,
         walked from the buffers of one allocated on the meta device: codes, metadata, exact
         slots and the layer's calibrated constants (ranges, codebooks, split channels)."""
-        spec, meta = self.spec, torch.device("meta")
-        found = torch.zeros(kv_heads, head_dim, device=meta)
-        body = self.allocate(
-            (1, kv_heads, tokens, head_dim),
-            meta,
-            dtype,
-            static_range=(found, found) if self.calibrated_range else None,
-            codebook=torch.zeros(self.codebook_shape(kv_heads), device=meta)
-            if spec.codebook
-            else None,
-            split=torch.zeros(kv_heads, spec.split_channels, dtype=torch.long, device=meta),
-        )
+        meta, given = torch.device("meta"), {}
+        for argument, (shape, kind) in self.calibrated(kv_heads, head_dim).items():
+            found = torch.zeros(shape, dtype=kind, device=meta)
+            given[argument] = (found, found) if argument == RANGE.argument else found
+        body = self.allocate((1, kv_heads, tokens, head_dim), meta, dtype, **given)
         return sum(t.nbytes for t in body.tensors()) * 8 / (tokens * kv_heads * head_dim)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec})"
+
+
+_BY_GRANULARITY: dict[str, type[Layout]] = {}  # method "affine": the layout of each granularity
+_BY_METHOD: dict[str, type[Layout]] = {}  # the methods of their own
+
+
+def register(cls: type[Layout]) -> type[Layout]:
+    """Class decorator: `cls` becomes the layout its name selects, as a granularity (method
+    "affine") or as a method of its own (method = name). A name taken twice is a programming
+    error."""
+    if cls.method not in ("affine", cls.name):
+        raise TypeError(f"layout {cls.__name__}: method is 'affine' or its name {cls.name!r}")
+    table = _BY_GRANULARITY if cls.method == "affine" else _BY_METHOD
+    if cls.name in table or cls.name == "affine":
+        raise TypeError(f"layout {cls.__name__}: the name {cls.name!r} is taken")
+    table[cls.name] = cls
+    return cls
+
+
+def calibrated_tensors() -> dict[str, Calibrated]:
+    """Every calibrated tensor a registered layout declares, by name."""
+    return {c.name: c for cls in registered().values() for c in cls.calibrates}
+
+
+def granularities() -> tuple[str, ...]:
+    """The registered granularities, in registration order."""
+    return tuple(_BY_GRANULARITY)
+
+
+def methods() -> tuple[str, ...]:
+    """The method "affine" and the registered methods of their own, in registration order."""
+    return ("affine", *_BY_METHOD)
+
+
+def registered() -> dict[str, type[Layout]]:
+    """Every registered layout by name: the granularities', then the methods'."""
+    return {**_BY_GRANULARITY, **_BY_METHOD}
+
+
+def layout_class(method: str, granularity: str) -> type[Layout]:
+    """The Layout a spec's method and granularity select; ValueError naming the field."""
+    if method not in methods():
+        raise ValueError(f"method = {method!r} is unknown: use one of {methods()}")
+    if granularity not in _BY_GRANULARITY:
+        raise ValueError(f"granularity = {granularity!r} is unknown: use one of {granularities()}")
+    return _BY_GRANULARITY[granularity] if method == "affine" else _BY_METHOD[method]
+
+
+def bind(spec) -> Layout:
+    """spec's layout, bound to it."""
+    return layout_class(spec.method, spec.granularity)(spec)

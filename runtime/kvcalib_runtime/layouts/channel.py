@@ -6,9 +6,10 @@ Tokens move into the body a whole group at a time."""
 import torch
 
 from kvcalib_runtime.layouts.affine import AffineLayout
-from kvcalib_runtime.layouts.base import Kind
+from kvcalib_runtime.layouts.base import Kind, register
 
 
+@register
 class ChannelGroups(AffineLayout):
     name = "channel"
     kind = Kind.CHANNEL

@@ -12,14 +12,16 @@ a body is a PackedBody of "token" groups, which the kernels do not read (their l
 
 import torch
 
-from kvcalib_runtime.layouts.base import QTensor
+from kvcalib_runtime.layouts.base import QTensor, register
 from kvcalib_runtime.layouts.token import TokenGroups
 
 GGML_GROUP = 32  # llama.cpp's QK4_0 = QK8_0
 
 
+@register
 class GgmlBlocks(TokenGroups):
-    name = "ggml"
+    name = method = "ggml"
+    calibrates = ()  # llama.cpp's levels: no codebook
     affine = False
 
     def check(self) -> None:

@@ -1,7 +1,7 @@
 """Reference quantizers for KV tensors — the single source of truth for kvcalib's numerics.
 
 Every tensor here is laid out [..., T, D]: T tokens, D channels of one head (typically
-[B, H, T, D]). One `QuantSpec` (defined in layouts.spec with `QTensor`, both exported here;
+[B, H, T, D]). One `QuantSpec` (layouts.spec; `QTensor` is layouts.base's, both exported here;
 each granularity is a layout of kvcalib_runtime.layouts) says how such a tensor is cut into
 groups, each group getting its own range:
 
@@ -65,36 +65,10 @@ the spec's `layout` binds: this module is their common entry point.
 
 import torch
 
-from kvcalib_runtime.layouts.affine import select_slots
-from kvcalib_runtime.layouts.spec import (
-    BITS,
-    GRANULARITIES,
-    MAX_SLOTS,
-    METADATA_BITS,
-    METHODS,
-    QTensor,
-    QuantSpec,
-    slot_index_dtype,
-)
-from kvcalib_runtime.layouts.vector import from_vector, to_vector
+from kvcalib_runtime.layouts.base import QTensor
+from kvcalib_runtime.layouts.spec import QuantSpec
 
-__all__ = [
-    "BITS",
-    "GRANULARITIES",
-    "MAX_SLOTS",
-    "METADATA_BITS",
-    "METHODS",
-    "QTensor",
-    "QuantSpec",
-    "dequantize",
-    "fake_quantize",
-    "from_vector",
-    "quantize",
-    "select_slots",
-    "slot_index_dtype",
-    "to_vector",
-    "uniform_codebook",
-]
+__all__ = ["QTensor", "QuantSpec", "dequantize", "fake_quantize", "quantize", "uniform_codebook"]
 
 
 def quantize(

@@ -1,41 +1,39 @@
-"""The types of kvcalib_runtime.layouts.quant: `QuantSpec`, the closed description of how one
-KV tensor is quantized (its fields are defined in quant's module docstring), and `QTensor`, a
-quantized tensor in reference form. A spec's `layout` (kvcalib_runtime.layouts) is what its fields
-select: the stored layout that checks them, quantizes, stores and is read by the kernels."""
+"""`QuantSpec`, the closed description of how one KV tensor is quantized (its fields are defined
+in layouts.quant's module docstring). A spec's `layout` is what its fields select in the
+registry (layouts.base): the stored layout that checks them, quantizes, stores and is read by
+the kernels. A leaf of the package: it imports only layouts.base."""
 
 import functools
 import math
 from dataclasses import dataclass
 
-from kvcalib_runtime import layouts
-from kvcalib_runtime.layouts.base import BITS, MAX_SLOTS, METADATA_BITS, QTensor, slot_index_dtype
-from kvcalib_runtime.layouts.ggml import GGML_GROUP
-from kvcalib_runtime.layouts.turboquant import TURBO_BITS
-from kvcalib_runtime.layouts.vq import PAIRINGS, VQ_BITS
+from kvcalib_runtime.layouts.base import (
+    MAX_SLOTS,
+    PAIRINGS,
+    Layout,
+    bind,
+    granularities,
+    methods,
+)
 
-GRANULARITIES = layouts.GRANULARITIES
-METHODS = layouts.METHODS
 SLOT_RULES = ("outside", "error")
 SLOT_CODES = ("exact", "fp8")
 METADATA_CODES = ("dtype", "byte")
 
-__all__ = [
-    "BITS",
-    "GGML_GROUP",
-    "GRANULARITIES",
-    "MAX_SLOTS",
-    "METADATA_BITS",
-    "METADATA_CODES",
-    "METHODS",
-    "PAIRINGS",
-    "SLOT_CODES",
-    "SLOT_RULES",
-    "TURBO_BITS",
-    "VQ_BITS",
-    "QTensor",
-    "QuantSpec",
-    "slot_index_dtype",
-]
+__all__ = ["METADATA_CODES", "SLOT_CODES", "SLOT_RULES", "QuantSpec", "choices"]
+
+
+def choices() -> dict[str, tuple[str, ...]]:
+    """The values each enumerated QuantSpec field takes: the registry's granularities and
+    methods, and the tables above."""
+    return {
+        "granularity": granularities(),
+        "slot_rule": SLOT_RULES,
+        "slot_code": SLOT_CODES,
+        "method": methods(),
+        "pairing": PAIRINGS,
+        "metadata_code": METADATA_CODES,
+    }
 
 
 @dataclass(frozen=True)
@@ -107,9 +105,9 @@ class QuantSpec:
         layout.check()
 
     @functools.cached_property
-    def layout(self) -> layouts.Layout:
+    def layout(self) -> Layout:
         """The stored layout these fields select, bound to this spec."""
-        return layouts.bind(self)
+        return bind(self)
 
     @property
     def levels(self) -> int:

@@ -6,13 +6,14 @@ metadata broadcasts to [..., 1, D]."""
 import torch
 
 from kvcalib_runtime.layouts.affine import AffineLayout
-from kvcalib_runtime.layouts.base import Kind
+from kvcalib_runtime.layouts.base import CODEBOOK, RANGE, Kind, register
 
 
+@register
 class StaticChannels(AffineLayout):
     name = "static"
     kind = Kind.STATIC
-    calibrated_range = True
+    calibrates = (RANGE, CODEBOOK)
 
     def check(self) -> None:
         super().check()

@@ -5,8 +5,10 @@ row: scale (and offset) [..., T, D/g, 1] in reference form, [B, Hkv, N, D/g] in 
 import torch
 
 from kvcalib_runtime.layouts.affine import AffineLayout
+from kvcalib_runtime.layouts.base import register
 
 
+@register
 class TokenGroups(AffineLayout):
     name = "token"
 

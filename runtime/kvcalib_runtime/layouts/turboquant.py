@@ -25,11 +25,12 @@ fields at their defaults. The kernels do not read it.
 """
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvcalib_runtime.layouts.base import Layout, QTensor
+from kvcalib_runtime.layouts.base import Calibrated, Kind, Layout, QTensor, register
+from kvcalib_runtime.layouts.body import flush_by_write
 from kvcalib_runtime.layouts.codebooks import lloyd_max, random_rotation
 from kvcalib_runtime.layouts.packing import pack, packed_size, unpack
 
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from kvcalib_runtime.layouts.spec import QuantSpec
 
 TURBO_BITS = (1, 2, 3, 4, 5)  # Lloyd-Max tables TurboQuant's sets use
+# the outlier set's channels of each KV head (KVParams.key_split / value_split)
+SPLIT = Calibrated("split", "split", "[Hkv, n]", (2,), torch.int64)
 
 
 def _sets(x: torch.Tensor, spec, split: torch.Tensor | None) -> list[torch.Tensor]:
@@ -115,7 +118,12 @@ class TurboBody:
                (kvcalib_runtime.layouts.packing's row layout)
     scale      dtype [B, Hkv, N, S]  the sets' norms
     split      int64 [Hkv, n_o], the outlier channels of each head, or None without a split
+
+    A layouts.body.Body with its own writer, which neither the decode kernels nor vLLM's pages
+    read (`per_token`, `stream_args` refuse).
     """
+
+    packed: ClassVar[bool] = False
 
     spec: "QuantSpec"
     head_dim: int
@@ -142,9 +150,26 @@ class TurboBody:
         scale = torch.zeros(b, hkv, n, len(sets), device=device, dtype=dtype)
         return cls(spec, d, codes, scale, split if spec.split_channels else None)
 
+    @property
+    def kind(self) -> Kind:
+        return self.spec.layout.kind
+
+    @property
+    def slots(self) -> int:
+        return self.scale.shape[2]
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this body holds (what its memory is)."""
         return [*self.codes, self.scale, *([self.split] if self.split is not None else [])]
+
+    def per_token(self) -> dict[str, torch.Tensor]:
+        raise ValueError("a 'turboquant' body is read by the reference path only: it is not paged")
+
+    def with_rows(self, rows: dict[str, torch.Tensor]) -> "TurboBody":
+        raise ValueError("a 'turboquant' body is read by the reference path only: it is not paged")
+
+    def stream_args(self, head_dim: int, unit) -> None:
+        raise ValueError("the decode kernel does not read TurboQuant's numerics (layout.decoded)")
 
     def view(self, b: int) -> "TurboBody":
         """Sequence b alone (B = 1), sharing storage."""
@@ -170,15 +195,7 @@ class TurboBody:
                 first += c
             self.scale[b, :, where] = q.scale[..., 0]
 
-    def flush(self, tail, new, lengths, start, end, n: int) -> None:
-        """A decode step's flush (kernels.quant_pack.flush_reference's contract): positions
-        [start[b], start[b] + n) where start[b] < end[b], from the ring tail [B, Hkv, R, D]
-        below lengths[b] and the new token new [B, Hkv, D] otherwise."""
-        seq = torch.arange(len(start), device=start.device)
-        pos = start[:, None] + torch.arange(n, device=start.device)  # [B, n]
-        old = tail[seq[:, None], :, pos % tail.shape[2]]  # [B, n, Hkv, D]
-        x = torch.where((pos < lengths[:, None])[..., None, None], old, new[:, None])
-        self.write(x.transpose(1, 2), seq, start, active=start < end)
+    flush = flush_by_write
 
     def dequantize(self, dtype: torch.dtype, b: int | None = None, n: int | None = None):
         """Slots [0, n) (default all) of sequence b (default every sequence) in plain torch:
@@ -192,10 +209,11 @@ class TurboBody:
         return out if b is None else out[0]
 
 
+@register
 class TurboSets(Layout):
-    name = "turboquant"
+    name = method = "turboquant"
     affine = False
-    splits = True
+    calibrates = (SPLIT,)
     bits = TURBO_BITS
 
     def check(self) -> None:
@@ -226,6 +244,10 @@ class TurboSets(Layout):
                 f"of a vector of {n}"
             )
         return ((spec.split_channels, spec.split_bits), (n - spec.split_channels, spec.bits))
+
+    def calibrated(self, kv_heads: int, head_dim: int) -> dict[str, tuple]:
+        n = self.spec.split_channels
+        return {SPLIT.argument: ((kv_heads, n), SPLIT.dtype)} if n else {}
 
     def check_head(self, head_dim: int, kv_heads: int | None = None) -> None:
         self.sets(head_dim)

@@ -4,6 +4,7 @@
 
 import torch
 
+from kvcalib_runtime.layouts.base import register
 from kvcalib_runtime.layouts.token import TokenGroups
 
 
@@ -19,6 +20,7 @@ def from_vector(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x.reshape(*x.shape[:-3], t, heads, n // heads).transpose(-3, -2)
 
 
+@register
 class VectorGroups(TokenGroups):
     name = "vector"
     joins_heads = True

@@ -26,19 +26,25 @@ here.
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvcalib_runtime.layouts.base import Kind, Layout, QTensor
+from kvcalib_runtime.layouts.base import CODEBOOK, RANGE, Kind, Layout, QTensor, register
+from kvcalib_runtime.layouts.body import (
+    NONE,
+    StreamArgs,
+    Unit,
+    flush_by_write,
+    replace_rows,
+    rows,
+)
 from kvcalib_runtime.layouts.packing import pack, packed_size, unpack
-from kvcalib_runtime.layouts.turboquant import TurboBody
 
 if TYPE_CHECKING:
     from kvcalib_runtime.layouts.spec import QuantSpec
 
 VQ_BITS = (1, 2, 3, 4, 5, 6, 7, 8)  # index bits per vector: E = 2**bits entries
-PAIRINGS = ("adjacent", "rope")
 # QuantSpec fields a "vq" spec leaves at their defaults
 FIXED = ("symmetric", "clip", "outliers", "outlier_slots", "slot_rule", "slot_code")
 FIXED += ("split_channels", "split_bits")
@@ -124,7 +130,12 @@ class CodeBody:
     scale     dtype [Hkv, D]      hi - lo of each channel's calibrated range
     offset    dtype [Hkv, D]      lo
     book      dtype [Hc, E, w]    the codebook (Hc = 1 or Hkv), in the normalized domain
+
+    A layouts.body.Body with its own writer.
     """
+
+    kind: ClassVar[Kind] = Kind.VECTORS
+    packed: ClassVar[bool] = False
 
     spec: "QuantSpec"
     head_dim: int
@@ -150,9 +161,29 @@ class CodeBody:
         book = codebook.to(device=device, dtype=dtype).contiguous()
         return cls(spec, d, codes, (hi - lo).to(dtype), lo.to(dtype), book)
 
+    @property
+    def slots(self) -> int:
+        return self.codes.shape[2]
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this body holds (what its memory is)."""
         return [self.codes, self.scale, self.offset, self.book]
+
+    def per_token(self) -> dict[str, torch.Tensor]:
+        """The codes: the ranges and the codebook are per layer."""
+        return {"codes": self.codes}
+
+    with_rows = replace_rows
+
+    def stream_args(self, head_dim: int, unit: Unit) -> StreamArgs:
+        """levels: the codebook [Hc, E, w]; BOOK: one KV head's entries where Hc > 1."""
+        spec, codes, book = self.spec, self.codes, self.book.contiguous()
+        fields = dict(BITS=spec.bits, GRAN=Kind.VECTORS.value, GROUP=spec.group_size, SYM=False,
+                      CB=True, K=0, FP8=False, VEC=False, UNIT=8,
+                      BOOK=book[0].numel() if book.shape[0] > 1 else 0,
+                      PAIRS=spec.pairing == "rope")  # fmt: skip
+        buffers = (codes, self.scale, self.offset, book, codes, codes)
+        return StreamArgs(buffers, (rows(codes), NONE, NONE, NONE), 1, fields)
 
     def view(self, b: int) -> "CodeBody":
         """Sequence b alone (B = 1), sharing storage."""
@@ -178,7 +209,7 @@ class CodeBody:
         w = self.spec.layout.width_of_vector
         return nearest(x.float()[..., order].unflatten(-1, (-1, w)), table)
 
-    flush = TurboBody.flush  # a decode step's flush through `write`, as TurboQuant's body does
+    flush = flush_by_write
 
     def dequantize(self, dtype: torch.dtype, b: int | None = None, n: int | None = None):
         """Slots [0, n) (default all) of sequence b (default every sequence): [B, Hkv, n, D]
@@ -192,12 +223,13 @@ class CodeBody:
         return out if b is None else out[0]
 
 
+@register
 class VectorCodes(Layout):
-    name = "vq"
+    name = method = "vq"
     kind = Kind.VECTORS
     affine = False
     decoded = True
-    calibrated_range = True
+    calibrates = (RANGE, CODEBOOK)
     vectors = True
     bits = VQ_BITS
 

@@ -6,6 +6,7 @@ imports so `kvcalib --help` answers fast, and an optional dependency may be impo
 needed, with its ImportError turned into a message."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -174,4 +175,77 @@ def test_only_the_layouts_compare_granularity_or_method():
                 isinstance(s, ast.Attribute) and s.attr in ("granularity", "method") for s in sides
             ):
                 found.append(f"{path.name}:{node.lineno}")
+    assert not found, found
+
+
+def _layouts_graph() -> dict[str, set[str]]:
+    """kvcalib_runtime/layouts/'s modules -> the modules of the package each imports, those
+    under TYPE_CHECKING included ("__init__": the package itself, for a name it exports)."""
+    import kvcalib_runtime
+
+    package = Path(kvcalib_runtime.__file__).parent / "layouts"
+    names = {p.stem for p in package.glob("*.py")}
+    graph = {}
+    for path in package.glob("*.py"):
+        edges = set()
+        for node, module in _imports(ast.parse(path.read_text())):
+            if module == "kvcalib_runtime" and isinstance(node, ast.ImportFrom):
+                edges |= {"__init__" for a in node.names if a.name == "layouts"}
+            elif module == "kvcalib_runtime.layouts" and isinstance(node, ast.ImportFrom):
+                edges |= {a.name if a.name in names else "__init__" for a in node.names}
+            elif module.startswith("kvcalib_runtime.layouts."):
+                edges.add(module.split(".")[2])
+        graph[path.stem] = edges
+    return graph
+
+
+def test_layouts_have_no_import_circle():
+    """The registry (layouts.base) and QuantSpec (layouts.spec) are leaves: base imports no
+    module of the package, spec only base, and no module inside imports the package itself or
+    closes a circle, not even under TYPE_CHECKING. A circle let spec.py read the package's
+    tables at import time, half-initialised for the first layout that needs QuantSpec."""
+    graph = _layouts_graph()
+    assert graph["base"] == set() and graph["spec"] == {"base"}, (graph["base"], graph["spec"])
+    inward = sorted(m for m, edges in graph.items() if m != "__init__" and "__init__" in edges)
+    assert inward == [], inward
+    done, path = set(), []
+
+    def visit(m):
+        assert m not in path, " -> ".join([*path[path.index(m) :], m])
+        if m in done:
+            return
+        path.append(m)
+        for n in sorted(graph[m]):
+            visit(n)
+        path.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
+
+
+BODIES = {"PackedBody", "CodeBody", "TurboBody", "ExactBody", "ROW_BODIES"}
+
+
+def test_only_the_layouts_ask_a_body_its_class():
+    """What a layout allocates is read through layouts.body's protocol (its tensors, per-token
+    rows, stream arguments, reference read and writer): no code outside layouts/ asks a body
+    which class it is (`isinstance` with a body class, or of anything named body), so a new
+    layout's body needs no branch elsewhere."""
+    import kvcalib_runtime
+
+    runtime = Path(kvcalib_runtime.__file__).parent
+    plugin = ROOT.parent / "vllm_plugin" / "kvcalib_vllm"
+    sources = [*_modules(), *runtime.rglob("*.py"), *plugin.rglob("*.py")]
+    sources += [*(ROOT.parent / "benchmarks").glob("*.py")]
+    found = []
+    for path in sources:
+        if "layouts" in path.parts:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and ast.unparse(node.func) == "isinstance"):
+                continue
+            what, classes = (ast.unparse(a) for a in node.args)
+            if re.search(r"body\b", what) or BODIES & set(re.findall(r"\w+", classes)):
+                found.append(f"{path.name}:{node.lineno} isinstance({what}, {classes})")
     assert not found, found
