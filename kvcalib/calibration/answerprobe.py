@@ -28,6 +28,13 @@ last token predicts nothing that counts and never runs. What is left is mostly t
 the head's matrix products (`work`): on SmolLM2-135M (16 prompts of 1,024 tokens, 332 answer
 tokens) 7.3x the parameter-rows of a forward over the calibration's 16 x 512 tokens, of which the
 branches 3.8x and their heads 2.0x; measured, 9.5x that forward (bench_calibrate.py, was 25x).
+
+By default (Settings(answer_probe="cut"), WIDTHS) only 2 and 3 bits are measured, half the
+branches and heads (4.5x of arithmetic on SmolLM2-135M): the allocation's cut lies there (the
+presets allocate few bits above 2), and `extrapolate` fills 4 and 8 bits from the 3-bit loss by
+the text's Fisher sensitivity's ratio between the widths. On the long-context suite's committed
+profiles (SmolLM2-135M, Qwen2.5-0.5B) every preset's plan digest is the same either way; 2 bits
+alone moves kvcalib-2's allocation on both (tests/toolkit/test_answer_cut.py).
 """
 
 import contextlib
