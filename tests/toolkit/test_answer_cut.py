@@ -12,10 +12,11 @@ import pytest
 import torch
 from tiny import CharTokenizer, tiny_model
 
-from kvcalib.calibration import answerprobe, retrieval
+from kvcalib.calibration import Settings, answerprobe, calibrate_model, retrieval
 from kvcalib.calibration.layerwise import InMemory
 from kvcalib.calibration.sensitivity import BITS, TENSORS
 from kvcalib.core.data import calibration_tokens
+from kvcalib.core.models import ModelSource
 from kvcalib.core.plan import plan
 from kvcalib.core.profile import Profile
 from kvcalib.core.recipe import load_recipe
@@ -104,9 +105,31 @@ def test_a_cut_probe_measures_its_widths_as_the_full_one_does():
     assert answerprobe.work(*args, widths) < answerprobe.work(*args)
 
 
-def test_settings_name_the_probe_cut():
-    from kvcalib.calibration import Settings
+def test_a_calibration_prints_the_probe_cost_and_records_its_widths(tmp_path, capfd):
+    settings = Settings(sensitivity_windows=1, codebook_windows=1, retrieval_prompts=2,
+                        retrieval_tokens=512)  # fmt: skip
+    profile = calibrate_model(
+        tiny_model("llama"),
+        CharTokenizer(),
+        tmp_path / "p",
+        source=ModelSource("tiny", Path("tiny"), "fingerprint-of-tiny"),
+        num_samples=2,
+        seq_len=32,
+        settings=settings,
+    )
+    printed = capfd.readouterr().err
+    assert "answer probe: 2 prompts x 512 tokens at 2, 3 bits, predicted" in printed
+    assert "with --answer-probe all)" in printed
+    answer = profile.meta["probe"]["answer"]
+    assert answer["widths"] == [2, 3] and "extrapolated" in answer
+    t = profile.tensors
+    for n in TENSORS:
+        a, text = t[f"sensitivity.answer.{n}"], t[f"sensitivity.{n}"]
+        assert float(a[:, :2].abs().sum()) > 0  # measured
+        torch.testing.assert_close(a[:, 2:], a[:, 1:2] * text[:, 2:] / text[:, 1:2])
 
+
+def test_settings_name_the_probe_cut():
     assert dataclasses.replace(Settings(), answer_probe="all").answer_probe == "all"
     with pytest.raises(ValueError, match="answer_probe"):
         Settings(answer_probe="some")
