@@ -5,21 +5,23 @@ On the long-context suite's committed profiles (every width measured) the cut's 
 kvcalib-2 exactly as the full one; a narrower cut (2 bits only) does not, so the check can fail
 when the window misses a measurement that flips a decision."""
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from tiny import CharTokenizer, tiny_model
 
+from kvcalib import calibration
 from kvcalib.calibration import Settings, answerprobe, calibrate_model, retrieval
 from kvcalib.calibration.layerwise import InMemory
 from kvcalib.calibration.sensitivity import BITS, TENSORS
+from kvcalib.cli import main
 from kvcalib.core.data import calibration_tokens
 from kvcalib.core.models import ModelSource
 from kvcalib.core.plan import plan
 from kvcalib.core.profile import Profile
-from kvcalib.core.recipe import load_recipe
+from kvcalib.core.recipe import load_recipe, presets
 
 PROFILES = Path(__file__).resolve().parents[2] / "benchmarks" / "long_context"
 MODELS = ("smollm2-135m", "qwen2.5-0.5b")
@@ -59,8 +61,6 @@ def test_the_cut_plans_what_every_width_plans_on_the_committed_profiles(model):
 def test_the_other_presets_read_no_answer_loss():
     """The cut can move only allocations that read the answer loss: every other preset that
     allocates reads the text's alone."""
-    from kvcalib.core.recipe import presets
-
     for name in presets():
         a = load_recipe(name).allocation
         if a is not None and "answer" in a.losses:
@@ -105,9 +105,12 @@ def test_a_cut_probe_measures_its_widths_as_the_full_one_does():
     assert answerprobe.work(*args, widths) < answerprobe.work(*args)
 
 
-def test_a_calibration_prints_the_probe_cost_and_records_its_widths(tmp_path, capfd):
-    settings = Settings(sensitivity_windows=1, codebook_windows=1, retrieval_prompts=2,
-                        retrieval_tokens=512)  # fmt: skip
+@pytest.mark.parametrize("text", ["fisher", "probe"])
+def test_a_calibration_prints_the_probe_cost_and_records_its_widths(tmp_path, capfd, text):
+    """With the text's Fisher sensitivity in before the answer probe, the cut; with the text's
+    measured by its own probe (which runs after), every width is measured."""
+    settings = Settings(sensitivity=text, sensitivity_windows=1, sensitivity_tokens=16,
+                        codebook_windows=1, retrieval_prompts=2, retrieval_tokens=512)  # fmt: skip
     profile = calibrate_model(
         tiny_model("llama"),
         CharTokenizer(),
@@ -117,19 +120,29 @@ def test_a_calibration_prints_the_probe_cost_and_records_its_widths(tmp_path, ca
         seq_len=32,
         settings=settings,
     )
+    widths = [2, 3] if text == "fisher" else list(BITS)
     printed = capfd.readouterr().err
-    assert "answer probe: 2 prompts x 512 tokens at 2, 3 bits, predicted" in printed
+    assert f"answer probe: 2 prompts x 512 tokens at {', '.join(map(str, widths))} bits" in printed
     assert "with --answer-probe all)" in printed
     answer = profile.meta["probe"]["answer"]
-    assert answer["widths"] == [2, 3] and "extrapolated" in answer
+    assert answer["widths"] == widths and ("extrapolated" in answer) == (text == "fisher")
     t = profile.tensors
     for n in TENSORS:
-        a, text = t[f"sensitivity.answer.{n}"], t[f"sensitivity.{n}"]
+        a, text_loss = t[f"sensitivity.answer.{n}"], t[f"sensitivity.{n}"]
         assert float(a[:, :2].abs().sum()) > 0  # measured
-        torch.testing.assert_close(a[:, 2:], a[:, 1:2] * text[:, 2:] / text[:, 1:2])
+        if text == "fisher":
+            want = a[:, 1:2] * text_loss[:, 2:] / text_loss[:, 1:2]
+            torch.testing.assert_close(a[:, 2:], want)
 
 
-def test_settings_name_the_probe_cut():
-    assert dataclasses.replace(Settings(), answer_probe="all").answer_probe == "all"
+def test_cli_answer_probe_option(tmp_path, monkeypatch):
+    """`--answer-probe all` keeps the full measurement; the cut is the default; another value
+    is refused by Settings."""
+    seen = []
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: seen.append(k) or 1 / 0)
+    base = ["calibrate", str(tmp_path), "-o", str(tmp_path / "p")]  # a model path that exists
+    for extra in ([], ["--answer-probe", "all"]):
+        CliRunner().invoke(main, base + extra)
+    assert [k["settings"].answer_probe for k in seen] == ["cut", "all"]
     with pytest.raises(ValueError, match="answer_probe"):
         Settings(answer_probe="some")
