@@ -4,6 +4,7 @@ ratios, measured in one run.
     python benchmarks/bench_calibrate.py                  # calibration and eval ratios (~10 min)
     python benchmarks/bench_calibrate.py --scale          # + convert / copy (2B checkpoint)
     python benchmarks/bench_calibrate.py --keep           # + cache the profile as the default
+    python benchmarks/bench_calibrate.py --model qwen2.5-0.5b --eval-windows 0   # another model
 
   calibrate / forward  `kvcalib.calibrate` of the default model (smollm2-135m) with the
                        default settings, load and report included, against the model's own
@@ -55,7 +56,8 @@ def plain_forward(model, ids) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--eval-windows", type=int, default=2)
+    parser.add_argument("--model", default=None, help="model spec (default: smollm2-135m)")
+    parser.add_argument("--eval-windows", type=int, default=2, help="0: no eval ratios")
     parser.add_argument("--scale", action="store_true", help="also convert / copy (2B model)")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument(
@@ -66,13 +68,13 @@ def main() -> None:
     )
     args = parser.parse_args()
     print(f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, {_load()}")
-    model, tokenizer = load_model(None)
+    model, tokenizer = load_model(args.model)
     ids = calibration_windows(tokenizer, None, num_samples=16, seq_len=512, seed=0)
     before = plain_forward(model, ids)
     print(f"plain forward 16 x 512: {before:.1f} s ({_load()})", flush=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         start = time.perf_counter()
-        profile = calibrate(None, Path(tmp) / "profile", progress=False)
+        profile = calibrate(args.model, Path(tmp) / "profile", progress=False)
         total = time.perf_counter() - start
         print(f"calibrate: {total:.1f} s ({_load()})", flush=True)
         after = plain_forward(model, ids)
@@ -81,13 +83,14 @@ def main() -> None:
         phases = "  ".join(f"{k} {v:.1f}s" for k, v in profile.meta["timings"].items())
         print(f"calibrate / forward: {total / plain:.2f}x  ({total:.1f} s / {plain:.1f} s)")
         print(f"  phases: {phases}\n", flush=True)
-        windows = eval_windows(tokenizer, None, windows=args.eval_windows, seq_len=1024)
-        start_load = _load()
-        plain_eval, rows = bench_eval.eval_ratios(model, windows, bench_eval.RECIPES, profile)
-        print(f"eval, {args.eval_windows} x 1024 tokens ({start_load} before, {_load()} after)")
-        print(bench_eval.table(plain_eval, rows) + "\n", flush=True)
+        if args.eval_windows:
+            windows = eval_windows(tokenizer, None, windows=args.eval_windows, seq_len=1024)
+            start_load = _load()
+            plain_eval, rows = bench_eval.eval_ratios(model, windows, bench_eval.RECIPES, profile)
+            print(f"eval, {args.eval_windows} x 1024 tokens ({start_load} before, {_load()} after)")
+            print(bench_eval.table(plain_eval, rows) + "\n", flush=True)
         if args.keep:
-            kept = default_profile_path(resolve(None))
+            kept = default_profile_path(resolve(args.model))
             shutil.rmtree(kept, ignore_errors=True)
             shutil.copytree(Path(tmp) / "profile", kept)
             print(f"kept the profile as {kept}", flush=True)

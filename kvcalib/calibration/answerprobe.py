@@ -28,6 +28,13 @@ last token predicts nothing that counts and never runs. What is left is mostly t
 the head's matrix products (`work`): on SmolLM2-135M (16 prompts of 1,024 tokens, 332 answer
 tokens) 7.3x the parameter-rows of a forward over the calibration's 16 x 512 tokens, of which the
 branches 3.8x and their heads 2.0x; measured, 9.5x that forward (bench_calibrate.py, was 25x).
+
+By default (Settings(answer_probe="cut"), WIDTHS) only 2 and 3 bits are measured, half the
+branches and heads (4.5x of arithmetic on SmolLM2-135M): the allocation's cut lies there (the
+presets allocate few bits above 2), and `extrapolate` fills 4 and 8 bits from the 3-bit loss by
+the text's Fisher sensitivity's ratio between the widths. On the long-context suite's committed
+profiles (SmolLM2-135M, Qwen2.5-0.5B) every preset's plan digest is the same either way; 2 bits
+alone moves kvcalib-2's allocation on both (tests/toolkit/test_answer_cut.py).
 """
 
 import contextlib
@@ -46,6 +53,8 @@ from kvcalib_runtime.layouts.quant import QuantSpec, fake_quantize
 from kvcalib_runtime.model.rope import rotate
 
 ATTENTION = "kvcalib-answer"
+# the widths measured: "cut" those that decide an allocation (the wider ones by `extrapolate`)
+WIDTHS = {"cut": (2, 3), "all": BITS}
 ROWS = 2048  # query rows per attention block over the prompt (bounds the scores' memory)
 _STATE: ContextVar["_Layer | None"] = ContextVar("kvcalib_answer_layer", default=None)
 
@@ -71,34 +80,57 @@ class _Layer:
     value: torch.Tensor | None = None
 
 
-def work(lm: LayerSource, prompts: int, length: int, answer: int) -> float:
+def work(lm: LayerSource, prompts: int, length: int, answer: int, widths=BITS) -> float:
     """What `answer_pass` costs, in the units its `advance` counts: parameters run per token
     (`answer`: the prompts' answer tokens in all; each prompt's last one never runs). With L
-    layers, p = len(TENSORS) x len(BITS) probes a layer, R prompts of T tokens and A answer
+    layers, p = len(TENSORS) x len(widths) probes a layer, R prompts of T tokens and A answer
     tokens: R T L layer-rows for the prompts, (A - R)(L + p L (L + 1) / 2) for the branches
     (the reference, and a probe of layer i through layers i ... L - 1) and (A - R)(1 + p L)
     rows through the head; the branches' attention over the prompt is not counted."""
     layer, head = lm.work()
     n = lm.config.num_hidden_layers
-    probes = len(TENSORS) * len(BITS)
+    probes = len(TENSORS) * len(widths)
     branch_layers = sum(1 + probes * (1 + i) for i in range(n))  # the reference, the probes
     heads = 1 + probes * n
     rows = answer - prompts
     return layer * (prompts * length * n + rows * branch_layers) + head * rows * heads
 
 
-def answer_pass(lm: LayerSource, prompts, quantized: torch.Tensor, key_range, advance) -> dict:
+def extrapolate(answer: dict, text: dict, widths) -> dict:
+    """`answer` (answer_pass's, measured at `widths` only) with every other width of BITS filled
+    from the widest measured one w by the text sensitivity's ratio: answer[b] = answer[w] x
+    text[b] / text[w] (0 where text[w] is 0), text {"sensitivity.key", "sensitivity.value"}
+    [L, len(BITS)]. The answer loss falls with the width as the quantization error's energy
+    does, which the text's Fisher estimate measures at every width for free."""
+    w = BITS.index(max(widths))
+    out = {}
+    for tensor in TENSORS:
+        a, t = answer[f"sensitivity.answer.{tensor}"].clone(), text[f"sensitivity.{tensor}"]
+        base = t[:, w : w + 1]
+        ratio = torch.where(base > 0, t / torch.where(base > 0, base, 1), 0.0)
+        for j, bits in enumerate(BITS):
+            if bits not in widths:
+                a[:, j] = a[:, w] * ratio[:, j]
+        out[f"sensitivity.answer.{tensor}"] = a
+    return out
+
+
+def answer_pass(
+    lm: LayerSource, prompts, quantized: torch.Tensor, key_range, advance, widths=BITS
+) -> dict:
     """{"sensitivity.answer.key", "sensitivity.answer.value"}: float32 [L, len(BITS)] for
-    `prompts` (retrieval.Prompts, each answer its last tokens); quantized bool [R, T]: the
-    positions a probe quantizes (the context, sinks left out); key_range (lo, hi), each
-    [L, Hkv, D]: the pre-RoPE probe ranges."""
+    `prompts` (retrieval.Prompts, each answer its last tokens), measured at `widths` (of BITS;
+    the other columns 0: `extrapolate` fills them); quantized bool [R, T]: the positions a
+    probe quantizes (the context, sinks left out); key_range (lo, hi), each [L, Hkv, D]: the
+    pre-RoPE probe ranges."""
     num_layers = lm.config.num_hidden_layers
     dev = lm.device
     layer_work, head_work = lm.work()
     ids = prompts.ids.to(dev)
     count, t = ids.shape
     starts = [int(a.nonzero()[0]) for a in prompts.answer]
-    names = [None]  # branch b of every prompt: None (nothing quantized) or (tensor, layer, bits)
+    columns = [BITS.index(b) for b in sorted(widths)]
+    names = [None]  # branch b of every prompt: None (nothing quantized) or (tensor, layer, column)
     with torch.no_grad(), Hooks(lm.model) as hooks:
         hooks.attention(ATTENTION)
         kwargs = lm.layer_kwargs(1, t)
@@ -115,7 +147,9 @@ def answer_pass(lm: LayerSource, prompts, quantized: torch.Tensor, key_range, ad
                     state = _Layer()
                     with _running(state):
                         hidden[w] = hidden_of(layer(x, **kwargs[i]))
-                    versions = _versions(state, pre[i], rope.get(i), quantized[w, :p], key_range, i)
+                    versions = _versions(
+                        state, pre[i], rope.get(i), quantized[w, :p], key_range, i, widths
+                    )
                     old = len(branches[w])
                     new = len(versions) - 1
                     state.groups = [
@@ -129,7 +163,7 @@ def answer_pass(lm: LayerSource, prompts, quantized: torch.Tensor, key_range, ad
                     with _running(state):
                         branches[w] = hidden_of(layer(rows, **_rows(kwargs[i], p, t - 1)))
                     advance(layer_work * (t + rows.shape[0] * rows.shape[1]))
-            names += [(tensor, i, j) for tensor in TENSORS for j in range(len(BITS))]
+            names += [(tensor, i, j) for tensor in TENSORS for j in columns]
         with lm.head():
             nll = sum(
                 _nll(lm, b, ids[w, p:])
@@ -143,21 +177,22 @@ def answer_pass(lm: LayerSource, prompts, quantized: torch.Tensor, key_range, ad
     return {f"sensitivity.answer.{tensor}": v for tensor, v in out.items()}
 
 
-def _versions(state: _Layer, key_pre, rope, quantized, key_range, layer: int) -> list[tuple]:
+def _versions(state: _Layer, key_pre, rope, quantized, key_range, layer: int, widths) -> list:
     """[(key, value) of the prompt's first P positions, [1, Hkv, P, D], as branches read them]:
     exact (every branch so far), then one per probe of this layer (keys at every width of
-    BITS, then values at every width), quantized where `quantized` bool [P] says."""
+    `widths` in order, then values at every width), quantized where `quantized` bool [P]
+    says."""
     p = len(quantized)
     key, value = state.key[:, :, :p], state.value[:, :, :p]
     where = quantized.to(key.device)[None, None, :, None]
     lo, hi = (r[layer].to(key.device)[None, :, None, :] for r in key_range)
     out = [(key, value)]
-    for bits in BITS:
+    for bits in sorted(widths):
         k = fake_quantize(key_pre[:, :, :p], QuantSpec(bits, "static"), static_range=(lo, hi))
         if rope is not None:
             k = rotate(k, *(c[:, None, :p] for c in rope))
         out.append((torch.where(where, k.to(key.dtype), key), value))
-    for bits in BITS:
+    for bits in sorted(widths):
         out.append((key, torch.where(where, fake_quantize(value, QuantSpec(bits)), value)))
     return out
 

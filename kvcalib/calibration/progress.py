@@ -35,6 +35,11 @@ class Progress:
             yield bar.update
         self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - start
 
+    def note(self, line: str) -> None:
+        """A line for the user before a phase (its predicted cost), when enabled."""
+        if self.enabled:
+            print(line, file=sys.stderr, flush=True)
+
     @contextlib.contextmanager
     def timed(self, name: str):
         """Records the seconds of a step too short for a bar."""

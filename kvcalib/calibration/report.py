@@ -214,19 +214,23 @@ def _massive(profile, path) -> bool:
 def _sensitivity(profile, path) -> bool:
     if "sensitivity.key" not in profile.tensors:
         return False
-    losses = [("sensitivity", "KL(p_fp || p_q) per token of text", False)]
+    bits = profile.meta["probe"]["bits"]
+    losses = [("sensitivity", "KL(p_fp || p_q) per token of text", False, bits)]
     if "sensitivity.answer.key" in profile.tensors:
-        measured = profile.meta["probe"]["answer"].get("method") == "probe"
+        answer = profile.meta["probe"]["answer"]
+        measured = answer.get("method") == "probe"
         what = "answer NLL increase" if measured else "KL(p_fp || p_q)"
-        losses.append(("sensitivity.answer", f"{what} per answer token", measured))
+        losses.append(("sensitivity.answer", f"{what} per answer token", measured,
+                       answer.get("widths", bits)))  # fmt: skip
     fig = figure(12, 4 * len(losses))
     axes = fig.subplots(len(losses), 2, sharey="row", squeeze=False)
-    for row, (name, per, measured) in zip(axes, losses, strict=True):
+    for row, (name, per, measured, widths) in zip(axes, losses, strict=True):
         for ax, tensor in zip(row, ("key", "value"), strict=True):
             kl = profile.tensors[f"{name}.{tensor}"]
-            for j, bits in enumerate(profile.meta["probe"]["bits"]):
+            for j, b in enumerate(bits):
                 y = kl[:, j] if measured else kl[:, j].clamp_min(1e-8)
-                ax.plot(y.numpy(), marker=".", label=f"{bits}-bit")
+                label = f"{b}-bit" + ("" if b in widths else " (extrapolated)")
+                ax.plot(y.numpy(), marker=".", label=label)
             if measured:  # a measured difference: noise around zero, either sign
                 ax.set_yscale("symlog", linthresh=1e-3)
             else:

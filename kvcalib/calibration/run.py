@@ -56,6 +56,7 @@ from kvcalib.errors import DataError, OutputError
 from kvcalib.io.atomic import check_output, staging
 
 PHASES = ("stats", "sensitivity", "codebooks")
+TEXT_SENSITIVITY = ("sensitivity.key", "sensitivity.value")
 SEQ_LEN = 512  # tokens per calibration window unless told (the default calibration's)
 
 
@@ -82,6 +83,9 @@ class Settings:
     answer_sensitivity   how it is measured: "probe" (the answer's NLL with each layer's keys
                          or values quantized in turn, answerprobe.py) or "fisher" (the Fisher
                          estimate from the answer loss's gradients, sensitivity.py)
+    answer_probe         the probe's widths: "cut" measures 2 and 3 bits, the allocation's cut,
+                         and extrapolates 4 and 8 by the text's Fisher sensitivity (which must
+                         be in by then, else every width is measured); "all" measures all four
     vector_ablation      also fit the vector codebooks of kvcalib-1.5's one-factor neighbours
                          (benchmarks/kvcalib-1.5-ablation/), not only the presets' own
     answer_codebooks     also fit each preset's scalar codebook weighted by the retrieval
@@ -101,6 +105,7 @@ class Settings:
     retrieval_prompts: int = 16
     retrieval_tokens: int = 1024
     answer_sensitivity: str = "probe"
+    answer_probe: str = "cut"
     vector_ablation: bool = False
     answer_codebooks: bool = False
 
@@ -121,6 +126,10 @@ class Settings:
             raise ValueError(
                 f"answer_sensitivity = {self.answer_sensitivity!r}: use one of "
                 f"{', '.join(sensitivity.METHODS)}"
+            )
+        if self.answer_probe not in answerprobe.WIDTHS:
+            raise ValueError(
+                f"answer_probe = {self.answer_probe!r}: use one of {', '.join(answerprobe.WIDTHS)}"
             )
         if self.sensitivity_tokens < 2 or self.histogram_bins < 16:
             raise ValueError("sensitivity_tokens must be >= 2 and histogram_bins >= 16")
@@ -260,8 +269,20 @@ def calibrate_model(
         answer = "sensitivity" in phases
         if answer or any(b.answers_wanted() for b in books):
             text = calibration_tokens(tokenizer, data, vocab=lm.config.vocab_size)
+            layer_work, head_work = lm.work()
+            forward = ids.numel() * (lm.config.num_hidden_layers * layer_work + head_work)
             retrieval_pass(
-                lm, tokenizer, text, found, settings, seed, store, clock, answer=answer, books=books
+                lm,
+                tokenizer,
+                text,
+                found,
+                settings,
+                seed,
+                store,
+                clock,
+                answer=answer,
+                books=books,
+                forward=forward,
             )
         for consumer in books:  # the k-means, once the text's and the prompts' weights are in
             vectors = isinstance(consumer, vectorbooks.VectorBooks)
@@ -366,7 +387,9 @@ def fisher(lm, ids, found: Findings, settings: Settings, phases, store, clock, b
             found.tensors.update(consumer.result())
 
 
-def retrieval_pass(lm, tokenizer, text, found, settings, seed, store, clock, *, answer, books):
+def retrieval_pass(
+    lm, tokenizer, text, found, settings, seed, store, clock, *, answer, books, forward=1.0
+):
     """The retrieval prompts built from the calibration text's token ids [n] (retrieval.py) and
     what they serve: with `answer`, the answer-loss sensitivity into found.tensors and what it
     ran on into found.answer (or why it did not run: {"skipped": reason}); the prompts' answer
@@ -400,10 +423,23 @@ def retrieval_pass(lm, tokenizer, text, found, settings, seed, store, clock, *, 
     with clock.phase("retrieval", len(ids) * depth * layer_work) as advance:
         sinks = gradients.keep_inputs(lm, ids, kept, advance, predictor)
     counted = prompts.context & ~sinks
+    widths = sensitivity.BITS
     if measured:
-        work = answerprobe.work(lm, len(ids), length, answers)
+        text = {k: v for k, v in found.tensors.items() if k in TEXT_SENSITIVITY}
+        if len(text) == len(TEXT_SENSITIVITY):  # else the text's comes later: measure all
+            widths = answerprobe.WIDTHS[settings.answer_probe]
+        work = answerprobe.work(lm, len(ids), length, answers, widths)
+        clock.note(
+            f"answer probe: {len(ids)} prompts x {length} tokens at {_bits(widths)} bits, "
+            f"predicted {work / forward:.1f}x the arithmetic of a forward over the calibration "
+            f"tokens ({answerprobe.work(lm, len(ids), length, answers) / forward:.1f}x with "
+            "--answer-probe all)"
+        )
         with clock.phase("answer probe", work) as advance:
-            found.tensors.update(answerprobe.answer_pass(lm, prompts, counted, key_range, advance))
+            measures = answerprobe.answer_pass(lm, prompts, counted, key_range, advance, widths)
+        if widths != sensitivity.BITS:
+            measures = answerprobe.extrapolate(measures, text, widths)
+        found.tensors.update(measures)
     consumers = [b.answer_consumer(counted) for b in draws]
     if estimated:
         fisher_sum = sensitivity.FisherSensitivity(
@@ -424,6 +460,14 @@ def retrieval_pass(lm, tokenizer, text, found, settings, seed, store, clock, *, 
             "answer_tokens": answers,
             "context_tokens": int(counted.sum()),
         }
+        if measured:
+            found.answer["widths"] = list(widths)
+            if widths != sensitivity.BITS:
+                found.answer["extrapolated"] = "from the widest width by the text's sensitivity"
+
+
+def _bits(widths) -> str:
+    return ", ".join(str(b) for b in widths)
 
 
 def probe(lm, ids, found: Findings, settings: Settings, store, clock: Progress) -> None:
