@@ -99,6 +99,8 @@ OTHERS = {
     "--gpu-memory-utilization": "vLLM's server",
     "--enforce-eager": "vLLM's server",
     "--no-enable-prefix-caching": "vLLM's server",
+    "--chat-template": "vLLM's server",
+    "--version": "`vllm serve`'s",
 }
 
 
