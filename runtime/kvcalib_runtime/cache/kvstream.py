@@ -137,14 +137,28 @@ class Stream:
         for (s, new), t in pairs:
             s._enter(new, n, t)
 
-    def read(self, b: int, nb: int, dtype) -> tuple[int, torch.Tensor]:
-        """The body positions of sequence b that are still held, below nb: (first position,
-        [Hkv, nb - first, D] dequantized)."""
-        first = max(nb - self.slots, 0)
+    @property
+    def piecewise(self) -> bool:
+        """Whether the body reads its positions in spans as in one (`read`'s start): every
+        position is dequantized alone (a row's codes, its group's metadata), bit for bit the same
+        whatever the span. Not a TurboBody: its inverse rotation is a matrix product, whose
+        BLAS rounding depends on how many rows it multiplies at once."""
+        return not isinstance(self.body, TurboBody)
+
+    @property
+    def token_group(self) -> int:
+        """Positions that share metadata: a `read` starts at a multiple of it."""
+        return self.spec.layout.token_group() if self.spec is not None else 1
+
+    def read(self, b: int, nb: int, dtype, start: int = 0) -> tuple[int, torch.Tensor]:
+        """The body positions of sequence b that are still held, in [start, nb): (first position,
+        [Hkv, nb - first, D] dequantized). A start past 0 needs a `piecewise` body, nb within
+        its slots and start a multiple of `token_group`."""
+        first = max(nb - self.slots, start)
         if self.spec is None:
             x = self.exact[b]
         elif nb <= self.slots:
-            return 0, self.body.dequantize(dtype, b, nb)
+            return start, self.body.dequantize(dtype, b, nb, start)
         else:
             x = self.body.dequantize(dtype, b)
         return first, x[:, torch.arange(first, nb, device=x.device) % max(self.slots, 1)]

@@ -180,14 +180,17 @@ class TurboBody:
         x = torch.where((pos < lengths[:, None])[..., None, None], old, new[:, None])
         self.write(x.transpose(1, 2), seq, start, active=start < end)
 
-    def dequantize(self, dtype: torch.dtype, b: int | None = None, n: int | None = None):
-        """Slots [0, n) (default all) of sequence b (default every sequence) in plain torch:
-        [B, Hkv, n, D] ([Hkv, n, D] for one sequence)."""
+    def dequantize(
+        self, dtype: torch.dtype, b: int | None = None, n: int | None = None, start: int = 0
+    ):
+        """Slots [start, n) (default all) of sequence b (default every sequence) in plain torch:
+        [B, Hkv, n - start, D] ([Hkv, n - start, D] for one sequence). The inverse rotation is
+        a matrix product: a slot read in another span may round differently in the last bit."""
         rows = slice(None) if b is None else slice(b, b + 1)
         n = self.scale.shape[2] if n is None else n
         sets = zip(self.codes, self.spec.layout.sets(self.head_dim), strict=True)
-        codes = torch.cat([unpack(buf[rows, :, :n], bits, c) for buf, (c, bits) in sets], -1)
-        q = QTensor(codes, self.scale[rows, :, :n, :, None], None)
+        codes = [unpack(buf[rows, :, start:n], bits, c) for buf, (c, bits) in sets]
+        q = QTensor(torch.cat(codes, -1), self.scale[rows, :, start:n, :, None], None)
         out = dequantize(q, self.spec, self.split).to(dtype)
         return out if b is None else out[0]
 
