@@ -138,22 +138,15 @@ class Stream:
             s._enter(new, n, t)
 
     @property
-    def piecewise(self) -> bool:
-        """Whether the body reads its positions in spans as in one (`read`'s start): every
-        position is dequantized alone (a row's codes, its group's metadata), bit for bit the same
-        whatever the span. Not a TurboBody: its inverse rotation is a matrix product, whose
-        BLAS rounding depends on how many rows it multiplies at once."""
-        return not isinstance(self.body, TurboBody)
-
-    @property
     def token_group(self) -> int:
         """Positions that share metadata: a `read` starts at a multiple of it."""
         return self.spec.layout.token_group() if self.spec is not None else 1
 
     def read(self, b: int, nb: int, dtype, start: int = 0) -> tuple[int, torch.Tensor]:
         """The body positions of sequence b that are still held, in [start, nb): (first position,
-        [Hkv, nb - first, D] dequantized). A start past 0 needs a `piecewise` body, nb within
-        its slots and start a multiple of `token_group`."""
+        [Hkv, nb - first, D] dequantized). A start past 0 needs nb within the body's slots and
+        start a multiple of `token_group`; each position is read as in a read from 0, bit for
+        bit, except in a TurboBody (its `levels` and `finish` are)."""
         first = max(nb - self.slots, start)
         if self.spec is None:
             x = self.exact[b]
