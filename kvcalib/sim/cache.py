@@ -101,6 +101,7 @@ class QuantizedKVCache(Cache):
             device=param.device,
             dtype=param.dtype,
             use_kernels=False,  # transformers attends itself: the reference path stores alone
+            keep_dequantized=True,  # every forward reads the whole history: extend it, same bits
         )
         self._key_pre = {}
         self._active = False  # whether the forward under way passes this cache
@@ -168,19 +169,14 @@ class QuantizedKVCache(Cache):
 
     @contextlib.contextmanager
     def tentative(self):
-        """Forwards inside leave the cache as it was before: every buffer the store holds
-        (`QuantizedCache.parts`) and its lengths are put back on exit (a teacher-forced score
-        of a continuation the session does not keep)."""
-        held = {id(t): (t, t.clone()) for ts in self.store.parts().values() for t in ts}
-        filled = list(self.store._filled)
+        """Forwards inside leave the cache as it was before: the store is put back on exit
+        (`QuantizedCache.snapshot` / `restore`: every buffer and the lengths), for a
+        teacher-forced score of a continuation the session does not keep."""
+        snap = self.store.snapshot()
         try:
             yield self
         finally:
-            for t, saved in held.values():
-                t.copy_(saved)
-            self.store._filled[:] = filled
-            self.store._pending.clear()
-            self.store._pending_flags = None
+            self.store.restore(snap)
             self._key_pre.clear()
 
     def seq_length(self) -> int:

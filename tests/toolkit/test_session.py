@@ -1,8 +1,9 @@
 """The session benchmark: a turn's chunk is prefilled against the history as the cache stores
 it, the model can run through another cache meanwhile, a tentative score leaves the cache as it
 was, and one tiny session per recipe scores what its cache does (fp16 reproduces uncached
-greedy decoding; a 2-bit cache drifts, and only where its body holds quantized tokens); the
-resumable runner skips the cells it has."""
+greedy decoding; a 2-bit cache drifts, and only where its body holds quantized tokens; keeping
+the history dequantized between forwards changes no record); the resumable runner skips the
+cells it has."""
 
 import importlib.util
 import itertools
@@ -19,7 +20,9 @@ from kvcalib.core.data import read_text
 from kvcalib.evaluation import session as sess
 from kvcalib.evaluation import sessionreport
 from kvcalib.evaluation.score import candidates
+from kvcalib.sim import cache as sim_cache
 from kvcalib.sim.cache import QuantizedKVCache
+from kvcalib_runtime.cache.kvcache import QuantizedCache
 from tests.tiny import CharTokenizer, ShapeProfile, tiny_model
 
 RECIPES = ("fp16", "kivi-2", "turboquant-2.5", "kvcalib-2")
@@ -172,6 +175,24 @@ def test_a_2_bit_cache_drifts_only_where_it_quantizes(sessions):
         assert sum(kl) / len(kl) > 1e-3, (name, kl)  # its body holds 2-bit tokens
     # the same 2-bit KIVI with a window wider than the session quantizes nothing: no drift
     assert max(t["kl"] for t in records["kivi-2 wide"]["turns"]) < 1e-6
+
+
+def test_the_held_history_changes_no_record(model, sessions, monkeypatch):
+    # The simulated cache extends each body's dequantized copy by what was committed instead of
+    # dequantizing the whole body at every forward (kvcalib_runtime.cache.held): a session run
+    # as before, every read dequantizing the whole body, must give the same record — every
+    # token, every score, bit for bit — so that cells written before and after compare.
+    tok, session, records = sessions
+
+    class Whole(QuantizedCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "keep_dequantized": False})
+
+    monkeypatch.setattr(sim_cache, "QuantizedCache", Whole)
+    cands = candidates(model, RECIPES[1:], ShapeProfile(1, 32), residual=32)
+    for c in cands:
+        before = sess.run_session(model, tok, c, session, max_new=8)
+        assert before["turns"] == records[c.name]["turns"], c.name
 
 
 def test_report_pairs_against_fp16(sessions, tmp_path):

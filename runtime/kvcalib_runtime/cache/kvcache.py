@@ -42,11 +42,13 @@ import contextlib
 import copy
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvcalib_runtime.cache.fpcache import capped_attention
+from kvcalib_runtime.cache.held import HeldBodies
 from kvcalib_runtime.cache.kvstream import Stream, kernel_layout
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme
 from kvcalib_runtime.errors import CapacityError, FormatError
@@ -74,7 +76,10 @@ class QuantizedCache:
     (both paths store the same bits). Layers the decode kernel does not read (`dec.supports`)
     use its torch reference, with one warning. softcap: Gemma 2's attention-score cap (scores s
     become softcap * tanh(s / softcap)); the decode kernel does not cap, so such a model attends
-    through the dequantize-then-attend path.
+    through the dequantize-then-attend path. keep_dequantized: the reference read of the history
+    (`materialize`, a prefill's gather) keeps each body dequantized and extends it by what was
+    committed since (`held.HeldBodies`: the same bits, scratch memory of up to one dtype copy of
+    every body); for a cache read whole at every step, as a transformers cache is.
     """
 
     def __init__(
@@ -93,6 +98,7 @@ class QuantizedCache:
         use_kernels: bool | None = None,
         windows: tuple[int | None, ...] | None = None,
         softcap: float | None = None,
+        keep_dequantized: bool = False,
     ):
         if len(scheme.layers) != num_layers:
             raise FormatError(
@@ -147,6 +153,7 @@ class QuantizedCache:
         self._pending_flags = None
         self._plan, self._plan_made = None, False  # _commit_plan's
         self._sequences: dict = {}  # _prepared's, by layer
+        self._held = HeldBodies(dtype) if keep_dequantized else None
         pairs = list(zip(self.keys, self.values, strict=True))
         # layers whose storage the decode kernel's layout describes (its reference reads it too)
         self._layouts = [kernel_layout(k.spec) and kernel_layout(v.spec) for k, v in pairs]
@@ -224,6 +231,33 @@ class QuantizedCache:
         self._n_body.zero_()
         for r in self._rows:
             self._filled[r] = 0
+        self._rewound()
+
+    def snapshot(self) -> "Snapshot":
+        """A copy of everything the cache holds (every buffer of `parts` and the lengths), for
+        `restore`: forwards in between (a teacher-forced score of a continuation not kept) are
+        undone."""
+        buffers = {id(t): t for ts in self.parts().values() for t in ts}
+        return Snapshot(self, [(t, t.clone()) for t in buffers.values()], self._host())
+
+    def restore(self, snap: "Snapshot") -> None:
+        """Put back what `snapshot` copied (this cache's own); tokens staged and not committed
+        are dropped."""
+        if snap.owner is not self:
+            raise ValueError("a snapshot is restored into the cache (or view) that took it")
+        for t, saved in snap.buffers:
+            t.copy_(saved)
+        for r, n in zip(self._rows, snap.lengths, strict=True):
+            self._filled[r] = n
+        self._pending.clear()
+        self._pending_flags = None
+        self._rewound()
+
+    def _rewound(self) -> None:
+        """After the lengths went back: the dequantized copies keep what is still stored."""
+        if self._held is not None:
+            lengths = {r: self._filled[r] for r in self._rows}
+            self._held.rewind(lengths, (self.keys, self.values))
 
     # -- CUDA graphs ---------------------------------------------------------------------------
 
@@ -328,19 +362,24 @@ class QuantizedCache:
         valid = torch.zeros(B, N, dtype=torch.bool, device=v_new.device)
         sink_pos = self.sink_pos.tolist()
         for b, n in enumerate(lengths):
-            self._read(self.keys[layer], b, n, layer, self.sink_k, sink_pos, keys[b])
-            self._read(self.values[layer], b, n, layer, self.sink_v, sink_pos, values[b])
+            self._read(0, layer, b, n, sink_pos, keys[b])
+            self._read(1, layer, b, n, sink_pos, values[b])
             keys[b, :, n : n + T], values[b, :, n : n + T] = k_new[b], v_new[b]
             valid[b, : n + T] = True
         if self.scheme.layers[layer].key_position == "pre_rope":
             keys = rope.apply(keys, torch.arange(N, device=keys.device).expand(B, N))
         return keys, values, valid
 
-    def _read(self, stream: Stream, b: int, n: int, layer: int, sink_slots, sink_pos, out):
-        """Positions [0, n) of sequence b as stored into out [Hkv, >= n, D]: body dequantized,
-        sinks exact, tail exact."""
+    def _read(self, side: int, layer: int, b: int, n: int, sink_pos, out):
+        """Positions [0, n) of sequence b's keys (side 0) or values (1) as stored into
+        out [Hkv, >= n, D]: body dequantized (or its held copy), sinks exact, tail exact."""
+        stream = (self.keys, self.values)[side][layer]
+        sink_slots = (self.sink_k, self.sink_v)[side]
         nb = stream.host_body(n)
-        first, body = stream.read(b, nb, self.dtype)
+        if self._held is not None:
+            first, body = self._held.read(stream, (side, layer, self._rows[b]), b, nb)
+        else:
+            first, body = stream.read(b, nb, self.dtype)
         out[:, first:nb] = body
         for slot, pos in enumerate(sink_pos[b]):
             if 0 <= pos < nb:
@@ -508,6 +547,16 @@ class QuantizedCache:
             if streams:
                 self._plan = commit_native.Plan(streams, len(self._rows))
         return self._plan
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What `QuantizedCache.snapshot` copied: the cache, (buffer, its copy) pairs, the host
+    lengths of its rows."""
+
+    owner: QuantizedCache
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]
+    lengths: list[int]
 
 
 def _free_bytes(device) -> int | None:

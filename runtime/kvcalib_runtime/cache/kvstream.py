@@ -132,14 +132,21 @@ class Stream:
         for (s, new), t in pairs:
             s._enter(new, n, t)
 
-    def read(self, b: int, nb: int, dtype) -> tuple[int, torch.Tensor]:
-        """The body positions of sequence b that are still held, below nb: (first position,
-        [Hkv, nb - first, D] dequantized)."""
-        first = max(nb - self.slots, 0)
+    @property
+    def token_group(self) -> int:
+        """Positions that share metadata: a `read` starts at a multiple of it."""
+        return self.spec.layout.token_group() if self.spec is not None else 1
+
+    def read(self, b: int, nb: int, dtype, start: int = 0) -> tuple[int, torch.Tensor]:
+        """The body positions of sequence b that are still held, in [start, nb): (first position,
+        [Hkv, nb - first, D] dequantized). A start past 0 needs nb within the body's slots and
+        start a multiple of `token_group`; each position is read as in a read from 0, bit for
+        bit, except in a TurboBody (its `levels` and `finish` are)."""
+        first = max(nb - self.slots, start)
         if self.spec is None:
             x = self.exact[b]
         elif nb <= self.slots:
-            return 0, self.body.dequantize(dtype, b, nb)
+            return start, self.body.dequantize(dtype, b, nb, start)
         else:
             x = self.body.dequantize(dtype, b)
         return first, x[:, torch.arange(first, nb, device=x.device) % max(self.slots, 1)]

@@ -207,10 +207,10 @@ class AffineLayout(Layout):
         metadata along dim 2 of `body`'s scale, or None (metadata per layer)."""
         return pos % body.scale.shape[2]
 
-    def read_metadata(self, t: torch.Tensor, rows: slice, n: int) -> torch.Tensor:
-        """A body's scale or offset for slots [0, n) of sequences `rows`, group-shaped for
-        `expand`."""
-        return t[rows, :, :n, :, None]
+    def read_metadata(self, t: torch.Tensor, rows: slice, n: int, start: int = 0) -> torch.Tensor:
+        """A body's scale or offset for slots [start, n) of sequences `rows`, group-shaped for
+        `expand`; start a multiple of `token_group`."""
+        return t[rows, :, start:n, :, None]
 
     def allocate(self, shape, device, dtype, *, static_range=None, codebook=None, split=None):
         spec = self.spec
@@ -346,20 +346,26 @@ class PackedBody:
             one(self.slot_delta),
         )
 
-    def dequantize(self, dtype: torch.dtype, b: int | None = None, n: int | None = None):
-        """Slots [0, n) (default all) of sequence b (default every sequence, without host
-        synchronization) in plain torch, the reference read: [B, Hkv, n, D] ([Hkv, n, D] for
-        one sequence), exact slots added."""
+    def dequantize(
+        self, dtype: torch.dtype, b: int | None = None, n: int | None = None, start: int = 0
+    ):
+        """Slots [start, n) (default all) of sequence b (default every sequence, without host
+        synchronization) in plain torch, the reference read: [B, Hkv, n - start, D]
+        ([Hkv, n - start, D] for one sequence), exact slots added. Every slot's value is the
+        same whatever the span it is read in (start: a multiple of the layout's
+        `token_group`)."""
         layout, rows = self.layout, slice(None) if b is None else slice(b, b + 1)
         n = self.codes.shape[2] if n is None else n
-        codes = unpack(self.codes[rows, :, :n], self.spec.bits, self.width)
+        if start % layout.token_group():
+            raise ValueError(f"start {start} is not a multiple of {layout.token_group()} tokens")
+        codes = unpack(self.codes[rows, :, start:n], self.spec.bits, self.width)
         scale, offset = (
-            layout.read_metadata(t, rows, n) if t is not None else None
+            layout.read_metadata(t, rows, n, start) if t is not None else None
             for t in (self.scale, self.offset)
         )
         index = delta = None
         if self.slot_index is not None:
-            index, delta = self.slot_index[rows, :, :n], self.slot_delta[rows, :, :n]
+            index, delta = self.slot_index[rows, :, start:n], self.slot_delta[rows, :, start:n]
         q = QTensor(codes, scale, offset, index, delta, self.kv_heads if self.vector else None)
         out = layout.dequantize(q, codebook=self.levels).to(dtype)
         return out if b is None else out[0]

@@ -71,5 +71,6 @@ class ChannelGroups(AffineLayout):
         g, rows = self.spec.group_size, body.scale.shape[2]
         return (start[:, None] // g + torch.arange(n // g, device=start.device)) % rows
 
-    def read_metadata(self, t: torch.Tensor, rows: slice, n: int) -> torch.Tensor:
-        return t[rows, :, : -(-n // self.spec.group_size), :, None]
+    def read_metadata(self, t: torch.Tensor, rows: slice, n: int, start: int = 0) -> torch.Tensor:
+        g = self.spec.group_size
+        return t[rows, :, start // g : -(-n // g), :, None]

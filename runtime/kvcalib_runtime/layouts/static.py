@@ -44,7 +44,7 @@ class StaticChannels(AffineLayout):
     def metadata_index(self, body, start, pos, n):
         return None
 
-    def read_metadata(self, t: torch.Tensor, rows: slice, n: int) -> torch.Tensor:
+    def read_metadata(self, t: torch.Tensor, rows: slice, n: int, start: int = 0) -> torch.Tensor:
         return t[None, :, None, :]
 
     def metadata_buffers(self, rows, device, dtype, static_range):

@@ -91,15 +91,31 @@ def quantize(x: torch.Tensor, spec, split: torch.Tensor | None = None) -> QTenso
 
 def dequantize(q: QTensor, spec, split: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [..., H, T, D] from a QTensor of `quantize` (same spec and split)."""
-    d = q.codes.shape[-1]
-    parts, start = [], 0
-    for i, (n, bits) in enumerate(spec.layout.sets(d)):
-        levels = lloyd_max(n, bits).to(q.codes.device)
-        rotation = random_rotation(n).to(device=q.codes.device, dtype=torch.float32)
-        y = levels[q.codes[..., start : start + n].long()]
-        parts.append(q.scale[..., i, :].float() * (y @ rotation.T))
-        start += n
+    sets = spec.layout.sets(q.codes.shape[-1])
+    starts = [sum(n for n, _ in sets[:i]) for i in range(len(sets))]
+    codes = [q.codes[..., start : start + n] for start, (n, _) in zip(starts, sets, strict=True)]
+    return from_levels(set_levels(codes, spec), q.scale, spec, split)
+
+
+def set_levels(codes: list[torch.Tensor], spec) -> list[torch.Tensor]:
+    """Per set, its codes [..., n_s] as the Lloyd-Max levels they index (float32): exact, each
+    row alone."""
+    sets = spec.layout.sets(sum(c.shape[-1] for c in codes))
+    levels = [lloyd_max(n, bits).to(c.device) for c, (n, bits) in zip(codes, sets, strict=True)]
+    return [table[c.long()] for c, table in zip(codes, levels, strict=True)]
+
+
+def from_levels(ys: list[torch.Tensor], scale, spec, split: torch.Tensor | None = None):
+    """float32 [..., H, T, D] from every set's levels (`set_levels`) and the norms (`quantize`'s
+    scale, [..., H, T, S, 1]): each set rotated back and scaled, the outlier channels put back
+    in place. The rotation is a matrix product over every row at once, whose BLAS rounding
+    depends on how many rows it takes: a row's result is the same only within equal calls."""
+    parts = []
+    for i, y in enumerate(ys):
+        rotation = random_rotation(y.shape[-1]).to(device=y.device, dtype=torch.float32)
+        parts.append(scale[..., i, :].float() * (y @ rotation.T))
     x = torch.cat(parts, -1)
+    d = x.shape[-1]
     if not spec.split_channels:
         return x
     outlier = _outlier_mask(spec, split, x.shape[-3], d, x.device)
@@ -197,16 +213,37 @@ class TurboBody:
 
     flush = flush_by_write
 
-    def dequantize(self, dtype: torch.dtype, b: int | None = None, n: int | None = None):
-        """Slots [0, n) (default all) of sequence b (default every sequence) in plain torch:
-        [B, Hkv, n, D] ([Hkv, n, D] for one sequence)."""
+    def dequantize(
+        self, dtype: torch.dtype, b: int | None = None, n: int | None = None, start: int = 0
+    ):
+        """Slots [start, n) (default all) of sequence b (default every sequence) in plain torch:
+        [B, Hkv, n - start, D] ([Hkv, n - start, D] for one sequence). The inverse rotation is
+        a matrix product (`from_levels`): a slot read in another span may round differently
+        in the last bit; `levels` and `finish` read a span as a read of [0, n) does."""
         rows = slice(None) if b is None else slice(b, b + 1)
         n = self.scale.shape[2] if n is None else n
         sets = zip(self.codes, self.spec.layout.sets(self.head_dim), strict=True)
-        codes = torch.cat([unpack(buf[rows, :, :n], bits, c) for buf, (c, bits) in sets], -1)
-        q = QTensor(codes, self.scale[rows, :, :n, :, None], None)
+        codes = [unpack(buf[rows, :, start:n], bits, c) for buf, (c, bits) in sets]
+        q = QTensor(torch.cat(codes, -1), self.scale[rows, :, start:n, :, None], None)
         out = dequantize(q, self.spec, self.split).to(dtype)
         return out if b is None else out[0]
+
+    def levels(self, b: int, n: int, start: int = 0) -> list[torch.Tensor]:
+        """Per set, slots [start, n) of sequence b as the levels their codes index, float32
+        [Hkv, n - start, n_s]: each slot alone, the same whatever the span (`finish` ends the
+        read)."""
+        sets = zip(self.codes, self.spec.layout.sets(self.head_dim), strict=True)
+        return set_levels([unpack(buf[b, :, start:n], bits, c) for buf, (c, bits) in sets],
+                          self.spec)  # fmt: skip
+
+    def finish(self, ys: list[torch.Tensor], b: int, dtype: torch.dtype) -> torch.Tensor:
+        """Slots [0, n) of sequence b from every set's levels of those slots (`levels`, each
+        [Hkv, n, n_s]): bit for bit `dequantize(dtype, b, n)` (the same products, over the
+        same rows)."""
+        n = ys[0].shape[1]
+        scale = self.scale[b : b + 1, :, :n, :, None]
+        out = from_levels([y[None] for y in ys], scale, self.spec, self.split)
+        return out.to(dtype)[0]
 
 
 @register

@@ -211,13 +211,16 @@ class CodeBody:
 
     flush = flush_by_write
 
-    def dequantize(self, dtype: torch.dtype, b: int | None = None, n: int | None = None):
-        """Slots [0, n) (default all) of sequence b (default every sequence): [B, Hkv, n, D]
-        ([Hkv, n, D] for one sequence) — the lookup of one entry per stored index."""
+    def dequantize(
+        self, dtype: torch.dtype, b: int | None = None, n: int | None = None, start: int = 0
+    ):
+        """Slots [start, n) (default all) of sequence b (default every sequence):
+        [B, Hkv, n - start, D] ([Hkv, n - start, D] for one sequence) — the lookup of one entry
+        per stored index, the same whatever the span it is read in."""
         rows = slice(None) if b is None else slice(b, b + 1)
         n = self.codes.shape[2] if n is None else n
         vectors = self.head_dim // self.spec.layout.width_of_vector
-        codes = unpack(self.codes[rows, :, :n], self.spec.bits, vectors)
+        codes = unpack(self.codes[rows, :, start:n], self.spec.bits, vectors)
         order = self.spec.layout.order(self.head_dim).to(codes.device)
         out = lookup(codes, entries(self.book, self.scale, self.offset, order), order).to(dtype)
         return out if b is None else out[0]
