@@ -24,7 +24,10 @@ x batch 1 and 16, the steady-state loop (its instructions and opcode histogram),
 loads inside loops: `ttg.async_copy_global_to_local` (pipelined) against synchronous tensor
 `tt.load`s; bytes in flight per SM = CTAs/SM x stages x the async bytes of one iteration of
 that loop. It writes DIR/budget.json, DIR/budget.md and each variant's cubin (not committed:
-~0.5 MB each).
+~0.5 MB each). A sweep stopped anywhere resumes: until the table is whole, each variant's rows
+are kept under DIR/rows/ (committed as they come, as the long benchmarks' cells are) with the
+digest of the sources they were read from (`source_digest`), and a row whose sources changed is
+read again.
 
 The steady-state loop is the SASS loop (a backward branch of `nvdisasm -g`) holding an
 instruction of the kernel's source line tagged `# budget: steady loop` (`budget_read.STEADY`):
@@ -41,10 +44,13 @@ Triton internals are read, so the version is pinned (TRITON): another one is ref
 
 import argparse
 import dataclasses
+import hashlib
 import importlib
+import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -86,6 +92,13 @@ class Variant:
     def keys(self) -> str:
         return "pre-RoPE" if self.pre_rope else "post-RoPE"
 
+    @property
+    def name(self) -> str:
+        """The file stem of its rows kept under DIR/rows/ while a sweep is under way."""
+        where = f"{'pre' if self.pre_rope else 'post'}{'-paged' if self.paged else ''}"
+        spread = "-candidates" if self.candidates else ""
+        return f"sm{self.arch}-{self.recipe}-{self.shape.replace('/', '_')}-{where}{spread}"
+
 
 def variants(quick: bool) -> list[Variant]:
     """The quick set (the test's): kvcalib-2 and the full-precision stream at 32/8/128 on sm_90.
@@ -125,6 +138,35 @@ def check_triton() -> None:
         if bundled not in found.parents:
             raise BudgetError(f"{name} is {found}, not Triton's bundled one: unset "
                               f"TRITON_{name.upper()}_PATH")  # fmt: skip
+
+
+def source_digest() -> str:
+    """sha256 of everything a row depends on: the runtime and the vLLM plugin first on the path
+    (their kernels, caches and layouts), the toolkit's recipe code and the presets (a variant's
+    scheme), this script and its SASS reader, and Triton's version. A sweep stopped anywhere
+    resumes from the rows kept under DIR/rows/ whose digest is this one; any change to those
+    sources measures every row again."""
+    import triton
+
+    import kvcalib_runtime
+
+    here = Path(__file__).resolve().parent
+    runtime = Path(kvcalib_runtime.__file__).resolve().parent
+    toolkit = Path(importlib.util.find_spec("kvcalib.core").origin).parent
+    roots = [runtime, runtime.parents[1] / "vllm_plugin" / "kvcalib_vllm", toolkit]
+    files = [f for r in roots for f in sorted(r.rglob("*.py"))]
+    files += sorted((here.parent / "recipes").glob("*.toml"))
+    files += [here / "kernel_budget.py", here / "budget_read.py"]
+    digest = hashlib.sha256(triton.__version__.encode())
+    for f in files:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 # -- the launcher's inputs ----------------------------------------------------------------------
@@ -339,17 +381,27 @@ def main(argv=None) -> int:
         print(f"kernel_budget: {e}", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    done, source = args.out / "rows", source_digest()
+    done.mkdir(exist_ok=True)
     rows = []
     for v in variants(args.quick):
-        try:
-            found = measure(v, args.out)
-        except Exception as e:  # reported in the table, and the run exits 1
-            failed = f"{type(e).__name__}: {e}".splitlines()[0]
-            found = [dict(arch=f"sm_{v.arch}", recipe=v.recipe, shape=v.shape, keys=v.keys,
-                          paged=v.paged, failed=failed)]  # fmt: skip
+        cell = done / f"{v.name}.json"
+        kept = json.loads(cell.read_text()) if cell.exists() else {}
+        if kept.get("source") == source:
+            found = kept["rows"]
+        else:
+            try:
+                found = measure(v, args.out)
+            except Exception as e:  # reported in the table, and the run exits 1
+                failed = f"{type(e).__name__}: {e}".splitlines()[0]
+                found = [dict(arch=f"sm_{v.arch}", recipe=v.recipe, shape=v.shape, keys=v.keys,
+                              paged=v.paged, failed=failed)]  # fmt: skip
+            for row in found:
+                row.pop("compile_s", None)  # this machine's load, not the kernel's
+            if not any("failed" in row for row in found):
+                write_atomic(cell, json.dumps(dict(source=source, rows=found), indent=1) + "\n")
         for row in found:
             print(report.summary(row), flush=True)
-            row.pop("compile_s", None)  # this machine's load, not the kernel's
         rows += found
     import triton
 
@@ -360,6 +412,7 @@ def main(argv=None) -> int:
     assert triton.__version__ == TRITON
     (args.out / "budget.json").write_text(report.dumps(doc))
     (args.out / "budget.md").write_text(report.markdown(doc) + "\n")
+    shutil.rmtree(done)  # the table is whole: the rows kept for a resumed sweep are in it
     counts = Counter(r["arch"] for r in rows)
     print(f"wrote {args.out}/budget.json and budget.md: {dict(counts)} rows", file=sys.stderr)
     return 1 if any("failed" in r for r in rows) else 0

@@ -133,6 +133,39 @@ def test_held_fails_a_regression_and_a_gain_left_uncommitted():
     ]
 
 
+def test_a_stopped_sweep_resumes_from_the_rows_it_kept(tmp_path, monkeypatch):
+    """A sweep takes an hour or more of one core: a variant whose rows were kept from today's
+    sources is not compiled again, one kept from other sources is, and the whole table holds
+    both; the kept rows go once the table is written."""
+    pytest.importorskip("kvcalib.core.recipe", reason="the sources' digest reads the toolkit's")
+    import triton
+
+    if triton.__version__ != kb.TRITON:
+        pytest.skip(f"the sweep refuses Triton {triton.__version__}")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the sweep drops it: restored after
+    two = kb.variants(True)[:2]
+    compiled = []
+
+    def measure(v, out):
+        compiled.append(v.name)
+        return [dict(arch=f"sm_{v.arch}", recipe=v.recipe, shape=v.shape, keys=v.keys,
+                     paged=v.paged, skipped=f"measured {v.name}")]  # fmt: skip
+
+    monkeypatch.setattr(kb, "measure", measure)
+    monkeypatch.setattr(kb, "variants", lambda quick: two)
+    rows = tmp_path / "rows"
+    rows.mkdir()
+    for v, source in zip(two, (kb.source_digest(), "another"), strict=True):
+        row = dict(arch=f"sm_{v.arch}", recipe=v.recipe, shape=v.shape, keys=v.keys,
+                   paged=v.paged, skipped=f"kept {v.name}")  # fmt: skip
+        (rows / f"{v.name}.json").write_text(json.dumps(dict(source=source, rows=[row])))
+    assert kb.main(["--out", str(tmp_path)]) == 0
+    assert compiled == [two[1].name]
+    table = [r["skipped"] for r in json.loads((tmp_path / "budget.json").read_text())["rows"]]
+    assert table == [f"kept {two[0].name}", f"measured {two[1].name}"]
+    assert not rows.exists()
+
+
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory) -> list[dict]:
     """The quick set compiled now (~20 s of one core), in a process of its own: the kernels
