@@ -1,6 +1,7 @@
 """The one reference attention (kvcalib_runtime.cache.attention) against the eager attentions it
 replaced, pinned here as they stood before the switch (issue 54): bit for bit (torch.equal) on
-random fp32 inputs over masks, sliding windows, softcap on and off and GQA groups."""
+random fp32 inputs over masks, sliding windows, softcap on and off and GQA groups. The toolkit's
+adapter is pinned the same way in tests/toolkit/test_probe_attention.py."""
 
 import math
 
@@ -39,21 +40,6 @@ def _kvcache_before(q, keys, values, valid, causal=False, window=None, softcap=N
     if softcap is not None:
         return _capped_before(q, keys, values, mask[:, None], softcap)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=True)
-
-
-def _longprobe_before(query, key, value, attention_mask, scaling, softcap):
-    """evaluation.longprobe._attention before the switch: (out [B, T, H, D], probs)."""
-    groups = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(groups, dim=1)
-    v = value.repeat_interleave(groups, dim=1)
-    scores = (query @ k.transpose(-1, -2)).float() * scaling
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if attention_mask is not None:
-        scores = scores + attention_mask[..., : k.shape[-2]].float()
-    probs = scores.softmax(-1)
-    out = probs.to(v.dtype) @ v
-    return out.transpose(1, 2).contiguous(), probs
 
 
 def _same(a, b):
@@ -98,23 +84,6 @@ def test_kvcache_attention_bits(case, window, softcap):
         ok = valid if not causal else torch.ones(b, n, dtype=torch.bool)
         args = (q, k, v, ok, causal, window, softcap)
         _same(kvcache._attention(*args), _kvcache_before(*args))
-
-
-@pytest.mark.parametrize("softcap", [None, CAP])
-@pytest.mark.parametrize("case", CASES)
-def test_longprobe_attention_bits(case, softcap):
-    """The probe's eager attention: an additive float mask wider than the keys, a scaling
-    factor, the probabilities handed to the observer; output and probabilities unchanged."""
-    g, q, k, v = _inputs(2, *case)
-    b, t, n = case[0], case[3], case[4]
-    mask = torch.zeros(b, 1, t, n + 3)
-    mask[torch.rand(b, 1, t, n + 3, generator=g) < 0.3] = torch.finfo(torch.float32).min
-    mask[..., 0] = 0
-    seen = []
-    out = attention(q, k, v, mask, scaling=0.11, softcap=softcap, observer=seen.append)
-    want, probs = _longprobe_before(q, k, v, mask, 0.11, softcap)
-    assert torch.equal(out.transpose(1, 2), want)
-    assert len(seen) == 1 and torch.equal(seen[0], probs)
 
 
 def test_observer_sees_eager_probabilities():
