@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from kvcalib_runtime.cache.attention import capped
+
 BLOCK = 64  # queries per band block
 
 
@@ -98,9 +100,7 @@ def reference(
         a, z, lo = bl.a, bl.z, bl.lo
         exact = q[..., a:z, :] @ key[:, :, None, lo:z].transpose(-1, -2)
         scores[..., a:z, lo:z] = torch.where(bl.key_exact, exact, scores[..., a:z, lo:z])
-    scores = scores * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = capped(scores * scaling, softcap)
     probs = torch.softmax(scores + mask, -1, torch.float32)
     p = probs.to(value.dtype)
     out = p @ value_q[:, :, None]

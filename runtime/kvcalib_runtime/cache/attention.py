@@ -24,6 +24,12 @@ import torch.nn.functional as F
 Observer = Callable[[torch.Tensor], None]
 
 
+def capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma 2's soft-cap on scaled scores, softcap * tanh(s / softcap); None: s unchanged. The
+    one definition, shared with the paths that stay separate."""
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 def attention(
     q: torch.Tensor,
     keys: torch.Tensor,
@@ -52,8 +58,7 @@ def attention(
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
     scores = q @ keys.transpose(-1, -2)
     scores = scores / math.sqrt(q.shape[-1]) if scaling is None else scores * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = capped(scores, softcap)
     if causal:
         t = q.shape[2]
         mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
