@@ -80,7 +80,7 @@ def test_kvcache_attention_bits(case, window, softcap):
     b, t, n = case[0], case[3], case[4]
     valid = torch.ones(b, n, dtype=torch.bool)
     valid[-1, : n - t] = torch.rand(n - t, generator=g) < 0.5  # a shorter, gappy sequence
-    for causal in ([True, False] if t == n else [False]):
+    for causal in [True, False] if t == n else [False]:
         ok = valid if not causal else torch.ones(b, n, dtype=torch.bool)
         args = (q, k, v, ok, causal, window, softcap)
         _same(kvcache._attention(*args), _kvcache_before(*args))

@@ -51,8 +51,9 @@ def test_probe_attention_bits(case, softcap, scaling):
     seen = _Seen()
     longprobe._ACTIVE.append(seen)
     try:
-        out, probs = longprobe._attention(SimpleNamespace(layer_idx=3), q, k, v, mask, scaling,
-                                          softcap=softcap)
+        out, probs = longprobe._attention(
+            SimpleNamespace(layer_idx=3), q, k, v, mask, scaling, softcap=softcap
+        )
     finally:
         longprobe._ACTIVE.remove(seen)
     want, want_probs = _before(q, k, v, mask, scaling, softcap)

@@ -169,4 +169,3 @@ class FullPrecisionCache:
     def bytes_per_token(self) -> float:
         """Allocated bytes per token slot of one sequence: allocated_bytes / (B * max_len)."""
         return self.allocated_bytes() / (len(self.lengths) * self.max_len)
-
