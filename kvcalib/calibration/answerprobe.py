@@ -49,6 +49,7 @@ from kvcalib.calibration.layerwise import LayerSource
 from kvcalib.calibration.sensitivity import BITS, TENSORS
 from kvcalib.errors import ModelError
 from kvcalib.sim.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
+from kvcalib_runtime.cache.attention import capped
 from kvcalib_runtime.layouts.quant import QuantSpec, fake_quantize
 from kvcalib_runtime.model.rope import rotate
 
@@ -293,7 +294,9 @@ def _over(q, k, v, mask, scaling: float, softcap) -> tuple:
     mask [B' or 1, 1, R, K] (None: none), in parts that merge: (m, z, o), the row's largest
     score (or its log-sum-exp), its exp(score - m) summed and its exp(score - m)-weighted
     values, [B, Hkv, G, R, 1 / 1 / D]. Without a soft-cap, by torch's fused CPU kernel (no
-    scores in memory); with one, in blocks of ROWS rows."""
+    scores in memory); with one, in blocks of ROWS rows. A specialisation of
+    kvcalib_runtime.cache.attention kept here: parts that merge across the branches' key
+    versions, not one normalised output (the soft-cap is that module's `capped`)."""
     b, hkv, g, r, d = q.shape
     if softcap is not None or q.device.type != "cpu":
         mask = None if mask is None else mask[:, :, None]
@@ -315,9 +318,7 @@ def _part(q, k, v, mask, scaling: float, softcap) -> tuple:
     [B', 1, 1, R, K] or None."""
     parts = []
     for r in range(0, q.shape[3], ROWS):
-        s = q[..., r : r + ROWS, :] @ k.transpose(-1, -2) * scaling
-        if softcap is not None:
-            s = torch.tanh(s / softcap) * softcap
+        s = capped(q[..., r : r + ROWS, :] @ k.transpose(-1, -2) * scaling, softcap)
         if mask is not None:
             s = s + mask[..., r : r + ROWS, :]
         m = s.amax(-1, keepdim=True)

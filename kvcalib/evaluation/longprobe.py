@@ -27,6 +27,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from kvcalib.sim.hooks import Hooks
+from kvcalib_runtime.cache.attention import attention
 
 ATTENTION = "kvcalib_probe"
 CLAMPED = 2.0
@@ -99,24 +100,22 @@ def diagnose(record: dict, reference: dict) -> str:
 def _attention(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs
 ):
-    """Eager attention ([B, H, q, D] queries over [B, Hkv, N, D] keys) that hands the active
-    probe its probabilities; the output is what eager attention returns."""
+    """transformers' attention interface over kvcalib_runtime.cache.attention's eager path
+    ([B, H, q, D] queries over [B, Hkv, N, D] keys), handing the active probe the
+    probabilities, which it also returns as the attention weights."""
     del dropout, kwargs
+    seen = []
+
+    def observe(probs: torch.Tensor) -> None:
+        seen.append(probs)
+        if _ACTIVE:
+            _ACTIVE[-1].observe(module.layer_idx, probs, key)
+
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    groups = query.shape[1] // key.shape[1]
-    k = key.repeat_interleave(groups, dim=1)
-    v = value.repeat_interleave(groups, dim=1)
-    scores = (query @ k.transpose(-1, -2)).float() * scaling
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    if attention_mask is not None:
-        scores = scores + attention_mask[..., : k.shape[-2]].float()
-    probs = scores.softmax(-1)
-    if _ACTIVE:
-        _ACTIVE[-1].observe(module.layer_idx, probs, key)
-    out = probs.to(v.dtype) @ v
-    return out.transpose(1, 2).contiguous(), probs
+    mask = None if attention_mask is None else attention_mask.float()
+    out = attention(query, key, value, mask, scaling=scaling, softcap=softcap, observer=observe)
+    return out.transpose(1, 2).contiguous(), seen[0]
 
 
 AttentionInterface.register(ATTENTION, _attention)

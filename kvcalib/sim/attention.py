@@ -1,6 +1,10 @@
-"""Attention over a simulated quantized KV cache, in one pass over every query: the reference
-(eager, returns the attention weights for observers) and the fast path (PyTorch's fused
-scaled_dot_product_attention), which agree to float rounding (tests/toolkit/test_simulate.py).
+"""Attention over a simulated quantized KV cache under the decode rule, in one pass over every
+query: the reference (eager, returns the attention weights for observers) and the fast path
+(PyTorch's fused scaled_dot_product_attention), which agree to float rounding
+(tests/toolkit/test_simulate.py). Fake mode (every position quantized) and full precision need
+no rule: they attend through the runtime's one attention, kvcalib_runtime.cache.attention. The
+rule stays here, a specialisation of it: a score's key and a weight's value are exact or
+quantized per query, which no one K and V express.
 
 Query i sees key j quantized when j < n_k(i) and as it is otherwise (the decode rule's quantized
 prefix, kvcalib_runtime.cache.scheme.quantized_prefix; kept sinks are exact in the quantized tensors
@@ -38,6 +42,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
+
+from kvcalib_runtime.cache.attention import capped
 
 BLOCK = 64  # queries per band block
 
@@ -94,9 +100,7 @@ def reference(
         a, z, lo = bl.a, bl.z, bl.lo
         exact = q[..., a:z, :] @ key[:, :, None, lo:z].transpose(-1, -2)
         scores[..., a:z, lo:z] = torch.where(bl.key_exact, exact, scores[..., a:z, lo:z])
-    scores = scores * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = capped(scores * scaling, softcap)
     probs = torch.softmax(scores + mask, -1, torch.float32)
     p = probs.to(value.dtype)
     out = p @ value_q[:, :, None]
@@ -107,16 +111,11 @@ def reference(
     return out, probs
 
 
-def fused(q, key, value, key_q, value_q, mask, scaling: float, rule: Bands | None):
+def fused(q, key, value, key_q, value_q, mask, scaling: float, rule: Bands):
     """out: the same attention as `reference` through scaled_dot_product_attention (see the
     module docstring), without the weights."""
     b, hkv, g, t, d = q.shape
     flat = q.reshape(b, hkv * g, t, d)
-    if rule is None:
-        out = scaled_dot_product_attention(
-            flat, key_q, value_q, attn_mask=mask, scale=scaling, enable_gqa=True
-        )
-        return out.view(b, hkv, g, t, d)
     low = torch.finfo(mask.dtype).min
     m = torch.empty(b, hkv, g, t, 1, dtype=torch.float32, device=q.device)
     dn = torch.empty(b, hkv, g, t, d, dtype=torch.float32, device=q.device)

@@ -37,6 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from kvcalib.errors import ModelError
 from kvcalib.sim import attention
 from kvcalib.sim.hooks import Hooks, capture_keys, decoder_layers, hidden_of, key_module
+from kvcalib_runtime.cache.attention import attention as runtime_attention
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme, quantized_prefix
 from kvcalib_runtime.layouts.quant import fake_quantize
 from kvcalib_runtime.model.rope import rotate
@@ -273,7 +274,15 @@ class Simulator:
             bands = self._rule(t, layer, sinks.device)
         q = query.view(b, hkv, -1, t, d)
         args = (q, key, value, key_q, value_q, attention_mask, scaling, bands)
-        if not self.observers and softcap is None:
+        seen = []
+        if bands is None:  # every position as key_q / value_q hold it: the one attention
+            observe = seen.append if self.observers else None
+            out = runtime_attention(
+                query, key_q, value_q, attention_mask, scaling=scaling, softcap=softcap,
+                observer=observe,
+            )  # fmt: skip
+            probs = seen[0].view(b, hkv, -1, t, t) if seen else None
+        elif not self.observers and softcap is None:
             out = attention.fused(*args)
         else:
             out, probs = attention.reference(*args, softcap=softcap)

@@ -8,6 +8,7 @@ from tiny import tiny_model
 from kvcalib.sim import attention
 from kvcalib.sim.cache import QuantizedKVCache
 from kvcalib.sim.simulate import Simulator
+from kvcalib_runtime.cache.attention import attention as runtime_attention
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
 from kvcalib_runtime.layouts.quant import QuantSpec
 
@@ -178,6 +179,25 @@ def test_fused_attention_equals_the_eager_reference(case, mode, monkeypatch):
         reference = model(ids).logits
     assert (fast - eager).abs().max() / eager.abs().max() < 1e-5
     assert (eager - reference).abs().max() / reference.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("shape", [(1, 1, 1, 5, 64), (2, 2, 3, 17, 64), (1, 3, 5, 70, 32)])
+def test_without_a_rule_the_runtime_attention_is_the_reference_bit_for_bit(shape, softcap):
+    # Fake mode and full precision attend through kvcalib_runtime.cache.attention (issue 54):
+    # its output and observed probabilities are the decode-rule reference's with no rule, as the
+    # simulation computed them before, bit for bit (fp32, GQA groups, a causal additive mask).
+    b, hkv, g, t, d = shape
+    gen = torch.Generator().manual_seed(t)
+    q = torch.randn(b, hkv, g, t, d, generator=gen)
+    k, v = (torch.randn(b, hkv, t, d, generator=gen) for _ in range(2))
+    mask = torch.full((t, t), torch.finfo(torch.float32).min).triu(1).expand(b, 1, t, t)
+    want, probs = attention.reference(q, k, v, k, v, mask, 0.125, None, softcap=softcap)
+    seen = []
+    flat = q.reshape(b, hkv * g, t, d)
+    got = runtime_attention(flat, k, v, mask, scaling=0.125, softcap=softcap, observer=seen.append)
+    assert torch.equal(got.view(b, hkv, g, t, d), want)
+    assert torch.equal(seen[0].view(b, hkv, g, t, t), probs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

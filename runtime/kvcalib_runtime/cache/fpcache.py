@@ -6,11 +6,10 @@ calls and is compared against this one.
 """
 
 import copy
-import math
 
 import torch
-import torch.nn.functional as F
 
+from kvcalib_runtime.cache.attention import attention
 from kvcalib_runtime.errors import CapacityError
 from kvcalib_runtime.model.rope import Rope
 
@@ -122,11 +121,7 @@ class FullPrecisionCache:
         elif self.softcap is not None or not (T == 1 and (self.lengths == longest).all()):
             slots = torch.arange(S, device=positions.device)
             mask = (slots <= positions[..., None])[:, None]  # [B, 1, T, S]
-        if self.softcap is not None:
-            return capped_attention(q, keys, values, mask, self.softcap)
-        return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, is_causal=causal, enable_gqa=True
-        )
+        return attention(q, keys, values, mask, softcap=self.softcap, causal=causal)
 
     def _ring(self, layer, q, k, v, positions) -> torch.Tensor:
         """attend on a ring of W slots: the ring (each slot's newest position before this
@@ -140,12 +135,7 @@ class FullPrecisionCache:
         p = positions[:, :, None]
         mask = (pos[:, None, :] <= p) & (pos[:, None, :] > p - W) & (pos[:, None, :] >= 0)
         keys_in, values_in = torch.cat([keys, k], 2), torch.cat([values, v], 2)
-        if self.softcap is not None:
-            out = capped_attention(q, keys_in, values_in, mask[:, None], self.softcap)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, keys_in, values_in, attn_mask=mask[:, None], enable_gqa=True
-            )
+        out = attention(q, keys_in, values_in, mask[:, None], softcap=self.softcap)
         m = min(T, W)
         rows = torch.arange(B, device=q.device)[:, None]
         slots = positions[:, T - m :] % W
@@ -179,14 +169,3 @@ class FullPrecisionCache:
     def bytes_per_token(self) -> float:
         """Allocated bytes per token slot of one sequence: allocated_bytes / (B * max_len)."""
         return self.allocated_bytes() / (len(self.lengths) * self.max_len)
-
-
-def capped_attention(q, keys, values, mask, cap: float) -> torch.Tensor:
-    """softmax(cap * tanh(q K^T / (sqrt(D) cap)) + mask) V in fp32 softmax, as transformers'
-    eager attention: q [B, H, T, D], keys/values [B, Hkv, S, D], mask bool [B, 1, T, S]."""
-    group = q.shape[1] // keys.shape[1]
-    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
-    scores = q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    scores = torch.tanh(scores / cap) * cap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ values

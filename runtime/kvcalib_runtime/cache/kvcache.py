@@ -45,9 +45,8 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from kvcalib_runtime.cache.fpcache import capped_attention
+from kvcalib_runtime.cache.attention import attention
 from kvcalib_runtime.cache.held import HeldBodies
 from kvcalib_runtime.cache.kvstream import Stream, kernel_layout
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme
@@ -587,17 +586,13 @@ def _attention(q, keys, values, valid, causal=False, window=None, softcap=None):
     every key is valid and N == T (a first prefill)."""
     T, N = q.shape[2], keys.shape[2]
     if causal and (window is None or window >= N) and softcap is None:
-        return F.scaled_dot_product_attention(
-            q, keys, values, is_causal=q.shape[2] > 1, enable_gqa=True
-        )
+        return attention(q, keys, values, causal=T > 1)
     qpos = valid.sum(-1)[:, None] - T + torch.arange(T, device=q.device)  # [B, T]
     j = torch.arange(N, device=q.device)[None, None, :]
     mask = (j <= qpos[:, :, None]) & valid[:, None, :]  # [B, T, N]
     if window is not None:
         mask &= j > qpos[:, :, None] - window
-    if softcap is not None:
-        return capped_attention(q, keys, values, mask[:, None], softcap)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None], enable_gqa=True)
+    return attention(q, keys, values, mask[:, None], softcap=softcap)
 
 
 def planned_memory(
