@@ -38,7 +38,7 @@ import torch
 from kvcalib.core.plan import codebook_variant
 from kvcalib.core.profile import select_range
 from kvcalib.core.recipe import load_recipe, presets
-from kvcalib_runtime.layouts import LAYOUTS
+from kvcalib_runtime.layouts import registered
 from kvcalib_runtime.layouts.quant import QuantSpec, uniform_codebook
 from kvcalib_runtime.layouts.vector import to_vector
 from kvcalib_runtime.model.geometry import Geometry
@@ -156,7 +156,7 @@ def _normalized(variant: str, x: dict, g: dict, keep: torch.Tensor, quantiles: d
         v, grad = hadamard_transform(v), hadamard_transform(grad)
     keep = keep.expand(v.shape[:-1])  # [T] -> [L, Hkv, T]
     weight = grad.square() * keep[..., None].to(grad.dtype)
-    if LAYOUTS[kind].calibrated_range:
+    if registered()[kind].calibrated_range:
         found = select_range(quantiles[position], outliers)
         if found is None:
             raise ValueError(f"variant {variant}: no calibrated range leaves {outliers} out")

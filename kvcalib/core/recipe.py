@@ -228,14 +228,19 @@ _TOP_KEYS = {
 }
 _SINK_KEYS = {"first": int, "predicted": bool, "budget": int}
 _ALLOCATION_KEYS = {"budget": float, "choices": list, "sensitivity": str}
-_CHOICES = {  # the runtime's own tables (QuantSpec's fields, the registry's layouts), then ours
-    **choices(),
+_OUR_CHOICES = {
     "codebook": ("uniform", "calibrated"),
     "position": KEY_POSITIONS,
     "rotation": ("none", "hadamard"),
     "codebook_scope": ("layer", "head"),
     "codebook_weight": ("fisher", "fisher+answer", "plain"),
 }
+
+
+def _choices() -> dict[str, tuple[str, ...]]:
+    """The values each enumerated key takes: the runtime's (QuantSpec's fields, the layouts
+    registered when called), then ours."""
+    return {**choices(), **_OUR_CHOICES}
 
 
 def _preset_entries() -> list[Path]:
@@ -427,7 +432,7 @@ def _tensor_keys(table: dict, name: str, where: str, at: str = "") -> None:
     known = {k: t for k, t in _TENSOR_KEYS.items() if name == "key" or k not in _VALUE_ONLY_OUT}
     path = f"{at}{name}."
     _check_keys(table, {k: _type(t) for k, t in known.items()}, path, where)
-    for k, allowed in _CHOICES.items():
+    for k, allowed in _choices().items():
         if k in table and table[k] not in allowed:
             raise RecipeError(
                 f"{where}: '{path}{k}' = {table[k]!r}; use one of {', '.join(allowed)}"

@@ -14,6 +14,8 @@ import pytest
 import torch
 from tiny import tiny_model
 
+from kvcalib.core.recipe import parse_recipe
+from kvcalib.errors import RecipeError
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
 from kvcalib_runtime.layouts import base
@@ -109,6 +111,38 @@ def test_the_registry_binds_the_toy(toy):
         QuantSpec(4, method="toy")
 
 
+def test_a_recipe_names_the_toy(toy):
+    """The recipe's choices read the registry when a recipe is parsed: the toy, registered after
+    import, is a method a recipe may name, and the spec it resolves to binds the toy."""
+    doc = {"bits": 4, "method": "toy", "symmetric": True}
+    recipe = parse_recipe({"name": "toy", "key": doc, "value": doc})
+    assert recipe.key.spec() == toy
+    with pytest.raises(RecipeError, match=r"'key\.method' = 'toys'; use one of .*, toy$"):
+        parse_recipe({"name": "toy", "key": {**doc, "method": "toys"}})
+
+
+VQ = QuantSpec(4, "static", 2, codebook=True, method="vq")
+
+
+@pytest.mark.parametrize(
+    ("spec", "paged"),
+    [
+        (QuantSpec(2, group_size=32), True),  # per-token groups
+        (QuantSpec(4, "static"), True),
+        (QuantSpec(3, granularity="vector"), True),
+        (VQ, True),
+        (QuantSpec(2, "channel", 32), False),  # metadata per group of tokens: no per-token row
+        (QuantSpec(4, group_size=32, symmetric=True, method="ggml"), False),  # not decoded
+        (QuantSpec(3, symmetric=True, method="turboquant"), False),
+        (None, False),  # the toy: its own numerics, which the decode kernel does not read
+    ],
+)
+def test_pages_hold_a_layout_by_its_body(toy, spec, paged):
+    """What the vLLM plugin serves is read from the layout and its body (a row per token that
+    the decode kernel reads), not listed by name: the layouts it served before, and the toy."""
+    assert (spec or toy).layout.paged(3, 64) is paged
+
+
 def test_write_and_reference_read_are_its_numerics(toy):
     """What a body stores and reads back is the layout's fake quantization, bit for bit, and
     its memory is what it allocated: 4-bit codes kept one a byte (8 bits) plus an fp16 scale per
@@ -126,7 +160,8 @@ def test_write_and_reference_read_are_its_numerics(toy):
 def test_decoding_the_toy_equals_the_one_pass_simulation(toy, tmp_path):
     """Prefill, then a token at a time through the runtime cache (its writer, flush and
     reference read), against the simulator's fake quantization: test_peer_caches's bound, and
-    away from full precision (the quantization is really there)."""
+    away from full precision (the quantization is really there). The cache's warning that the
+    decode kernel does not read it names the toy."""
     hf = tiny_model("llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
     hf.save_pretrained(tmp_path)
     model = Transformer.from_folder(tmp_path)
@@ -136,7 +171,8 @@ def test_decoding_the_toy_equals_the_one_pass_simulation(toy, tmp_path):
     ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(3))
     cache = model.new_cache(1, T, scheme, params, Transforms.online(scheme, params))
     out = [model(ids[:, :PROMPT], cache)]
-    out = torch.cat(out + [model(ids[:, t : t + 1], cache) for t in range(PROMPT, T)], 1)
+    with pytest.warns(UserWarning, match="stores layout toy, whose own numerics"):  # by its name
+        out = torch.cat(out + [model(ids[:, t : t + 1], cache) for t in range(PROMPT, T)], 1)
     simulated = Simulator(hf, scheme, params, mode="decode", prefill=PROMPT)(ids)
     full = hf(ids).logits
 

@@ -3,14 +3,17 @@ table, KVParams' files and tensor-parallel sharding read the declaration instead
 their own, so a layout's new tensor is named, stored, read back and sharded where it is
 declared."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
 from kvcalib_runtime.cache.shard import shard_params
 from kvcalib_runtime.checkpoint import format as fmt
-from kvcalib_runtime.layouts import LAYOUTS
-from kvcalib_runtime.layouts.base import calibrated_tensors
+from kvcalib_runtime.checkpoint.checks import check_params
+from kvcalib_runtime.layouts import base, registered
+from kvcalib_runtime.layouts.base import Calibrated, Layout, calibrated_tensors, register
 from kvcalib_runtime.layouts.quant import QuantSpec
 
 HKV, D = 4, 8
@@ -21,7 +24,7 @@ def test_every_registered_layout_declares_what_it_allocates_with():
     """The union is the three tensors the registered layouts take (allocate's keywords), and
     a spec's `calibrated` shapes are what its body is allocated from."""
     assert {c.argument for c in DECLARED.values()} == {"static_range", "codebook", "split"}
-    assert set(LAYOUTS) >= {"static", "vq", "turboquant"}
+    assert set(registered()) >= {"static", "vq", "turboquant"}
     vq = QuantSpec(4, "static", 2, codebook=True, method="vq").layout
     assert vq.calibrated(HKV, D) == {
         "static_range": ((HKV, D), torch.float32),
@@ -60,3 +63,40 @@ def test_a_declared_tensor_is_named_stored_read_and_sharded(name):
     want = getattr(params, f"key_{name}")[0]
     pairs = zip(got, want, strict=True) if c.pair else [(got, want)]
     assert all(torch.equal(a, b[2:]) for a, b in pairs)  # rank 1 of 2: heads 2 and 3
+
+
+GAIN = Calibrated("gain", "gain", "[Hkv]", (1,), torch.float32)  # a kind no shipped layout has
+
+
+class Gained(Layout):
+    """A layout with a calibrated tensor of a new kind, declared here alone."""
+
+    name = method = "gained"
+    calibrates = (GAIN,)
+
+    def calibrated(self, kv_heads: int, head_dim: int) -> dict[str, tuple]:
+        return {GAIN.argument: ((kv_heads,), GAIN.dtype)}
+
+
+@pytest.fixture
+def gained():
+    register(Gained)
+    yield QuantSpec(4, symmetric=True, method="gained")
+    base._BY_METHOD.pop("gained")
+
+
+def test_a_new_kind_is_declared_once(gained):
+    """KVParams stores, names and reads back a kind declared after import, and check_params asks
+    for it where the layout does, with the shape it declares."""
+    params = KVParams(key_gain={0: torch.ones(HKV)})
+    params.value_gain[0] = torch.full((HKV,), 2.0)
+    tensors = params.tensors()
+    assert set(tensors) == {"layers.0.key_gain", "layers.0.value_gain"}
+    assert torch.equal(KVParams.from_tensors(tensors).value_gain[0], tensors["layers.0.value_gain"])
+    geo = SimpleNamespace(kv_heads=HKV, head_dim=D)  # what check_params reads of a model
+    check_params(KVScheme((LayerScheme(gained, gained),)), params, geo)
+    del params.value_gain[0]
+    with pytest.raises(ValueError, match=r"layers\.0\.value_gain must have shape \(4,\)"):
+        check_params(KVScheme((LayerScheme(gained, gained),)), params, geo)
+    with pytest.raises(TypeError, match="'key_gains' is no declared calibrated tensor"):
+        KVParams(key_gains={})

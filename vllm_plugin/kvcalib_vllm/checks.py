@@ -13,7 +13,6 @@ import torch
 from kvcalib_runtime.cache.shard import check_shardable
 from kvcalib_runtime.checkpoint.format import META, Checkpoint, read_checkpoint
 from kvcalib_runtime.errors import FormatError
-from kvcalib_runtime.layouts import Kind
 
 # vLLM releases whose CPU attention backend, KV cache spec and model classes this plugin was
 # written and tested against: [low, high)
@@ -60,17 +59,19 @@ def check_checkpoint(ckpt: Checkpoint) -> None:
             "kvcalib: sliding-window layers are not served by the vLLM plugin: use "
             "kvcalib_runtime.load for this model"
         )
+    geo = ckpt.geometry
     for i, ls in enumerate(ckpt.scheme.layers):
         for name in ("key", "value"):
             spec = getattr(ls, name)
             if spec is None:
                 continue
             layout = spec.layout
-            if layout.kind == Kind.CHANNEL or not (layout.affine or layout.kind == Kind.VECTORS):
+            if not layout.paged(geo.kv_heads, geo.head_dim):  # a row per token the kernel reads
                 raise KvcalibVllmError(
                     f"kvcalib: layer {i} {name}s are stored as {layout.name!r}, which the vLLM "
-                    "plugin's pages do not hold (per-token, static and vector-code layouts "
-                    "only): convert with a kvcalib-* recipe, or serve with kvcalib_runtime.load"
+                    "plugin's pages do not hold (layouts with a per-token row the decode "
+                    "kernel reads only): convert with a kvcalib-* recipe, or serve with "
+                    "kvcalib_runtime.load"
                 )
 
 

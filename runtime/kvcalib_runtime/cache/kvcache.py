@@ -178,10 +178,12 @@ class QuantizedCache:
         else:
             if q.shape[2] == 1 and self.kernels and not self._layouts[layer] and not self._warned:
                 self._warned = True
+                pair = (self.keys[layer].spec, self.values[layer].spec)
+                names = sorted({s.layout.name for s in pair if not kernel_layout(s)})
                 warnings.warn(
-                    f"layer {layer} stores a peer's own numerics (llama.cpp's or TurboQuant's), "
-                    "which the decode kernel and its reference do not read: it decodes through "
-                    "the slower dequantize-then-attend path",
+                    f"layer {layer} stores layout {' and '.join(names)}, whose own numerics the "
+                    "decode kernel and its reference do not read: it decodes through the slower "
+                    "dequantize-then-attend path",
                     stacklevel=2,
                 )
             keys, values, valid = self._gather(layer, rope)

@@ -20,12 +20,12 @@ precision and to the body as it stood before the chunk.
 
 import dataclasses
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
 from kvcalib_runtime.checkpoint.closed import closed
-from kvcalib_runtime.layouts.base import calibrated_tensors
+from kvcalib_runtime.layouts.base import Calibrated, calibrated_tensors
 from kvcalib_runtime.layouts.quant import QuantSpec
 
 KEY_POSITIONS = ("pre_rope", "post_rope")
@@ -217,36 +217,63 @@ class SinkPredictor:
         return hidden.index_select(-1, dims).abs().amax(-1) > self.threshold
 
 
-@dataclass
+def calibrated_names() -> dict[str, Calibrated]:
+    """KVParams' per-layer tables of the layouts' declared calibrated tensors: "key_range",
+    "value_range", "key_codebook", ... -> the declaration (layouts.base.Calibrated), read from
+    the registry when called (a layout registered later is included)."""
+    return {
+        f"{kind}_{c.name}": c for c in calibrated_tensors().values() for kind in ("key", "value")
+    }
+
+
+@dataclass(init=False)
 class KVParams:
     """Calibrated tensors, per layer index (absent when the scheme needs none).
 
-    key_range / value_range: (lo, hi), each float [Hkv, D], static per-channel ranges
-    key_codebook / value_codebook: float [L] or [Hkv, L], sorted normalized levels ("vq":
+    tables: {name: {layer: tensor}} for each calibrated tensor a layout declares
+        (`calibrated_names`), read and written as attributes of that name:
+      key_range / value_range: (lo, hi), each float [Hkv, D], static per-channel ranges
+      key_codebook / value_codebook: float [L] or [Hkv, L], sorted normalized levels ("vq":
                   float [1 or Hkv, L, w], entries of vectors of w channels)
+      key_split / value_split: int64 [Hkv, n_o], the outlier set's channels per KV head of a
+          "turboquant" spec with split_channels = n_o
     key_smooth: float [Hkv, D], keys are divided by it and queries multiplied (RoPE-pair equal)
-    key_split / value_split: int64 [Hkv, n_o], the outlier set's channels per KV head of a
-        "turboquant" spec with split_channels = n_o
     """
 
-    key_range: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    value_range: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    key_codebook: dict[int, torch.Tensor] = field(default_factory=dict)
-    value_codebook: dict[int, torch.Tensor] = field(default_factory=dict)
-    key_smooth: dict[int, torch.Tensor] = field(default_factory=dict)
-    key_split: dict[int, torch.Tensor] = field(default_factory=dict)
-    value_split: dict[int, torch.Tensor] = field(default_factory=dict)
-    sink_predictor: SinkPredictor | None = None
+    tables: dict[str, dict[int, object]]
+    key_smooth: dict[int, torch.Tensor]
+    sink_predictor: SinkPredictor | None
+
+    def __init__(self, tables=None, key_smooth=None, sink_predictor=None, **named):
+        """named: a declared table by its name (key_range={0: (lo, hi)}); TypeError for a name
+        no layout declares."""
+        tables = {**(tables or {}), **named}
+        declared = calibrated_names()
+        if unknown := sorted(set(tables) - set(declared)):
+            raise TypeError(f"KVParams: {unknown[0]!r} is no declared calibrated tensor")
+        object.__setattr__(self, "tables", {n: dict(tables.get(n, {})) for n in declared})
+        self.key_smooth = dict(key_smooth or {})
+        self.sink_predictor = sink_predictor
+
+    def __getattr__(self, name: str):  # only for names that are not attributes
+        if name != "tables" and name in calibrated_names():
+            return self.tables.setdefault(name, {})
+        raise AttributeError(f"KVParams has no {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in calibrated_names():
+            self.tables[name] = value
+        else:
+            object.__setattr__(self, name, value)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Flat safetensors names: layers.{i}.key_range_lo, ..., layers.{i}.value_split,
         sink_predictor.dims."""
         out = {f"layers.{i}.key_smooth": t for i, t in self.key_smooth.items()}
-        for c in calibrated_tensors().values():  # what the layouts declare (layouts.base)
-            for name in (f"key_{c.name}", f"value_{c.name}"):
-                for i, t in getattr(self, name).items():
-                    ends = zip(("_lo", "_hi"), t, strict=True) if c.pair else [("", t)]
-                    out.update({f"layers.{i}.{name}{end}": part for end, part in ends})
+        for name, c in calibrated_names().items():  # what the layouts declare (layouts.base)
+            for i, t in getattr(self, name).items():
+                ends = zip(("_lo", "_hi"), t, strict=True) if c.pair else [("", t)]
+                out.update({f"layers.{i}.{name}{end}": part for end, part in ends})
         if self.sink_predictor is not None:
             sp = self.sink_predictor
             out["sink_predictor.dims"] = torch.tensor(sp.dims, dtype=torch.int64)

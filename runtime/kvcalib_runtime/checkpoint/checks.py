@@ -13,6 +13,8 @@ planner (numbers that came from a profile) and its converter (before any weight 
   "vector"), finite, sorted, in [0, 1] ([-1, 1] when symmetric), present exactly for the layers
   whose spec has a codebook; a "vq" codebook: 2^bits finite entries of group_size coordinates,
   [1 or Hkv, 2^bits, group_size];
+- any other calibrated tensor a layout declares (a "turboquant" split): present where the
+  layout's `calibrated` asks for it, of the shape it asks, finite;
 - key smoothing: [Hkv, D], finite, positive, equal on RoPE pairs (j, j + D/2);
 - sink predictor: a finite threshold >= 0, a layer and distinct dims of the model;
 - scheme: the residual window, the sink slots and every flush block fit in the model's context
@@ -24,6 +26,7 @@ import math
 
 import torch
 
+from kvcalib_runtime.cache.scheme import calibrated_names
 from kvcalib_runtime.model.geometry import Geometry
 from kvcalib_runtime.model.hadamard import is_supported
 
@@ -67,15 +70,22 @@ def check_params(scheme, params, geo: Geometry) -> None:
     """ValueError unless `params` holds exactly the calibrated tensors `scheme` uses, each
     meaning what it says (see the module docstring)."""
     shape = (geo.kv_heads, geo.head_dim)
+    declared = calibrated_names()
     for i, layer in enumerate(scheme.layers):
         for kind in ("key", "value"):
             spec = getattr(layer, kind)
             where = f"layer {i} {kind}"
-            _check_range(where, spec, getattr(params, f"{kind}_range").get(i), shape)
-            _check_codebook(where, spec, getattr(params, f"{kind}_codebook").get(i), geo)
+            need = spec.layout.calibrated(*shape) if spec is not None else {}
+            for name, c in declared.items():
+                if name.startswith(f"{kind}_"):
+                    found = getattr(params, name).get(i)
+                    if c.name in _MEANING:
+                        _MEANING[c.name](where, spec, found, geo)
+                    else:
+                        _check_declared(f"layers.{i}.{name}", need.get(c.argument), found)
         if i in params.key_smooth:
             _check_smooth(f"layer {i} key_smooth", params.key_smooth[i], shape)
-    for name in ("key_range", "value_range", "key_codebook", "value_codebook", "key_smooth"):
+    for name in (*declared, "key_smooth"):
         if extra := [i for i in getattr(params, name) if not 0 <= i < len(scheme.layers)]:
             raise ValueError(f"{name} of layer {extra[0]}, past the scheme's {len(scheme.layers)}")
     sp = params.sink_predictor
@@ -107,7 +117,20 @@ def _given(where: str, wanted: bool, found, scheme: str, given: str) -> None:
         raise ValueError(f"{where}: the scheme {scheme}, but {given} is given for it")
 
 
-def _check_range(where: str, spec, found, shape) -> None:
+def _check_declared(where: str, need, found) -> None:
+    """A calibrated tensor checked by its layout's declaration alone: of the shape the layout
+    asks for (need: (shape, dtype), or None: not asked for, and ignored as it always was)."""
+    if need is None:
+        return
+    shape = tuple(need[0])
+    if found is None or tuple(found.shape) != shape:
+        raise ValueError(f"{where} must have shape {shape}")
+    if found.is_floating_point():
+        _finite(where, found)
+
+
+def _check_range(where: str, spec, found, geo: Geometry) -> None:
+    shape = (geo.kv_heads, geo.head_dim)
     static = spec is not None and spec.layout.calibrated_range
     scheme = f"is {'' if static else 'not '}'static'"
     _given(where, static, found, scheme, f"{'no' if found is None else 'a'} calibrated range")
@@ -145,6 +168,10 @@ def _check_codebook(where: str, spec, book, geo: Geometry) -> None:
             f"{where} codebook levels span [{float(book.min()):.4g}, {float(book.max()):.4g}], "
             f"outside the normalized domain [{low:g}, 1]"
         )
+
+
+# what a calibrated tensor's numbers must mean beyond its declaration, by Calibrated.name
+_MEANING = {"range": _check_range, "codebook": _check_codebook}
 
 
 def _check_smooth(where: str, s: torch.Tensor, shape) -> None:

@@ -562,14 +562,6 @@ def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
         raise FormatError(f"{PARAMS}: {e}; convert the model again") from None
     for i, layer in enumerate(scheme.layers):
         for kind, spec in (("key", layer.key), ("value", layer.value)):
-            split = getattr(params, f"{kind}_split").get(i)
-            need = spec.layout.calibrated(kv_heads, head_dim) if spec else {}
-            want = need["split"][0] if "split" in need else None  # as the layout declares it
-            if want and (split is None or tuple(split.shape) != want):
-                raise FormatError(
-                    f"{PARAMS}: layers.{i}.{kind}_split must have shape {want}; convert the "
-                    "model again"
-                )
             if spec is None:
                 continue
             try:

@@ -14,7 +14,9 @@ walked from it) and what the kernels read of it (base.Kind and a few typed attri
 A QuantSpec names its layout by `granularity` under kvcalib's affine numerics (`method`
 "affine"), or by a `method` of its own (a peer's, or kvcalib's vector codes); `QuantSpec.layout`
 is `bind(spec)`. Importing the package registers every layout below, in this order (the order
-of GRANULARITIES and METHODS, which error messages and the recipe's choices list).
+of `granularities()` and `methods()`, which error messages and the recipe's choices list;
+they, `registered()` and `calibrated_tensors()` read the registry when called, so a layout
+registered later is in them).
 """
 
 # isort: off
@@ -23,6 +25,7 @@ from kvcalib_runtime.layouts.base import (
     Kind,
     Layout,
     bind,
+    calibrated_tensors,
     granularities,
     layout_class,
     methods,
@@ -30,9 +33,6 @@ from kvcalib_runtime.layouts.base import (
 )
 # isort: on
 
-GRANULARITIES = granularities()
-METHODS = methods()
-LAYOUTS = registered()
-
-__all__ = ["GRANULARITIES", "LAYOUTS", "METHODS", "Kind", "Layout", "bind", "layout_class"]
+__all__ = ["Kind", "Layout", "bind", "calibrated_tensors", "granularities", "layout_class"]
+__all__ += ["methods", "registered"]
 __all__ += ["channel", "ggml", "static", "token", "turboquant", "vector", "vq"]

@@ -236,12 +236,29 @@ class Layout:
         """Bits per element of a body of `tokens` tokens of kv_heads heads in a `dtype` cache,
         walked from the buffers of one allocated on the meta device: codes, metadata, exact
         slots and the layer's calibrated constants (ranges, codebooks, split channels)."""
+        body = self.meta_body(kv_heads, head_dim, tokens, dtype)
+        return sum(t.nbytes for t in body.tensors()) * 8 / (tokens * kv_heads * head_dim)
+
+    def meta_body(self, kv_heads: int, head_dim: int, tokens: int, dtype: torch.dtype):
+        """A body of one sequence of `tokens` tokens allocated on the meta device (no memory),
+        from calibrated tensors of the shapes `calibrated` declares."""
         meta, given = torch.device("meta"), {}
         for argument, (shape, kind) in self.calibrated(kv_heads, head_dim).items():
             found = torch.zeros(shape, dtype=kind, device=meta)
             given[argument] = (found, found) if argument == RANGE.argument else found
-        body = self.allocate((1, kv_heads, tokens, head_dim), meta, dtype, **given)
-        return sum(t.nbytes for t in body.tensors()) * 8 / (tokens * kv_heads * head_dim)
+        return self.allocate((1, kv_heads, tokens, head_dim), meta, dtype, **given)
+
+    def paged(self, kv_heads: int, head_dim: int) -> bool:
+        """vLLM's pages can hold it: the decode kernel reads it (`decoded`) and its body keeps
+        one row per token (`per_token`; a ValueError where it does not)."""
+        if not self.decoded:
+            return False
+        body = self.meta_body(kv_heads, head_dim, self.token_group(), torch.float16)
+        try:
+            body.per_token()
+        except ValueError:
+            return False
+        return True
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec})"
