@@ -59,10 +59,10 @@ class ToyBody:
 
     flush = flush_by_write
 
-    def dequantize(self, dtype, b=None, n=None) -> torch.Tensor:
+    def dequantize(self, dtype, b=None, n=None, start=0) -> torch.Tensor:
         rows = slice(None) if b is None else slice(b, b + 1)
         n = self.slots if n is None else n
-        q = QTensor(self.codes[rows, :, :n], self.scale[rows, :, :n], None)
+        q = QTensor(self.codes[rows, :, start:n], self.scale[rows, :, start:n], None)
         out = self.spec.layout.dequantize(q).to(dtype)
         return out if b is None else out[0]
 

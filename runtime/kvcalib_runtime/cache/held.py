@@ -5,17 +5,16 @@ dequantizes only the positions committed since the last read, not the whole body
 A body position never changes once flushed while the cache only grows, so what is kept of it
 stays right until the lengths go back (`reset`, `restore`), which `rewind` follows. What is kept
 is what a slot dequantizes to alone, bit for bit as in a read of the whole body: the dequantized
-slot, or for a TurboBody the levels its codes index (`TurboBody.levels`): its inverse rotation is
-a matrix product whose BLAS rounding depends on how many rows it multiplies, so it runs over the
-whole body at every read as before (`TurboBody.finish`). A sliding window's ring body (slots
-overwritten) is read whole as before. The kept copies are the reader's scratch, not storage:
-`parts` and `memory` leave them out.
+slot, or what its layout keeps instead (`Layout.kept`): TurboQuant keeps the levels its codes
+index, since its inverse rotation is a matrix product whose BLAS rounding depends on how many
+rows it multiplies, so it runs over the whole body at every read as before (`Layout.from_kept`).
+A sliding window's ring body (slots overwritten) is read whole as before. The kept copies are
+the reader's scratch, not storage: `parts` and `memory` leave them out.
 """
 
 import torch
 
 from kvcalib_runtime.cache.kvstream import Stream
-from kvcalib_runtime.layouts.turboquant import TurboBody
 
 
 class HeldBodies:
@@ -32,28 +31,22 @@ class HeldBodies:
         (first position, [Hkv, nb - first, D])."""
         if stream.spec is None or nb > stream.slots:
             return stream.read(b, nb, self.dtype)
-        turbo = isinstance(stream.body, TurboBody)
+        layout = stream.spec.layout
         held = self._held.get(key)
         if held is None:
             _, hkv, _, d = stream.tail.shape
-            widths = [n for n, _ in stream.spec.layout.sets(d)] if turbo else [d]
-            dtype = torch.float32 if turbo else self.dtype
             device = stream.tail.device
-            held = self._held[key] = [[torch.empty(hkv, stream.slots, w, dtype=dtype,
-                                                   device=device) for w in widths], 0]  # fmt: skip
+            widths = layout.kept_widths(d, self.dtype)
+            bufs = [torch.empty(hkv, stream.slots, w, dtype=t, device=device) for w, t in widths]
+            held = self._held[key] = [bufs, 0]
         bufs, done = held
         if nb > done:
             start = done - done % stream.token_group
-            if turbo:
-                new = stream.body.levels(b, nb, start)
-            else:
-                new = [stream.read(b, nb, self.dtype, start)[1]]
+            new = layout.kept(stream.body, b, nb, start, self.dtype)
             for buf, x in zip(bufs, new, strict=True):
                 buf[:, start:nb] = x
             held[1] = nb
-        if turbo:
-            return 0, stream.body.finish([buf[:, :nb] for buf in bufs], b, self.dtype)
-        return 0, bufs[0][:, :nb]
+        return 0, layout.from_kept(stream.body, [buf[:, :nb] for buf in bufs], b, self.dtype)
 
     def rewind(self, lengths: dict[int, int], streams) -> None:
         """The rows in `lengths` ({row: tokens stored}) went back: each copy keeps the positions

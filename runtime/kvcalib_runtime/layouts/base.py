@@ -230,6 +230,22 @@ class Layout:
         tensors it needs; its `tensors()` are what it allocates."""
         raise NotImplementedError
 
+    def kept_widths(self, head_dim: int, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+        """(channels, dtype) of each buffer a reader keeps of a slot between reads of the
+        history (cache.held): the slot dequantized, unless the read ends with a step over the
+        whole body (`kept` and `from_kept`)."""
+        return [(head_dim, dtype)]
+
+    def kept(self, body, b: int, n: int, start: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """What a reader keeps of slots [start, n) of sequence b: each slot alone, the same
+        whatever the span (one tensor [Hkv, n - start, w] per `kept_widths` entry)."""
+        return [body.dequantize(dtype, b, n, start)]
+
+    def from_kept(self, body, kept: list[torch.Tensor], b: int, dtype: torch.dtype):
+        """Slots [0, n) of sequence b from what was kept of them, bit for bit
+        `body.dequantize(dtype, b, n)`."""
+        return kept[0]
+
     def bits_per_element(
         self, head_dim: int, tokens: int, kv_heads: int = 1, dtype: torch.dtype = torch.float16
     ) -> float:

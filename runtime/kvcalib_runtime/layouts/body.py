@@ -71,7 +71,12 @@ class Body(Protocol):
 
     def view(self, b: int) -> "Body": ...
 
-    def dequantize(self, dtype, b: int | None = None, n: int | None = None) -> torch.Tensor: ...
+    def dequantize(
+        self, dtype, b: int | None = None, n: int | None = None, start: int = 0
+    ) -> torch.Tensor:
+        """Slots [start, n) (default all) of sequence b (default every one), the reference read;
+        each slot reads the same whatever the span (start a multiple of the layout's token
+        group)."""
 
     def per_token(self) -> dict[str, torch.Tensor]: ...
 
@@ -98,9 +103,11 @@ class ExactBody:
     def view(self, b: int) -> "ExactBody":
         return ExactBody(self.values[b : b + 1])
 
-    def dequantize(self, dtype, b: int | None = None, n: int | None = None) -> torch.Tensor:
+    def dequantize(
+        self, dtype, b: int | None = None, n: int | None = None, start: int = 0
+    ) -> torch.Tensor:
         held = self.values if b is None else self.values[b]
-        return (held if n is None else held[..., :n, :]).to(dtype)
+        return held[..., start:n, :].to(dtype)
 
     def per_token(self) -> dict[str, torch.Tensor]:
         return {"exact": self.values}

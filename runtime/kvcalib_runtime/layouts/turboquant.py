@@ -269,6 +269,17 @@ class TurboSets(Layout):
                 f"rest ({spec.bits}), one of {TURBO_BITS}"
             )
 
+    def kept_widths(self, head_dim: int, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+        """Each set's levels in float32: the inverse rotation is a matrix product whose BLAS
+        rounding depends on how many rows it multiplies, so it runs over the whole body."""
+        return [(n, torch.float32) for n, _ in self.sets(head_dim)]
+
+    def kept(self, body, b: int, n: int, start: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        return body.levels(b, n, start)
+
+    def from_kept(self, body, kept: list[torch.Tensor], b: int, dtype: torch.dtype):
+        return body.finish(kept, b, dtype)
+
     def sets(self, n: int) -> tuple[tuple[int, int], ...]:
         """((channels, bits), ...) of each set of a vector of n channels, the outlier set
         first."""
