@@ -15,6 +15,9 @@ Where the numbers come from:
   today on the same windows, and Gemma's and Qwen's decode tables.
 - benchmarks/long_context/<model>/long_context*.json and cells/ (`make long-context`): the
   long-context suite; each cell records every calibrated recipe's plan digest.
+- benchmarks/dtype/bf16_smollm2.json (`benchmarks/dtype/run.sh`): the main table's recipes in
+  bfloat16 and float32 on the same windows, kvcalib's through its converted folder scored
+  against the source model at that dtype (the main table's bf16 column).
 """
 
 import argparse
@@ -27,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 VALUES = BENCH / "kvcalib-2-values"
 LC = BENCH / "long_context"
+DTYPE = BENCH / "dtype" / "bf16_smollm2.json"
 STALE = {"kvcalib-2"}  # recipes changed since leaderboard.json was measured
 OURS = ("kvcalib-1.5", "kvcalib-2", "kvcalib-3", "kvcalib-4")
 TEXTS = {"pydoc": "python-docs", "licenses": "licenses", "chat": "chat"}
@@ -199,8 +203,22 @@ def render_lc(folder: str, name: str = "long_context") -> str:
 # --- README -------------------------------------------------------------------------------------
 
 
+def dtype_rows(dtype: str) -> dict[str, dict]:
+    """recipe -> its record at `dtype` in DTYPE (a converted folder's "NAME (converted)" as
+    NAME)."""
+    return {r["recipe"].removesuffix(" (converted)"): r for r in _load(DTYPE)[dtype]}
+
+
+def _dtype_kl(bf16: dict | None, fp32: dict | None) -> str:
+    """bf16 KL with the same run's float32 KL in brackets; "–" where the bf16 run has none."""
+    if bf16 is None:
+        return "–"
+    return f"{bf16['kld']:.4f} ({_num(fp32, 'kld', '.4f')})"
+
+
 def render_main() -> str:
     text = text_rows("pydoc")
+    bf16, fp32 = dtype_rows("bfloat16"), dtype_rows("float32")
     qwen = lc_report("qwen2.5-0.5b")
     lc = {r["recipe"]: pooled(r) for r in qwen["rows"]}
     digests = plans(LC / "qwen2.5-0.5b")
@@ -212,12 +230,13 @@ def render_main() -> str:
             f"{r['bits_per_element']:.2f}",
             f"{r['kld']:.4f}",
             f"{r['delta_ppl']:+.3f}",
+            _dtype_kl(bf16.get(name), fp32.get(name)),
             _pct(*lc[name]) if name in lc else "–",
         ]
         out.append([*_bold(name, cells), digests.get(name, "–"), f"`{r['source']}`"])
-    head = ["recipe", "bits/elem", "decode KL", "decode Δppl",
+    head = ["recipe", "bits/elem", "decode KL", "decode Δppl", "decode KL, bf16 (fp32)",
             f"Qwen 4K accuracy, n {n} [95% CI]", "plan (Qwen)", "record"]  # fmt: skip
-    return _table(head, ["---", *["---:"] * 4, "---", "---"], out)
+    return _table(head, ["---", *["---:"] * 5, "---", "---"], out)
 
 
 def render_headline() -> str:

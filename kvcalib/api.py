@@ -171,6 +171,7 @@ def evaluate(
     windows: int = 4,
     mode: str = "decode",
     residual: int | None = None,
+    reference: str = "weights",
     passkey: bool = False,
     long_context: Sequence[int] | bool | None = None,
     long_context_prompts: int | None = None,
@@ -192,6 +193,10 @@ def evaluate(
     kvcalib.core.plan.scheme_with_residual says how flush blocks follow). Every option, recipe,
     profile and the side-car are checked before the model loads. `dtype` is a name ("float32")
     or a torch dtype.
+    `reference`: what a converted folder's recipes are scored against: "weights", its own
+    weights with an exact cache; "source", the source model it was converted from (its
+    kvcalib.json's source spec, checked by fingerprint), loaded at the same `dtype`, so that the
+    fused transforms' rounding at that dtype counts in the KL and the perplexity.
     `report(results)` runs before the plots are written (`score`).
     `long_context`: lengths at which to run the long-context suite (e.g. (2048, 4096)), or True
     for its default lengths (`kvcalib.evaluation.longcontext.LENGTHS`), with
@@ -224,6 +229,7 @@ def evaluate(
     ckpt = read_checkpoint(source.path) if (source.path / META).is_file() else None
     if ckpt is None and not recipes:
         raise RecipeError("name at least one --recipe: `kvcalib recipes` lists the presets")
+    original = _reference_source(reference, ckpt, model, trust_remote_code)
     if profile is not None or any(r.needs_profile for r in loaded):
         profile = default_profile(
             source, profile, calibrate_missing=calibrate_missing, progress=progress
@@ -244,10 +250,18 @@ def evaluate(
         dtype=options.dtype("--dtype", dtype),
         trust_remote_code=trust_remote_code,
     )
+    if original is not None:
+        original = load_model(
+            original.path,
+            device=device,
+            dtype=options.dtype("--dtype", dtype),
+            trust_remote_code=trust_remote_code,
+        )[0]
     return score(
         net,
         tokenizer,
         cands,
+        reference=original,
         data=data,
         seq_len=seq_len,
         windows=windows,
@@ -261,6 +275,28 @@ def evaluate(
         progress=progress,
         report=report,
     )
+
+
+def _reference_source(reference, ckpt, model, trust_remote_code):
+    """The source model a converted folder is scored against (`evaluate`'s `reference`), or
+    None for its own weights."""
+    if reference not in ("weights", "source"):
+        raise OptionError(f"--reference {reference!r}: use weights or source")
+    if reference == "weights":
+        return None
+    if ckpt is None:
+        raise OptionError(
+            f"--reference source scores a converted folder against its source model, and "
+            f"{model or 'the default model'} is not a converted folder: drop --reference"
+        )
+    spec = ckpt.meta["source"]["spec"]
+    source = resolve(spec, trust_remote_code=trust_remote_code)
+    if source.fingerprint != ckpt.meta["source"]["fingerprint"]:
+        raise OptionError(
+            f"--reference source: {spec} is not the model {model} was converted from (its "
+            "fingerprint differs): evaluate with --reference weights, or restore that model"
+        )
+    return source
 
 
 def evaluate_sessions(

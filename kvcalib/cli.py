@@ -107,6 +107,15 @@ def inspect(path, trust_remote_code):
     help="Give every recipe this residual window of exact tokens (default: each its own; "
     "decode mode only: fake mode quantizes every position).",
 )
+@click.option(
+    "--reference",
+    type=click.Choice(["weights", "source"]),
+    default="weights",
+    show_default=True,
+    help="Full precision for a converted folder: its own weights with an exact cache, or the "
+    "source model it was converted from at the same --dtype (the fused rotations' rounding "
+    "then counts).",
+)
 @click.option("--passkey", is_flag=True, help="Also measure passkey retrieval at 1K/2K/4K.")
 @click.option(
     "--long-context",

@@ -164,6 +164,7 @@ def score(
     tokenizer,
     cands: list[Candidate],
     *,
+    reference=None,
     data=None,
     seq_len: int = 1024,
     windows: int = 4,
@@ -177,8 +178,10 @@ def score(
 ) -> list[Result]:
     """Score planned candidates on `windows` windows of `seq_len` tokens of an already loaded
     model (see the module docstring), and on the long-context suite at `long_context` lengths
-    when given. `report(results)` runs before the plots are written, so that a plot that
-    fails to write loses no result (the CLI prints its table there)."""
+    when given. `reference`: a model whose logits are full precision instead of `model`'s
+    (a converted folder's source model: `evaluate`'s `reference="source"`); the run's setup
+    then says "reference": "source". `report(results)` runs before the plots are written, so
+    that a plot that fails to write loses no result (the CLI prints its table there)."""
 
     max_len = getattr(model.config, "max_position_embeddings", None)
     if max_len and seq_len > max_len:
@@ -203,7 +206,8 @@ def score(
         for w in range(windows):
             x = ids[w : w + 1]
             targets = x[0, 1:]
-            fp_logp = torch.log_softmax(model(x).logits[0, :-1].float(), -1)
+            full = model if reference is None else reference
+            fp_logp = torch.log_softmax(full(x).logits[0, :-1].float(), -1)
             _finite(fp_logp, "full precision", w)
             fp_nll += _nll(fp_logp, targets)
             fp_tokens += len(targets)
@@ -246,6 +250,8 @@ def score(
         "mode": mode,
         "residual": residuals.pop() if len(residuals) == 1 else None,
     }
+    if reference is not None:
+        setup["reference"] = "source"
     for c in cands:
         s = scores[c.name]
         ppl = _ppl(s.nll, s.tokens, f"recipe {c.name}")

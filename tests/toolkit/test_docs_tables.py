@@ -78,3 +78,20 @@ def test_each_long_context_recipe_was_scored_under_one_plan():
         digests = tables.plans(tables.LC / folder)
         shown = [r["recipe"] for r in tables.lc_report(folder, name)["rows"]]
         assert all(digests.get(r) != "mixed" for r in shown), (folder, digests)
+
+
+def test_the_bf16_column_is_its_records_setup():
+    # The caption promises: the same windows as the float32 columns, decode mode, residual 128
+    # for all, both dtypes from one setup, and kvcalib's rows scored against the source model
+    # (its fused rotations' rounding inside the KL), not against its own converted weights.
+    record = json.loads(tables.DTYPE.read_text())
+    for dtype in ("bfloat16", "float32"):
+        for r in record[dtype]:
+            setup = r["setup"]
+            assert (setup["windows"], setup["seq_len"], setup["mode"]) == (4, 1024, "decode")
+            assert setup["residual"] == 128 and setup["data"].startswith("builtin (Python docs")
+            converted = r["recipe"].endswith(" (converted)")
+            assert setup.get("reference") == ("source" if converted else None), r["recipe"]
+    bf16 = tables.dtype_rows("bfloat16")
+    [line] = [ln for ln in tables.render_main().splitlines() if ln.startswith("| **kvcalib-2**")]
+    assert f"{bf16['kvcalib-2']['kld']:.4f} (" in line
