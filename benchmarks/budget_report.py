@@ -21,7 +21,8 @@ def summary(row: dict) -> str:
             f"{' *' if row['chosen'] else ''}: {row['registers']} regs, {row['spill_bytes']} B "
             f"spilled, {row['warps_per_sm']} warps/SM, loop {row['loop_instructions']} -> "
             f"{row['per_position']}/position (largest loop {row['largest_loop_instructions']} -> "
-            f"{row['per_position_largest_loop']}), {row['compile_s']} s")  # fmt: skip
+            f"{row['per_position_largest_loop']})"
+            + (f", {row['compile_s']} s" if "compile_s" in row else ", kept"))  # fmt: skip
 
 
 COLUMNS = ("arch | recipe | shape | keys | paged | BLOCK_N, warps, stages | regs | stack B | "

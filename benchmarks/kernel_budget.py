@@ -387,21 +387,21 @@ def main(argv=None) -> int:
     for v in variants(args.quick):
         cell = done / f"{v.name}.json"
         kept = json.loads(cell.read_text()) if cell.exists() else {}
-        if kept.get("source") == source:
-            found = kept["rows"]
-        else:
+        measured = kept.get("source") != source
+        if measured:
             try:
                 found = measure(v, args.out)
             except Exception as e:  # reported in the table, and the run exits 1
                 failed = f"{type(e).__name__}: {e}".splitlines()[0]
                 found = [dict(arch=f"sm_{v.arch}", recipe=v.recipe, shape=v.shape, keys=v.keys,
                               paged=v.paged, failed=failed)]  # fmt: skip
-            for row in found:
-                row.pop("compile_s", None)  # this machine's load, not the kernel's
-            if not any("failed" in row for row in found):
-                write_atomic(cell, json.dumps(dict(source=source, rows=found), indent=1) + "\n")
+        else:
+            found = kept["rows"]
         for row in found:
             print(report.summary(row), flush=True)
+            row.pop("compile_s", None)  # this machine's load, not the kernel's
+        if measured and not any("failed" in row for row in found):
+            write_atomic(cell, json.dumps(dict(source=source, rows=found), indent=1) + "\n")
         rows += found
     import triton
 
