@@ -1,27 +1,12 @@
-"""Decode attention over the quantized cache: one new token per sequence, dequantization fused.
-
-    out = softmax(q K^T / sqrt(D)) V,   K, V = [sink slots | body | tail | new token],
-    body = offset + scale * level[code] (+ exact slots),  K rotated by RoPE when stored pre-RoPE,
-    keys at positions p - W < j <= p only, for a sliding window W
-
-Flash-decoding (Dao et al. 2023, "Flash-Decoding for long-context inference"): each program
-takes one (sequence, KV head, split) — the G query heads of a KV group share every key it
-dequantizes, and only those G rows enter the softmax — keeps an online-softmax state (max, sum,
-acc) over its split of the positions, and a combine kernel merges the splits. The split count is
-fixed by the cache's capacity and every length is read on the device, so a step launches the
-same grid whatever the lengths: no host synchronization, capturable in a CUDA graph.
-
-Keys and values are each read as their own scheme says (kernels.tiles): "token", "vector",
-"channel" or "static" groups, uniform or codebook levels, asymmetric or symmetric, 2-8 bits, exact
-slots (keys: a score correction q . rope(delta e_c); values: added into the tile), vector codes
-("vq": a codebook entry per vector of channels, looked up in the tile), or left exact; each up
-to its own body boundary (key and value flushes may differ), then from the residual ring. Keys
-pre-RoPE (rotated in registers) or post-RoPE (and maybe Hadamard-rotated: the caller rotates q).
+"""Decode attention over the quantized cache, the launcher of kernels.decode_kernel (one new token
+per sequence, dequantization fused: the algorithm and what each stream may hold are in that
+module's docstring). It gathers each stream's buffers from the cache's bodies
+(`Body.stream_args`), takes the launch configuration and the split count from
+kernels.decode_config, and launches the split kernel and the combine.
 
 Its spec in plain torch is kernels.decode_reference (the fallback off the CPU where the kernel does
 not run; on the CPU the cache decodes through kernels.decode_torch, held to it); the tests hold
-the kernel to it. The kernels are kernels.decode_kernel; their launch configuration and split
-count kernels.decode_config.
+the kernel to it.
 """
 
 from typing import NamedTuple
