@@ -6,7 +6,7 @@ import torch
 from bodies import random_body
 
 from kvcalib_runtime.kernels.decode_reference import decode_attention_reference
-from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.kernels.operands import Sinks, Stored
 from kvcalib_runtime.layouts.quant import QuantSpec
 
 S = QuantSpec

@@ -19,7 +19,7 @@ from decode_cases import DECODE_CASES, decode_inputs, reference
 from kvcalib_runtime.cache.kvcache import QuantizedCache
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
 from kvcalib_runtime.kernels import decode_native, decode_torch, native
-from kvcalib_runtime.kernels.layout import Sinks
+from kvcalib_runtime.kernels.operands import Sinks
 from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.layouts.quant import QuantSpec
 from kvcalib_runtime.model.rope import Rope

@@ -329,7 +329,7 @@ def compile_instead(self, *args, grid, warmup, **kwargs):  # compile for sm_90, 
 JITFunction.run = compile_instead
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import decode_config as cfg
-from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.kernels.operands import Sinks, Stored
 from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.kernels.quant_pack import flush, quant_pack
 from kvcalib_runtime.layouts.quant import QuantSpec

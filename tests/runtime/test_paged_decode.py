@@ -26,7 +26,7 @@ from decode_cases import random_sinks
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import decode_config as cfg
 from kvcalib_runtime.kernels import paged
-from kvcalib_runtime.kernels.layout import Stored
+from kvcalib_runtime.kernels.operands import Stored
 from kvcalib_runtime.layouts.body import as_body
 from kvcalib_runtime.layouts.quant import QuantSpec as S
 

@@ -14,7 +14,7 @@ from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import decode_config as cfg
 from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels.decode_reference import decode_attention_reference
-from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.kernels.operands import Sinks, Stored
 from kvcalib_runtime.layouts.quant import QuantSpec, dequantize, quantize
 from kvcalib_runtime.layouts.vq import CodeBody, channel_order
 from kvcalib_runtime.model.geometry import Geometry

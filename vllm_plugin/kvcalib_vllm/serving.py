@@ -31,7 +31,7 @@ from kvcalib_runtime.cache.shard import shard_params
 from kvcalib_runtime.checkpoint.format import Checkpoint
 from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels.decode_attention import decode_attention
-from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.kernels.operands import Sinks, Stored
 from kvcalib_runtime.kernels.quant_pack import quant_pack_reference
 from kvcalib_runtime.model.rope import layer_ropes
 from kvcalib_vllm.pages import PageLayout, TensorPages

@@ -13,8 +13,8 @@ from kvcalib_vllm.serving import Serving
 
 from kvcalib_runtime.cache.kvcache import QuantizedCache, planned_memory
 from kvcalib_runtime.checkpoint.format import read_checkpoint
+from kvcalib_runtime.kernels import use_triton
 from kvcalib_runtime.kernels.decode_attention import decode_attention
-from kvcalib_runtime.kernels.layout import use_triton
 
 BLOCK = 32
 

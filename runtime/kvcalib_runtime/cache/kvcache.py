@@ -57,9 +57,10 @@ from kvcalib_runtime.kernels import (
     decode_reference,
     decode_torch,
     native,
+    use_triton,
 )
 from kvcalib_runtime.kernels import decode_attention as dec
-from kvcalib_runtime.kernels.layout import Sinks, use_triton
+from kvcalib_runtime.kernels.operands import Sinks
 from kvcalib_runtime.model.rope import Rope
 from kvcalib_runtime.model.transforms import Transforms
 
@@ -71,7 +72,7 @@ class QuantizedCache:
     the online ones and never applies a fused one again.
     windows: per layer, the sliding window (None: global attention), as `Geometry.windows`.
     use_kernels: True / False forces the Triton kernels on or off; None (auto) uses them where
-    they run (`kernels.layout.use_triton`); the attribute `kernels` may be flipped between steps
+    they run (`kernels.use_triton`); the attribute `kernels` may be flipped between steps
     (both paths store the same bits). Layers the decode kernel does not read (`dec.supports`)
     use its torch reference, with one warning. softcap: Gemma 2's attention-score cap (scores s
     become softcap * tanh(s / softcap)); the decode kernel does not cap, so such a model attends

@@ -27,7 +27,7 @@ from kvcalib_runtime.cache.scheme import (
     quantized_prefix_int,
 )
 from kvcalib_runtime.kernels import quant_pack as qp
-from kvcalib_runtime.kernels.layout import Stored
+from kvcalib_runtime.kernels.operands import Stored
 
 
 def kernel_layout(spec) -> bool:

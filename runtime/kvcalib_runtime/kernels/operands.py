@@ -1,21 +1,15 @@
-"""What the kernels read and write: one layer's packed body, its residual ring and the sinks.
+"""The kernels' operands: one layer's stored keys or values (its body, residual ring and body
+sizes) and its sink slots.
 
 The quantized cache (kvcalib_runtime.cache.kvcache) owns these buffers; the kernels and their
-references take them through the three types below, whose docstrings give every shape.
+references take them through the two types below, whose docstrings give every shape.
 """
 
-import os
 from typing import NamedTuple
 
 import torch
 
 from kvcalib_runtime.layouts.body import Body
-
-
-def use_triton(device: torch.device | str) -> bool:
-    """True where the Triton kernels can run: CUDA tensors, or any tensor with TRITON_INTERPRET=1
-    (Triton's CPU interpreter, which the tests use)."""
-    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class Stored(NamedTuple):
