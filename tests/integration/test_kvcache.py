@@ -20,7 +20,7 @@ import torch
 from tiny import text_key_ranges, tiny_model
 
 from kvcalib.sim.simulate import Simulator
-from kvcalib_runtime.cache import kvcache
+from kvcalib_runtime.cache import memory
 from kvcalib_runtime.cache.fpcache import FullPrecisionCache
 from kvcalib_runtime.cache.kvcache import QuantizedCache
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
@@ -254,7 +254,7 @@ def test_capacity_errors(models, monkeypatch):
     with pytest.raises(CapacityError, match="max_len = 8"):
         model.generate([list(range(6))], 4, cache=cache)
     # a cache larger than the device's free memory is refused before anything is allocated
-    monkeypatch.setattr(kvcache, "_free_bytes", lambda device: 10_000)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 10_000)
     with pytest.raises(CapacityError, match="GiB"):
         _cache(model, scheme, params, 4, 4096, False)
 

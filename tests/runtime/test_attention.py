@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcalib_runtime.cache import kvcache
-from kvcalib_runtime.cache.attention import attention
+from kvcalib_runtime.cache.attention import attention, causal_attention
 
 CAP = 50.0
 
@@ -26,7 +25,7 @@ def _capped_before(q, keys, values, mask, cap):
 
 
 def _kvcache_before(q, keys, values, valid, causal=False, window=None, softcap=None):
-    """kvcache._attention before the switch."""
+    """kvcache._attention (now attention.causal_attention) before the switch."""
     T, N = q.shape[2], keys.shape[2]
     if causal and (window is None or window >= N) and softcap is None:
         return F.scaled_dot_product_attention(
@@ -83,7 +82,7 @@ def test_kvcache_attention_bits(case, window, softcap):
     for causal in [True, False] if t == n else [False]:
         ok = valid if not causal else torch.ones(b, n, dtype=torch.bool)
         args = (q, k, v, ok, causal, window, softcap)
-        _same(kvcache._attention(*args), _kvcache_before(*args))
+        _same(causal_attention(*args), _kvcache_before(*args))
 
 
 def test_observer_sees_eager_probabilities():

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
-from kvcalib_runtime.cache.kvcache import planned_memory
+from kvcalib_runtime.cache.memory import planned_memory
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
 from kvcalib_runtime.checkpoint import format
 from kvcalib_runtime.checkpoint.checks import MAX_TOKENS

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from kvcalib_runtime.cache.fpcache import FullPrecisionCache
-from kvcalib_runtime.cache.kvcache import QuantizedCache, planned_memory
+from kvcalib_runtime.cache.kvcache import QuantizedCache
+from kvcalib_runtime.cache.memory import planned_memory
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
 from kvcalib_runtime.layouts.quant import QuantSpec
 from kvcalib_runtime.model.transforms import Transforms
@@ -231,7 +232,7 @@ import sys
 import torch
 from test_memory import D, HKV, LAYOUTS, _params, _scheme
 from kvcalib_runtime.cache.fpcache import FullPrecisionCache
-from kvcalib_runtime.cache.kvcache import planned_memory
+from kvcalib_runtime.cache.memory import planned_memory
 from kvcalib_runtime.model.forward import Transformer
 from kvcalib_runtime.model.transforms import Transforms
 

@@ -14,7 +14,8 @@ from tiny import ShapeProfile
 from kvcalib.core.plan import plan
 from kvcalib.core.recipe import load_recipe, presets
 from kvcalib_runtime.cache.fpcache import FullPrecisionCache
-from kvcalib_runtime.cache.kvcache import QuantizedCache, planned_memory
+from kvcalib_runtime.cache.kvcache import QuantizedCache
+from kvcalib_runtime.cache.memory import planned_memory
 from kvcalib_runtime.model.transforms import Transforms
 
 LAYERS, KV_HEADS, HEAD_DIM, HIDDEN = 30, 3, 64, 576  # SmolLM2-135M

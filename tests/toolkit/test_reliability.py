@@ -33,7 +33,7 @@ from kvcalib.core.plan import plan
 from kvcalib.core.recipe import load_recipe, parse_recipe, presets
 from kvcalib.errors import KvcalibError, ModelError, RecipeError
 from kvcalib.io import atomic
-from kvcalib_runtime.cache.kvcache import planned_memory
+from kvcalib_runtime.cache.memory import planned_memory
 from kvcalib_runtime.checkpoint import format
 from kvcalib_runtime.model.geometry import Geometry
 from kvcalib_runtime.model.transforms import Transforms

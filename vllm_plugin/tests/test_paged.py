@@ -11,7 +11,8 @@ from kvcalib_vllm import serving as serving_module
 from kvcalib_vllm.pages import ALIGN, PageLayout
 from kvcalib_vllm.serving import Serving
 
-from kvcalib_runtime.cache.kvcache import QuantizedCache, planned_memory
+from kvcalib_runtime.cache.kvcache import QuantizedCache
+from kvcalib_runtime.cache.memory import planned_memory
 from kvcalib_runtime.checkpoint.format import read_checkpoint
 from kvcalib_runtime.kernels import use_triton
 from kvcalib_runtime.kernels.decode_attention import decode_attention

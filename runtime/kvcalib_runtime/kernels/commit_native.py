@@ -165,6 +165,18 @@ def _describe(stream, fresh: int, batch: int) -> _Stream:
     return out
 
 
+def plan(sides, batch: int) -> "Plan | None":
+    """The plan for the streams it takes of `sides` (the keys' and the values' streams, per
+    layer) for `batch` sequences; None when it takes none."""
+    streams = [
+        (j, layer, stream)
+        for j, side in enumerate(sides)
+        for layer, stream in enumerate(side)
+        if takes(stream)
+    ]
+    return Plan(streams, batch) if streams else None
+
+
 class Plan:
     """The C writer's description of the streams of one cache it takes (`takes`), in the order
     given; streams: (key, layer, kvstream.Stream) with key 0 for keys, 1 for values. Built once
