@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from kvcalib_runtime.layouts.affine import PackedBody
+from kvcalib_runtime.layouts.packed_body import PackedBody
 from kvcalib_runtime.layouts.vq import CodeBody
 
 BODY = ("codes", "scale", "offset", "slot_index", "slot_delta")

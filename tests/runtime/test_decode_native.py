@@ -20,7 +20,7 @@ from kvcalib_runtime.cache.kvcache import QuantizedCache
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
 from kvcalib_runtime.kernels import decode_native, decode_torch, native
 from kvcalib_runtime.kernels.operands import Sinks
-from kvcalib_runtime.layouts.affine import PackedBody
+from kvcalib_runtime.layouts.packed_body import PackedBody
 from kvcalib_runtime.layouts.quant import QuantSpec
 from kvcalib_runtime.model.rope import Rope
 from kvcalib_runtime.model.transforms import Transforms
