@@ -10,7 +10,7 @@ import torch
 
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
 from kvcalib_runtime.cache.shard import shard_params
-from kvcalib_runtime.checkpoint import format as fmt
+from kvcalib_runtime.checkpoint import params as side_car
 from kvcalib_runtime.checkpoint.checks import check_params
 from kvcalib_runtime.layouts import base, registered
 from kvcalib_runtime.layouts.base import Calibrated, Layout, calibrated_tensors, register
@@ -52,7 +52,7 @@ def test_a_declared_tensor_is_named_stored_read_and_sharded(name):
     ends = ("_lo", "_hi") if c.pair else ("",)
     names = [f"layers.0.{kind}_{name}{end}" for kind in ("key", "value") for end in ends]
     assert set(names) <= set(tensors)
-    assert all(fmt._PARAM_NAMES.fullmatch(n) for n in names)
+    assert all(side_car.NAMES.fullmatch(n) for n in names)
     back = KVParams.from_tensors(tensors)
     for kind in ("key", "value"):
         ours, theirs = (getattr(p, f"{kind}_{name}")[0] for p in (params, back))

@@ -27,7 +27,7 @@ from tokenizers.models import WordLevel
 
 from kvcalib_runtime.cache.memory import planned_memory
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
-from kvcalib_runtime.checkpoint import format
+from kvcalib_runtime.checkpoint import format, header
 from kvcalib_runtime.checkpoint.checks import MAX_TOKENS
 from kvcalib_runtime.errors import FormatError
 from kvcalib_runtime.layouts.quant import QuantSpec
@@ -238,7 +238,7 @@ def test_corrupted_headers_are_named(ckpt, case):
     data, message = CORRUPT[case]
     (ckpt / format.SINGLE).write_bytes(data)
     with pytest.raises(FormatError, match=message):
-        format.read_header(ckpt / format.SINGLE)
+        header.read_header(ckpt / format.SINGLE)
     _manifest(ckpt)  # as if the writer itself had produced it: the header check must catch it
     with pytest.raises(FormatError, match=rf"^model\.safetensors: .*{message}"):
         format.read_checkpoint(ckpt)
@@ -250,7 +250,7 @@ def test_any_bytes_give_a_header_or_a_format_error(tmp_path_factory, data, lengt
     path = tmp_path_factory.mktemp("fuzz") / "x.safetensors"
     path.write_bytes(struct.pack("<Q", length) + data)
     try:
-        format.read_header(path)
+        header.read_header(path)
     except FormatError as e:
         assert str(e).startswith("x.safetensors: ")
 
@@ -561,7 +561,7 @@ def test_a_damaged_safetensors_header_raises_without_allocating_its_claims(tmp_p
     path.write_bytes(raw)
     tracemalloc.start()
     try:
-        tensors, _ = format.read_header(path)
+        tensors, _ = header.read_header(path)
     except FormatError as e:
         assert str(e).startswith("x.safetensors: ") and "\n" not in str(e)
         return
