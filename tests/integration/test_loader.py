@@ -16,8 +16,8 @@ import shutil
 
 import pytest
 import torch
-from corpus import rebind, remanifest
-from tiny import save_with_tokenizer, tiny_model
+from support.corpus import rebind, remanifest
+from support.tiny import save_with_tokenizer, tiny_model
 from transformers import AutoModelForCausalLM
 
 import kvcalib_runtime

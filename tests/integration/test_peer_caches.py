@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from tiny import text_key_ranges, tiny_model
+from support.tiny import text_key_ranges, tiny_model
 
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme

@@ -173,7 +173,7 @@ def test_paged_kernel_serves_as_the_cpu_path(request, folder, monkeypatch):
     by side across the residual window of 128 (one crossing it on its 9th step, the other after
     a 140-token prefill in two chunks). Both read the same stored bits in float32; they differ
     only in summation order and the kernel's exp2 and angle reduction, so every output is within
-    torch's float32 tolerance (rtol 1.3e-6, atol 1e-5). (tests/runtime/test_paged_decode.py
+    torch's float32 tolerance (rtol 1.3e-6, atol 1e-5). (tests/runtime/kernels/test_paged_decode.py
     shows a block table read one block off fails the kernel's bound tenfold.)"""
     ckpt = _checkpoint(request, folder)
     plan = [[(0, 120), (1, 100)], [(1, 40), (0, 1)], *[[(1, 1), (0, 1)]] * 12]

@@ -3,7 +3,7 @@
 (quantized and packed), the new token into the ring and the body's size, in one call a step.
 The torch path does the same in a few hundred small ops a step (`Stream.append` /
 `append_many`), all overhead at one token a stream. The C writer stores the bits the reference
-quantizer does (tests/runtime/test_commit_native.py holds it to that, bit for bit).
+quantizer does (tests/runtime/kernels/test_commit_native.py holds it to that, bit for bit).
 
 It takes a tensor left in full precision, calibrated per-channel ranges ("static", any codes,
 exact slots) and per-token groups of a whole head's channels ("token" without outliers), in
