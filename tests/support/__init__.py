@@ -7,8 +7,8 @@
     bodies        random quantized bodies of every layout (runtime tests)
     decode_cases  the decode kernel's cases and inputs, and its reference
     native_cases  stand-in compilers for the C library's build
-    answer_probe  the calibration retrieval tests' tiny model, tokenizer and prompts
-    caches        a simulated cache per preset on a tiny model (held bodies, sessions)
+    calibrate     a tiny llama calibrated in memory (the calibration tests)
+    caches        the simulated cache's tests' small llama, random ids and history reads
 
 Each imports only what its tier has: bodies, decode_cases, mutate and native_cases run in the
 runtime-only venv (`make test-runtime`).

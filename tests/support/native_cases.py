@@ -7,6 +7,7 @@ where the cache key must match the real library's.
     cache = cache_with(tmp / "cache", good)  # a cache holding a copy of both
     cc = compiler(tmp / "cc", RELINK, good=good[0])
     run_library({"CC": cc, "KVCALIB_CACHE_DIR": cache})  # native.library() in a fresh process
+    forget(monkeypatch, tmp / "cache")       # this process, as if it had not tried the library
 """
 
 import os
@@ -47,6 +48,14 @@ for name, value in (a.split("=") for a in sys.argv[1:]):
 print("pending" if native.pending() else "not pending")
 print("loaded" if native.library() is not None else "torch")
 """
+
+
+def forget(monkeypatch, cache: Path) -> None:
+    """This process as if it had not tried the library yet (KVCALIB_NATIVE unset), with `cache`
+    as its cache folder."""
+    monkeypatch.setattr(native, "_LOADED", {})
+    monkeypatch.delenv("KVCALIB_NATIVE", raising=False)
+    monkeypatch.setenv("KVCALIB_CACHE_DIR", str(cache))
 
 
 def built() -> tuple[Path, Path]:

@@ -15,6 +15,7 @@ import pytest
 import torch
 from support.bodies import random_codebook, random_data
 from support.decode_cases import DECODE_CASES, decode_inputs, reference
+from support.native_cases import forget
 
 from kvcalib_runtime.cache.kvcache import QuantizedCache
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
@@ -174,8 +175,7 @@ def test_a_kept_reader_reads_the_bodys_rows_as_they_are_now():
 def test_a_build_that_fails_leaves_the_torch_ops(tmp_path, monkeypatch):
     # a compiler that fails (here `false`) or a cache folder it cannot write: one warning, no
     # library, and decode_torch's own ops give the attention
-    monkeypatch.setattr(native, "_LOADED", {})
-    monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path))
+    forget(monkeypatch, tmp_path)
     monkeypatch.setenv("CC", "false")
     with pytest.warns(UserWarning, match="did not build"):
         assert native.library() is None
@@ -194,8 +194,7 @@ def test_a_build_that_fails_leaves_the_torch_ops(tmp_path, monkeypatch):
 
 def test_pending_says_whether_library_would_compile(tmp_path, monkeypatch):
     # what `kvcalib generate` announces before the load builds the library
-    monkeypatch.setattr(native, "_LOADED", {})
-    monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path))
+    forget(monkeypatch, tmp_path)
     assert native.pending()
     target = native._target(native._compiler())
     target.parent.mkdir(parents=True)

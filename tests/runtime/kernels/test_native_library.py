@@ -31,6 +31,7 @@ from support.native_cases import (
     built,
     cache_with,
     compiler,
+    forget,
     run_library,
     warnings_in,
 )
@@ -49,9 +50,7 @@ def good():
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
     """This process as if it had not tried the library yet, with an empty cache of its own."""
-    monkeypatch.setattr(native, "_LOADED", {})
-    monkeypatch.delenv("KVCALIB_NATIVE", raising=False)
-    monkeypatch.setenv("KVCALIB_CACHE_DIR", str(tmp_path / "cache"))
+    forget(monkeypatch, tmp_path / "cache")
     return tmp_path
 
 

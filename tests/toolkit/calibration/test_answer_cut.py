@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from support.calibrate import calibrate_tiny
 from support.tiny import CharTokenizer, tiny_model
 
 from kvcalib import calibration
-from kvcalib.calibration import Settings, answerprobe, calibrate_model, retrieval
+from kvcalib.calibration import Settings, answerprobe, retrieval
 from kvcalib.calibration.layerwise import InMemory
 from kvcalib.calibration.sensitivity import BITS, TENSORS
 from kvcalib.cli import main
 from kvcalib.core.data import calibration_tokens
-from kvcalib.core.models import ModelSource
 from kvcalib.core.plan import plan
 from kvcalib.core.profile import Profile
 from kvcalib.core.recipe import load_recipe, presets
@@ -111,15 +111,7 @@ def test_a_calibration_prints_the_probe_cost_and_records_its_widths(tmp_path, ca
     measured by its own probe (which runs after), every width is measured."""
     settings = Settings(sensitivity=text, sensitivity_windows=1, sensitivity_tokens=16,
                         codebook_windows=1, retrieval_prompts=2, retrieval_tokens=512)  # fmt: skip
-    profile = calibrate_model(
-        tiny_model("llama"),
-        CharTokenizer(),
-        tmp_path / "p",
-        source=ModelSource("tiny", Path("tiny"), "fingerprint-of-tiny"),
-        num_samples=2,
-        seq_len=32,
-        settings=settings,
-    )
+    profile = calibrate_tiny(tmp_path / "p", settings, progress=True)
     widths = [2, 3] if text == "fisher" else list(BITS)
     printed = capfd.readouterr().err
     assert f"answer probe: 2 prompts x 512 tokens at {', '.join(map(str, widths))} bits" in printed

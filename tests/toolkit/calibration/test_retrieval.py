@@ -2,17 +2,16 @@
 answer alone, and calibration records a sensitivity per layer and width that allocation reads."""
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
-from support.tiny import CharTokenizer, tiny_model
+from support.calibrate import calibrate_tiny
+from support.tiny import CharTokenizer
 
-from kvcalib.calibration import Settings, calibrate_model, codebooks, retrieval, vectorbooks
+from kvcalib.calibration import Settings, codebooks, retrieval, vectorbooks
 from kvcalib.calibration.gradients import window_loss
 from kvcalib.calibration.sensitivity import BITS
 from kvcalib.core.data import calibration_tokens
-from kvcalib.core.models import ModelSource
 
 TEXT = calibration_tokens(CharTokenizer())  # one token per character
 
@@ -67,24 +66,11 @@ def test_the_answer_loss_counts_only_the_answer_tokens():
     torch.testing.assert_close(window_loss(logits, ids), each.sum())  # prose: every token
 
 
-def _calibrate(tmp_path, settings):
-    return calibrate_model(
-        tiny_model("llama"),
-        CharTokenizer(),
-        tmp_path / "p",
-        source=ModelSource("tiny", Path("tiny"), "fingerprint-of-tiny"),
-        num_samples=2,
-        seq_len=32,
-        settings=settings,
-        progress=False,
-    )
-
-
 @pytest.mark.parametrize("method", ["probe", "fisher"])
 def test_calibration_records_the_answer_sensitivity(tmp_path, method):
     settings = Settings(sensitivity_windows=1, codebook_windows=1, retrieval_prompts=3,
                         retrieval_tokens=512, answer_sensitivity=method)  # fmt: skip
-    profile = _calibrate(tmp_path, settings)
+    profile = calibrate_tiny(tmp_path / "p", settings)
     answer = profile.meta["probe"]["answer"]
     assert (answer["method"], answer["prompts"], answer["tokens"]) == (method, 3, 512)
     assert 0 < answer["answer_tokens"] < answer["context_tokens"] < 3 * 512
@@ -98,7 +84,7 @@ def test_calibration_records_the_answer_sensitivity(tmp_path, method):
 
 
 def test_no_retrieval_prompts_means_no_answer_sensitivity(tmp_path):
-    profile = _calibrate(tmp_path, Settings(sensitivity_windows=1, retrieval_prompts=0))
+    profile = calibrate_tiny(tmp_path / "p", Settings(sensitivity_windows=1, retrieval_prompts=0))
     assert profile.has_sensitivity() and not profile.has_sensitivity("answer")
     assert profile.meta["probe"]["answer"] == {"skipped": "retrieval_prompts = 0"}
 
@@ -109,7 +95,7 @@ def test_answer_weighted_vector_codebooks_read_the_retrieval_prompts(tmp_path):
     # sensitivity is the probe, and the codebooks are finite and not the text's alone.
     settings = Settings(sensitivity_windows=1, codebook_windows=1, retrieval_prompts=2,
                         retrieval_tokens=512, vector_ablation=True)  # fmt: skip
-    tensors = _calibrate(tmp_path, settings).tensors
+    tensors = calibrate_tiny(tmp_path / "p", settings).tensors
     for variant in ("key:vq4:pre_rope:rope:head", "value:vq4:head"):
         text, both = (tensors[f"vqbook.{variant}:{w}.6"] for w in ("fisher", vectorbooks.ANSWER))
         assert both.shape == text.shape and torch.isfinite(both).all()
@@ -123,7 +109,7 @@ def test_answer_weighted_scalar_codebooks_read_the_retrieval_prompts(tmp_path):
     # the retrieval prompts' answer gradients alike: sorted, in its domain, not the text's.
     settings = Settings(sensitivity_windows=1, codebook_windows=1, retrieval_prompts=2,
                         retrieval_tokens=512, answer_codebooks=True)  # fmt: skip
-    profile = _calibrate(tmp_path, settings)
+    profile = calibrate_tiny(tmp_path / "p", settings)
     variants = profile.meta["codebooks"]["variants"]
     twins = [v for v in variants if v.endswith(":answer")]
     assert twins and len(twins) == len(variants) / 2

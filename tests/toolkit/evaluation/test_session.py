@@ -14,7 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from support.tiny import CharTokenizer, ShapeProfile, tiny_model
+from support.caches import history, random_ids, small_llama
+from support.tiny import CharTokenizer, ShapeProfile
 from transformers import DynamicCache
 
 from kvcalib.core.data import read_text
@@ -35,21 +36,12 @@ class Tokenizer(CharTokenizer):
 
 @pytest.fixture(scope="module")
 def model():
-    torch.set_grad_enabled(False)
-    return tiny_model("llama", num_attention_heads=2, num_key_value_heads=1)  # head_dim 32
-
-
-def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+    return small_llama()
 
 
 def _history(cache: QuantizedKVCache, layer: int, n: int):
     """Layer `layer`'s first n keys and values as the cache hands them to attention."""
-    store, rope = cache.store, cache.ropes[layer]
-    d = store.keys[layer].tail.shape[-1]
-    store.stage(layer, torch.zeros(1, 1, 1, d), torch.zeros(1, 1, 1, d), rope, store.positions(1))
-    keys, values, _ = store.materialize(layer, rope)
-    store._pending.clear()
+    keys, values = history(cache.store, layer, cache.ropes[layer])
     return keys[:, :, :n], values[:, :, :n]
 
 
@@ -59,7 +51,7 @@ def test_a_chunk_attends_to_the_history_as_stored(model, recipe):
     # the cache stores it (quantized body, exact window) and itself exact — the logits of a
     # full-precision cache holding that dequantized history — not the full-precision history.
     (c,) = candidates(model, [recipe], ShapeProfile(1, 32), residual=32)
-    a, b = _ids(90, 0), _ids(23, 1)
+    a, b = random_ids(90, 0), random_ids(23, 1)
     with QuantizedKVCache(model, c.scheme, c.params, c.transforms, max_len=160) as cache:
         model(a, cache=cache, use_cache=True)
         held = [_history(cache, i, 90) for i in range(2)]
@@ -79,7 +71,7 @@ def test_what_is_stored_does_not_depend_on_the_chunks(model, recipe):
     # of 32 tokens split across them, single tokens between) the cache must store what one
     # prefill of the same tokens stores.
     (c,) = candidates(model, [recipe], ShapeProfile(1, 32), residual=32)
-    ids = _ids(160, 2)
+    ids = random_ids(160, 2)
 
     def stored(cuts):
         with QuantizedKVCache(model, c.scheme, c.params, c.transforms, max_len=200) as cache:
@@ -96,7 +88,7 @@ def test_another_cache_forward_leaves_the_cache_alone(model):
     # open on the same model: that forward must neither commit into the low-bit cache nor change
     # what its next chunk sees.
     (c,) = candidates(model, ["kivi-2"], residual=32)
-    a, b = _ids(70, 3), _ids(9, 4)
+    a, b = random_ids(70, 3), random_ids(9, 4)
 
     def next_logits(interleave: bool):
         with QuantizedKVCache(model, c.scheme, c.params, c.transforms, max_len=160) as cache:
@@ -111,7 +103,7 @@ def test_another_cache_forward_leaves_the_cache_alone(model):
 
 def test_a_tentative_forward_is_undone(model):
     (c,) = candidates(model, ["kivi-2"], residual=32)
-    a, b, c_ids = _ids(70, 5), _ids(40, 6), _ids(5, 7)
+    a, b, c_ids = random_ids(70, 5), random_ids(40, 6), random_ids(5, 7)
 
     def next_logits(tentative: bool):
         with QuantizedKVCache(model, c.scheme, c.params, c.transforms, max_len=200) as cache:

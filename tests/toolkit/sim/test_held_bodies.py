@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.tiny import ShapeProfile, tiny_model
+from support.caches import history, random_ids, small_llama
+from support.tiny import ShapeProfile
 
 from kvcalib.core.recipe import load_recipe
 from kvcalib.evaluation.score import candidates
 from kvcalib.sim.cache import QuantizedKVCache
-from kvcalib_runtime.cache.kvcache import QuantizedCache
 
 RECIPES = Path(__file__).resolve().parents[3] / "recipes"
 PRESETS = sorted(p.stem for p in RECIPES.glob("*.toml") if not load_recipe(p.stem).external)
@@ -22,22 +22,7 @@ PRESETS = sorted(p.stem for p in RECIPES.glob("*.toml") if not load_recipe(p.ste
 
 @pytest.fixture(scope="module")
 def model():
-    torch.set_grad_enabled(False)
-    return tiny_model("llama", num_attention_heads=2, num_key_value_heads=1)  # head_dim 32
-
-
-def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _history(store: QuantizedCache, layer: int, rope):
-    """Layer `layer`'s keys and values as the cache hands them to attention (one zero token
-    staged, then dropped)."""
-    d = store.keys[layer].tail.shape[-1]
-    store.stage(layer, torch.zeros(1, 1, 1, d), torch.zeros(1, 1, 1, d), rope, store.positions(1))
-    keys, values, _ = store.materialize(layer, rope)
-    store._pending.clear()
-    return keys, values
+    return small_llama()
 
 
 class Whole(QuantizedKVCache):
@@ -59,21 +44,21 @@ def test_the_held_history_is_the_whole_body_read_again(model, recipe):
         got = [model(ids, cache=cache, use_cache=True).logits for cache in caches]
         assert torch.equal(*got)
         for layer, rope in enumerate(kept.ropes):
-            ours, theirs = (_history(cache.store, layer, rope) for cache in caches)
+            ours, theirs = (history(cache.store, layer, rope) for cache in caches)
             for a, b in zip(ours, theirs, strict=True):
                 assert torch.equal(a, b), (recipe, layer, kept.seq_length())
 
-    step(_ids(70, 0))  # a prefill: the body holds what the window does not
-    step(_ids(23, 1))  # a chunk against it
+    step(random_ids(70, 0))  # a prefill: the body holds what the window does not
+    step(random_ids(23, 1))  # a chunk against it
     for i in range(40):  # decode steps: each flushes a token, or a whole KIVI group
-        step(_ids(1, 100 + i))
+        step(random_ids(1, 100 + i))
     snaps = [cache.store.snapshot() for cache in caches]
-    step(_ids(45, 2))
+    step(random_ids(45, 2))
     for cache, snap in zip(caches, snaps, strict=True):
         cache.store.restore(snap)
-    step(_ids(45, 3))  # the restored positions, filled again with other tokens
+    step(random_ids(45, 3))  # the restored positions, filled again with other tokens
     for i in range(10):
-        step(_ids(1, 200 + i))
+        step(random_ids(1, 200 + i))
     held = kept.store._held._held  # every quantized body was read through its kept copy
     quantized = sum(s.spec is not None for s in kept.store.keys + kept.store.values)
     assert len(held) == quantized and all(done > 0 for _, done in held.values())
@@ -84,10 +69,10 @@ def test_the_held_history_is_the_whole_body_read_again(model, recipe):
 def test_restore_puts_every_buffer_back(model):
     (c,) = candidates(model, ["kvcalib-2"], ShapeProfile(1, 32), residual=32)
     with QuantizedKVCache(model, c.scheme, c.params, c.transforms, max_len=200) as cache:
-        model(_ids(70, 4), cache=cache, use_cache=True)
+        model(random_ids(70, 4), cache=cache, use_cache=True)
         before = [t.clone() for ts in cache.store.parts().values() for t in ts]
         snap = cache.store.snapshot()
-        model(_ids(60, 5), cache=cache, use_cache=True)  # flushes the window, sinks, lengths
+        model(random_ids(60, 5), cache=cache, use_cache=True)  # flushes the window, sinks, lengths
         after = [t for ts in cache.store.parts().values() for t in ts]
         assert not all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
         cache.store.restore(snap)
