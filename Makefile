@@ -92,7 +92,7 @@ long-context: setup
 		--profile $(LC_QWEN)/profile --out benchmarks/long_context/qwen2.5-0.5b-long
 
 # Every results table in README.md and docs/, rewritten from the committed JSON records
-# (tests/toolkit/test_docs_tables.py fails when one differs).
+# (tests/toolkit/docs/test_docs_tables.py fails when one differs).
 docs: setup
 	$(BIN)/python benchmarks/docs_tables.py
 
@@ -105,7 +105,7 @@ gpu-check: setup
 # compiled for sm_90 and sm_80 through Triton's own binder, registers, occupancy and the
 # steady-state loop's instructions per position, into benchmarks/kernel_budget/ (budget.json,
 # budget.md; cubins not committed) and its section of benchmarks/RESULTS.md;
-# tests/runtime/test_kernel_budget.py holds the kernel to it (~20 min of one core).
+# tests/runtime/kernels/test_kernel_budget.py holds the kernel to it (~20 min of one core).
 kernel-budget: setup
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/kernel_budget.py --out benchmarks/kernel_budget
 	$(BIN)/python benchmarks/kernel_budget.py --out benchmarks/kernel_budget --results

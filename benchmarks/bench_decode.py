@@ -62,7 +62,7 @@ from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme  # noqa
 from kvcalib_runtime.generate import DecodeStep  # noqa: E402
 from kvcalib_runtime.kernels import decode_attention as dec  # noqa: E402
 from kvcalib_runtime.kernels import decode_config  # noqa: E402
-from kvcalib_runtime.kernels.layout import Sinks  # noqa: E402
+from kvcalib_runtime.kernels.operands import Sinks  # noqa: E402
 from kvcalib_runtime.layouts import Kind  # noqa: E402
 from kvcalib_runtime.layouts.body import Body  # noqa: E402
 from kvcalib_runtime.layouts.packing import unpack  # noqa: E402

@@ -215,7 +215,7 @@ def inputs(v: Variant, context: int, batch: int, device="meta"):
     of `context` positions (lengths 0: what is read does not change what is compiled)."""
     from kvcalib_runtime.cache.kvcache import QuantizedCache
     from kvcalib_runtime.cache.scheme import KVScheme
-    from kvcalib_runtime.kernels.layout import Sinks
+    from kvcalib_runtime.kernels.operands import Sinks
     from kvcalib_runtime.model.rope import Rope
     from kvcalib_runtime.model.transforms import Transforms
 

@@ -8,7 +8,7 @@ from kvcalib.core import models
 from kvcalib.core.profile import FORMAT_VERSION, Profile
 from kvcalib.core.profile import META as PROFILE_META
 from kvcalib.errors import ProfileError
-from kvcalib_runtime.cache.kvcache import planned_bits
+from kvcalib_runtime.cache.memory import planned_bits
 from kvcalib_runtime.checkpoint import format
 from kvcalib_runtime.checkpoint.format import META
 from kvcalib_runtime.layouts.quant import QuantSpec

@@ -34,7 +34,7 @@ branches and heads (4.5x of arithmetic on SmolLM2-135M): the allocation's cut li
 presets allocate few bits above 2), and `extrapolate` fills 4 and 8 bits from the 3-bit loss by
 the text's Fisher sensitivity's ratio between the widths. On the long-context suite's committed
 profiles (SmolLM2-135M, Qwen2.5-0.5B) every preset's plan digest is the same either way; 2 bits
-alone moves kvcalib-2's allocation on both (tests/toolkit/test_answer_cut.py).
+alone moves kvcalib-2's allocation on both (tests/toolkit/calibration/test_answer_cut.py).
 """
 
 import contextlib

@@ -39,7 +39,8 @@ from kvcalib.core.paths import DEFAULT_MODEL, GEMMA3, QWEN25, is_hub_id
 from kvcalib.errors import ModelError
 from kvcalib.io import atomic
 from kvcalib_runtime.cachedir import cache_dir
-from kvcalib_runtime.checkpoint.format import read_header, sha256_file
+from kvcalib_runtime.checkpoint.format import sha256_file
+from kvcalib_runtime.checkpoint.header import read_header
 from kvcalib_runtime.errors import FormatError
 from kvcalib_runtime.model import archs
 from kvcalib_runtime.model.geometry import Geometry

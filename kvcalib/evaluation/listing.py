@@ -3,7 +3,7 @@
 "At 4K" is the memory issue's number: the bytes a runtime QuantizedCache for one sequence of 4096
 tokens allocates (codes, group metadata, outlier slots, per-layer constants, the residual window,
 sink slots and bookkeeping), walked from the buffers of a cache built on the meta device
-(kvcalib_runtime.cache.kvcache.planned_memory), per key or value element it holds (2 x layers x KV
+(kvcalib_runtime.cache.memory.planned_memory), per key or value element it holds (2 x layers x KV
 heads x head_dim x 4096). "body" is the quantized body alone (what `kvcalib eval` reports as
 bits/element). The geometry is the default model's, so no model is loaded. A recipe that needs
 calibrated tensors gets `PlaceholderProfile`'s, which have the calibrated tensors' shapes; only
@@ -22,7 +22,7 @@ from kvcalib.core.plan import plan
 from kvcalib.core.recipe import load_recipe, preset_problems, presets
 from kvcalib.errors import RecipeError
 from kvcalib.evaluation.external import external_bits
-from kvcalib_runtime.cache.kvcache import planned_bits
+from kvcalib_runtime.cache.memory import planned_bits
 from kvcalib_runtime.cache.scheme import SinkPredictor
 from kvcalib_runtime.layouts.quant import uniform_codebook
 from kvcalib_runtime.model.transforms import Transforms

@@ -41,7 +41,7 @@ from kvcalib.evaluation.longcontext import passkey_accuracy
 from kvcalib.evaluation.plots import Recorder
 from kvcalib.io import atomic
 from kvcalib.sim.simulate import Simulator
-from kvcalib_runtime.cache.kvcache import planned_bits
+from kvcalib_runtime.cache.memory import planned_bits
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme
 from kvcalib_runtime.checkpoint.format import Checkpoint
 from kvcalib_runtime.model.geometry import Geometry

@@ -41,7 +41,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from kvcalib.errors import ModelError, OptionError
-from kvcalib_runtime.checkpoint.format import DTYPE_NAMES, DTYPES, INDEX, SINGLE, read_header
+from kvcalib_runtime.checkpoint.format import INDEX, SINGLE
+from kvcalib_runtime.checkpoint.header import DTYPE_NAMES, DTYPES, read_header
 from kvcalib_runtime.errors import FormatError
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

@@ -1,7 +1,7 @@
 """Attention over a simulated quantized KV cache under the decode rule, in one pass over every
 query: the reference (eager, returns the attention weights for observers) and the fast path
 (PyTorch's fused scaled_dot_product_attention), which agree to float rounding
-(tests/toolkit/test_simulate.py). Fake mode (every position quantized) and full precision need
+(tests/toolkit/sim/test_simulate.py). Fake mode (every position quantized) and full precision need
 no rule: they attend through the runtime's one attention, kvcalib_runtime.cache.attention. The
 rule stays here, a specialisation of it: a score's key and a weight's value are exact or
 quantized per query, which no one K and V express.

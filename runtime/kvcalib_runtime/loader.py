@@ -21,8 +21,7 @@ from kvcalib_runtime.checkpoint.format import EXPORT_TENSOR, TOKENIZER, Checkpoi
 from kvcalib_runtime.errors import CapacityError, FormatError, KvcalibRuntimeError
 from kvcalib_runtime.generate import check_options, check_request, is_int
 from kvcalib_runtime.generate import generate as _generate
-from kvcalib_runtime.kernels import native
-from kvcalib_runtime.kernels.layout import use_triton  # plain torch: no triton import
+from kvcalib_runtime.kernels import native, use_triton  # plain torch: no triton import
 from kvcalib_runtime.model.forward import Transformer
 
 Prompts = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]] | torch.Tensor

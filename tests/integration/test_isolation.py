@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 
-from tiny import save_with_tokenizer, tiny_model
+from support.tiny import save_with_tokenizer, tiny_model
 
 from kvcalib import convert
 

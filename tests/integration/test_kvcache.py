@@ -3,7 +3,7 @@ interpreter) and off (the reference path).
 
 Decoding a prompt prefilled in one chunk, then one token at a time, must give the logits that
 kvcalib's one-pass Simulator computes in decode mode with prefill = the prompt length: the two
-implement the same rule. Bound 1e-5 relative, as in tests/toolkit/test_simulate.py: the same
+implement the same rule. Bound 1e-5 relative, as in tests/toolkit/sim/test_simulate.py: the same
 numerics in a different fp32 summation order move logits by ~1e-7, far below what quantization
 does (> 1e-3, checked second so the equality is not vacuous). A code flipped by a wrong
 rounding, a wrong flush boundary or a sink read from the body would move them by > 1e-3.
@@ -17,10 +17,10 @@ import contextlib
 
 import pytest
 import torch
-from tiny import text_key_ranges, tiny_model
+from support.tiny import text_key_ranges, tiny_model
 
 from kvcalib.sim.simulate import Simulator
-from kvcalib_runtime.cache import kvcache
+from kvcalib_runtime.cache import memory
 from kvcalib_runtime.cache.fpcache import FullPrecisionCache
 from kvcalib_runtime.cache.kvcache import QuantizedCache
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme, SinkPredictor
@@ -254,7 +254,7 @@ def test_capacity_errors(models, monkeypatch):
     with pytest.raises(CapacityError, match="max_len = 8"):
         model.generate([list(range(6))], 4, cache=cache)
     # a cache larger than the device's free memory is refused before anything is allocated
-    monkeypatch.setattr(kvcache, "_free_bytes", lambda device: 10_000)
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 10_000)
     with pytest.raises(CapacityError, match="GiB"):
         _cache(model, scheme, params, 4, 4096, False)
 

@@ -16,8 +16,8 @@ import shutil
 
 import pytest
 import torch
-from corpus import rebind, remanifest
-from tiny import save_with_tokenizer, tiny_model
+from support.corpus import rebind, remanifest
+from support.tiny import save_with_tokenizer, tiny_model
 from transformers import AutoModelForCausalLM
 
 import kvcalib_runtime
@@ -292,7 +292,7 @@ def test_kv_bytes_per_token_counts_every_buffer(converted, context):
 def test_real_model_greedy_tokens_equal_the_decode_simulation(tmp_path):
     """THE runtime contract on SmolLM2-135M with a 2-bit recipe: 40 greedy tokens from a
     150-token prompt, through the reference path (the Triton interpreter needs ~10 minutes for
-    this; tests/runtime/test_kvcache.py holds kernels to the reference), are the argmax of
+    this; tests/integration/test_kvcache.py holds kernels to the reference), are the argmax of
     kvcalib's one-pass decode simulation at every generated position."""
     from pydoc_data.topics import topics
 

@@ -23,10 +23,11 @@ from kvcalib_runtime.cache.fpcache import FullPrecisionCache
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme
 from kvcalib_runtime.errors import CapacityError, FormatError
 from kvcalib_runtime.layouts.quant import QuantSpec
-from kvcalib_runtime.model.forward import Transformer, load_tokenizer
+from kvcalib_runtime.model.forward import Transformer
 from kvcalib_runtime.model.geometry import Geometry
 from kvcalib_runtime.model.rope import Rope
 from kvcalib_runtime.model.transforms import Transforms
+from kvcalib_runtime.model.weights import load_tokenizer
 
 RTOL = 1e-4
 VOCAB = 128

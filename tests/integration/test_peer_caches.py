@@ -1,7 +1,7 @@
 """The peers' own layouts inside the runtime cache: llama.cpp's rotated q4_0 / q8_0 blocks,
 TurboQuant's split rows and KVQuant's vector values with static slotted keys. Decoding a prompt
 prefilled in one chunk, then a token at a time, gives the logits of the one-pass Simulator in
-decode mode (the bound of tests/runtime/test_kvcache.py: 1e-5 relative, against a quantization
+decode mode (the bound of tests/integration/test_kvcache.py: 1e-5 relative, against a quantization
 effect > 1e-3). The Triton kernels implement the affine numerics only: asked to run, a cache of
 llama.cpp's or TurboQuant's numerics warns once and stores and reads through the reference path,
 with the same logits; KVQuant's layout is affine and runs on the kernels."""
@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from tiny import text_key_ranges, tiny_model
+from support.tiny import text_key_ranges, tiny_model
 
 from kvcalib.sim.simulate import Simulator
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme, LayerScheme

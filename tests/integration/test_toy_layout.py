@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import pytest
 import torch
-from tiny import tiny_model
+from support.tiny import tiny_model
 
 from kvcalib.core.recipe import parse_recipe
 from kvcalib.errors import RecipeError

@@ -1,8 +1,8 @@
-"""The bad-input corpus's fixtures (tests/corpus.py), made once per session."""
+"""The bad-input corpus's fixtures (tests/support/corpus.py), made once per session."""
 
 import pytest
-from corpus import FULL_RECIPE, TEXT, Fixtures
-from tiny import save_with_tokenizer, tiny_model
+from support.corpus import FULL_RECIPE, TEXT, Fixtures
+from support.tiny import save_with_tokenizer, tiny_model
 
 CONTEXT = 256  # the corpus model's max_position_embeddings
 

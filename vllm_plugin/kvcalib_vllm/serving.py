@@ -25,13 +25,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcalib_runtime.cache.kvcache import _attention
+from kvcalib_runtime.cache.attention import causal_attention
 from kvcalib_runtime.cache.scheme import quantized_prefix_int
 from kvcalib_runtime.cache.shard import shard_params
 from kvcalib_runtime.checkpoint.format import Checkpoint
 from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels.decode_attention import decode_attention
-from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.kernels.operands import Sinks, Stored
 from kvcalib_runtime.kernels.quant_pack import quant_pack_reference
 from kvcalib_runtime.model.rope import layer_ropes
 from kvcalib_vllm.pages import PageLayout, TensorPages
@@ -111,7 +111,7 @@ class Serving:
                 if ls.key_position == "pre_rope":
                     keys = rope.apply(keys, torch.arange(keys.shape[2])[None])
                 valid = torch.ones(1, keys.shape[2], dtype=torch.bool)
-                out = _attention(q, keys, values, valid, causal=st.n == 0)
+                out = causal_attention(q, keys, values, valid, causal=st.n == 0)
             out = self.transforms.value_out(layer, out)  # [1, H, T, D]
             output[st.tokens] = out[0].transpose(0, 1).to(output.dtype)
 
@@ -207,7 +207,7 @@ class Serving:
 
     def _decide_sinks(self, st: Step, flags) -> list[int]:
         """First-N positions, then flagged ones while the budget lasts, in position order (the
-        runtime's `_decide_sinks`); returns the row's sink positions."""
+        runtime's `cache.sinks.decide`); returns the row's sink positions."""
         s = self.scheme
         pos = torch.arange(st.n, st.n + st.T)
         sink_pos = st.row.sink_pos
@@ -225,7 +225,7 @@ class Serving:
     def _flush(self, layer, st: Step, tp: TensorPages, body, tails, sinks, new, sink_pos):
         """Store the sequence's T new tokens (new [Hkv, T, D]) of one tensor: sink slots, the
         positions the next token sees quantized into the pages, the rest into the ring (the
-        runtime's `QuantizedCache._flush`); tails, sinks: the row's tail_* and sink_*."""
+        runtime's `sinks.store` and `Stream.store`); tails, sinks: the row's tail_* and sink_*."""
         n, T = st.n, st.T
         for slot, p in enumerate(sink_pos):
             if n <= p < n + T:

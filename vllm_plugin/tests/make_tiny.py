@@ -17,8 +17,8 @@ per-channel keys the plugin refuses (its refusal tests).
 import sys
 from pathlib import Path
 
-from corpus import TEXT
-from tiny import save_with_tokenizer, tiny_model
+from support.corpus import TEXT
+from support.tiny import save_with_tokenizer, tiny_model
 
 import kvcalib
 

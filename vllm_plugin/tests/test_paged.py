@@ -11,10 +11,11 @@ from kvcalib_vllm import serving as serving_module
 from kvcalib_vllm.pages import ALIGN, PageLayout
 from kvcalib_vllm.serving import Serving
 
-from kvcalib_runtime.cache.kvcache import QuantizedCache, planned_memory
+from kvcalib_runtime.cache.kvcache import QuantizedCache
+from kvcalib_runtime.cache.memory import planned_memory
 from kvcalib_runtime.checkpoint.format import read_checkpoint
+from kvcalib_runtime.kernels import use_triton
 from kvcalib_runtime.kernels.decode_attention import decode_attention
-from kvcalib_runtime.kernels.layout import use_triton
 
 BLOCK = 32
 
@@ -172,7 +173,7 @@ def test_paged_kernel_serves_as_the_cpu_path(request, folder, monkeypatch):
     by side across the residual window of 128 (one crossing it on its 9th step, the other after
     a 140-token prefill in two chunks). Both read the same stored bits in float32; they differ
     only in summation order and the kernel's exp2 and angle reduction, so every output is within
-    torch's float32 tolerance (rtol 1.3e-6, atol 1e-5). (tests/runtime/test_paged_decode.py
+    torch's float32 tolerance (rtol 1.3e-6, atol 1e-5). (tests/runtime/kernels/test_paged_decode.py
     shows a block table read one block off fails the kernel's bound tenfold.)"""
     ckpt = _checkpoint(request, folder)
     plan = [[(0, 120), (1, 100)], [(1, 40), (0, 1)], *[[(1, 1), (0, 1)]] * 12]

@@ -1,6 +1,6 @@
-"""The one reference attention: the caches call it directly, the toolkit's transformers attention
-backends (kvcalib.sim.simulate, kvcalib.evaluation.longprobe) through thin adapters that pass
-their observers.
+"""The one reference attention: the caches call it directly (`causal_attention`: the queries over
+the positions a cache holds), the toolkit's transformers attention backends (kvcalib.sim.simulate,
+kvcalib.evaluation.longprobe) through thin adapters that pass their observers.
 
     scores = q K^T, scaled (by `scaling`, or divided by sqrt(D)); with a softcap (Gemma 2)
     s -> softcap * tanh(s / softcap); masked (a bool mask: -inf where False; a float mask:
@@ -70,3 +70,19 @@ def attention(
     if observer is not None:
         observer(probs)
     return probs.to(values.dtype) @ values
+
+
+def causal_attention(q, keys, values, valid, causal=False, window=None, softcap=None):
+    """q [B, H, T, D] over a cache's keys/values [B, Hkv, N, D] (key j at position j); the T
+    queries are the last valid T keys of each sequence (causal among them), seeing keys
+    p - window < j <= p with a sliding window, scores soft-capped with `softcap`. valid bool
+    [B, N]; `causal` when every key is valid and N == T (a first prefill)."""
+    T, N = q.shape[2], keys.shape[2]
+    if causal and (window is None or window >= N) and softcap is None:
+        return attention(q, keys, values, causal=T > 1)
+    qpos = valid.sum(-1)[:, None] - T + torch.arange(T, device=q.device)  # [B, T]
+    j = torch.arange(N, device=q.device)[None, None, :]
+    mask = (j <= qpos[:, :, None]) & valid[:, None, :]  # [B, T, N]
+    if window is not None:
+        mask &= j > qpos[:, :, None] - window
+    return attention(q, keys, values, mask[:, None], softcap=softcap)

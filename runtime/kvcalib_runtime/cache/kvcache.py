@@ -22,8 +22,8 @@ Keys and values are stored in the scheme's domain (`kvcalib_runtime.model.transf
 pre-RoPE (RoPE is applied when they are read), or post-RoPE; queries meet them in that domain, and
 an attention output over values kept in a rotated domain is rotated back.
 
-Memory is what the buffers hold: `allocated_bytes` walks them, and a plan (`planned_memory`, the
-capacity check, every bit count) walks the same buffers of a cache built on the meta device.
+Memory is what the buffers hold: `allocated_bytes` walks them, and a plan (`memory.planned_memory`,
+the capacity check, every bit count) walks the same buffers of a cache built on the meta device.
 
 New tokens are held exact until `commit`, when every layer has seen them and the sink predictor
 has flagged them: sinks are decided then (in position order), and each tensor flushes the
@@ -34,19 +34,18 @@ reads lengths and body sizes there, sinks and flushes are decided there — so i
 synchronization and a CUDA graph can capture it (`capture`, `replayed`). Without the kernel, a
 cache on the CPU decodes through `kernels.decode_torch` (the reference's result from the
 positions each sequence holds, read on the host), any other through the reference. A prefill (T > 1)
-takes the reference path (`_gather` + `_attention`, per sequence); flushes go through the
-quant_pack kernel where it runs.
+takes the reference path (`_gather` + `attention.causal_attention`, per sequence); flushes go
+through the quant_pack kernel where it runs. Sinks are decided in `sinks`.
 """
 
 import contextlib
 import copy
-import math
 import warnings
-from dataclasses import dataclass
 
 import torch
 
-from kvcalib_runtime.cache.attention import attention
+from kvcalib_runtime.cache import memory, sinks
+from kvcalib_runtime.cache.attention import causal_attention
 from kvcalib_runtime.cache.held import HeldBodies
 from kvcalib_runtime.cache.kvstream import Stream, kernel_layout
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme
@@ -57,9 +56,10 @@ from kvcalib_runtime.kernels import (
     decode_reference,
     decode_torch,
     native,
+    use_triton,
 )
 from kvcalib_runtime.kernels import decode_attention as dec
-from kvcalib_runtime.kernels.layout import Sinks, use_triton
+from kvcalib_runtime.kernels.operands import Sinks
 from kvcalib_runtime.model.rope import Rope
 from kvcalib_runtime.model.transforms import Transforms
 
@@ -71,7 +71,7 @@ class QuantizedCache:
     the online ones and never applies a fused one again.
     windows: per layer, the sliding window (None: global attention), as `Geometry.windows`.
     use_kernels: True / False forces the Triton kernels on or off; None (auto) uses them where
-    they run (`kernels.layout.use_triton`); the attribute `kernels` may be flipped between steps
+    they run (`kernels.use_triton`); the attribute `kernels` may be flipped between steps
     (both paths store the same bits). Layers the decode kernel does not read (`dec.supports`)
     use its torch reference, with one warning. softcap: Gemma 2's attention-score cap (scores s
     become softcap * tanh(s / softcap)); the decode kernel does not cap, so such a model attends
@@ -116,7 +116,7 @@ class QuantizedCache:
                 f"the transforms cover {len(transforms.layers)} layers, the model {num_layers}"
             )
         sizes = dict(num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
-        _check_fits(scheme, params, transforms, batch, max_len, device, windows, sizes)
+        memory.check_fits(scheme, params, transforms, batch, max_len, device, windows, sizes)
         on_meta = torch.device(device).type == "meta"
         if not on_meta and params.key_smooth:  # queries meet them every step: keep them here
             smooth = {i: s.to(device) for i, s in params.key_smooth.items()}
@@ -189,7 +189,7 @@ class QuantizedCache:
             keys, values, valid = self._gather(layer, rope)
             window = self.windows[layer]
             causal = max(self._host()) == 0
-            out = _attention(q, keys, values, valid, causal, window, self.softcap)
+            out = causal_attention(q, keys, values, valid, causal, window, self.softcap)
         return self.transforms.value_out(layer, out)
 
     def observe_hidden(self, layer: int, hidden: torch.Tensor) -> None:
@@ -202,11 +202,16 @@ class QuantizedCache:
             self._commit_one(self._pending_flags)
         else:
             flags = self._pending_flags
-            sink_pos = self._decide_sinks(T, flags.cpu() if flags is not None else None)
+            flags = flags.cpu() if flags is not None else None
+            s = self.scheme
+            sink_pos = sinks.decide(self.sink_pos, self.is_sink, self._host(), T, flags,
+                                    s.sinks_first, s.sink_budget)  # fmt: skip
             for b, n in enumerate(self._host()):
                 for layer, (k, v) in self._pending.items():
-                    self._flush(self.keys[layer], b, n, k[b], layer, self.sink_k, sink_pos)
-                    self._flush(self.values[layer], b, n, v[b], layer, self.sink_v, sink_pos)
+                    sides = ((self.keys, k, self.sink_k), (self.values, v, self.sink_v))
+                    for streams, new, slots in sides:
+                        sinks.store(slots[layer, b], sink_pos[b], n, new[b])
+                        streams[layer].store(b, n, new[b], self.is_sink, self.kernels)
         self.lengths += T
         self.replayed(T)
         self._pending.clear()
@@ -234,14 +239,14 @@ class QuantizedCache:
             self._filled[r] = 0
         self._rewound()
 
-    def snapshot(self) -> "Snapshot":
+    def snapshot(self) -> memory.Snapshot:
         """A copy of everything the cache holds (every buffer of `parts` and the lengths), for
         `restore`: forwards in between (a teacher-forced score of a continuation not kept) are
         undone."""
         buffers = {id(t): t for ts in self.parts().values() for t in ts}
-        return Snapshot(self, [(t, t.clone()) for t in buffers.values()], self._host())
+        return memory.Snapshot(self, [(t, t.clone()) for t in buffers.values()], self._host())
 
-    def restore(self, snap: "Snapshot") -> None:
+    def restore(self, snap: memory.Snapshot) -> None:
         """Put back what `snapshot` copied (this cache's own); tokens staged and not committed
         are dropped."""
         if snap.owner is not self:
@@ -308,17 +313,7 @@ class QuantizedCache:
 
     def memory(self) -> dict[str, int]:
         """Bytes per part (`parts`), walked over the buffers, each storage counted once."""
-        seen, out = set(), {}
-        for part, tensors in self.parts().items():
-            out[part] = 0
-            for t in tensors:
-                key = (
-                    id(t) if t.device.type == "meta" else (t.device, t.untyped_storage().data_ptr())
-                )
-                if key not in seen:
-                    seen.add(key)
-                    out[part] += t.untyped_storage().nbytes()
-        return out
+        return memory.walk(self.parts())
 
     def allocated_bytes(self) -> int:
         """The bytes of every buffer the cache holds, walked."""
@@ -443,75 +438,14 @@ class QuantizedCache:
             return k
         return self.transforms.key_rotate(layer, rope.apply(k, positions))
 
-    def _decide_sinks(self, T: int, flags) -> list[list[int]]:
-        """First-N positions, then predicted ones (flags bool [B, T] on the CPU, or None) while
-        sink slots last, in position order. Returns every sequence's sink positions (host)."""
-        s = self.scheme
-        pos = torch.tensor(self._host())[:, None] + torch.arange(T)  # [B, T]
-        sink_pos = self.sink_pos.cpu()
-        sink, slot = pos < s.sinks_first, pos.clone()
-        if flags is not None:
-            candidate = flags & ~sink
-            used = (sink_pos >= s.sinks_first).sum(1, keepdim=True)
-            rank = used + candidate.cumsum(1)  # 1-based, among predicted sinks
-            taken = candidate & (rank <= s.sink_budget)
-            sink |= taken
-            slot = torch.where(taken, s.sinks_first + rank - 1, slot)
-        rows, cols = sink.nonzero(as_tuple=True)
-        sink_pos[rows, slot[rows, cols]] = pos[rows, cols]
-        self.sink_pos.copy_(sink_pos)
-        device = self.is_sink.device
-        self.is_sink[rows.to(device), pos[rows, cols].to(device)] = True
-        return sink_pos.tolist()
-
-    def _flush(self, stream: Stream, b: int, n: int, new: torch.Tensor, layer, sink_slots,
-               sink_pos) -> None:  # fmt: skip
-        """Store the T new tokens of sequence b (new [Hkv, T, D]) and flush to the target."""
-        T = new.shape[1]
-        for slot, pos in enumerate(sink_pos[b]):
-            if n <= pos < n + T:
-                sink_slots[layer, b, :, slot] = new[:, pos - n]
-        nb, target = stream.host_body(n), stream.host_body(n + T)
-        ring = stream.tail.shape[2]
-        if target > nb:
-            old = stream.tail[b][:, torch.arange(nb, n) % ring] if n > nb else new[:, :0]
-            first = max(nb, target - stream.slots)  # a ring body keeps its last `slots` only
-            block = torch.cat([old, new], dim=1)[:, first - nb : target - nb]
-            where = torch.tensor([[b], [first]], device=new.device)
-            stream.write(where[0], where[1], block[None], self.is_sink, self.kernels)
-            stream.n_body[b] = target
-        start = max(n, target)
-        if start < n + T and stream.residual:
-            slots = torch.arange(start, n + T) % ring
-            stream.tail[b][:, slots] = new[:, start - n :]
-
     def _commit_one(self, flags) -> None:
         """commit(1) for every sequence at once, on the device: the new token's sink decision
         (first-N, then predicted while the budget lasts), its sink slots in every layer, each
         stream's flush and ring write."""
         s, n = self.scheme, self.lengths
-        sink, slot = n < s.sinks_first, n.clone()
-        if flags is not None:
-            used = (self.sink_pos >= s.sinks_first).sum(1)
-            taken = flags[:, 0] & ~sink & (used < s.sink_budget)
-            sink, slot = sink | taken, torch.where(taken, s.sinks_first + used, slot)
-        slot = torch.where(sink, slot, 0)[:, None]
-        old = self.sink_pos.gather(1, slot)
-        self.sink_pos.scatter_(1, slot, torch.where(sink[:, None], n[:, None], old))
-        at = n.clamp(max=self.max_len - 1)[:, None]
-        self.is_sink.scatter_(1, at, self.is_sink.gather(1, at) | sink[:, None])
-        layers = sorted(self._pending)
-        for slots, j in ((self.sink_k, 0), (self.sink_v, 1)):
-            new = torch.stack([self._pending[i][j][:, :, 0] for i in layers])  # [L', B, Hkv, D]
-            index = slot[None, :, None, :, None].expand(len(layers), -1, new.shape[2], 1,
-                                                        new.shape[3])  # fmt: skip
-            held = slots[layers] if len(layers) < len(slots) else slots
-            kept = torch.where(sink[None, :, None, None, None], new[:, :, :, None],
-                               held.gather(3, index))  # fmt: skip
-            if len(layers) < len(slots):
-                slots[layers] = held.scatter(3, index, kept)
-            else:
-                slots.scatter_(3, index, kept)
+        sink, slot = sinks.decide_step(self.sink_pos, self.is_sink, n, flags, s.sinks_first,
+                                       s.sink_budget, self.max_len)  # fmt: skip
+        sinks.store_step(self.sink_k, self.sink_v, self._pending, sink, slot)
         written = set()
         plan = self._commit_plan()
         if plan is not None and plan.run(self._pending, n):
@@ -538,103 +472,5 @@ class QuantizedCache:
             return None
         if not self._plan_made:
             self._plan_made = True
-            sides = enumerate((self.keys, self.values))
-            streams = [
-                (j, layer, stream)
-                for j, side in sides
-                for layer, stream in enumerate(side)
-                if commit_native.takes(stream)
-            ]
-            if streams:
-                self._plan = commit_native.Plan(streams, len(self._rows))
+            self._plan = commit_native.plan((self.keys, self.values), len(self._rows))
         return self._plan
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """What `QuantizedCache.snapshot` copied: the cache, (buffer, its copy) pairs, the host
-    lengths of its rows."""
-
-    owner: QuantizedCache
-    buffers: list[tuple[torch.Tensor, torch.Tensor]]
-    lengths: list[int]
-
-
-def _free_bytes(device) -> int | None:
-    """Free memory of a CUDA device; None elsewhere (no check)."""
-    device = torch.device(device)
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-
-
-def _check_fits(scheme, params, transforms, batch, max_len, device, windows, sizes) -> None:
-    free = None if torch.device(device).type == "meta" else _free_bytes(device)  # meta: the plan
-    if free is None:
-        return
-    memory = planned_memory(
-        scheme, params, transforms, context=max_len, batch=batch, windows=windows, **sizes
-    )
-    need = sum(memory.values())
-    if need > free:
-        raise CapacityError(
-            f"a KV cache for {batch} sequences of max_len = {max_len} needs {need / 2**30:.2f} "
-            f"GiB and {device} has {free / 2**30:.2f} GiB free: lower max_len or the batch"
-        )
-
-
-def _attention(q, keys, values, valid, causal=False, window=None, softcap=None):
-    """q [B, H, T, D] over keys/values [B, Hkv, N, D] (key j at position j); the T queries are
-    the last valid T keys of each sequence (causal among them), seeing keys p - window < j <= p
-    with a sliding window, scores soft-capped with `softcap`. valid bool [B, N]; `causal` when
-    every key is valid and N == T (a first prefill)."""
-    T, N = q.shape[2], keys.shape[2]
-    if causal and (window is None or window >= N) and softcap is None:
-        return attention(q, keys, values, causal=T > 1)
-    qpos = valid.sum(-1)[:, None] - T + torch.arange(T, device=q.device)  # [B, T]
-    j = torch.arange(N, device=q.device)[None, None, :]
-    mask = (j <= qpos[:, :, None]) & valid[:, None, :]  # [B, T, N]
-    if window is not None:
-        mask &= j > qpos[:, :, None] - window
-    return attention(q, keys, values, mask[:, None], softcap=softcap)
-
-
-def planned_memory(
-    scheme: KVScheme,
-    params: KVParams,
-    transforms: Transforms,
-    *,
-    num_layers: int,
-    kv_heads: int,
-    head_dim: int,
-    context: int,
-    batch: int = 1,
-    dtype: torch.dtype = torch.float16,
-    windows: tuple[int | None, ...] | None = None,
-) -> dict[str, int]:
-    """`QuantizedCache.memory()` of a cache for `batch` sequences of `context` tokens, built on
-    the meta device: the buffers' real sizes, nothing allocated."""
-    cache = QuantizedCache(
-        scheme,
-        params,
-        transforms,
-        num_layers=num_layers,
-        batch=batch,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        max_len=context,
-        device="meta",
-        dtype=dtype,
-        use_kernels=False,
-        windows=windows,
-    )
-    return cache.memory()
-
-
-def planned_bits(scheme: KVScheme, params: KVParams, transforms: Transforms, **sizes):
-    """(everything allocated, the quantized body alone) in bits per key/value element of the
-    cache `planned_memory(scheme, params, transforms, **sizes)` plans (sizes: num_layers,
-    kv_heads, head_dim, context, and optionally batch): its bytes over the 2 * layers * kv_heads
-    * head_dim * context * batch elements it represents."""
-    memory = planned_memory(scheme, params, transforms, **sizes)
-    shape = ("num_layers", "kv_heads", "head_dim", "context")
-    elements = 2 * math.prod(sizes[k] for k in shape) * sizes.get("batch", 1)
-    return sum(memory.values()) * 8 / elements, memory["body"] * 8 / elements

@@ -27,7 +27,7 @@ from kvcalib_runtime.cache.scheme import (
     quantized_prefix_int,
 )
 from kvcalib_runtime.kernels import quant_pack as qp
-from kvcalib_runtime.kernels.layout import Stored
+from kvcalib_runtime.kernels.operands import Stored
 
 
 def kernel_layout(spec) -> bool:
@@ -93,6 +93,25 @@ class Stream:
             qp.quant_pack(x, self.body, seq, start, is_sink)
         else:
             qp.quant_pack_reference(x, self.body, seq, start, is_sink)
+
+    def store(self, b: int, n: int, new: torch.Tensor, is_sink, kernel: bool) -> None:
+        """A prefill's store for sequence b, which holds n positions (host): new [Hkv, T, D] are
+        positions [n, n + T); the body grows to host_body(n + T) (from the ring and new; a ring
+        body keeps its last `slots` only), the positions past it enter the ring."""
+        T = new.shape[1]
+        nb, target = self.host_body(n), self.host_body(n + T)
+        ring = self.tail.shape[2]
+        if target > nb:
+            old = self.tail[b][:, torch.arange(nb, n) % ring] if n > nb else new[:, :0]
+            first = max(nb, target - self.slots)
+            block = torch.cat([old, new], dim=1)[:, first - nb : target - nb]
+            where = torch.tensor([[b], [first]], device=new.device)
+            self.write(where[0], where[1], block[None], is_sink, kernel)
+            self.n_body[b] = target
+        start = max(n, target)
+        if start < n + T and self.residual:
+            slots = torch.arange(start, n + T) % ring
+            self.tail[b][:, slots] = new[:, start - n :]
 
     def append(self, new: torch.Tensor, n: torch.Tensor, is_sink, kernel: bool) -> None:
         """A decode step's store for every sequence: new [B, Hkv, D] is the token at position

@@ -14,19 +14,16 @@ fused transforms (`fused`) instead of `transforms`, are still read.
 
 import hashlib
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
-
 from kvcalib_runtime.cache.scheme import KVParams, KVScheme
 from kvcalib_runtime.checkpoint import checks
 from kvcalib_runtime.checkpoint.closed import closed
+from kvcalib_runtime.checkpoint.header import ints, read_header
+from kvcalib_runtime.checkpoint.params import read_params
 from kvcalib_runtime.errors import FormatError
-from kvcalib_runtime.layouts.base import calibrated_tensors
 from kvcalib_runtime.model.geometry import Geometry
 from kvcalib_runtime.model.transforms import FUSED, NONE, ONLINE, LayerTransforms, Transforms
 
@@ -41,47 +38,6 @@ FUSED_V1 = ("key_smooth", "residual_rotation", "value_rotation")  # version 1 `f
 EXPORTS = ("vllm-fp8",)
 # Tensors an export adds beside the model's (vLLM's FP8 KV-cache scales); the runtime skips them.
 EXPORT_TENSOR = re.compile(r"model\.layers\.\d+\.self_attn\.[kv]_scale")
-# safetensors dtype names -> torch dtypes (the safetensors spec's table, minus unsigned > 8 bits).
-DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}  # fmt: skip
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-MAX_HEADER = 100 << 20  # the safetensors library refuses larger headers too
-# kv_params.safetensors tensor names (KVParams.tensors()): the layouts' calibrated tensors
-# (layouts.base.Calibrated; a pair's ends _lo, _hi), the key smoothing, the sink predictor.
-_CALIBRATED = calibrated_tensors()
-_LAYER_NAMES = [
-    f"{kind}_{c.name}{end}"
-    for c in _CALIBRATED.values()
-    for kind in ("key", "value")
-    for end in (("_lo", "_hi") if c.pair else ("",))
-]
-_PARAM_NAMES = re.compile(
-    rf"layers\.(\d+)\.({'|'.join([*_LAYER_NAMES, 'key_smooth'])})|"
-    r"sink_predictor\.(dims|threshold|layer)"
-)
-# kv_params tensors whose shape does not depend on the model: what FORMAT.md says, and a check.
-_PARAM_SHAPES = {
-    "dims": ("[n]", lambda shape: len(shape) == 1),
-    "threshold": ("[1]", lambda shape: shape == (1,)),
-    "layer": ("[1]", lambda shape: shape == (1,)),
-} | {
-    f"{kind}_{c.name}": (c.shape, lambda shape, ranks=c.ranks: len(shape) in ranks)
-    for c in _CALIBRATED.values()
-    if not c.pair  # a pair is [Hkv, D], checked against the model below
-    for kind in ("key", "value")
-}
-# kv_params tensors of int64 (every other one is floating point)
-_INTEGER = {"dims", "layer"} | {
-    f"{kind}_{c.name}"
-    for c in _CALIBRATED.values()
-    if not c.dtype.is_floating_point
-    for kind in ("key", "value")
-}
-_MODEL_SHAPED = {"key_smooth"} | {n for n in _LAYER_NAMES if n.endswith(("_lo", "_hi"))}
 _META_KEYS_V2 = {
     "format_version": int, "source": dict, "recipe": dict, "profile": (dict, type(None)),
     "transforms": dict, "residual_rotation_seed": (int, type(None)), "untied_embeddings": bool,
@@ -114,91 +70,12 @@ class Checkpoint:
     transforms: Transforms
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of a safetensors file: dtype name, shape, byte range inside the data section."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def read_header(
-    path: Path, *, fix: str = "convert the model again"
-) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """A safetensors file's tensors and metadata, validated without reading the data.
-
-    Checks the header length against the file, the JSON, every dtype and shape, and that the
-    byte ranges tile the data section exactly (what the safetensors library also demands). At
-    most the header's bytes are read, and only once its length fits inside the file. `fix`
-    ends the FormatError's message: what the user should do about a damaged file.
-    """
-    path = Path(path)
-
-    def fail(msg):
-        raise FormatError(f"{path.name}: {msg}; the file is damaged - {fix}")
-
-    if not path.is_file():  # a FIFO would block the open, a device never end
-        raise FormatError(f"{path.name}: not a regular file; {fix}")
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            fail(f"{size} bytes, shorter than the 8-byte header length")
-        n = int.from_bytes(raw, "little")
-        if n > size - 8 or n > MAX_HEADER:
-            fail(f"header length {n} runs past the end of the file ({size} bytes)")
-        text = f.read(n)
-    try:
-        header = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        fail(f"header is not valid JSON ({e})")
-    if not isinstance(header, dict):
-        fail("header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        fail("__metadata__ must map strings to strings")
-    data = size - 8 - n
-    tensors = {}
-    for name, entry in header.items():
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            fail(f"tensor {name!r} needs exactly dtype, shape and data_offsets")
-        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            fail(f"tensor {name!r} has unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
-        if not _ints(shape) or not _ints(offsets) or len(offsets) != 2:
-            fail(f"tensor {name!r}: shape and data_offsets must be lists of integers >= 0")
-        begin, end = offsets
-        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
-        if not begin <= end <= data or end - begin != nbytes:
-            fail(
-                f"tensor {name!r}: data_offsets {offsets} out of range for {nbytes} bytes of "
-                f"{dtype} {shape} in a data section of {data} bytes"
-            )
-        tensors[name] = TensorInfo(dtype, tuple(shape), begin, end)
-    cursor = 0
-    for name, info in sorted(tensors.items(), key=lambda kv: (kv[1].begin, kv[1].end)):
-        if info.begin != cursor:
-            fail(f"tensor {name!r} starts at byte {info.begin}, expected {cursor} (gap or overlap)")
-        cursor = info.end
-    if cursor != data:
-        fail(f"tensors cover {cursor} bytes of a data section of {data} bytes")
-    return tensors, metadata
-
-
-def _ints(x) -> bool:
-    return isinstance(x, list) and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in x
-    )
 
 
 def _json(path: Path) -> dict:
@@ -432,44 +309,6 @@ def _transforms(meta: dict, scheme: KVScheme, params: KVParams) -> Transforms:
     return transforms
 
 
-def _read_params(path: Path, num_layers: int, kv_heads: int, head_dim: int) -> KVParams:
-    tensors, _ = read_header(path)
-
-    def fail(msg: str):
-        raise FormatError(f"{PARAMS}: {msg}; convert the model again")
-
-    for name, info in tensors.items():
-        m = _PARAM_NAMES.fullmatch(name)
-        if m is None:
-            fail(
-                f"unknown tensor {name!r}; names are those of "
-                "KVParams.tensors() (layers.{i}.key_range_lo, ..., sink_predictor.*)"
-            )
-        if m.group(1) is not None and int(m.group(1)) >= num_layers:
-            fail(f"{name!r} names a layer past the model's {num_layers}")
-        want, fits = _PARAM_SHAPES.get(m.group(2) or m.group(3), ("", None))
-        if fits is not None and not fits(info.shape):
-            fail(f"{name!r} has shape {list(info.shape)}, expected {want}")
-        integer = (m.group(2) or m.group(3)) in _INTEGER
-        floating = info.dtype in ("F32", "F16", "BF16")
-        if integer != (info.dtype == "I64") or not (integer or floating):
-            fail(f"{name!r} has dtype {info.dtype}")
-        if m.group(2) in _MODEL_SHAPED and info.shape != (kv_heads, head_dim):
-            fail(
-                f"{name!r} has shape {list(info.shape)}, expected "
-                f"[{kv_heads}, {head_dim}] (KV heads, head_dim)"
-            )
-    names = set(tensors)
-    for name in names:
-        pair = re.sub(r"_(lo|hi)$", lambda m: "_hi" if m.group(1) == "lo" else "_lo", name)
-        if pair not in names:
-            fail(f"{name!r} without its partner {pair!r}")
-    sink = {f"sink_predictor.{k}" for k in ("dims", "threshold", "layer")}
-    if names & sink and not sink <= names:
-        fail(f"the sink predictor needs all of {sorted(sink)}")
-    return KVParams.from_tensors(load_file(path))
-
-
 def binding(sha256: dict[str, str]) -> dict[str, str]:
     """kvcalib.json's `binding` (version 3) from the sha256 of the folder's files by name: that
     of kv_params.safetensors, and one sha256 over the weight files' names and sha256."""
@@ -516,7 +355,7 @@ def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
     if not (path / TOKENIZER).is_file():
         raise FormatError(f"{TOKENIZER}: missing; the runtime tokenizes with it")
     eos = config.get("eos_token_id")
-    if not (eos is None or _ints([eos]) or _ints(eos)):
+    if not (eos is None or ints([eos]) or ints(eos)):
         raise FormatError(
             f"{CONFIG}: eos_token_id = {eos!r}; use a token id, a list of them or null (the "
             "source model's value)"
@@ -555,7 +394,7 @@ def read_checkpoint(path: Path, *, hashes: bool = True) -> Checkpoint:
         checks.check_scheme(scheme, geo)
     except ValueError as e:
         raise FormatError(f"{META}: scheme {e}") from None
-    params = _read_params(path / PARAMS, layers, kv_heads, head_dim)
+    params = read_params(path / PARAMS, layers, kv_heads, head_dim)
     try:
         checks.check_params(scheme, params, geo)
     except ValueError as e:

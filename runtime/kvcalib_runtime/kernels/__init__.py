@@ -1,7 +1,7 @@
 """Triton kernels of the quantized KV cache, each beside its plain-torch reference.
 
-    layout            the buffers they share: PackedBody (codes, scale, offset, exact slots),
-                      Stored, Sinks
+    operands          what they take of the cache: Stored (one layer's body, residual ring
+                      and body sizes), Sinks
     quant_pack        quantize blocks of tokens and pack them into the body: a prefill's
                       blocks, or a decode step's flush straight from the residual ring
     tiles             how the decode kernel reads a tile of keys or values (unpack, levels,
@@ -11,5 +11,15 @@
     paged             the same kernel over vLLM-style pages, read through a block table, and
                       its reference (gather, then decode_attention's)
 
-`layout.use_triton(device)` says where they run: CUDA, or anywhere under TRITON_INTERPRET=1.
+`use_triton(device)` says where they run: CUDA, or anywhere under TRITON_INTERPRET=1.
 """
+
+import os
+
+import torch
+
+
+def use_triton(device: torch.device | str) -> bool:
+    """True where the Triton kernels can run: CUDA tensors, or any tensor with TRITON_INTERPRET=1
+    (Triton's CPU interpreter, which the tests use)."""
+    return torch.device(device).type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"

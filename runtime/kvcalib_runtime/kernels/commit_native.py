@@ -3,7 +3,7 @@
 (quantized and packed), the new token into the ring and the body's size, in one call a step.
 The torch path does the same in a few hundred small ops a step (`Stream.append` /
 `append_many`), all overhead at one token a stream. The C writer stores the bits the reference
-quantizer does (tests/runtime/test_commit_native.py holds it to that, bit for bit).
+quantizer does (tests/runtime/kernels/test_commit_native.py holds it to that, bit for bit).
 
 It takes a tensor left in full precision, calibrated per-channel ranges ("static", any codes,
 exact slots) and per-token groups of a whole head's channels ("token" without outliers), in
@@ -163,6 +163,18 @@ def _describe(stream, fresh: int, batch: int) -> _Stream:
     out.clip, out.span = spec.clip, spec.layout.span
     out.zero_step = metabyte.zero_step(spec.layout.span)
     return out
+
+
+def plan(sides, batch: int) -> "Plan | None":
+    """The plan for the streams it takes of `sides` (the keys' and the values' streams, per
+    layer) for `batch` sequences; None when it takes none."""
+    streams = [
+        (j, layer, stream)
+        for j, side in enumerate(sides)
+        for layer, stream in enumerate(side)
+        if takes(stream)
+    ]
+    return Plan(streams, batch) if streams else None
 
 
 class Plan:

@@ -16,7 +16,7 @@ import torch
 from kvcalib_runtime.kernels import decode_config as config
 from kvcalib_runtime.kernels import tiles
 from kvcalib_runtime.kernels.decode_kernel import _combine_kernel, _decode_split_kernel
-from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.kernels.operands import Sinks, Stored
 from kvcalib_runtime.layouts import Kind
 from kvcalib_runtime.layouts.body import as_body
 
@@ -34,7 +34,7 @@ def supports(spec, head_dim: int, kv_heads: int = 1) -> bool:
 
 
 class SinkBuffers(NamedTuple):
-    """layout.Sinks as the decode kernel reads it (a field may not be named `values` there):
+    """operands.Sinks as the decode kernel reads it (a field may not be named `values` there):
     k, v dtype [B, Hkv, S, D], positions int64 [B, S], is_sink uint8 [B, P]."""
 
     k: torch.Tensor

@@ -6,8 +6,8 @@ every key and value out in float32, and read them again for RoPE and each matmul
 
 The source is part of the runtime's C library (`native`: built once per machine, loaded with
 ctypes); where there is none (`native.library()` is None), decode_torch keeps its torch ops.
-tests/runtime/test_decode_native.py holds the kernel to the reference as the Triton kernel is
-held. Every shape, dtype and stride the C code indexes by is checked before a call.
+tests/runtime/kernels/test_decode_native.py holds the kernel to the reference as the Triton
+kernel is held. Every shape, dtype and stride the C code indexes by is checked before a call.
 """
 
 import ctypes

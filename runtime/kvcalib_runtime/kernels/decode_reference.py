@@ -7,7 +7,7 @@ It imports no Triton.
 import torch
 import torch.nn.functional as F
 
-from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.kernels.operands import Sinks, Stored
 from kvcalib_runtime.layouts.body import as_body
 from kvcalib_runtime.model.rope import rotate_half
 

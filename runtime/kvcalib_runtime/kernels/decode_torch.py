@@ -33,10 +33,10 @@ import torch.nn.functional as F
 
 from kvcalib_runtime.kernels import decode_native, native
 from kvcalib_runtime.kernels.decode_reference import decode_attention_reference
-from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.kernels.operands import Sinks, Stored
 from kvcalib_runtime.layouts import Kind, fp8, metabyte
-from kvcalib_runtime.layouts.affine import PackedBody
 from kvcalib_runtime.layouts.body import as_body
+from kvcalib_runtime.layouts.packed_body import PackedBody
 
 
 def _window(body: PackedBody) -> int:

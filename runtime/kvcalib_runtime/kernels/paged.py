@@ -17,7 +17,7 @@ sequence's blocks copied into a contiguous body of m * N slots (`gather`), then
 import torch
 
 from kvcalib_runtime.kernels.decode_reference import decode_attention_reference
-from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.kernels.operands import Sinks, Stored
 from kvcalib_runtime.layouts.body import Body, as_body
 
 

@@ -38,7 +38,7 @@ from kvcalib_runtime.kernels.tiles import (
     zero_encode,
 )
 from kvcalib_runtime.layouts import Kind
-from kvcalib_runtime.layouts.affine import PackedBody
+from kvcalib_runtime.layouts.packed_body import PackedBody
 from kvcalib_runtime.layouts.packing import pack
 from kvcalib_runtime.layouts.quant import QuantSpec, quantize
 

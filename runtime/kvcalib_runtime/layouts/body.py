@@ -3,7 +3,7 @@ B sequences (or vLLM's blocks) of N slots. Code outside layouts/ reads a body th
 protocol only, never by asking its class (tests/toolkit/test_import_rules.py):
 
     kind          where its metadata lives (base.Kind; EXACT: a tensor left in full precision)
-    packed        its rows are kvcalib's packed affine groups (layouts.affine.PackedBody): the
+    packed        its rows are kvcalib's packed affine groups (layouts.packed_body.PackedBody): the
                   cache's packed writer (kernels.quant_pack) stores them, and the CPU path reads
                   them by byte tables (kernels.decode_torch, decode_native); otherwise the body
                   writes its own rows (`write`, `flush`) and reads them with `dequantize`

@@ -2,12 +2,13 @@
 llama, mistral, qwen2, qwen3, gemma2, gemma3_text, phi3.
 
 Parameters carry exactly the Hugging Face names (`model.layers.{i}.self_attn.q_proj.weight`,
-...), so an HF safetensors checkpoint loads 1:1 and kvcalib's converted checkpoints need no
-renaming. The model owns no K/V storage: every attention layer hands q, k, v to a cache
-object (see `FullPrecisionCache` for the interface) and gets the attention output back, which
-is how a quantized cache plugs in. Sliding windows (Mistral's `sliding_window`, Qwen2's
-`use_sliding_window`, `layer_types`) are the caches' business: `new_cache` hands them
-`Geometry.windows`, and they keep and attend to the last W positions of a windowed layer.
+...), so an HF safetensors checkpoint loads 1:1 (`from_folder`; model/weights.py reads it) and
+kvcalib's converted checkpoints need no renaming. The model owns no K/V storage: every attention
+layer hands q, k, v to a cache object (see `FullPrecisionCache` for the interface) and gets the
+attention output back, which is how a quantized cache plugs in. Sliding windows (Mistral's
+`sliding_window`, Qwen2's `use_sliding_window`, `layer_types`) are the caches' business:
+`new_cache` hands them `Geometry.windows`, and they keep and attend to the last W positions of a
+windowed layer.
 
 What the families change, here:
     RMSNorm          x / rms(x) * w, or Gemma's x / rms(x) * (1 + w) computed in fp32
@@ -25,25 +26,20 @@ What the families change, here:
     logits           soft-capped where final_logit_softcapping is set (Gemma 2)
 """
 
-import json
 import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
-from tokenizers import Tokenizer
 from torch import nn
 
 from kvcalib_runtime.cache.fpcache import FullPrecisionCache
-from kvcalib_runtime.checkpoint.format import EXPORT_TENSOR
 from kvcalib_runtime.errors import FormatError, KvcalibRuntimeError
 from kvcalib_runtime.generate import generate as _generate
-from kvcalib_runtime.model import archs
+from kvcalib_runtime.model import archs, weights
 from kvcalib_runtime.model.geometry import Geometry
 from kvcalib_runtime.model.rope import Rope, layer_ropes
 
-INDEX_FILE = "model.safetensors.index.json"
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -314,86 +310,11 @@ class Transformer(nn.Module):
     ) -> "Transformer":
         """Load an HF-layout folder (config.json + model*.safetensors, single or sharded).
 
-        The model is built on the meta device and every tensor is read straight onto `device`;
-        dtype None keeps the checkpoint's. Parameters do not require grad.
+        The model is built on the meta device and every tensor is read straight onto `device`
+        (`weights.load`); dtype None keeps the checkpoint's. Parameters do not require grad.
         """
         folder = Path(path)
-        config = _read_json(folder / "config.json")
         with torch.device("meta"):
-            model = cls(config)
-        files = _weight_files(folder)
-        expected = dict(model.named_parameters())  # tied lm_head.weight appears once, as embed
-        found = {
-            name: file
-            for file in files
-            for name in _tensor_names(file)
-            if not EXPORT_TENSOR.fullmatch(name)  # vLLM's FP8 scales, beside the weights
-        }
-        if model.tied:
-            found.pop(f"{archs.LM_HEAD}.weight", None)  # HF ties it whether saved or not
-        missing, unexpected = expected.keys() - found.keys(), found.keys() - expected.keys()
-        if missing:
-            raise FormatError(
-                f"{folder} lacks tensor(s) {sorted(missing)} that {config['model_type']} needs: "
-                "the checkpoint is incomplete"
-            )
-        if unexpected:
-            name = min(unexpected)
-            raise FormatError(
-                f"tensor {name!r} in {found[name]} is not part of a {config['model_type']} model "
-                f"with this config.json (and {len(unexpected) - 1} more)"
-            )
-        device = str(torch.device(device))
-        for file in files:
-            with safe_open(file, framework="pt", device=device) as f:
-                for name in (name for name, where in found.items() if where == file):
-                    model._assign(name, f.get_tensor(name), expected[name].shape, dtype)
-        if model.tied:
-            model.lm_head.weight = model.model.embed_tokens.weight
+            model = cls(weights.read_config(folder))
+        weights.load(model, folder, device, dtype)
         return model.eval()
-
-    def _assign(self, name: str, tensor: torch.Tensor, shape: torch.Size, dtype) -> None:
-        if tensor.shape != shape:
-            raise FormatError(
-                f"tensor {name!r} has shape {list(tensor.shape)}, config.json implies {list(shape)}"
-            )
-        module, attr = name.rsplit(".", 1)
-        param = nn.Parameter(tensor if dtype is None else tensor.to(dtype), requires_grad=False)
-        setattr(self.get_submodule(module), attr, param)
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise FormatError(f"{path} does not exist: point at a folder with an HF config.json")
-    return json.loads(path.read_text())
-
-
-def _weight_files(folder: Path) -> list[Path]:
-    """The checkpoint's safetensors files: those of the shard index, else model*.safetensors.
-
-    Other safetensors in the folder (kvcalib's kv_params.safetensors) are not weights.
-    """
-    index = folder / INDEX_FILE
-    if index.is_file():
-        files = [folder / f for f in sorted(set(_read_json(index)["weight_map"].values()))]
-        for file in files:
-            if not file.is_file():
-                raise FormatError(f"{file} is listed in {index} but does not exist")
-        return files
-    files = sorted(folder.glob("model*.safetensors"))
-    if not files:
-        raise FormatError(f"{folder} has no model*.safetensors: it is not an HF checkpoint")
-    return files
-
-
-def _tensor_names(file: Path) -> list[str]:
-    with safe_open(file, framework="pt") as f:
-        return list(f.keys())
-
-
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """The tokenizer of a checkpoint folder, from its tokenizer.json."""
-    file = Path(path) / "tokenizer.json"
-    if not file.is_file():
-        raise FormatError(f"{file} does not exist: the folder needs an HF tokenizer.json")
-    return Tokenizer.from_file(str(file))

@@ -1,0 +1,15 @@
+"""Helpers the tests share (tests/ is on pytest's path: `from support.tiny import tiny_model`).
+
+    tiny          tiny random transformers models of every family, a character tokenizer,
+                  a folder saved with its tokenizer (toolkit and integration tests)
+    corpus        the bad-input corpus's cases, workspace and checks
+    mutate        hypothesis strategies that damage JSON and safetensors files
+    bodies        random quantized bodies of every layout (runtime tests)
+    decode_cases  the decode kernel's cases and inputs, and its reference
+    native_cases  stand-in compilers for the C library's build
+    calibrate     a tiny llama calibrated in memory (the calibration tests)
+    caches        the simulated cache's tests' small llama, random ids and history reads
+
+Each imports only what its tier has: bodies, decode_cases, mutate and native_cases run in the
+runtime-only venv (`make test-runtime`).
+"""
