@@ -88,16 +88,17 @@ def test_library_modules_import_at_the_top():
 
 HELP = """
 import sys, time
-start = time.perf_counter()
+start = time.process_time()
 from kvcalib.cli import main
 main(["--help"], standalone_mode=False)
-print("torch" in sys.modules, time.perf_counter() - start)
+print("torch" in sys.modules, time.process_time() - start)
 """
 
 
 def test_help_answers_within_a_second():
     """`kvcalib --help` imports neither torch nor transformers (lazy package exports): it
-    answers in well under a second (measured in a fresh interpreter, its own start aside)."""
+    answers in well under a second (measured in a fresh interpreter, its own start aside, in
+    CPU seconds: on a loaded machine the wall clock measures the other jobs)."""
     result = subprocess.run(
         [sys.executable, "-c", HELP], capture_output=True, text=True, timeout=60
     )
