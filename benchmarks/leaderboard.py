@@ -14,7 +14,8 @@ with the digest of its recipe's plan (scheme and calibrated tensors, as the long
 tags its records) and the run's setup; a run stopped anywhere scores only the cells missing or
 kept under another plan or setup. The cells the README reads (both decode and fake mode at the
 same window) run first, the external peers last among them; the two files are written once every
-cell is in, and the cells are then removed. Without --profile the default calibration is used
+cell is in, and the cells they hold are then removed (a run restricted by --recipe or
+--no-extras keeps the others'). Without --profile the default calibration is used
 (computed once and cached, as `kvcalib eval` does); `make leaderboard` passes the committed
 profile the long-context suite and the bf16 record read.
 
@@ -35,7 +36,6 @@ import dataclasses
 import hashlib
 import json
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -139,11 +139,11 @@ class Cells:
     """Every (table, text, recipe) cell scored once and kept under `folder` with its recipe's tag
     (the digest of its plan: scheme and calibrated tensors; of the recipe for an external peer)
     and the run's setup, written as it finishes: a run stopped anywhere resumes from the cells
-    whose tag and setup are today's. The tables are written once every cell is in; the folder is
-    then removed."""
+    whose tag and setup are today's. The tables are written once every cell is in; the cells they
+    hold are then removed (`clear`), those of presets a restricted run left out kept."""
 
     def __init__(self, folder: Path, setup: str):
-        self.folder, self.setup, self.tags = folder, setup, {}
+        self.folder, self.setup, self.tags, self.used = folder, setup, {}, set()
 
     def tag(self, c) -> str:
         if id(c) not in self.tags:
@@ -155,6 +155,7 @@ class Cells:
         """The kept value of the cell, or run() kept."""
         tag = self.tag(c)
         path = self.folder / f"{table}-{text}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', c.name)}.json"
+        self.used.add(path)
         kept = json.loads(path.read_text()) if path.exists() else {}
         if kept.get("tag") == tag and kept.get("setup") == self.setup:
             return kept["value"]
@@ -168,6 +169,13 @@ class Cells:
         tmp.replace(path)
         print(f"{table} {text} {c.name}: {seconds:.0f}s", flush=True)
         return value
+
+    def clear(self) -> None:
+        """Remove the cells this run read or wrote, and the folder once it is empty."""
+        for path in self.used:
+            path.unlink(missing_ok=True)
+        if self.folder.is_dir() and not any(self.folder.iterdir()):
+            self.folder.rmdir()
 
 
 def main():
@@ -266,7 +274,7 @@ def main():
     out.joinpath(f"{stem}.md").write_text("\n".join(md))
     doc = {"setup": setup, "rows": rows}
     out.joinpath(f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    shutil.rmtree(cells.folder, ignore_errors=True)  # the tables are whole: they hold the cells
+    cells.clear()  # the tables are whole: they hold the cells
 
 
 def _result(d: dict) -> Result:

@@ -44,3 +44,16 @@ def test_a_cell_of_another_recipe_or_setup_is_scored_again(tmp_path):
 def test_a_kept_result_reads_back_as_it_was_scored():
     r = Result("kivi-2", "decode", 15.4, 12.5, 0.18, 0.79, 3.0, {"4096": 3.5}, 128, 9.0)
     assert lb._result(r.to_json()) == r
+
+
+def test_clear_removes_the_cells_of_this_run_only(tmp_path):
+    # A quick check (`--recipe kivi-2 --no-extras`) must not drop what a full run has kept.
+    lb.Cells(tmp_path, "setup").get("same-window", "pydoc", peer("A"), lambda: {"kld": 1})
+    quick = lb.Cells(tmp_path, "setup")
+    quick.get("fake", "pydoc", peer("A"), lambda: {"kld": 2})
+    quick.clear()
+    assert [p.name for p in tmp_path.iterdir()] == ["same-window-pydoc-kvcalib-2_-_all_sinks.json"]
+    full = lb.Cells(tmp_path, "setup")
+    full.get("same-window", "pydoc", peer("A"), lambda: {"kld": 3})
+    full.clear()
+    assert not tmp_path.exists()
