@@ -26,9 +26,11 @@ position, so a residual window does not enter it. External peers (hf-quanto) run
 mode, through their own cache, whose own window is 128, and not on models with sliding-window layers
 (Gemma), which transformers' quantized cache refuses; a model without a chat template skips the chat
 text. `--recipe` restricts the tables to some presets and `--no-extras` skips passkey and ablation
-(a quick check of the script). Measured on 2 CPU cores shared with other jobs: the three texts'
-tables of the 14 presets without hf-quanto, 50 minutes; the first table with the hf-quanto peers,
-which decode token by token through transformers' own cache, 38 minutes alone.
+(a quick check of the script). Measured on 2 CPU cores shared with other jobs (2026-11-30, one
+score per table): the three texts' tables of the 14 presets without hf-quanto, 50 minutes; the
+first table with the hf-quanto peers, which decode token by token through transformers' own
+cache, 38 minutes alone. A whole run is ~136 cells; on 2026-12-06, nice 5 on 2 cores at a load
+of ~7, a cell of the 14 took 40-251 s.
 """
 
 import argparse
