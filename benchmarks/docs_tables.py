@@ -278,8 +278,27 @@ def render_headline() -> str:
     )
 
 
+def render_sources() -> str:
+    """The sentence on where the SmolLM2 rows come from: while leaderboard.json's kvcalib-2 rows
+    are version-less (STALE), what stands in for them and what they showed."""
+    row = text_rows("pydoc")[("kvcalib-2", "decode")]
+    if "version" in row:
+        return "Every SmolLM2 row was measured by `make leaderboard` under the version it names."
+    board = _load(BENCH / "leaderboard.json")["rows"]
+    [old] = [r for r in board if r["recipe"] == "kvcalib-2" and r["text"] == "pydoc"
+             and r["table"] == "same-window"]  # fmt: skip
+    return (
+        f"`benchmarks/leaderboard.json` ({RECORDED['leaderboard.json']}) predates kvcalib-2's "
+        f"change of values on 2026-12-04, so kvcalib-2's rows come from its records of "
+        f"{RECORDED['kvcalib-2-values']}, and `benchmarks/leaderboard.md` is stale for kvcalib-2 "
+        f"(its decode KL {old['kld']:.4f} on the Python documentation is the earlier recipe's); "
+        "`make leaderboard` measures every row again with today's presets."
+    )
+
+
 BLOCKS = {
     "headline": render_headline,
+    "sources": render_sources,
     "main": render_main,
     "text-pydoc": lambda: render_text("pydoc"),
     "text-licenses": lambda: render_text("licenses"),

@@ -127,3 +127,7 @@ def test_a_row_measured_with_a_version_is_shown_whatever_changed_before(monkeypa
     assert row["kld"] == 0.5 and tables.record(row) == "`leaderboard.json` (v1 · 0123456789abcdef)"
     fake_mode = tables.text_rows("pydoc")[("kvcalib-2", "fake")]  # none today: the dated record
     assert tables.record(fake_mode).endswith("(2026-12-04)")
+    # and the sentence that explained the stand-in is gone with it
+    assert tables.render_sources().startswith(
+        "Every SmolLM2 row was measured by `make leaderboard`"
+    )
