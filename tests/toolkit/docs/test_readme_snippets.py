@@ -16,7 +16,7 @@ import pytest
 
 from kvcalib.core.models import DEFAULT_MODEL
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # The profile `make long-context` reads: the default calibration of SmolLM2-135M, committed.
 PROFILE = ROOT / "benchmarks" / "long_context" / "smollm2-135m" / "profile"
 RUN = {

@@ -13,7 +13,7 @@ import torch
 import kvcalib
 import kvcalib_runtime
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROFILE = ROOT / "benchmarks" / "long_context" / "smollm2-135m" / "profile"
 MEMORY, BLOCK = 256 << 20, 128  # the numbers' setting: 256 MiB of KV memory, blocks of 128
 

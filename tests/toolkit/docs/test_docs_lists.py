@@ -1,5 +1,5 @@
 """The tables in README.md and docs/ that hold no measurement are written by hand (the results
-tables are `make docs`'s, tests/toolkit/test_docs_tables.py): the extras tables must name every
+tables are `make docs`'s, tests/toolkit/docs/test_docs_tables.py): the extras tables must name every
 extra pyproject.toml declares, the preset tables every preset under recipes/, and nothing else."""
 
 import re
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def table(page: str, head: str) -> list[str]:
