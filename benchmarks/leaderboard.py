@@ -7,27 +7,42 @@ model (default: the embedded default model) in fp32.
         [--seq-len 1024] [--recipe NAME ...] [--no-extras] [--out DIR]
 
 Writes leaderboard.md (the tables the README quotes) and leaderboard.json (every Result, with its
-table, text and setup) into --out (default: benchmarks/); for another model, leaderboard-<model>.md
-/ .json. Without --profile the default calibration is used (computed once and cached, as `kvcalib
-eval` does). The texts: the built-in evaluation split of Python's documentation, `builtin:licenses`
-(legal English, not calibration text) and `builtin:chat` (evaluation topics as multi-turn chats in
-the model's template, where later sinks appear at turn boundaries). Fake mode quantizes every
+table, text, setup, preset version and plan digest) into --out (default: benchmarks/); for another
+model, leaderboard-<model>.md / .json. Resumable: each (table, text, recipe) cell is kept under
+--out/leaderboard-cells/ as it finishes (committed as it comes, as the long-context cells are),
+with the digest of its recipe's plan (scheme and calibrated tensors, as the long-context suite
+tags its records) and the run's setup; a run stopped anywhere scores only the cells missing or
+kept under another plan or setup. The cells the README reads (both decode and fake mode at the
+same window) run first, the external peers last among them; the two files are written once every
+cell is in, and the cells they hold are then removed (a run restricted by --recipe or
+--no-extras keeps the others'). Without --profile the default calibration is used
+(computed once and cached, as `kvcalib eval` does); `make leaderboard` passes the committed
+profile the long-context suite and the bf16 record read.
+
+The texts: the built-in evaluation split of Python's documentation, `builtin:licenses` (legal
+English, not calibration text) and `builtin:chat` (evaluation topics as multi-turn chats in the
+model's template, where later sinks appear at turn boundaries). Fake mode quantizes every
 position, so a residual window does not enter it. External peers (hf-quanto) run only in decode
 mode, through their own cache, whose own window is 128, and not on models with sliding-window layers
 (Gemma), which transformers' quantized cache refuses; a model without a chat template skips the chat
 text. `--recipe` restricts the tables to some presets and `--no-extras` skips passkey and ablation
-(a quick check of the script). Measured on 2 CPU cores shared with other jobs: the three texts'
-tables of the 14 presets without hf-quanto, 50 minutes; the first table with the hf-quanto peers,
-which decode token by token through transformers' own cache, 38 minutes alone.
+(a quick check of the script). Measured on 2 CPU cores shared with other jobs (2026-11-30, one
+score per table): the three texts' tables of the 14 presets without hf-quanto, 50 minutes; the
+first table with the hf-quanto peers, which decode token by token through transformers' own
+cache, 38 minutes alone. A whole run is ~136 cells; on 2026-12-06, nice 5 on 2 cores at a load
+of ~7, a cell of the 14 took 40-251 s.
 """
 
 import argparse
 import dataclasses
+import hashlib
 import json
+import re
 import time
 from pathlib import Path
 
 import torch
+from long_context import _digest as plan_digest  # the long-context cells' plan tag
 
 from kvcalib import load_model
 from kvcalib.api import default_profile
@@ -35,7 +50,7 @@ from kvcalib.core.models import DEFAULT_MODEL, GEMMA3, resolve
 from kvcalib.core.recipe import load_recipe
 from kvcalib.evaluation.listing import DEFAULT_GEOMETRY, recipe_bits
 from kvcalib.evaluation.longcontext import PASSKEY_LENGTHS, passkey_accuracy
-from kvcalib.evaluation.score import candidates, format_table, score
+from kvcalib.evaluation.score import Result, candidates, format_table, score
 from kvcalib_runtime.model.geometry import Geometry
 
 HERE = Path(__file__).resolve().parent
@@ -113,27 +128,6 @@ def ablations() -> list:
     ]
 
 
-class Board:
-    """The tables so far, rewritten to leaderboard.md / .json after every block: an interrupted
-    run keeps what it measured."""
-
-    def __init__(self, out: Path, stem: str, setup: str):
-        self.out, self.stem, self.setup, self.start = out, stem, setup, time.time()
-        self.rows, self.md = [], [f"Setup: {setup}.", ""]
-
-    def add(self, title: str, table: str, rows: list[dict]) -> None:
-        self.rows += rows
-        self.md += [f"### {title}", "", table, ""]
-        self.out.joinpath(f"{self.stem}.md").write_text("\n".join(self.md))
-        doc = {"setup": self.setup, "rows": self.rows}
-        self.out.joinpath(f"{self.stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"{title}: {time.time() - self.start:.0f}s", flush=True)
-
-    def results(self, title, table, text, results) -> None:
-        rows = [{"table": table, "text": text, **r.to_json()} for r in results]
-        self.add(title, format_table(results), rows)
-
-
 def bits_table(names) -> str:
     """Bits per element at 4K tokens of every recipe, as `kvcalib recipes` measures them."""
     lines = ["| recipe | at 4K, everything | quantized body |", "|---|---|---|"]
@@ -141,6 +135,49 @@ def bits_table(names) -> str:
         total, body = recipe_bits(load_recipe(name), **DEFAULT_GEOMETRY)
         lines.append(f"| {name} | {total:.2f} | {body:.2f} |")
     return "\n".join(lines)
+
+
+class Cells:
+    """Every (table, text, recipe) cell scored once and kept under `folder` with its recipe's tag
+    (the digest of its plan: scheme and calibrated tensors; of the recipe for an external peer)
+    and the run's setup, written as it finishes: a run stopped anywhere resumes from the cells
+    whose tag and setup are today's. The tables are written once every cell is in; the cells they
+    hold are then removed (`clear`), those of presets a restricted run left out kept."""
+
+    def __init__(self, folder: Path, setup: str):
+        self.folder, self.setup, self.tags, self.used = folder, setup, {}, set()
+
+    def tag(self, c) -> str:
+        if id(c) not in self.tags:
+            external = hashlib.sha256(repr(c.recipe).encode()).hexdigest()[:16]
+            self.tags[id(c)] = external if c.scheme is None else plan_digest(c)
+        return self.tags[id(c)]
+
+    def get(self, table: str, text: str, c, run):
+        """The kept value of the cell, or run() kept."""
+        tag = self.tag(c)
+        path = self.folder / f"{table}-{text}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', c.name)}.json"
+        self.used.add(path)
+        kept = json.loads(path.read_text()) if path.exists() else {}
+        if kept.get("tag") == tag and kept.get("setup") == self.setup:
+            return kept["value"]
+        start = time.perf_counter()
+        value = run()
+        seconds = time.perf_counter() - start
+        self.folder.mkdir(parents=True, exist_ok=True)
+        doc = dict(tag=tag, setup=self.setup, seconds=round(seconds, 1), value=value)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        tmp.replace(path)
+        print(f"{table} {text} {c.name}: {seconds:.0f}s", flush=True)
+        return value
+
+    def clear(self) -> None:
+        """Remove the cells this run read or wrote, and the folder once it is empty."""
+        for path in self.used:
+            path.unlink(missing_ok=True)
+        if self.folder.is_dir() and not any(self.folder.iterdir()):
+            self.folder.rmdir()
 
 
 def main():
@@ -160,50 +197,110 @@ def main():
     if Geometry.from_config(model.config).sliding:  # transformers' QuantizedCache refuses it
         names = tuple(n for n in names if not load_recipe(n).external)
     stem = "leaderboard" if args.model == DEFAULT_MODEL else f"leaderboard-{Path(args.model).stem}"
-    board = Board(
-        Path(args.out),
-        stem,
+    setup = (
         f"{NAMES.get(args.model, args.model)}, fp32, CPU; {args.windows} windows x "
-        f"{args.seq_len} tokens per text; profile: {args.profile or 'the default calibration'}",
+        f"{args.seq_len} tokens per text; profile: {args.profile or 'the default calibration'}"
     )
-    board.add("bits per element at 4K tokens (`kvcalib recipes`)", bits_table(names), [])
+    out = Path(args.out)
+    cells = Cells(out / f"{stem}-cells", setup)
     size = dict(seq_len=args.seq_len, windows=args.windows, progress=False)
     same = candidates(model, names, profile, residual=RESIDUAL)
     own = candidates(model, names, profile)
     chat = getattr(tokenizer, "chat_template", None) is not None  # not a base model's
-    for text, data in TEXTS.items():
-        if text == "chat" and not chat:
-            board.add("chat", "Skipped: the tokenizer has no chat template.", [])
-            continue
-        fixed = score(model, tokenizer, same, data=data, mode="decode", **size)
-        board.results(
-            f"{text}, decode mode, residual {RESIDUAL} for all", "same-window", text, fixed
-        )
-        internal = [c for c in same if c.scheme is not None]
-        fake = score(model, tokenizer, internal, data=data, mode="fake", **size)
-        board.results(f"{text}, fake mode (every position quantized)", "fake", text, fake)
-        rerun = [c for c, r in zip(own, fixed, strict=True) if r.residual != _own(c)]
-        again = iter(score(model, tokenizer, rerun, data=data, mode="decode", **size))
-        setup = {**fixed[0].setup, "residual": None}  # reused rows keep their numbers
-        mixed = [
-            dataclasses.replace(r if r.residual == _own(c) else next(again), setup=setup)
-            for c, r in zip(own, fixed, strict=True)
-        ]
-        board.results(f"{text}, decode mode, each method's own window", "own-window", text, mixed)
-    if args.no_extras:
-        return
-    table = ["| recipe | " + " | ".join(f"{n} tokens" for n in PASSKEY_LENGTHS) + " |"]
-    table += ["|---" * (len(PASSKEY_LENGTHS) + 1) + "|"]
+    texts = [t for t in TEXTS if t != "chat" or chat]
+
+    def scored(table, text, c, mode="decode") -> Result:
+        def run():
+            return score(model, tokenizer, [c], data=TEXTS[text], mode=mode, **size)[0].to_json()
+
+        return _result(cells.get(table, text, c, run))
+
+    def owns(text) -> list[Result]:
+        """Each method at its own window: the same-window row where that is its own."""
+        rows = []
+        for c, s in zip(own, same, strict=True):
+            fixed = scored("same-window", text, s)
+            mine = fixed if fixed.residual == _own(c) else scored("own-window", text, c)
+            rows.append(dataclasses.replace(mine, setup={**fixed.setup, "residual": None}))
+        return rows
+
+    # The cells the README's tables read first (the external peers, which decode token by token
+    # through transformers' cache, after the others), then the rest.
+    for external in (False, True):
+        for text in texts:
+            for c in same:
+                if (c.scheme is None) == external:
+                    scored("same-window", text, c)
+                    if c.scheme is not None:
+                        scored("fake", text, c, "fake")
+    board = [("bits per element at 4K tokens (`kvcalib recipes`)", bits_table(names))]
     rows = []
-    for c in own:
-        if c.name in PASSKEY_RECIPES:
-            acc = passkey_accuracy(model, tokenizer, c)
-            rows.append({"table": "passkey", "recipe": c.name, "passkey": acc})
-            table.append(f"| {c.name} | " + " | ".join(f"{v:.0%}" for v in acc.values()) + " |")
-    board.add("passkey retrieval, own windows (needle at depths 10/50/90%)", "\n".join(table), rows)
-    abl = candidates(model, ablations(), profile)
-    results = score(model, tokenizer, abl, data=None, mode="decode", **size)
-    board.results("ablation, pydoc, decode mode", "ablation", "pydoc", results)
+    for text in TEXTS:
+        if text not in texts:
+            board.append(("chat", "Skipped: the tokenizer has no chat template."))
+            continue
+        internal = [c for c in same if c.scheme is not None]
+        tables = (
+            (f"{text}, decode mode, residual {RESIDUAL} for all", "same-window",
+             [scored("same-window", text, c) for c in same], same),
+            (f"{text}, fake mode (every position quantized)", "fake",
+             [scored("fake", text, c, "fake") for c in internal], internal),
+            (f"{text}, decode mode, each method's own window", "own-window", owns(text), own),
+        )  # fmt: skip
+        for title, table, results, cands in tables:
+            board.append((title, format_table(results)))
+            rows += [_row(cells, table, text, c, r) for c, r in zip(cands, results, strict=True)]
+    if not args.no_extras:
+        table = ["| recipe | " + " | ".join(f"{n} tokens" for n in PASSKEY_LENGTHS) + " |"]
+        table += ["|---" * (len(PASSKEY_LENGTHS) + 1) + "|"]
+        for c in own:
+            if c.name in PASSKEY_RECIPES:
+                acc = cells.get(
+                    "passkey", "pydoc", c, lambda c=c: passkey_accuracy(model, tokenizer, c)
+                )
+                rows.append(
+                    {"table": "passkey", "recipe": c.name, "passkey": acc, **_tags(cells, c)}
+                )
+                table.append(f"| {c.name} | " + " | ".join(f"{v:.0%}" for v in acc.values()) + " |")
+        board.append(
+            ("passkey retrieval, own windows (needle at depths 10/50/90%)", "\n".join(table))
+        )
+        abl = candidates(model, ablations(), profile)
+        results = [scored("ablation", "pydoc", c) for c in abl]
+        board.append(("ablation, pydoc, decode mode", format_table(results)))
+        rows += [_row(cells, "ablation", "pydoc", c, r) for c, r in zip(abl, results, strict=True)]
+    board.append(("recipes: preset version and plan digest", _plans(cells, [*same, *own])))
+    md = [f"Setup: {setup}.", ""] + [
+        x for title, body in board for x in (f"### {title}", "", body, "")
+    ]
+    out.joinpath(f"{stem}.md").write_text("\n".join(md))
+    doc = {"setup": setup, "rows": rows}
+    out.joinpath(f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    cells.clear()  # the tables are whole: they hold the cells
+
+
+def _result(d: dict) -> Result:
+    return Result(**{f.name: d[f.name] for f in dataclasses.fields(Result)})
+
+
+def _tags(cells: Cells, c) -> dict:
+    """A row's recipe version (a preset's; None for an ablation variant) and plan digest."""
+    preset = c.recipe.version if c.name in LEADERBOARD else None
+    return {"version": preset, "plan": cells.tag(c)}
+
+
+def _row(cells: Cells, table: str, text: str, c, r: Result) -> dict:
+    return {"table": table, "text": text, **r.to_json(), **_tags(cells, c)}
+
+
+def _plans(cells: Cells, cands) -> str:
+    lines = ["| recipe | R | version | plan |", "|---|---:|---:|---|"]
+    seen = {}
+    for c in cands:
+        seen.setdefault((c.name, _own(c), cells.tag(c)), _tags(cells, c))
+    for (name, residual, _), t in seen.items():
+        lines.append(f"| {name} | {residual} | {t['version'] or '–'} | {t['plan']} |")
+    return "\n".join(lines)
 
 
 def _own(c) -> int:

@@ -4,6 +4,7 @@ here. Reads JSON only."""
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -44,18 +45,20 @@ def test_a_block_is_replaced_by_its_rendering_and_nothing_else():
 
 
 def test_kvcalib2_rows_are_todays_recipe_not_the_stale_leaderboard():
-    # leaderboard.json predates kvcalib-2's change of values (2026-12-04): its kvcalib-2 rows
-    # (decode KL 0.0156 on the Python docs) are another recipe and must never be shown.
+    # leaderboard.json's version-less rows predate kvcalib-2's change of values (2026-12-04):
+    # their kvcalib-2 rows (decode KL 0.0156 on the Python docs) are another recipe and must
+    # never be shown; a row carrying a version (`make leaderboard` since 2026-12-06) is today's.
     board = json.loads((ROOT / "benchmarks" / "leaderboard.json").read_text())["rows"]
-    stale = {round(r["kld"], 4) for r in board if r["recipe"] == "kvcalib-2"}
-    today = json.loads((tables.VALUES / "kl_smollm2_python-docs.json").read_text())
-    [kv2] = [r for r in today if r["recipe"] == "kvcalib-2"]
+    stale = {round(r["kld"], 4) for r in board if r["recipe"] == "kvcalib-2" and "version" not in r}
     row = tables.text_rows("pydoc")[("kvcalib-2", "decode")]
-    assert row["kld"] == kv2["kld"] and row["source"].startswith("kvcalib-2-values/")
+    if "version" not in row:
+        today = json.loads((tables.VALUES / "kl_smollm2_python-docs.json").read_text())
+        [kv2] = [r for r in today if r["recipe"] == "kvcalib-2"]
+        assert row["kld"] == kv2["kld"] and row["source"].startswith("kvcalib-2-values/")
     main = tables.render_main()
     [line] = [ln for ln in main.splitlines() if ln.startswith("| **kvcalib-2**")]
-    assert f"{kv2['kld']:.4f}" in line
-    assert not any(f"{k:.4f}" in line for k in stale if k != round(kv2["kld"], 4))
+    assert f"{row['kld']:.4f}" in line
+    assert not any(f"{k:.4f}" in line for k in stale if k != round(row["kld"], 4))
 
 
 def test_wilson_matches_the_suites_own_intervals():
@@ -95,3 +98,36 @@ def test_the_bf16_column_is_its_records_setup():
     bf16 = tables.dtype_rows("bfloat16")
     [line] = [ln for ln in tables.render_main().splitlines() if ln.startswith("| **kvcalib-2**")]
     assert f"{bf16['kvcalib-2']['kld']:.4f} (" in line
+
+
+def test_every_row_names_the_recipe_it_was_measured_under():
+    # One name has meant several recipes (kvcalib-2 before and after 2026-12-04): each row of the
+    # SmolLM2, Gemma and Qwen tables says which, by version and plan digest or by its record's
+    # date (the rows of records that predate versions).
+    label = re.compile(r"(v\d+ · [0-9a-f]{16}|\d{4}-\d{2}-\d{2})\)?( \|)?$")
+    names = ["main", "text-pydoc", "text-licenses", "text-chat", "decode-gemma", "decode-qwen"]
+    for name in names:
+        rows = [ln for ln in tables.BLOCKS[name]().splitlines() if ln.startswith("| ")][1:]
+        assert rows, name
+        assert [r for r in rows if not label.search(r)] == [], name
+
+
+def test_a_row_measured_with_a_version_is_shown_whatever_changed_before(monkeypatch):
+    # Once `make leaderboard` writes kvcalib-2 at today's version, its row is shown, not the
+    # 2026-12-04 record that stands in for the version-less row of 2026-11-30.
+    today = {"table": "same-window", "text": "pydoc", "recipe": "kvcalib-2", "mode": "decode",
+             "kld": 0.5, "version": 1, "plan": "0123456789abcdef"}  # fmt: skip
+    load = tables._load
+
+    def fake(path):
+        return {"rows": [today]} if path.name == "leaderboard.json" else load(path)
+
+    monkeypatch.setattr(tables, "_load", fake)
+    row = tables.text_rows("pydoc")[("kvcalib-2", "decode")]
+    assert row["kld"] == 0.5 and tables.record(row) == "`leaderboard.json` (v1 · 0123456789abcdef)"
+    fake_mode = tables.text_rows("pydoc")[("kvcalib-2", "fake")]  # none today: the dated record
+    assert tables.record(fake_mode).endswith("(2026-12-04)")
+    # and the sentence that explained the stand-in is gone with it
+    assert tables.render_sources().startswith(
+        "Every SmolLM2 row was measured by `make leaderboard`"
+    )
