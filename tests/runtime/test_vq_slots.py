@@ -62,7 +62,9 @@ def test_the_slots_keep_what_the_codes_get_most_wrong(slots, code):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize(("slots", "code", "pairing"), [(1, "fp8", "rope"), (2, "exact", "adjacent")])
+@pytest.mark.parametrize(
+    ("slots", "code", "pairing"), [(1, "fp8", "rope"), (2, "exact", "adjacent")]
+)
 def test_the_bodys_rows_are_the_reference_bit_for_bit(slots, code, pairing, dtype):
     # What the cache stores and the decode path reads (CodeBody.write, .dequantize) must be the
     # reference's quantize + dequantize exactly, slots included, whatever the span read.
@@ -109,8 +111,9 @@ def _decode_inputs(specs, gen, dtype=torch.float16):
         body.codes.copy_(torch.randint(0, 256, body.codes.shape, generator=gen))
         body.slot_index.copy_(torch.randint(0, D, body.slot_index.shape, generator=gen))
         if spec.slot_code == "fp8":
-            sign = torch.randint(0, 2, body.slot_delta.shape, generator=gen) * 128
-            body.slot_delta.copy_(torch.randint(0, 127, body.slot_delta.shape, generator=gen) + sign)
+            shape = body.slot_delta.shape
+            sign = torch.randint(0, 2, shape, generator=gen) * 128
+            body.slot_delta.copy_(torch.randint(0, 127, shape, generator=gen) + sign)
         else:
             body.slot_delta.copy_(torch.randn(body.slot_delta.shape, generator=gen) * 10)
         bodies.append(body)
