@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from bodies import to_device
 
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import decode_config as cfg
@@ -177,6 +178,21 @@ def test_decode_kernel_reads_the_slots(config, splits, monkeypatch):
         blind = decode_attention_reference(*_without_slots(args, which), **options,
                                            dtype=torch.float64)  # fmt: skip
         assert (blind - exact).abs().max() > 10 * bound, which
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_kernel_reads_the_slots_on_gpu(dtype, monkeypatch):
+    """The same bound on a GPU (`make gpu-check`) at fp16 and bf16, for every tile size the tuner
+    may pick."""
+    args, options = _decode_inputs(KERNEL_SPECS, torch.Generator().manual_seed(3), dtype)
+    args, options = to_device(args), {k: to_device(v) for k, v in options.items()}
+    exact = decode_attention_reference(*args, **options, dtype=torch.float64)
+    bound = 2 * (decode_attention_reference(*args, **options).double() - exact).abs().max()
+    for config in cfg.CONFIGS:
+        monkeypatch.setattr(cfg, "choose", lambda key, device, launch, config=config: config)
+        ours = dec.decode_attention(*args, **options)
+        assert (ours.double() - exact).abs().max() <= bound, config
 
 
 def test_malformed_slot_specs_are_refused_with_the_fix():
