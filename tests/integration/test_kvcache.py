@@ -104,6 +104,28 @@ SCHEMES = {
         sink_budget=2,
         layer=dict(key_position="pre_rope", key_flush=2),
     ),
+    # kvcalib-1.5s's layout: coarser vector codes with exact slots, kvcalib-2's one-byte slot for
+    # keys, two exact (cache dtype) slots per value row
+    "vq-slots": dict(
+        key=QuantSpec(
+            5,
+            "static",
+            4,
+            codebook=True,
+            method="vq",
+            pairing="rope",
+            outlier_slots=1,
+            slot_rule="error",
+            slot_code="fp8",
+        ),
+        value=QuantSpec(
+            3, "static", 2, codebook=True, method="vq", outlier_slots=2, slot_rule="error"
+        ),
+        residual=4,
+        sinks_first=1,
+        sink_budget=2,
+        layer=dict(key_position="pre_rope", key_flush=2),
+    ),
 }
 
 

@@ -51,8 +51,9 @@ def random_body(spec, shape, dtype, gen, per_head_codebook=False):
         body.scale.copy_(torch.rand(body.scale.shape, generator=gen) * 0.8 + 0.2)
         if body.offset is not None:
             body.offset.copy_(-torch.rand(body.offset.shape, generator=gen))
-    if getattr(body, "slot_index", None) is not None:  # a "vq" body has none
-        body.slot_index.copy_(torch.randint(0, body.width, body.slot_index.shape, generator=gen))
+    if getattr(body, "slot_index", None) is not None:
+        width = spec.layout.width(d, h)  # a row's channels: every head's for "vector"
+        body.slot_index.copy_(torch.randint(0, width, body.slot_index.shape, generator=gen))
         if spec.slot_code == "fp8":  # any E4M3 byte but NaN's: up to 448 steps either way
             code = torch.randint(0, 127, body.slot_delta.shape, generator=gen)
             sign = torch.randint(0, 2, body.slot_delta.shape, generator=gen) * 128

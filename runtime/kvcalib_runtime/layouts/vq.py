@@ -16,9 +16,17 @@ to the cache's dtype), gives every vector j of a token
     code_j     = argmin_e  sum_i (x[c_i] - offset[c_i] - scale[c_i] * book[h, e, i])^2
 
 the entry nearest in x's own units, the lowest index on ties; computed in fp32. No per-token
-metadata and no exact slots: bits / w code bits per element, plus the per-layer constants.
+metadata: bits / w code bits per element, plus the per-layer constants.
 
-QTensor: codes uint8 [..., H, T, V] (vector j's index), scale and offset x.dtype [H, 1, D].
+Exact slots (`outlier_slots` = K >= 1, kvcalib-2's rule, layouts.quant's docstring): after the
+lookup, each row of a head (one token's D channels) keeps its K elements the codes get most
+wrong (slot_rule "error": the largest |x - x_hat|, the lower channel on ties), their channel in
+natural order and their delta x - x_hat, in x's dtype (slot_code "exact") or as one E4M3 byte in
+steps of the channel's scale hi - lo ("fp8", layouts.fp8). A slot costs (8 + 8) / D bits per
+element with "fp8": 0.25 at head_dim 64.
+
+QTensor: codes uint8 [..., H, T, V] (vector j's index), scale and offset x.dtype [H, 1, D],
+slot_index uint8 [..., H, T, K] and slot_delta [..., H, T, K] (or None without slots).
 `CodeBody` stores a cache's rows; `CodeBody.dequantize` is the decode path's lookup
 (kernels.decode_torch and decode_attention_reference read it), held bit-equal to `dequantize`
 here.
@@ -30,7 +38,17 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from kvcalib_runtime.layouts.base import CODEBOOK, RANGE, Kind, Layout, QTensor, register
+from kvcalib_runtime.layouts import fp8
+from kvcalib_runtime.layouts.affine import select_slots
+from kvcalib_runtime.layouts.base import (
+    CODEBOOK,
+    RANGE,
+    Kind,
+    Layout,
+    QTensor,
+    register,
+    slot_index_dtype,
+)
 from kvcalib_runtime.layouts.body import (
     NONE,
     StreamArgs,
@@ -46,8 +64,7 @@ if TYPE_CHECKING:
 
 VQ_BITS = (1, 2, 3, 4, 5, 6, 7, 8)  # index bits per vector: E = 2**bits entries
 # QuantSpec fields a "vq" spec leaves at their defaults
-FIXED = ("symmetric", "clip", "outliers", "outlier_slots", "slot_rule", "slot_code")
-FIXED += ("split_channels", "split_bits")
+FIXED = ("symmetric", "clip", "outliers", "split_channels", "split_bits")
 CHUNK = 256  # tokens whose distances to every entry are taken at once (bounds the memory)
 
 
@@ -88,6 +105,38 @@ def lookup(codes: torch.Tensor, table: torch.Tensor, order: torch.Tensor) -> tor
     return torch.empty_like(x).index_copy_(-1, order.to(x.device), x)
 
 
+def encode(x: torch.Tensor, spec, table: torch.Tensor, order: torch.Tensor, scale: torch.Tensor):
+    """(codes uint8 [..., H, T, V], slot_index, slot_delta or None, None) of x [..., H, T, D]
+    against table [H, V, E, w] (`entries`); scale [H, D] is what "fp8" deltas count steps of."""
+    layout = spec.layout
+    xf = x.float()
+    codes = nearest(xf[..., order].unflatten(-1, (-1, layout.width_of_vector)), table)
+    k = layout.slots(x.shape[-1])
+    if not k:
+        return codes, None, None
+    base = lookup(codes, table, order)
+    index, delta = select_slots(xf, base, (xf - base).abs(), k)
+    if spec.slot_code == "fp8":
+        return codes, index, fp8.encode(delta / _steps(scale, base.shape, index))
+    return codes, index, delta.to(x.dtype)
+
+
+def _steps(scale: torch.Tensor, shape: torch.Size, index: torch.Tensor) -> torch.Tensor:
+    """fp32 [..., H, T, K]: the "fp8" step (layouts.fp8.step) of scale [H, D] at each slot's
+    channel, for rows of `shape` [..., H, T, D]."""
+    return fp8.step(scale[:, None, :]).expand(shape).gather(-1, index.long())
+
+
+def add_slots(x: torch.Tensor, spec, index, delta, scale: torch.Tensor) -> torch.Tensor:
+    """x fp32 [..., H, T, D] with each slot's delta added at its channel, in place (x is
+    returned; unchanged where index is None); scale [H, D] as `encode` takes it."""
+    if index is None:
+        return x
+    if spec.slot_code == "fp8":
+        return x.scatter_add_(-1, index.long(), fp8.decode(delta) * _steps(scale, x.shape, index))
+    return x.scatter_add_(-1, index.long(), delta.float())
+
+
 def quantize(x: torch.Tensor, spec, static_range, codebook) -> QTensor:
     """x [..., H, T, D] (float) -> QTensor (module docstring); static_range (lo, hi), each
     [H, D] (or that with leading and token dims of 1); codebook [Hc, E, w]."""
@@ -106,9 +155,8 @@ def quantize(x: torch.Tensor, spec, static_range, codebook) -> QTensor:
     scale, offset = (hi - lo).to(x.dtype), lo.to(x.dtype)  # [H, D]
     order = layout.order(d).to(x.device)
     table = entries(codebook.to(x.dtype), scale, offset, order)
-    xv = x.float()[..., order].unflatten(-1, (-1, layout.width_of_vector))
-    codes = nearest(xv, table)
-    return QTensor(codes, scale[:, None], offset[:, None])
+    codes, index, delta = encode(x, spec, table, order, scale)
+    return QTensor(codes, scale[:, None], offset[:, None], index, delta)
 
 
 def dequantize(q: QTensor, spec, codebook) -> torch.Tensor:
@@ -116,7 +164,8 @@ def dequantize(q: QTensor, spec, codebook) -> torch.Tensor:
     heads, d = q.codes.shape[-3], q.scale.shape[-1]
     scale, offset = (t.reshape(heads, d) for t in (q.scale, q.offset))
     order = spec.layout.order(d).to(q.codes.device)
-    return lookup(q.codes, entries(codebook.to(q.scale.dtype), scale, offset, order), order)
+    x = lookup(q.codes, entries(codebook.to(q.scale.dtype), scale, offset, order), order)
+    return add_slots(x, spec, q.slot_index, q.slot_delta, scale)
 
 
 @dataclass
@@ -130,6 +179,8 @@ class CodeBody:
     scale     dtype [Hkv, D]      hi - lo of each channel's calibrated range
     offset    dtype [Hkv, D]      lo
     book      dtype [Hc, E, w]    the codebook (Hc = 1 or Hkv), in the normalized domain
+    slot_index  uint8 [B, Hkv, N, K]  each exact slot's channel (natural order), or None (K = 0)
+    slot_delta  [B, Hkv, N, K]        its delta: dtype ("exact") or uint8 E4M3 ("fp8"), or None
 
     A layouts.body.Body with its own writer.
     """
@@ -143,6 +194,8 @@ class CodeBody:
     scale: torch.Tensor
     offset: torch.Tensor
     book: torch.Tensor
+    slot_index: torch.Tensor | None = None
+    slot_delta: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, spec, shape, device, dtype, static_range, codebook) -> "CodeBody":
@@ -159,7 +212,13 @@ class CodeBody:
         codes = torch.zeros(b, hkv, n, packed_size(vectors, spec.bits), device=device,
                             dtype=torch.uint8)  # fmt: skip
         book = codebook.to(device=device, dtype=dtype).contiguous()
-        return cls(spec, d, codes, (hi - lo).to(dtype), lo.to(dtype), book)
+        index = delta = None
+        k = spec.layout.slots(d)
+        if k:
+            index = torch.zeros(b, hkv, n, k, device=device, dtype=slot_index_dtype(d))
+            stored = torch.uint8 if spec.slot_code == "fp8" else dtype
+            delta = torch.zeros(b, hkv, n, k, device=device, dtype=stored)
+        return cls(spec, d, codes, (hi - lo).to(dtype), lo.to(dtype), book, index, delta)
 
     @property
     def slots(self) -> int:
@@ -167,28 +226,35 @@ class CodeBody:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor this body holds (what its memory is)."""
-        return [self.codes, self.scale, self.offset, self.book]
+        found = [self.codes, self.scale, self.offset, self.book, self.slot_index, self.slot_delta]
+        return [t for t in found if t is not None]
 
     def per_token(self) -> dict[str, torch.Tensor]:
-        """The codes: the ranges and the codebook are per layer."""
-        return {"codes": self.codes}
+        """The codes and exact slots: the ranges and the codebook are per layer."""
+        rows = {"codes": self.codes, "slot_index": self.slot_index, "slot_delta": self.slot_delta}
+        return {name: t for name, t in rows.items() if t is not None}
 
     with_rows = replace_rows
 
     def stream_args(self, head_dim: int, unit: Unit) -> StreamArgs:
-        """levels: the codebook [Hc, E, w]; BOOK: one KV head's entries where Hc > 1."""
+        """levels: the codebook [Hc, E, w]; BOOK: one KV head's entries where Hc > 1; the exact
+        slots (K of them) as the kernel reads any layout's, "fp8" steps of the static scale."""
         spec, codes, book = self.spec, self.codes, self.book.contiguous()
+        index, delta = self.slot_index, self.slot_delta
         fields = dict(BITS=spec.bits, GRAN=Kind.VECTORS.value, GROUP=spec.group_size, SYM=False,
-                      CB=True, K=0, FP8=False, VEC=False, UNIT=8,
-                      BOOK=book[0].numel() if book.shape[0] > 1 else 0,
+                      CB=True, K=spec.layout.slots(head_dim), FP8=spec.slot_code == "fp8",
+                      VEC=False, UNIT=8, BOOK=book[0].numel() if book.shape[0] > 1 else 0,
                       PAIRS=spec.pairing == "rope")  # fmt: skip
-        buffers = (codes, self.scale, self.offset, book, codes, codes)
-        return StreamArgs(buffers, (rows(codes), NONE, NONE, NONE), 1, fields)
+        buffers = (codes, self.scale, self.offset, book, *(t if t is not None else codes
+                                                           for t in (index, delta)))  # fmt: skip
+        return StreamArgs(buffers, (rows(codes), NONE, rows(index), rows(delta)), 1, fields)
 
     def view(self, b: int) -> "CodeBody":
         """Sequence b alone (B = 1), sharing storage."""
+        index, delta = (None if t is None else t[b : b + 1]
+                        for t in (self.slot_index, self.slot_delta))  # fmt: skip
         return CodeBody(self.spec, self.head_dim, self.codes[b : b + 1], self.scale, self.offset,
-                        self.book)  # fmt: skip
+                        self.book, index, delta)  # fmt: skip
 
     def write(self, x: torch.Tensor, seq: torch.Tensor, start: torch.Tensor, active=None) -> None:
         """Quantize x [M, Hkv, n, D] into positions [start[m], start[m] + n) of sequence seq[m]
@@ -198,16 +264,14 @@ class CodeBody:
         for xm, b, s, on in zip(x, seq.tolist(), start.tolist(), active, strict=True):
             if not on:
                 continue
-            q = self._quantize(xm)
+            order = self.spec.layout.order(self.head_dim).to(x.device)
+            table = entries(self.book, self.scale, self.offset, order)
+            codes, index, delta = encode(xm, self.spec, table, order, self.scale)
             where = torch.arange(s, s + n, device=x.device) % slots
-            self.codes[b, :, where] = pack(q, self.spec.bits)
-
-    def _quantize(self, x: torch.Tensor) -> torch.Tensor:
-        """Codes uint8 [Hkv, n, V] of x [Hkv, n, D], from the stored (rounded) constants."""
-        order = self.spec.layout.order(self.head_dim).to(x.device)
-        table = entries(self.book, self.scale, self.offset, order)
-        w = self.spec.layout.width_of_vector
-        return nearest(x.float()[..., order].unflatten(-1, (-1, w)), table)
+            self.codes[b, :, where] = pack(codes, self.spec.bits)
+            if index is not None:
+                self.slot_index[b, :, where] = index
+                self.slot_delta[b, :, where] = delta.to(self.slot_delta.dtype)
 
     flush = flush_by_write
 
@@ -222,7 +286,10 @@ class CodeBody:
         vectors = self.head_dim // self.spec.layout.width_of_vector
         codes = unpack(self.codes[rows, :, start:n], self.spec.bits, vectors)
         order = self.spec.layout.order(self.head_dim).to(codes.device)
-        out = lookup(codes, entries(self.book, self.scale, self.offset, order), order).to(dtype)
+        out = lookup(codes, entries(self.book, self.scale, self.offset, order), order)
+        index, delta = (None if t is None else t[rows, :, start:n]
+                        for t in (self.slot_index, self.slot_delta))  # fmt: skip
+        out = add_slots(out, self.spec, index, delta, self.scale).to(dtype)
         return out if b is None else out[0]
 
 
@@ -256,6 +323,16 @@ class VectorCodes(Layout):
                 f"method 'vq' keeps no outliers, clip or symmetric levels: leave "
                 f"{', '.join(changed)} at the default"
             )
+        if spec.outlier_slots and spec.slot_rule != "error":
+            raise ValueError(
+                "method 'vq' keeps in its exact slots the elements its codes get most wrong: "
+                "set slot_rule 'error'"
+            )
+        if not spec.outlier_slots and (spec.slot_rule, spec.slot_code) != ("outside", "exact"):
+            raise ValueError(
+                "slot_rule and slot_code describe exact slots: set outlier_slots >= 1, or leave "
+                "them at the default"
+            )
 
     @property
     def width_of_vector(self) -> int:
@@ -273,6 +350,11 @@ class VectorCodes(Layout):
             raise ValueError(
                 f"group_size = {w} (pairing {self.spec.pairing!r}) does not cut head_dim = "
                 f"{head_dim} into whole vectors"
+            )
+        if self.spec.outlier_slots > head_dim:
+            raise ValueError(
+                f"outlier_slots = {self.spec.outlier_slots} exceeds head_dim = {head_dim}: use "
+                "at most one slot per channel"
             )
 
     def check_codebook(self, book: torch.Tensor, kv_heads: int) -> None:
@@ -293,7 +375,7 @@ class VectorCodes(Layout):
         return width
 
     def slots(self, n: int) -> int:
-        return 0
+        return self.spec.outlier_slots
 
     def quantize(self, x, *, static_range=None, codebook=None, exclude=None, split=None):
         return quantize(x, self.spec, static_range, codebook)

@@ -383,6 +383,15 @@ keys, values = (spec.layout.allocate((B, H, N, D), "cpu", torch.float16, static_
 dec.decode_attention(torch.zeros(B, 4 * H, 1, D, dtype=torch.float16), new, new,
                      Stored(keys, tail, nb), Stored(values, tail, nb), sinks, nb,
                      inv_freq=torch.ones(D // 2))
+# vector codes with exact slots (kvcalib-1.5s): an fp8 slot per key row, two exact per value row
+vq = [QuantSpec(5, "static", 4, codebook=True, method="vq", pairing="rope", outlier_slots=1,
+                slot_rule="error", slot_code="fp8"),
+      QuantSpec(5, "static", 4, codebook=True, method="vq", outlier_slots=2, slot_rule="error")]
+keys, values = (spec.layout.allocate((B, H, N, D), "cpu", torch.float16, static_range=static,
+                                     codebook=torch.rand(H, 32, 4)) for spec in vq)
+dec.decode_attention(torch.zeros(B, 4 * H, 1, D, dtype=torch.float16), new, new,
+                     Stored(keys, tail, nb), Stored(values, tail, nb), sinks, nb,
+                     inv_freq=torch.ones(D // 2))
 """
 
 
@@ -411,11 +420,11 @@ def test_kernels_compile_for_hopper_without_a_gpu():
                 if line.startswith("compiled")]  # fmt: skip
     # quant_pack, flush, split, combine; four times (exact slots, none, fp8 slots, one-byte
     # value metadata); paged split and combine; the full-precision stream's split and combine;
-    # vector codes' split and combine
-    assert len(compiled) == 22
+    # vector codes' split and combine, without slots and with them
+    assert len(compiled) == 24
     # every decode variant streams its tiles through cp.async (ttg.async_copy_global_to_local)
     splits = [int(copies) for name, copies in compiled if name == "_decode_split_kernel"]
-    assert len(splits) == 7 and min(splits) > 0, splits
+    assert len(splits) == 8 and min(splits) > 0, splits
 
 
 def test_the_decode_benchmark_runs_its_smoke_configuration():

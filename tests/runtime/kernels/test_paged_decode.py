@@ -47,6 +47,11 @@ CASES = {
     "fp16 (exact)": (None, None, 4, 2, 64, True),
     "kvcalib-1.5 vector codes": (S(6, "static", 4, codebook=True, method="vq", pairing="rope"),
                                  S(6, "static", 4, codebook=True, method="vq"), 6, 2, 64, True),
+    "kvcalib-1.5s vector codes + fp8 slots": (
+        S(5, "static", 4, codebook=True, method="vq", pairing="rope", outlier_slots=1,
+          slot_rule="error", slot_code="fp8"),
+        S(5, "static", 4, codebook=True, method="vq", outlier_slots=2, slot_rule="error"),
+        6, 2, 64, True),
 }  # fmt: skip
 
 
