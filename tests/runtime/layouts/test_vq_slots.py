@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 import torch
-from bodies import to_device
+from support.bodies import to_device
 
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import decode_config as cfg
 from kvcalib_runtime.kernels import decode_torch
 from kvcalib_runtime.kernels.decode_reference import decode_attention_reference
-from kvcalib_runtime.kernels.layout import Sinks, Stored
+from kvcalib_runtime.kernels.operands import Sinks, Stored
 from kvcalib_runtime.layouts import fp8
 from kvcalib_runtime.layouts.quant import QuantSpec, dequantize, quantize
 from kvcalib_runtime.layouts.vq import CodeBody
