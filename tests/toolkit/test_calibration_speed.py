@@ -3,9 +3,12 @@ replaced, op for op, with torch.equal (not a tolerance: every preset's plan dige
 long-context suite's committed profiles is kept by computing the same bits)."""
 
 import torch
+from tiny import CharTokenizer, tiny_model
 
-from kvcalib.calibration import vectorbooks
+from kvcalib.calibration import answerprobe, retrieval, vectorbooks
+from kvcalib.calibration.layerwise import InMemory
 from kvcalib.calibration.massive import MassiveMeter
+from kvcalib.core.data import calibration_tokens
 
 
 def _lloyd_before(u, weight, s2, count: int, generator) -> torch.Tensor:
@@ -72,3 +75,44 @@ def test_the_sink_predictor_scores_are_the_same():
         got = found.scores(layer, dims, t)
         assert torch.equal(got, _scores_before(found, layer, dims, t)), (layer, dims)
         assert got.amax() > 0
+
+
+def test_the_answer_probe_losses_are_the_same_with_the_causal_kernel(monkeypatch):
+    # The probe's prompt forward and its branches' own rows attend under the causal mask: the
+    # fused kernel's causal mode (blocks above the diagonal skipped) against the mask added,
+    # as before, on the tiny llama's retrieval prompts: the same losses bit for bit, and the
+    # causal mode taken.
+    model = tiny_model("llama")
+    prompts = retrieval.build(CharTokenizer(), calibration_tokens(CharTokenizer()), 2, 700, 0)
+    n, hkv = model.config.num_hidden_layers, model.config.num_key_value_heads
+    d = model.config.hidden_size // model.config.num_attention_heads
+    key_range = (torch.full((n, hkv, d), -0.5), torch.full((n, hkv, d), 0.5))
+
+    def losses():
+        with torch.no_grad():
+            return answerprobe.answer_pass(
+                InMemory(model), prompts, prompts.context, key_range, lambda w: 0
+            )
+
+    causal = answerprobe._causal
+    taken = []
+    monkeypatch.setattr(answerprobe, "_causal", lambda m: taken.append(causal(m)) or taken[-1])
+    fast = losses()
+    monkeypatch.setattr(answerprobe, "_causal", lambda m: False)
+    before = losses()
+    assert sum(taken) >= 2 * n  # every layer's prompt forward of both prompts
+    for name, v in before.items():
+        assert torch.equal(fast[name], v), name
+        assert float(v.abs().max()) > 1e-3
+
+
+def test_only_the_causal_mask_takes_the_causal_kernel():
+    lowest = torch.finfo(torch.float32).min
+    causal = torch.full((6, 6), lowest).triu(1)[None, None]
+    assert answerprobe._causal(causal)
+    assert answerprobe._causal(torch.full((6, 6), float("-inf")).triu(1)[None, None])
+    window = causal.clone()
+    window[..., 5, 0] = lowest  # a sliding window: a key below the diagonal masked
+    assert not answerprobe._causal(window)
+    assert not answerprobe._causal(causal[..., :4, :])  # not square: a branch over the prompt
+    assert not answerprobe._causal(torch.full((6, 6), -1e4).triu(1)[None, None])  # exp not 0
