@@ -48,9 +48,10 @@ CONVERTED = "converted checkpoint"  # the kind of output convert writes (atomic.
 # What the default calibration costs, measured from the profile's own timings on 2026-12-03 (the
 # answer-loss probe is 320 s of it), as docs/models.md states it: an upper bound since the probe's
 # fused attention and its cut to 2 and 3 bits (bench_calibrate.py, back to back under load:
-# 31x a plain forward, 14.9x with the fused attention, 10.6x with the cut, load 8-11).
+# 31x a plain forward, 14.9x with the fused attention, 10.6x with the cut, load 8-11; 7.95x with
+# the causal kernel and the in-place k-means, load 5-6, against 9.34x before them).
 DEFAULT_COST = "390 s on 2 idle CPU cores for smollm2-135m"
-OTHER_COST = "about 11x a plain forward over 16 x 512 tokens on smollm2-135m"
+OTHER_COST = "about 8x a plain forward over 16 x 512 tokens on smollm2-135m"
 
 
 def _stderr(line: str) -> None:

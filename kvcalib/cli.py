@@ -355,10 +355,10 @@ def convert(model, no_calibrate, **options):
     default="probe",
     show_default=True,
     help="The answer-loss sensitivity on retrieval prompts: measured, the answer's likelihood "
-    "with each layer's keys or values quantized in turn (probe: half the calibration, 5.6 "
-    "plain forwards over the 16 x 512 calibration tokens on smollm2-135m, measured under load, "
-    "9.5 with --answer-probe all; growing with the number of layers), or estimated from its "
-    "gradients (fisher: a forward and a backward per prompt).",
+    "with each layer's keys or values quantized in turn (probe: two thirds of the calibration, "
+    "5.3 plain forwards over the 16 x 512 calibration tokens on smollm2-135m, measured under "
+    "load; 9.5 with --answer-probe all, an older measurement; growing with the number of "
+    "layers), or estimated from its gradients (fisher: a forward and a backward per prompt).",
 )
 @click.option(
     "--answer-probe",

@@ -38,6 +38,7 @@ alone moves kvcalib-2's allocation on both (tests/toolkit/calibration/test_answe
 """
 
 import contextlib
+import functools
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -301,16 +302,38 @@ def _over(q, k, v, mask, scaling: float, softcap) -> tuple:
     if softcap is not None or q.device.type != "cpu":
         mask = None if mask is None else mask[:, :, None]
         return _part(q, k[:, :, None], v[:, :, None], mask, scaling, softcap)
+    causal = mask is not None and _causal(mask)
     if mask is None:  # a head group's queries as one block over their shared keys
         k, v, q = (x.expand(b, -1, -1, -1) for x in (k, v, q.reshape(b, hkv, g * r, d)))
     else:  # the keys copied per query head (the mask's rows are one head's)
         k, v = (x.repeat_interleave(g, 1).expand(b, -1, -1, -1) for x in (k, v))
         q = q.reshape(b, hkv * g, r, d)
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, attn_mask=mask, scale=scaling
+        q, k, v, is_causal=causal, attn_mask=None if causal else mask, scale=scaling
     )
     lse = lse.view(b, hkv, g, r, 1)
     return lse, torch.ones_like(lse), o.view(b, hkv, g, r, d)
+
+
+def _causal(mask: torch.Tensor) -> bool:
+    """Whether an additive mask [1, 1, R, R] is the causal one (0 on and below the diagonal,
+    above it float32's or bfloat16's lowest or -inf: whose exp is 0). The fused kernel then
+    skips the blocks above the diagonal instead of adding the mask: the same bits (exp of the
+    masked scores is 0 either way; tests/toolkit/test_calibration_speed.py), the prompt's
+    attention in half the time."""
+    r = mask.shape[-1]
+    if mask.shape[0] != 1 or mask.shape[-2] != r:
+        return False
+    low = float(mask[0, 0, 0, -1]) if r > 1 else float("-inf")
+    if low > torch.finfo(torch.bfloat16).min:
+        return False
+    return torch.equal(mask[0, 0], _template(r, low, mask.dtype, mask.device))
+
+
+@functools.lru_cache(maxsize=4)
+def _template(r: int, low: float, dtype, device) -> torch.Tensor:
+    """The causal additive mask [R, R] with `low` above the diagonal (one per layer shape)."""
+    return torch.full((r, r), low, dtype=dtype, device=device).triu(1)
 
 
 def _part(q, k, v, mask, scaling: float, softcap) -> tuple:

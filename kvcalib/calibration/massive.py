@@ -78,6 +78,7 @@ class Massive:
         self.index, self.value, self.windows, self.ratio = index, value, windows, ratio
         big = max_abs >= ratio * median[:, None]
         self.dims = [row.nonzero().flatten().tolist() for row in big]  # per layer
+        self._layers = {}  # (layer, T) -> its entries (flat position, dim, value) for `scores`
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"massive.max_abs": self.max_abs, "massive.median_abs": self.median}
@@ -95,10 +96,15 @@ class Massive:
 
     def scores(self, layer: int, dims, seq_len: int) -> torch.Tensor:
         """max over `dims` of |h| after `layer`, float32 [N, T] (0 where below the floor)."""
-        w, lay, pos, dim = self.index
-        hit = (lay == layer) & torch.isin(dim, torch.tensor(dims, dtype=dim.dtype))
+        if (layer, seq_len) not in self._layers:  # the fits score a layer's dim sets many times
+            w, lay, pos, dim = self.index
+            mine = lay == layer
+            where = w[mine].long() * seq_len + pos[mine]
+            self._layers[layer, seq_len] = (where, dim[mine], self.value[mine])
+        where, dim, value = self._layers[layer, seq_len]
+        hit = torch.isin(dim, torch.tensor(dims, dtype=dim.dtype))
         flat = torch.zeros(self.windows * seq_len)
-        flat.scatter_reduce_(0, w[hit].long() * seq_len + pos[hit], self.value[hit], "amax")
+        flat.scatter_reduce_(0, where[hit], value[hit], "amax")
         return flat.view(self.windows, seq_len)
 
     def fit(self, flags: torch.Tensor, judged: torch.Tensor) -> dict | None:
