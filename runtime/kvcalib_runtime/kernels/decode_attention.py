@@ -178,7 +178,8 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
     num_sinks = sinks.positions.shape[1]
     out = torch.empty_like(q)
     # per-channel key metadata folds into q (post-RoPE); keys' exact slots are scores of their
-    # own, values' are added into the tile
+    # own, values' are added into the tile; the query heads are the products' N (BLOCK_G), at
+    # least an MMA's 8 (decode_kernel: fewer instructions per position than 4 at 32/8/128)
     fold_k = inv_freq is None and k_layout.GRAN in (tiles.STATIC.value, tiles.VECTORS.value)
     fold_v = tiles.foldable(v_layout, D // 2) and v_layout.K == 0
     key = (D, G, inv_freq is not None, q.dtype, k_layout, v_layout, page)
@@ -199,7 +200,7 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
             k_layout, v_layout,
             G=G, D=D, PRE_ROPE=inv_freq is not None,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            BLOCK_G=tiles.next_pow2(G), BLOCK_C=max(16, tiles.next_pow2(D // 2)),
+            BLOCK_G=max(8, tiles.next_pow2(G)), BLOCK_C=max(16, tiles.next_pow2(D // 2)),
             BLOCK_N=block_n, BLOCK_X=max(16, tiles.next_pow2(num_sinks + 1)), STAGES=stages,
             PAGED=paged, PAGE=page, FOLD_K=fold_k, FOLD_V=fold_v,
             PACKED=q.device.type == "cuda", num_warps=warps,

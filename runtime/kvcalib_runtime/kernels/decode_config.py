@@ -13,9 +13,8 @@ CONFIGS = ((32, 4, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3), (128, 8, 2))
 INTERPRETED = (32, 4, 1)
 # what `choose` launches untuned (a CUDA graph captured before any eager step), by whether
 # keys are pre-RoPE: the candidate with the fewest steady-loop warp-instructions per position
-# that does not spill, read on sm_90 at 32/8/128 (benchmarks/kernel_budget; kvcalib-2 post-RoPE
-# 48.6 at 64/4/2 against 62.5 at 64/8/2, also fewer for kvcalib-1.5 and -4 and the full-precision
-# stream; pre-RoPE keys spill at 4 warps)
+# that does not spill, read on sm_90 at 32/8/128 (benchmarks/kernel_budget: kvcalib-2 post-RoPE
+# 42.1 at 64/4/2 against 61.1 at 64/8/2; pre-RoPE keys spill at 4 warps)
 UNTUNED = {False: (64, 4, 2), True: (64, 8, 2)}
 
 

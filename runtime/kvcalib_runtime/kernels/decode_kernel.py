@@ -7,10 +7,13 @@ cache, dequantization fused; launched by kernels.decode_attention.
 
 Flash-decoding (Dao et al. 2023, "Flash-Decoding for long-context inference"): each program
 takes one (sequence, KV head, split) — the G query heads of a KV group share every key it
-dequantizes, and only those G rows enter the softmax — keeps an online-softmax state (max, sum,
-acc) over its split of the positions, and a combine kernel merges the splits. The split count is
-fixed by the cache's capacity and every length is read on the device, so a step launches the
-same grid whatever the lengths: no host synchronization, capturable in a CUDA graph.
+dequantizes — keeps an online-softmax state (max, sum, acc) over its split of the positions, and
+a combine kernel merges the splits. The products are transposed (K q^T, then V^T p): positions
+are the MMAs' M rows and the G query heads their N columns (N pads to 8 where M pads to 16, so
+G = 4 costs half the MMAs and repeats no operand registers; sm_90 then issues wgmma). The
+split count is fixed by the cache's capacity and every length is read on the device, so a step
+launches the same grid whatever the lengths: no host synchronization, capturable in a CUDA
+graph.
 
 Keys and values are each read as their own scheme says (kernels.tiles): "token", "vector",
 "channel" or "static" groups, uniform or codebook levels, asymmetric or symmetric, 2-8 bits, exact
@@ -67,36 +70,86 @@ def _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT: tl.constexpr, PRECISION
             w_lo=None, b_lo=None, w_hi=None, b_hi=None, META: tl.constexpr = 0,
             OFFSET: tl.constexpr = False):
     # fmt: on
-    """Fold scores s [BLOCK_G, BN] (log2 units, -inf where invalid) and value halves [BN,
-    BLOCK_C] into the running max m_i, sum l_i and unnormalized halves acc (online softmax).
-    The halves are levels whose metadata (w, b per half) is applied outside the [BN, BLOCK_C]
-    tiles: META 1, per row (w, b [BN]): the probabilities scaled by w, b a rank-1 term p . b;
-    META 2, per channel (w, b [BLOCK_C]): the product scaled by w, b times the probabilities'
-    sum; OFFSET: b is not zero."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    """Fold scores s [BN, BLOCK_G] (log2 units, -inf where invalid) and value halves [BN,
+    BLOCK_C] into the running max m_i, sum l_i [BLOCK_G] and the unnormalized halves acc
+    [BLOCK_C, BLOCK_G] (online softmax; transposed, as the module docstring says). The
+    halves are levels whose metadata (w, b per half) is applied outside the [BN, BLOCK_C] tiles:
+    META 1, per row (w, b [BN]): the probabilities scaled by w, b a rank-1 term p . b; META 2,
+    per channel (w, b [BLOCK_C]): the product scaled by w, b times the probabilities' sum;
+    OFFSET: b is not zero."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: keep zeros
-    p = tl.exp2(s - m_use[:, None])
+    p = tl.exp2(s - m_use[None, :])
     alpha = tl.exp2(m_i - m_use)
-    p_sum = tl.sum(p, axis=1)
+    p_sum = tl.sum(p, axis=0)
     if META == 1:
-        lo = tl.dot((p * w_lo[None, :]).to(DT), v_lo.to(DT), input_precision=PRECISION)
-        hi = tl.dot((p * w_hi[None, :]).to(DT), v_hi.to(DT), input_precision=PRECISION)
+        lo = tl.dot(tl.trans(v_lo.to(DT)), (p * w_lo[:, None]).to(DT), input_precision=PRECISION)
+        hi = tl.dot(tl.trans(v_hi.to(DT)), (p * w_hi[:, None]).to(DT), input_precision=PRECISION)
         if OFFSET:
-            lo += tl.sum(p * b_lo[None, :], axis=1)[:, None]
-            hi += tl.sum(p * b_hi[None, :], axis=1)[:, None]
+            lo += tl.sum(p * b_lo[:, None], axis=0)[None, :]
+            hi += tl.sum(p * b_hi[:, None], axis=0)[None, :]
     else:
         pd = p.to(DT)
-        lo = tl.dot(pd, v_lo.to(DT), input_precision=PRECISION)
-        hi = tl.dot(pd, v_hi.to(DT), input_precision=PRECISION)
+        lo = tl.dot(tl.trans(v_lo.to(DT)), pd, input_precision=PRECISION)
+        hi = tl.dot(tl.trans(v_hi.to(DT)), pd, input_precision=PRECISION)
         if META == 2:
-            lo *= w_lo[None, :]
-            hi *= w_hi[None, :]
+            lo *= w_lo[:, None]
+            hi *= w_hi[:, None]
             if OFFSET:
-                lo += p_sum[:, None] * b_lo[None, :]
-                hi += p_sum[:, None] * b_hi[None, :]
-    acc_lo = acc_lo * alpha[:, None] + lo
-    acc_hi = acc_hi * alpha[:, None] + hi
+                lo += b_lo[:, None] * p_sum[None, :]
+                hi += b_hi[:, None] * p_sum[None, :]
+    acc_lo = acc_lo * alpha[None, :] + lo
+    acc_hi = acc_hi * alpha[None, :] + hi
     return m_new, l_i * alpha + p_sum, acc_lo, acc_hi
+
+
+# fmt: off
+@triton.jit
+def _update_wide(s, v_lo, v_hi, m_i, l_w, acc_lo, acc_hi, o_lo, o_hi, DT: tl.constexpr,
+                 PRECISION: tl.constexpr, w_lo=None, b_lo=None, w_hi=None, b_hi=None,
+                 META: tl.constexpr = 0, OFFSET: tl.constexpr = False):
+    # fmt: on
+    """`_update` for whole tiles, with every sum over the tile's positions but the max left
+    unreduced: the probabilities' sum l_w and, META 1 with OFFSET, the rank-1 terms o_lo, o_hi
+    (p . b) accumulate per (position in the tile, head) [BLOCK_N, BLOCK_G], rescaled with the
+    rest, and are summed once after the last whole tile (`_fold_wide`): one reduction across
+    the warps per tile (the max) instead of four. META 2's offset is b times the final sum,
+    added there too."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: keep zeros
+    p = tl.exp2(s - m_use[None, :])
+    alpha = tl.exp2(m_i - m_use)
+    l_w = l_w * alpha[None, :] + p
+    if META == 1:
+        lo = tl.dot(tl.trans(v_lo.to(DT)), (p * w_lo[:, None]).to(DT), input_precision=PRECISION)
+        hi = tl.dot(tl.trans(v_hi.to(DT)), (p * w_hi[:, None]).to(DT), input_precision=PRECISION)
+        if OFFSET:
+            o_lo = o_lo * alpha[None, :] + p * b_lo[:, None]
+            o_hi = o_hi * alpha[None, :] + p * b_hi[:, None]
+    else:
+        pd = p.to(DT)
+        lo = tl.dot(tl.trans(v_lo.to(DT)), pd, input_precision=PRECISION)
+        hi = tl.dot(tl.trans(v_hi.to(DT)), pd, input_precision=PRECISION)
+        if META == 2:
+            lo *= w_lo[:, None]
+            hi *= w_hi[:, None]
+    acc_lo = acc_lo * alpha[None, :] + lo
+    acc_hi = acc_hi * alpha[None, :] + hi
+    return m_new, l_w, acc_lo, acc_hi, o_lo, o_hi
+
+
+@triton.jit
+def _fold_wide(l_i, acc_lo, acc_hi, l_w, o_lo, o_hi, b_lo, b_hi, META: tl.constexpr,
+               OFFSET: tl.constexpr):
+    """The whole tiles' unreduced sums (`_update_wide`) into l_i and acc, at the same max."""
+    l_sum = tl.sum(l_w, axis=0)
+    if META == 1 and OFFSET:
+        acc_lo += tl.sum(o_lo, axis=0)[None, :]
+        acc_hi += tl.sum(o_hi, axis=0)[None, :]
+    if META == 2 and OFFSET:
+        acc_lo += b_lo[:, None] * l_sum[None, :]
+        acc_hi += b_hi[:, None] * l_sum[None, :]
+    return l_i + l_sum, acc_lo, acc_hi
 
 
 # fmt: off
@@ -124,8 +177,11 @@ def _decode_split_kernel(
 
     Whole tiles (phase 0) keep metadata out of the [BN, BLOCK_C] tiles where the layout allows
     (FOLD_K, FOLD_V): per-channel key metadata folded into q once per program (q s . level +
-    q . o), value metadata applied to the probabilities or the product. Pre-RoPE keys are
-    rotated by R(j), j < BLOCK_N, built once, and q by R(p0)^T once per tile."""
+    q . o), value metadata applied to the probabilities or the product; sums over a tile's
+    positions left unreduced until the last tile (`_update_wide`). Pre-RoPE keys are rotated
+    by R(j), j < BLOCK_N, built once (static keys in the dot's 16-bit dtype: packed half2
+    arithmetic), and q by R(p0)^T once per tile, R(p0) by angle addition (no trig in the
+    loop)."""
     b, hk, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = tl.load(LENGTHS + b).to(tl.int32)
     nbk, nbv = tl.load(KS.n_body + b).to(tl.int32), tl.load(VS.n_body + b).to(tl.int32)
@@ -155,8 +211,11 @@ def _decode_split_kernel(
     qf_lo, qf_hi = q_lo.to(tl.float32), q_hi.to(tl.float32)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc_lo = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
-    acc_hi = tl.zeros([BLOCK_G, BLOCK_C], tl.float32)
+    acc_lo = tl.zeros([BLOCK_C, BLOCK_G], tl.float32)  # transposed: channels x query heads
+    acc_hi = tl.zeros([BLOCK_C, BLOCK_G], tl.float32)
+    # whole tiles' sums over their positions, left unreduced until the last (_update_wide)
+    l_w = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+    o_lo, o_hi = l_w, l_w
     # hoisted out of the loop: static metadata, codebook rows, R(j) for j < BLOCK_N
     zero = tl.zeros([BLOCK_C], tl.float32)
     ks_lo, ko_lo, ks_hi, ko_hi, vs_lo, vo_lo, vs_hi, vo_hi = (zero,) * 8
@@ -178,16 +237,28 @@ def _decode_split_kernel(
     # 2-bit levels as 16-bit tables (a 16-bit cache: LUT): in the dot's dtype for folded whole
     # tiles, else fp16
     LUT: tl.constexpr = DT.primitive_bitwidth == 16
-    k_table0 = tiles.table2(k_levels, KL.CB, DT if FOLD_K and LUT else tl.float16)
+    # pre-RoPE static keys in whole tiles: levels, metadata and rotation in the dot's 16-bit
+    # dtype (packed half2 arithmetic), not fp32
+    HALF_ROPE: tl.constexpr = PRE_ROPE and LUT and KL.GRAN == tiles.STATIC
+    k_table0 = tiles.table2(k_levels, KL.CB, DT if (FOLD_K or HALF_ROPE) and LUT else tl.float16)
     k_table1 = tiles.table2(k_levels, KL.CB, tl.float16)
     v_table0 = tiles.table2(v_levels, VL.CB, DT if FOLD_V and LUT else tl.float16)
     v_table1 = tiles.table2(v_levels, VL.CB, tl.float16)
     freq = zero
-    cos_j = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
+    RT: tl.constexpr = DT if HALF_ROPE else tl.float32  # R(j)'s dtype
+    cos_j = tl.zeros([BLOCK_N, BLOCK_C], RT)
     sin_j = cos_j
     if PRE_ROPE:
         freq = tl.load(INV_FREQ + ch, mask=ch < C, other=0.0)
         cos_j, sin_j = tiles.trig(j[:, None].to(tl.float32) * freq[None, :])
+        cos_j, sin_j = cos_j.to(RT), sin_j.to(RT)
+    # R(start) of each whole tile by angle addition from R(lo), R(BLOCK_N) a step: no trig in
+    # the loop
+    cos_a, sin_a, cos_b, sin_b = zero, zero, zero, zero
+    if PRE_ROPE:
+        cos_a, sin_a = tiles.trig((lo * 1.0) * freq)
+        cos_b, sin_b = tiles.trig((BLOCK_N * 1.0) * freq)
+    hks_lo, hko_lo, hks_hi, hko_hi = ks_lo.to(DT), ko_lo.to(DT), ks_hi.to(DT), ko_hi.to(DT)
     for phase in tl.static_range(2):  # 0: body only; 1: body and ring, in smaller tiles
         start_at = lo if phase == 0 else both
         stop_at = both if phase == 0 else hi
@@ -214,38 +285,43 @@ def _decode_split_kernel(
                 if VL.RING:
                     v_slot = pos % VS.slots
             FK: tl.constexpr = FOLD_K and phase == 0
+            HR: tl.constexpr = HALF_ROPE and phase == 0
             FV: tl.constexpr = FOLD_V and phase == 0
             k_lo, k_hi = _stream(KS, KL, k_levels, k_blk, k_head, kv, k_slot, pos, start, valid,
                                  k_in, k_base, ks_lo, ko_lo, ks_hi, ko_hi, ring_size,
-                                 pos.shape[0], BLOCK_C, D, phase == 1, FK,
-                                 k_table0 if FK else k_table1, DT if FK else tl.float16,
-                                 PACKED, LUT)  # fmt: skip
+                                 pos.shape[0], BLOCK_C, D, phase == 1, FK or HR,
+                                 k_table0 if FK or HR else k_table1,
+                                 DT if FK or HR else tl.float16, PACKED, LUT)  # fmt: skip
+            if HR:  # levels (in DT from either code read), then x s + o in DT
+                k_lo = k_lo.to(DT) * hks_lo[None, :] + hko_lo[None, :]
+                k_hi = k_hi.to(DT) * hks_hi[None, :] + hko_hi[None, :]
             q1_lo, q1_hi, q2_lo, q2_hi = qs_lo, qs_hi, qf_lo, qf_hi
             in_tile = pos
             if PRE_ROPE:
                 if phase == 0:  # q . R(start + j) k = (R(start)^T q) . R(j) k
-                    cos_a, sin_a = tiles.trig((start * 1.0) * freq)
                     q2_lo = qf_lo * cos_a[None, :] + qf_hi * sin_a[None, :]
                     q2_hi = qf_hi * cos_a[None, :] - qf_lo * sin_a[None, :]
                     q1_lo, q1_hi = q2_lo.to(DT), q2_hi.to(DT)
                     in_tile = j
                     k_lo, k_hi = tiles.rotate(k_lo, k_hi, cos_j, sin_j)
+                    cos_a, sin_a = (cos_a * cos_b - sin_a * sin_b,
+                                    sin_a * cos_b + cos_a * sin_b)  # fmt: skip
                 else:
                     cos, sin = tiles.trig(pos[:, None].to(tl.float32) * freq[None, :])
                     k_lo, k_hi = tiles.rotate(k_lo, k_hi, cos, sin)
             elif not FK:
                 q1_lo, q1_hi = q_lo, q_hi
-            s = tl.dot(q1_lo, tl.trans(k_lo.to(DT)), input_precision=PRECISION)
-            s += tl.dot(q1_hi, tl.trans(k_hi.to(DT)), input_precision=PRECISION)
+            s = tl.dot(k_lo.to(DT), tl.trans(q1_lo), input_precision=PRECISION)
+            s += tl.dot(k_hi.to(DT), tl.trans(q1_hi), input_precision=PRECISION)
             if FK:
-                s += q_off[:, None]
+                s += q_off[None, :]
             if KL.K > 0:
                 s += tiles.slot_scores(KS.slot_index, KS.slot_delta, KS.scale + hk * D, q2_lo,
                                        q2_hi, tiles.at(KS.strides.index, k_blk, k_head, k_slot),
                                        tiles.at(KS.strides.delta, k_blk, k_head, k_slot), k_in,
                                        k_base, in_tile, freq, KL.K, D, PRE_ROPE,
                                        KL.FP8)  # fmt: skip
-            s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
+            s = tl.where(valid[:, None], s * sm_scale, float("-inf"))
             v_lo, v_hi = _stream(VS, VL, v_levels, v_blk, v_head, kv, v_slot, pos, start, valid,
                                  v_in, v_base, vs_lo, vo_lo, vs_hi, vo_hi, ring_size,
                                  pos.shape[0], BLOCK_C, D, phase == 1, FV,
@@ -261,16 +337,19 @@ def _decode_split_kernel(
             if FV and V_META == 1:  # one metadata group per half row
                 w_lo, b_lo = tiles.row_meta(VS, VL, v_blk, v_head, v_slot, v_in, v_base, C)
                 w_hi, b_hi = tiles.row_meta(VS, VL, v_blk, v_head, v_slot, v_in, v_base + C, C)
-                m_i, l_i, acc_lo, acc_hi = _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT,
-                                                   PRECISION, w_lo, b_lo, w_hi, b_hi, 1,
-                                                   V_OFFSET)  # fmt: skip
-            elif FV:
-                m_i, l_i, acc_lo, acc_hi = _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT,
-                                                   PRECISION, vs_lo, vo_lo, vs_hi, vo_hi, 2,
-                                                   V_OFFSET)  # fmt: skip
+                m_i, l_w, acc_lo, acc_hi, o_lo, o_hi = _update_wide(
+                    s, v_lo, v_hi, m_i, l_w, acc_lo, acc_hi, o_lo, o_hi, DT, PRECISION, w_lo,
+                    b_lo, w_hi, b_hi, 1, V_OFFSET)  # fmt: skip
+            elif phase == 0:
+                m_i, l_w, acc_lo, acc_hi, o_lo, o_hi = _update_wide(
+                    s, v_lo, v_hi, m_i, l_w, acc_lo, acc_hi, o_lo, o_hi, DT, PRECISION, vs_lo,
+                    vo_lo, vs_hi, vo_hi, V_META, V_OFFSET)  # fmt: skip
             else:
                 m_i, l_i, acc_lo, acc_hi = _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT,
                                                    PRECISION)  # fmt: skip
+        if phase == 0:
+            l_i, acc_lo, acc_hi = _fold_wide(l_i, acc_lo, acc_hi, l_w, o_lo, o_hi, vo_lo, vo_hi,
+                                             V_META, V_OFFSET)  # fmt: skip
     if split == 0:  # exact extras: x < num_sinks the sink slots, x == num_sinks the new token
         x = tl.arange(0, BLOCK_X)
         is_new = x == num_sinks
@@ -289,9 +368,9 @@ def _decode_split_kernel(
         if PRE_ROPE:
             cos, sin = tiles.trig(pos[:, None].to(tl.float32) * freq[None, :])
             k_lo, k_hi = tiles.rotate(k_lo, k_hi, cos, sin)
-        s = tl.dot(q_lo, tl.trans(k_lo.to(DT)), input_precision=PRECISION)
-        s += tl.dot(q_hi, tl.trans(k_hi.to(DT)), input_precision=PRECISION)
-        s = tl.where(valid[None, :], s * sm_scale, float("-inf"))
+        s = tl.dot(k_lo.to(DT), tl.trans(q_lo), input_precision=PRECISION)
+        s += tl.dot(k_hi.to(DT), tl.trans(q_hi), input_precision=PRECISION)
+        s = tl.where(valid[:, None], s * sm_scale, float("-inf"))
         v_lo = tl.load(SINK_V + rows + ch[None, :], mask=in_slot, other=0.0).to(tl.float32)
         v_lo += tl.load(V_NEW + kv * D + ch[None, :] + x[:, None] * 0, mask=new, other=0.0)
         v_hi = tl.load(SINK_V + rows + C + ch[None, :], mask=in_slot, other=0.0).to(tl.float32)
@@ -299,9 +378,9 @@ def _decode_split_kernel(
         m_i, l_i, acc_lo, acc_hi = _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT,
                                            PRECISION)  # fmt: skip
     out = (kv * G + g) * num_splits + split  # [BLOCK_G] rows of PART / STATS
-    part = PART + out[:, None] * D + ch[None, :]
-    tl.store(part, acc_lo, mask=q_mask)
-    tl.store(part + C, acc_hi, mask=q_mask)
+    part = PART + out[None, :] * D + ch[:, None]
+    tl.store(part, acc_lo, mask=tl.trans(q_mask))
+    tl.store(part + C, acc_hi, mask=tl.trans(q_mask))
     tl.store(STATS + out * 2, m_i, mask=g < G)
     tl.store(STATS + out * 2 + 1, l_i, mask=g < G)
 # fmt: on

@@ -416,28 +416,30 @@ def slot(INDEX, DELTA, SCALE, i_row, d_row, live, base, k, FP8: tl.constexpr, D:
 def slot_scores(INDEX, DELTA, SCALE, q_lo, q_hi, i_row, d_row, live, base, j, freq,
                 K: tl.constexpr, D: tl.constexpr, PRE_ROPE: tl.constexpr, FP8: tl.constexpr):
     # fmt: on
-    """What the keys' exact slots add to the scores, fp32 [BLOCK_G, BN]: q . R(j) (delta e_c)
-    for each slot (channel c), q's halves q_lo, q_hi fp32 [BLOCK_G, BLOCK_C] gathered in
-    registers. Before RoPE, q is the query rotated back by the tile's first position (R(p0)^T q,
-    so that q . R(p0 + j) k = q' . R(j) k), j [BN] the positions within the tile, freq
-    [BLOCK_C] RoPE's; delta at channel c lands on c and its pair c +- D/2:
+    """What the keys' exact slots add to the scores, fp32 [BN, BLOCK_G] (positions x query
+    heads, as the decode kernel's scores): q . R(j) (delta e_c) for each slot (channel c), q's
+    halves q_lo, q_hi fp32 [BLOCK_G, BLOCK_C] gathered in registers. Before RoPE, q is the
+    query rotated back by the tile's first position (R(p0)^T q, so that q . R(p0 + j) k =
+    q' . R(j) k), j [BN] the positions within the tile, freq [BLOCK_C] RoPE's; delta at
+    channel c lands on c and its pair c +- D/2:
     delta (q_c cos + q_pair sin) for c < D/2, delta (q_c cos - q_pair sin) otherwise."""
     C: tl.constexpr = D // 2
-    out = tl.zeros([q_lo.shape[0], j.shape[0]], tl.float32)
+    out = tl.zeros([j.shape[0], q_lo.shape[0]], tl.float32)
+    qt_lo, qt_hi = tl.trans(q_lo), tl.trans(q_hi)
     for k in tl.static_range(K):
         index, delta = slot(INDEX, DELTA, SCALE, i_row, d_row, live, base, k, FP8, D)
         upper = index >= C
         c = tl.where(upper, index - C, index)
-        at_c = tl.broadcast_to(c[None, :], out.shape)
-        lo = tl.gather(q_lo, at_c, axis=1)
-        hi = tl.gather(q_hi, at_c, axis=1)
+        at_c = tl.broadcast_to(c[:, None], out.shape)
+        lo = tl.gather(qt_lo, at_c, axis=0)
+        hi = tl.gather(qt_hi, at_c, axis=0)
         if PRE_ROPE:
             cos, sin = trig(j.to(tl.float32) * tl.gather(freq, c, axis=0))
-            q = tl.where(upper[None, :], hi * cos[None, :] - lo * sin[None, :],
-                         lo * cos[None, :] + hi * sin[None, :])  # fmt: skip
+            q = tl.where(upper[:, None], hi * cos[:, None] - lo * sin[:, None],
+                         lo * cos[:, None] + hi * sin[:, None])  # fmt: skip
         else:
-            q = tl.where(upper[None, :], hi, lo)
-        out += q * delta[None, :]
+            q = tl.where(upper[:, None], hi, lo)
+        out += q * delta[:, None]
     return out
 
 
