@@ -1,5 +1,5 @@
 """How the decode kernel reads a tile of keys or values: [BN positions, one half of a head's
-channels], in fp32 registers, from what the cache stores (kernels.layout).
+channels], in fp32 registers, from what the cache stores (kernels.operands).
 
     packed codes   read whole: 32-bit words (2/4/8 bits, when a half row is whole words) or
                    bytes, split into codes by shifts in registers; 3/5/6-bit codes as words of
