@@ -3,7 +3,7 @@ replaced, op for op, with torch.equal (not a tolerance: every preset's plan dige
 long-context suite's committed profiles is kept by computing the same bits)."""
 
 import torch
-from tiny import CharTokenizer, tiny_model
+from support.tiny import CharTokenizer, tiny_model
 
 from kvcalib.calibration import answerprobe, retrieval, vectorbooks
 from kvcalib.calibration.layerwise import InMemory
