@@ -1,6 +1,6 @@
 """The default calibration's cost model: the arithmetic of each phase in forwards over the
-calibration tokens, from a model's shape alone (no weights), for the answer probe's cut and for
-every width measured (`kvcalib calibrate --answer-probe all`).
+calibration tokens, from a model's shape alone (no weights), for each of the answer probe's modes
+(`kvcalib calibrate --answer-probe screen`, the default, `cut` and `all`).
 
     python benchmarks/calibration_cost.py
 
@@ -14,6 +14,7 @@ answerprobe.work); with L layers, R prompts of T' tokens and A answer tokens, p 
     gradients 3 W T (L layer + head)                        (a recomputed forward + backward)
     retrieval R T' (l + 1) layer                            (to the sink predictor's layer l)
     probe     R T' L layer + (A - R) [(L + p L (L + 1) / 2) layer + (1 + p L) head]
+              + with the screen, (A - R) s [(L + 1) / 2 layer + head], s = ceil(2 L / 3)
 
 The vector codebooks' k-means is not parameter work: 2 variants x L x Hkv codebooks of 2**6
 entries fitted to 2**14 four-channel vectors, 25 steps (vectorbooks.py). Measured seconds per
@@ -24,9 +25,8 @@ and between the cut and the full probe are what the model predicts.
 
 from types import SimpleNamespace
 
-from kvcalib.calibration import answerprobe
+from kvcalib.calibration import Settings, answerprobe
 from kvcalib.calibration.gradients import BACKWARD
-from kvcalib.calibration.sensitivity import BITS
 
 # name: (layers, hidden, heads, kv heads, head dim, intermediate, vocab, sink predictor layer)
 SHAPES = {
@@ -34,8 +34,9 @@ SHAPES = {
     "qwen2.5-0.5b": (24, 896, 14, 2, 64, 4864, 151936, 1),
     "32 layers, 8 KV heads (Llama-3-8B's shape)": (32, 4096, 32, 8, 128, 14336, 128256, 1),
 }
-N, T, W = 16, 512, 4  # the default calibration: windows, tokens, gradient windows
-R, T_PROMPT, A = 16, 1024, 332  # retrieval prompts, their tokens, answer tokens (SmolLM2's)
+N, T, W = 16, 512, Settings().sensitivity_windows  # windows, tokens, gradient windows
+R, T_PROMPT = Settings().retrieval_prompts, Settings().retrieval_tokens  # retrieval prompts
+A = R * 332 / 16  # their answer tokens (SmolLM2's: 332 in the first 16 prompts)
 
 
 class Shape:
@@ -51,7 +52,7 @@ class Shape:
         return self.layer, self.head
 
 
-def phases(s: Shape, widths) -> dict[str, float]:
+def phases(s: Shape, mode: str) -> dict[str, float]:
     """Each phase's arithmetic in forwards over the N x T calibration tokens."""
     n = s.config.num_hidden_layers
     forward = N * T * (n * s.layer + s.head)
@@ -59,7 +60,7 @@ def phases(s: Shape, widths) -> dict[str, float]:
         "stats": N * T * n * s.layer,
         "gradients": BACKWARD * W * T * (n * s.layer + s.head),
         "retrieval": R * T_PROMPT * (s.sink_layer + 1) * s.layer,
-        "answer probe": answerprobe.work(s, R, T_PROMPT, A, widths),
+        "answer probe": answerprobe.work(s, R, T_PROMPT, A, mode),
     }
     return {k: v / forward for k, v in out.items()}
 
@@ -67,10 +68,10 @@ def phases(s: Shape, widths) -> dict[str, float]:
 def main() -> None:
     for name, shape in SHAPES.items():
         s = Shape(*shape)
-        for probe, widths in (("cut", answerprobe.WIDTHS["cut"]), ("all", BITS)):
-            p = phases(s, widths)
+        for mode in answerprobe.MODES:
+            p = phases(s, mode)
             parts = "  ".join(f"{k} {v:.2f}" for k, v in p.items())
-            print(f"{name}, --answer-probe {probe}: {sum(p.values()):.1f}x  ({parts})")
+            print(f"{name}, --answer-probe {mode}: {sum(p.values()):.1f}x  ({parts})")
 
 
 if __name__ == "__main__":

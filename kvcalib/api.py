@@ -45,13 +45,11 @@ if TYPE_CHECKING:
 __all__ = ["ProfileTerms", "convert", "default_profile", "default_profile_path", "evaluate"]
 CONVERTED = "converted checkpoint"  # the kind of output convert writes (atomic.KINDS)
 
-# What the default calibration costs, measured from the profile's own timings on 2026-12-03 (the
-# answer-loss probe is 320 s of it), as docs/models.md states it: an upper bound since the probe's
-# fused attention and its cut to 2 and 3 bits (bench_calibrate.py, back to back under load:
-# 31x a plain forward, 14.9x with the fused attention, 10.6x with the cut, load 8-11; 7.95x with
-# the causal kernel and the in-place k-means, load 5-6, against 9.34x before them).
-DEFAULT_COST = "390 s on 2 idle CPU cores for smollm2-135m"
-OTHER_COST = "about 8x a plain forward over 16 x 512 tokens on smollm2-135m"
+# What the default calibration costs, as docs/models.md states it: bench_calibrate.py back to back
+# with a plain forward over the same 16 x 512 tokens, 2 CPU cores shared with other work (load
+# 4.2-4.9, 2026-12-06, the answer probe screened): 228 s against 33.5 s.
+DEFAULT_COST = "228 s on 2 shared CPU cores for smollm2-135m, 6.8x a plain forward"
+OTHER_COST = "about 7x a plain forward over 16 x 512 tokens on smollm2-135m"
 
 
 def _stderr(line: str) -> None:

@@ -355,20 +355,18 @@ def convert(model, no_calibrate, **options):
     default="probe",
     show_default=True,
     help="The answer-loss sensitivity on retrieval prompts: measured, the answer's likelihood "
-    "with each layer's keys or values quantized in turn (probe: two thirds of the calibration, "
-    "5.3 plain forwards over the 16 x 512 calibration tokens on smollm2-135m, measured under "
-    "load; 9.5 with --answer-probe all, an older measurement; growing with the number of "
-    "layers), or estimated from its gradients (fisher: a forward and a backward per prompt).",
+    "with each layer's keys or values quantized in turn (probe), or estimated from its gradients "
+    "(fisher: a forward and a backward per prompt).",
 )
 @click.option(
     "--answer-probe",
-    type=click.Choice(["cut", "all"]),
-    default="cut",
+    type=click.Choice(["screen", "cut", "all"]),
+    default="screen",
     show_default=True,
-    help="The probe's widths: 2 and 3 bits measured, where the allocation's cut lies, and 4 "
-    "and 8 extrapolated by the text's Fisher sensitivity (cut: kvcalib-2's allocation on "
-    "smollm2-135m and qwen2.5-0.5b the same as with all), or every width measured (all). "
-    "Its predicted cost is printed before it runs.",
+    help="What the probe measures: every tensor at 2 bits and the third with the largest loss "
+    "there at 3 bits too (screen), every tensor at 2 and 3 bits (cut), the rest extrapolated by "
+    "the text's Fisher sensitivity; or every width (all). On smollm2-135m and qwen2.5-0.5b "
+    "kvcalib-2's allocation is the same with each. Its predicted cost is printed before it runs.",
 )
 @click.option(
     "--gradient-windows",

@@ -29,16 +29,22 @@ the head's matrix products (`work`): on SmolLM2-135M (16 prompts of 1,024 tokens
 tokens) 7.3x the parameter-rows of a forward over the calibration's 16 x 512 tokens, of which the
 branches 3.8x and their heads 2.0x; measured, 9.5x that forward (bench_calibrate.py, was 25x).
 
-By default (Settings(answer_probe="cut"), WIDTHS) only 2 and 3 bits are measured, half the
-branches and heads (4.5x of arithmetic on SmolLM2-135M): the allocation's cut lies there (the
-presets allocate few bits above 2), and `extrapolate` fills 4 and 8 bits from the 3-bit loss by
-the text's Fisher sensitivity's ratio between the widths. On the long-context suite's committed
-profiles (SmolLM2-135M, Qwen2.5-0.5B) every preset's plan digest is the same either way; 2 bits
-alone moves kvcalib-2's allocation on both (tests/toolkit/calibration/test_answer_cut.py).
+The modes (Settings.answer_probe, MODES) measure less where it cannot move an allocation, and
+`extrapolate` fills the rest from a tensor's widest measured width by the text's Fisher
+sensitivity's ratio between the widths (the answer loss falls with the width as the error's
+energy does). "cut" measures every tensor at 2 and 3 bits, where kvcalib-2's allocation cuts.
+"screen", the default, measures every tensor at 2 bits, then the third with the largest 2-bit
+loss at 3 bits too (a tensor whose 2-bit loss is small gains little from a third bit), branching
+from each layer's _Prompt kept by the first round: no second forward of the prompts, for three
+[Hkv, T, D] tensors a prompt and layer held until the end (1.1 GB on SmolLM2-135M in float32).
+Of SmolLM2-135M's 4.5x of arithmetic it runs 3.5x. On the long-context suite's committed profiles
+(SmolLM2-135M, Qwen2.5-0.5B) kvcalib-2's plan digest is the same in all three modes; 2 bits alone
+moves it on both (tests/toolkit/calibration/test_answer_cut.py).
 """
 
 import contextlib
 import functools
+import math
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -55,8 +61,11 @@ from kvcalib_runtime.layouts.quant import QuantSpec, fake_quantize
 from kvcalib_runtime.model.rope import rotate
 
 ATTENTION = "kvcalib-answer"
-# the widths measured: "cut" those that decide an allocation (the wider ones by `extrapolate`)
-WIDTHS = {"cut": (2, 3), "all": BITS}
+# the probe's modes: the widths every tensor is measured at, and whether the screened(L) tensors
+# with the largest loss at the widest of them are measured one width up too (the others, and the
+# wider widths, by `extrapolate`)
+MODES = {"screen": ((2,), True), "cut": ((2, 3), False), "all": (BITS, False)}
+SCREEN = 1 / 3  # the share of the tensors the screen measures again
 ROWS = 2048  # query rows per attention block over the prompt (bounds the scores' memory)
 _STATE: ContextVar["_Layer | None"] = ContextVar("kvcalib_answer_layer", default=None)
 
@@ -82,57 +91,90 @@ class _Layer:
     value: torch.Tensor | None = None
 
 
-def work(lm: LayerSource, prompts: int, length: int, answer: int, widths=BITS) -> float:
-    """What `answer_pass` costs, in the units its `advance` counts: parameters run per token
-    (`answer`: the prompts' answer tokens in all; each prompt's last one never runs). With L
-    layers, p = len(TENSORS) x len(widths) probes a layer, R prompts of T tokens and A answer
-    tokens: R T L layer-rows for the prompts, (A - R)(L + p L (L + 1) / 2) for the branches
-    (the reference, and a probe of layer i through layers i ... L - 1) and (A - R)(1 + p L)
-    rows through the head; the branches' attention over the prompt is not counted."""
+def screened(num_layers: int) -> int:
+    """How many tensors the screen measures again one width up: a third of them, rounded up."""
+    return math.ceil(len(TENSORS) * num_layers * SCREEN)
+
+
+def work(lm: LayerSource, prompts: int, length: int, answer: int, mode="all") -> float:
+    """What `answer_pass` costs in `mode` (of MODES), in the units its `advance` counts:
+    parameters run per token (`answer`: the prompts' answer tokens in all; each prompt's last one
+    never runs). With L layers, p = len(TENSORS) x the mode's widths probes a layer, R prompts of
+    T tokens and A answer tokens: R T L layer-rows for the prompts, (A - R)(L + p L (L + 1) / 2)
+    for the branches (the reference, and a probe of layer i through layers i ... L - 1) and
+    (A - R)(1 + p L) rows through the head; the screen's second round, s = screened(L) probes
+    through (L + 1) / 2 layers each (their depths are known only once the first round has
+    ranked them), (A - R) s ((L + 1) / 2 layers + the head). The branches' attention over the
+    prompt is not counted."""
+    widths, screen = MODES[mode]
     layer, head = lm.work()
     n = lm.config.num_hidden_layers
     probes = len(TENSORS) * len(widths)
     branch_layers = sum(1 + probes * (1 + i) for i in range(n))  # the reference, the probes
     heads = 1 + probes * n
+    if screen:
+        branch_layers += screened(n) * (n + 1) / 2
+        heads += screened(n)
     rows = answer - prompts
     return layer * (prompts * length * n + rows * branch_layers) + head * rows * heads
 
 
-def extrapolate(answer: dict, text: dict, widths) -> dict:
-    """`answer` (answer_pass's, measured at `widths` only) with every other width of BITS filled
-    from the widest measured one w by the text sensitivity's ratio: answer[b] = answer[w] x
-    text[b] / text[w] (0 where text[w] is 0), text {"sensitivity.key", "sensitivity.value"}
-    [L, len(BITS)]. The answer loss falls with the width as the quantization error's energy
-    does, which the text's Fisher estimate measures at every width for free."""
-    w = BITS.index(max(widths))
+def extrapolate(answer: dict, text: dict, measured: dict) -> dict:
+    """`answer` (answer_pass's) with every width of BITS a tensor's row was not measured at
+    filled from its widest measured one w by the text sensitivity's ratio: answer[b] = answer[w]
+    x text[b] / text[w] (0 where text[w] is 0); measured bool [L, len(BITS)] per tensor name (as
+    answer_pass returns it), text {"sensitivity.key", "sensitivity.value"} [L, len(BITS)]. The
+    answer loss falls with the width as the quantization error's energy does, which the text's
+    Fisher estimate measures at every width for free."""
     out = {}
     for tensor in TENSORS:
         a, t = answer[f"sensitivity.answer.{tensor}"].clone(), text[f"sensitivity.{tensor}"]
-        base = t[:, w : w + 1]
-        ratio = torch.where(base > 0, t / torch.where(base > 0, base, 1), 0.0)
-        for j, bits in enumerate(BITS):
-            if bits not in widths:
-                a[:, j] = a[:, w] * ratio[:, j]
+        m = measured[tensor]
+        for i in range(len(a)):
+            w = int(m[i].nonzero().max())
+            base = t[i, w]
+            for j in range(len(BITS)):
+                if not m[i, j]:
+                    a[i, j] = a[i, w] * (t[i, j] / base) if base > 0 else 0.0
         out[f"sensitivity.answer.{tensor}"] = a
     return out
 
 
+@dataclass
+class _Prompt:
+    """What a branch of one prompt needs at one layer: the prompt's exact key and value and its
+    keys before RoPE [1, Hkv, P, D] (P: the positions before the answer), the layer's RoPE (or
+    None) and its input at the answer's rows [1, a - 1, E]."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    key_pre: torch.Tensor
+    rope: tuple | None
+    rows: torch.Tensor
+
+
 def answer_pass(
-    lm: LayerSource, prompts, quantized: torch.Tensor, key_range, advance, widths=BITS
-) -> dict:
-    """{"sensitivity.answer.key", "sensitivity.answer.value"}: float32 [L, len(BITS)] for
-    `prompts` (retrieval.Prompts, each answer its last tokens), measured at `widths` (of BITS;
-    the other columns 0: `extrapolate` fills them); quantized bool [R, T]: the positions a
-    probe quantizes (the context, sinks left out); key_range (lo, hi), each [L, Hkv, D]: the
-    pre-RoPE probe ranges."""
+    lm: LayerSource, prompts, quantized: torch.Tensor, key_range, advance, mode="all"
+) -> tuple[dict, dict]:
+    """({"sensitivity.answer.key", "sensitivity.answer.value"}: float32 [L, len(BITS)],
+    {"key", "value"}: bool [L, len(BITS)], which entries were measured: the others are 0 and
+    `extrapolate` fills them) for `prompts` (retrieval.Prompts, each answer its last tokens) in
+    `mode` (of MODES); quantized bool [R, T]: the positions a probe quantizes (the context,
+    sinks left out); key_range (lo, hi), each [L, Hkv, D]: the pre-RoPE probe ranges.
+
+    A screen runs in two rounds: the first measures every tensor at the mode's width and keeps
+    each layer's _Prompt; the second measures the screened(L) tensors with the largest loss
+    there one width up, from the kept prompts (no second forward of the prompts)."""
+    widths, screen = MODES[mode]
     num_layers = lm.config.num_hidden_layers
     dev = lm.device
     layer_work, head_work = lm.work()
     ids = prompts.ids.to(dev)
     count, t = ids.shape
     starts = [int(a.nonzero()[0]) for a in prompts.answer]
-    columns = [BITS.index(b) for b in sorted(widths)]
-    names = [None]  # branch b of every prompt: None (nothing quantized) or (tensor, layer, column)
+    probes = [(tensor, bits) for tensor in TENSORS for bits in sorted(widths)]
+    names = [None]  # branch b of every prompt: None (nothing quantized) or (tensor, layer, bits)
+    kept = [] if screen else None  # per layer, per prompt: its _Prompt
     with torch.no_grad(), Hooks(lm.model) as hooks:
         hooks.attention(ATTENTION)
         kwargs = lm.layer_kwargs(1, t)
@@ -144,59 +186,112 @@ def answer_pass(
                 pre, rope = {}, {}
                 inner.forward(key_module(lm.model, i), capture_keys(lm.model, pre, i))
                 inner.pre_forward(decoder_layers(lm.model)[i].self_attn, _keep_rope(rope))
+                here = []
                 for w, p in enumerate(starts):
                     x = hidden[w].to(dev)
                     state = _Layer()
                     with _running(state):
                         hidden[w] = hidden_of(layer(x, **kwargs[i]))
-                    versions = _versions(
-                        state, pre[i], rope.get(i), quantized[w, :p], key_range, i, widths
-                    )
-                    old = len(branches[w])
-                    new = len(versions) - 1
-                    state.groups = [
-                        _Group((0, old), *versions[0]),
-                        _Group(
-                            (old, old + new),
-                            *(torch.cat(t) for t in zip(*versions[1:], strict=True)),
-                        ),
-                    ]
-                    rows = torch.cat([branches[w], x[:, p:-1].expand(new, -1, -1)])
-                    with _running(state):
-                        branches[w] = hidden_of(layer(rows, **_rows(kwargs[i], p, t - 1)))
-                    advance(layer_work * (t + rows.shape[0] * rows.shape[1]))
-            names += [(tensor, i, j) for tensor in TENSORS for j in columns]
+                    k, v = state.key[:, :, :p], state.value[:, :, :p]
+                    prompt = _Prompt(k, v, pre[i][:, :, :p], rope.get(i), x[:, p:-1].clone())
+                    if kept is not None:
+                        here.append(prompt)
+                    args = (layer, kwargs[i], p, t, quantized[w, :p], key_range, i)
+                    branches[w] = _branch(branches[w], prompt, probes, *args)
+                    advance(layer_work * (t + branches[w].shape[0] * branches[w].shape[1]))
+                if kept is not None:
+                    kept.append(here)
+            names += [(tensor, i, bits) for tensor, bits in probes]
         with lm.head():
-            nll = sum(
-                _nll(lm, b, ids[w, p:])
-                for w, (b, p) in enumerate(zip(branches, starts, strict=True))
-            )
+            nll = _nlls(lm, branches, ids, starts)
             advance(head_work * sum(b.shape[0] * b.shape[1] for b in branches))
+        if screen:
+            column = BITS.index(max(widths))
+            loss = {(n, i, b): float(nll[j] - nll[0]) for j, (n, i, b) in enumerate(names[1:], 1)}
+            ranked = sorted(
+                ((n, i) for n in TENSORS for i in range(num_layers)),
+                key=lambda ni: -loss[ni[0], ni[1], max(widths)],
+            )[: screened(num_layers)]
+            more, again = _again(lm, kept, set(ranked), BITS[column + 1], kwargs, ids, starts,
+                                 quantized, key_range, advance)  # fmt: skip
+            names += again
+            nll = torch.cat([nll, more])
     answers = int(prompts.answer.sum())
     out = {tensor: torch.zeros(num_layers, len(BITS)) for tensor in TENSORS}
-    for b, (tensor, i, j) in enumerate(names[1:], 1):
-        out[tensor][i, j] = float(nll[b] - nll[0]) / answers
-    return {f"sensitivity.answer.{tensor}": v for tensor, v in out.items()}
+    measured = {tensor: torch.zeros(num_layers, len(BITS), dtype=torch.bool) for tensor in TENSORS}
+    for b, (tensor, i, bits) in enumerate(names[1:], 1):
+        out[tensor][i, BITS.index(bits)] = float(nll[b] - nll[0]) / answers
+        measured[tensor][i, BITS.index(bits)] = True
+    return {f"sensitivity.answer.{tensor}": v for tensor, v in out.items()}, measured
 
 
-def _versions(state: _Layer, key_pre, rope, quantized, key_range, layer: int, widths) -> list:
+def _again(lm, kept, chosen, bits, kwargs, ids, starts, quantized, key_range, advance) -> tuple:
+    """The screen's second round: the `chosen` (tensor, layer) pairs measured at `bits`, each
+    branch from its layer's kept _Prompt up; returns (summed NLL per branch float64 [n], the
+    branches' names (tensor, layer, bits))."""
+    layer_work, head_work = lm.work()
+    t = ids.shape[1]
+    branches = [None] * len(starts)
+    names = []
+    first = min(i for _, i in chosen)
+    with Hooks(lm.model) as hooks:
+        hooks.attention(ATTENTION)
+        for i in range(first, lm.config.num_hidden_layers):
+            probes = [(tensor, bits) for tensor in TENSORS if (tensor, i) in chosen]
+            with lm.layer(i) as layer:
+                for w, p in enumerate(starts):
+                    args = (layer, kwargs[i], p, t, quantized[w, :p], key_range, i)
+                    branches[w] = _branch(branches[w], kept[i][w], probes, *args)
+                    advance(layer_work * branches[w].shape[0] * branches[w].shape[1])
+            kept[i] = None
+            names += [(tensor, i, bits) for tensor, bits in probes]
+        with lm.head():
+            nll = _nlls(lm, branches, ids, starts)
+            advance(head_work * sum(b.shape[0] * b.shape[1] for b in branches))
+    return nll, names
+
+
+def _branch(branches, prompt: _Prompt, probes, layer, kwargs, p, t, quantized, key_range, i):
+    """One layer of a prompt's branches: those running (`branches` [n, a - 1, E], or None) over
+    the exact prompt, and one new branch per probe (tensor, bits) from the layer's input at the
+    answer's rows over its quantized version; returns the branches' rows out of the layer."""
+    versions = _versions(prompt, probes, quantized, key_range, i)
+    old = 0 if branches is None else len(branches)
+    groups = [_Group((0, old), *versions[0])] if old else []
+    if probes:
+        both = (torch.cat(x) for x in zip(*versions[1:], strict=True))
+        groups.append(_Group((old, old + len(probes)), *both))
+    parts = ([] if branches is None else [branches]) + [prompt.rows.expand(len(probes), -1, -1)]
+    with _running(_Layer(groups=groups)):
+        return hidden_of(layer(torch.cat(parts), **_rows(kwargs, p, t - 1)))
+
+
+def _versions(prompt: _Prompt, probes, quantized, key_range, layer: int) -> list:
     """[(key, value) of the prompt's first P positions, [1, Hkv, P, D], as branches read them]:
-    exact (every branch so far), then one per probe of this layer (keys at every width of
-    `widths` in order, then values at every width), quantized where `quantized` bool [P]
-    says."""
-    p = len(quantized)
-    key, value = state.key[:, :, :p], state.value[:, :, :p]
+    exact (every branch so far), then one per probe (tensor, bits) in order, quantized where
+    `quantized` bool [P] says."""
+    key, value, p = prompt.key, prompt.value, len(quantized)
     where = quantized.to(key.device)[None, None, :, None]
     lo, hi = (r[layer].to(key.device)[None, :, None, :] for r in key_range)
     out = [(key, value)]
-    for bits in sorted(widths):
-        k = fake_quantize(key_pre[:, :, :p], QuantSpec(bits, "static"), static_range=(lo, hi))
-        if rope is not None:
-            k = rotate(k, *(c[:, None, :p] for c in rope))
-        out.append((torch.where(where, k.to(key.dtype), key), value))
-    for bits in sorted(widths):
-        out.append((key, torch.where(where, fake_quantize(value, QuantSpec(bits)), value)))
+    for tensor, bits in probes:
+        if tensor == "key":
+            spec = QuantSpec(bits, "static")
+            k = fake_quantize(prompt.key_pre, spec, static_range=(lo, hi))
+            if prompt.rope is not None:
+                k = rotate(k, *(c[:, None, :p] for c in prompt.rope))
+            out.append((torch.where(where, k.to(key.dtype), key), value))
+        else:
+            out.append((key, torch.where(where, fake_quantize(value, QuantSpec(bits)), value)))
     return out
+
+
+def _nlls(lm: LayerSource, branches, ids: torch.Tensor, starts) -> torch.Tensor:
+    """Per branch, the answer NLL summed over the prompts, float64 [n] (`_nll` of each prompt's
+    branches [n, a - 1, E] out of the last layer)."""
+    return sum(
+        _nll(lm, b, ids[w, p:]) for w, (b, p) in enumerate(zip(branches, starts, strict=True))
+    )
 
 
 def _nll(lm: LayerSource, rows: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:

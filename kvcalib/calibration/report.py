@@ -215,21 +215,24 @@ def _sensitivity(profile, path) -> bool:
     if "sensitivity.key" not in profile.tensors:
         return False
     bits = profile.meta["probe"]["bits"]
-    losses = [("sensitivity", "KL(p_fp || p_q) per token of text", False, bits)]
+    losses = [("sensitivity", "KL(p_fp || p_q) per token of text", False, bits, None)]
     if "sensitivity.answer.key" in profile.tensors:
         answer = profile.meta["probe"]["answer"]
         measured = answer.get("method") == "probe"
         what = "answer NLL increase" if measured else "KL(p_fp || p_q)"
+        screened = answer.get("screened", {}).get("bits")
         losses.append(("sensitivity.answer", f"{what} per answer token", measured,
-                       answer.get("widths", bits)))  # fmt: skip
+                       answer.get("widths", bits), screened))  # fmt: skip
     fig = figure(12, 4 * len(losses))
     axes = fig.subplots(len(losses), 2, sharey="row", squeeze=False)
-    for row, (name, per, measured, widths) in zip(axes, losses, strict=True):
+    for row, (name, per, measured, widths, screened) in zip(axes, losses, strict=True):
         for ax, tensor in zip(row, ("key", "value"), strict=True):
             kl = profile.tensors[f"{name}.{tensor}"]
             for j, b in enumerate(bits):
                 y = kl[:, j] if measured else kl[:, j].clamp_min(1e-8)
                 label = f"{b}-bit" + ("" if b in widths else " (extrapolated)")
+                if b == screened:
+                    label = f"{b}-bit (a screened third measured, the rest extrapolated)"
                 ax.plot(y.numpy(), marker=".", label=label)
             if measured:  # a measured difference: noise around zero, either sign
                 ax.set_yscale("symlog", linthresh=1e-3)

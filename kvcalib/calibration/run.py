@@ -83,9 +83,11 @@ class Settings:
     answer_sensitivity   how it is measured: "probe" (the answer's NLL with each layer's keys
                          or values quantized in turn, answerprobe.py) or "fisher" (the Fisher
                          estimate from the answer loss's gradients, sensitivity.py)
-    answer_probe         the probe's widths: "cut" measures 2 and 3 bits, the allocation's cut,
-                         and extrapolates 4 and 8 by the text's Fisher sensitivity (which must
-                         be in by then, else every width is measured); "all" measures all four
+    answer_probe         what the probe measures (answerprobe.MODES): "screen" every tensor at
+                         2 bits and the third with the largest loss there at 3 too, the
+                         allocation's cut; "cut" every tensor at 2 and 3 bits; both extrapolate
+                         the rest by the text's Fisher sensitivity (which must be in by then,
+                         else every width is measured); "all" measures all four widths
     vector_ablation      also fit the vector codebooks of kvcalib-1.5's one-factor neighbours
                          (benchmarks/kvcalib-1.5-ablation/), not only the presets' own
     answer_codebooks     also fit each preset's scalar codebook weighted by the retrieval
@@ -105,7 +107,7 @@ class Settings:
     retrieval_prompts: int = 16
     retrieval_tokens: int = 1024
     answer_sensitivity: str = "probe"
-    answer_probe: str = "cut"
+    answer_probe: str = "screen"
     vector_ablation: bool = False
     answer_codebooks: bool = False
 
@@ -127,9 +129,9 @@ class Settings:
                 f"answer_sensitivity = {self.answer_sensitivity!r}: use one of "
                 f"{', '.join(sensitivity.METHODS)}"
             )
-        if self.answer_probe not in answerprobe.WIDTHS:
+        if self.answer_probe not in answerprobe.MODES:
             raise ValueError(
-                f"answer_probe = {self.answer_probe!r}: use one of {', '.join(answerprobe.WIDTHS)}"
+                f"answer_probe = {self.answer_probe!r}: use one of {', '.join(answerprobe.MODES)}"
             )
         if self.sensitivity_tokens < 2 or self.histogram_bins < 16:
             raise ValueError("sensitivity_tokens must be >= 2 and histogram_bins >= 16")
@@ -423,22 +425,24 @@ def retrieval_pass(
     with clock.phase("retrieval", len(ids) * depth * layer_work) as advance:
         sinks = gradients.keep_inputs(lm, ids, kept, advance, predictor)
     counted = prompts.context & ~sinks
-    widths = sensitivity.BITS
+    mode = "all"
     if measured:
         text = {k: v for k, v in found.tensors.items() if k in TEXT_SENSITIVITY}
         if len(text) == len(TEXT_SENSITIVITY):  # else the text's comes later: measure all
-            widths = answerprobe.WIDTHS[settings.answer_probe]
-        work = answerprobe.work(lm, len(ids), length, answers, widths)
+            mode = settings.answer_probe
+        work = answerprobe.work(lm, len(ids), length, answers, mode)
         clock.note(
-            f"answer probe: {len(ids)} prompts x {length} tokens at {_bits(widths)} bits, "
+            f"answer probe: {len(ids)} prompts x {length} tokens, {_measures(mode, lm)}, "
             f"predicted {work / forward:.1f}x the arithmetic of a forward over the calibration "
             f"tokens ({answerprobe.work(lm, len(ids), length, answers) / forward:.1f}x with "
             "--answer-probe all)"
         )
         with clock.phase("answer probe", work) as advance:
-            measures = answerprobe.answer_pass(lm, prompts, counted, key_range, advance, widths)
-        if widths != sensitivity.BITS:
-            measures = answerprobe.extrapolate(measures, text, widths)
+            measures, which = answerprobe.answer_pass(
+                lm, prompts, counted, key_range, advance, mode
+            )
+        if mode != "all":
+            measures = answerprobe.extrapolate(measures, text, which)
         found.tensors.update(measures)
     consumers = [b.answer_consumer(counted) for b in draws]
     if estimated:
@@ -461,13 +465,28 @@ def retrieval_pass(
             "context_tokens": int(counted.sum()),
         }
         if measured:
+            widths, screen = answerprobe.MODES[mode]
+            found.answer["probe"] = mode
             found.answer["widths"] = list(widths)
-            if widths != sensitivity.BITS:
-                found.answer["extrapolated"] = "from the widest width by the text's sensitivity"
+            if screen:
+                bits = sensitivity.BITS[sensitivity.BITS.index(max(widths)) + 1]
+                column = sensitivity.BITS.index(bits)
+                found.answer["screened"] = {"bits": bits} | {
+                    t: which[t][:, column].nonzero()[:, 0].tolist() for t in sensitivity.TENSORS
+                }
+            if mode != "all":
+                found.answer["extrapolated"] = "from the widest measured width by the text's loss"
 
 
-def _bits(widths) -> str:
-    return ", ".join(str(b) for b in widths)
+def _measures(mode: str, lm) -> str:
+    """What the probe measures in `mode`, for the note before it runs."""
+    widths, screen = answerprobe.MODES[mode]
+    out = f"every tensor at {', '.join(str(b) for b in widths)} bits"
+    if screen:
+        bits = sensitivity.BITS[sensitivity.BITS.index(max(widths)) + 1]
+        n = answerprobe.screened(lm.config.num_hidden_layers)
+        out += f", the {n} with the largest loss at {bits} too"
+    return out
 
 
 def probe(lm, ids, found: Findings, settings: Settings, store, clock: Progress) -> None:

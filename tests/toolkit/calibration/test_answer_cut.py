@@ -1,9 +1,10 @@
-"""The answer probe's cut (Settings(answer_probe="cut")): it measures only the widths that
-decide an allocation and extrapolates the others, and so plans what the full measurement plans.
+"""The answer probe's modes (answerprobe.MODES): they measure only what decides an allocation and
+extrapolate the rest, and so plan what the full measurement plans.
 
-On the long-context suite's committed profiles (every width measured) the cut's profile plans
-kvcalib-2 exactly as the full one; a narrower cut (2 bits only) does not, so the check can fail
-when the window misses a measurement that flips a decision."""
+On the long-context suite's committed profiles (every width measured) the cut's profile (2 and 3
+bits for every tensor) and the screen's (2 bits for every tensor, 3 for the third with the
+largest 2-bit loss) plan kvcalib-2 exactly as the full one; 2 bits alone does not, so the check
+can fail when a mode misses a measurement that flips a decision."""
 
 from pathlib import Path
 
@@ -29,14 +30,34 @@ MODELS = ("smollm2-135m", "qwen2.5-0.5b")
 ANSWER_PRESETS = ("kvcalib-2",)
 
 
-def _cut(profile: Profile, widths) -> Profile:
-    """`profile` with its answer loss kept at `widths` only and the rest extrapolated."""
+def _measured(profile: Profile, widths, screen: bool) -> dict:
+    """Which entries a probe measuring every tensor at `widths` (and, with `screen`, the
+    screened third one width up) would have measured, from the full measurement's losses."""
+    t, n = profile.tensors, profile.meta["model"]["num_layers"]
+    out = {name: torch.zeros(n, len(BITS), dtype=torch.bool) for name in TENSORS}
+    for name in TENSORS:
+        out[name][:, [BITS.index(b) for b in widths]] = True
+    if screen:
+        w = BITS.index(max(widths))
+        loss = {(name, i): float(t[f"sensitivity.answer.{name}"][i, w]) for name in TENSORS
+                for i in range(n)}  # fmt: skip
+        for name, i in sorted(loss, key=loss.get, reverse=True)[: answerprobe.screened(n)]:
+            out[name][i, w + 1] = True
+    return out
+
+
+def _cut(profile: Profile, widths, screen: bool = False) -> Profile:
+    """`profile` with its answer loss kept where a probe in that mode measures and the rest
+    extrapolated."""
     t = profile.tensors
-    measured = {f"sensitivity.answer.{n}": t[f"sensitivity.answer.{n}"].clone() for n in TENSORS}
-    for v in measured.values():
-        v[:, [j for j, b in enumerate(BITS) if b not in widths]] = 0.0
+    which = _measured(profile, widths, screen)
+    answer = {}
+    for name in TENSORS:
+        a = t[f"sensitivity.answer.{name}"].clone()
+        a[~which[name]] = 0.0
+        answer[f"sensitivity.answer.{name}"] = a
     text = {f"sensitivity.{n}": t[f"sensitivity.{n}"] for n in TENSORS}
-    return Profile(profile.meta, {**t, **answerprobe.extrapolate(measured, text, widths)})
+    return Profile(profile.meta, {**t, **answerprobe.extrapolate(answer, text, which)})
 
 
 def _plan(recipe: str, profile: Profile):
@@ -48,11 +69,12 @@ def _plan(recipe: str, profile: Profile):
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_the_cut_plans_what_every_width_plans_on_the_committed_profiles(model):
+def test_the_cut_and_the_screen_plan_what_every_width_plans_on_the_committed_profiles(model):
     full = Profile.load(PROFILES / model / "profile")
-    cut = _cut(full, answerprobe.WIDTHS["cut"])
-    for recipe in ANSWER_PRESETS:
-        assert _plan(recipe, cut) == _plan(recipe, full), recipe
+    for mode in ("cut", "screen"):
+        partial = _cut(full, *answerprobe.MODES[mode])
+        for recipe in ANSWER_PRESETS:
+            assert _plan(recipe, partial) == _plan(recipe, full), (mode, recipe)
     # the 3-bit measurement decides: without it the allocation moves on both models
     narrow = _cut(full, (2,))
     assert any(_plan(r, narrow)[0] != _plan(r, full)[0] for r in ANSWER_PRESETS)
@@ -67,74 +89,108 @@ def test_the_other_presets_read_no_answer_loss():
             assert name in ANSWER_PRESETS, name
 
 
-def test_extrapolation_scales_the_widest_measured_width_by_the_text_ratio():
-    text = {f"sensitivity.{n}": torch.tensor([[8.0, 2.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]])
-            for n in TENSORS}  # fmt: skip
-    answer = {f"sensitivity.answer.{n}": torch.tensor([[3.0, 1.0, 0.0, 0.0], [5.0, 7.0, 0, 0]])
-              for n in TENSORS}  # fmt: skip
-    out = answerprobe.extrapolate(answer, text, (2, 3))
+def test_extrapolation_scales_each_rows_widest_measured_width_by_the_text_ratio():
+    text_rows = torch.tensor([[8.0, 2.0, 0.5, 0.0], [4.0, 2.0, 1.0, 0.5], [0.0, 0.0, 0.0, 0.0]])
+    answer_rows = torch.tensor([[3.0, 1.0, 0, 0], [6.0, 0, 0, 0], [5.0, 7.0, 0, 0]])
+    text = {f"sensitivity.{n}": text_rows for n in TENSORS}
+    answer = {f"sensitivity.answer.{n}": answer_rows for n in TENSORS}
+    measured = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    out = answerprobe.extrapolate(answer, text, dict.fromkeys(TENSORS, measured))
     for n in TENSORS:
-        want = torch.tensor([[3.0, 1.0, 0.25, 0.0], [5.0, 7.0, 0.0, 0.0]])  # text 0: nothing
+        # row 0 from its 3-bit loss, row 1 (screened out) from its 2-bit one, row 2: text 0
+        want = torch.tensor([[3.0, 1.0, 0.25, 0.0], [6.0, 3.0, 1.5, 0.75], [5.0, 7.0, 0, 0]])
         torch.testing.assert_close(out[f"sensitivity.answer.{n}"], want)
 
 
-def test_a_cut_probe_measures_its_widths_as_the_full_one_does():
-    """The measured columns are the full probe's (one pass, fewer branches), the others 0 until
-    extrapolated; the predicted work falls with the widths."""
-    model = tiny_model("llama")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_cut_and_the_screen_measure_what_the_full_probe_measures(arch):
+    """The measured entries are the full probe's bit for bit (one pass with fewer branches; the
+    screen's second round from the first round's kept prompts, no second forward of them), the
+    others 0 until extrapolated; the screen re-measures the screened tensors with the largest
+    2-bit loss; the predicted work falls from all to cut to screen and is what the pass counts
+    (the screen's second round within the estimate's spread of depths)."""
+    model = tiny_model(arch)
     prompts = retrieval.build(CharTokenizer(), calibration_tokens(CharTokenizer()), 2, 700, 0)
     lm = InMemory(model)
     hkv = model.config.num_key_value_heads
     d = model.config.hidden_size // model.config.num_attention_heads
     n = model.config.num_hidden_layers
     key_range = (torch.full((n, hkv, d), -0.5), torch.full((n, hkv, d), 0.5))
-    widths = answerprobe.WIDTHS["cut"]
+    args = (lm, len(prompts), prompts.ids.shape[1], int(prompts.answer.sum()))
+    got, spent = {}, {}
     with torch.no_grad():
-        full = answerprobe.answer_pass(lm, prompts, prompts.context, key_range, lambda w: 0)
-        cut = answerprobe.answer_pass(
-            lm, prompts, prompts.context, key_range, lambda w: 0, widths=widths
-        )
-    kept = [j for j, b in enumerate(BITS) if b in widths]
-    rest = [j for j, b in enumerate(BITS) if b not in widths]
-    for name, v in full.items():
-        torch.testing.assert_close(cut[name][:, kept], v[:, kept], atol=1e-6, rtol=0)
-        assert bool((cut[name][:, rest] == 0).all())
-        assert float(v[:, kept].abs().max()) > 1e-3  # the bound is far below what is compared
-    answers = int(prompts.answer.sum())
-    args = (lm, len(prompts), prompts.ids.shape[1], answers)
-    assert answerprobe.work(*args, widths) < answerprobe.work(*args)
+        for mode in answerprobe.MODES:
+            spent[mode] = []
+            got[mode] = answerprobe.answer_pass(
+                lm, prompts, prompts.context, key_range, spent[mode].append, mode
+            )
+    full, everything = got["all"]
+    assert all(bool(m.all()) for m in everything.values())
+    for mode in ("cut", "screen"):
+        losses, which = got[mode]
+        for name in TENSORS:
+            m, v, f = (
+                which[name],
+                losses[f"sensitivity.answer.{name}"],
+                full[f"sensitivity.answer.{name}"],
+            )
+            assert torch.equal(v[m], f[m]), (mode, name)
+            assert bool((v[~m] == 0).all())
+            assert float(f.abs().max()) > 1e-3  # what is compared is no trivial zero
+    _, which = got["screen"]
+    again = {(name, i) for name in TENSORS for i in range(n) if which[name][i, 1]}
+    assert len(again) == answerprobe.screened(n)
+    two_bit = {(name, i): float(full[f"sensitivity.answer.{name}"][i, 0]) for name in TENSORS
+               for i in range(n)}  # fmt: skip
+    assert min(two_bit[k] for k in again) >= max(two_bit[k] for k in two_bit.keys() - again)
+    work = {mode: answerprobe.work(*args, mode) for mode in answerprobe.MODES}
+    assert work["all"] > work["cut"] > work["screen"]
+    for mode in ("all", "cut"):
+        assert sum(spent[mode]) == work[mode]
+    assert abs(sum(spent["screen"]) / work["screen"] - 1) < 0.1
 
 
 @pytest.mark.parametrize("text", ["fisher", "probe"])
-def test_a_calibration_prints_the_probe_cost_and_records_its_widths(tmp_path, capfd, text):
-    """With the text's Fisher sensitivity in before the answer probe, the cut; with the text's
-    measured by its own probe (which runs after), every width is measured."""
+def test_a_calibration_prints_the_probe_cost_and_records_what_it_measured(tmp_path, capfd, text):
+    """With the text's Fisher sensitivity in before the answer probe, the screen (the default);
+    with the text's measured by its own probe (which runs after), every width is measured."""
     settings = Settings(sensitivity=text, sensitivity_windows=1, sensitivity_tokens=16,
                         codebook_windows=1, retrieval_prompts=2, retrieval_tokens=512)  # fmt: skip
     profile = calibrate_tiny(tmp_path / "p", settings, progress=True)
-    widths = [2, 3] if text == "fisher" else list(BITS)
+    n = profile.meta["model"]["num_layers"]
     printed = capfd.readouterr().err
-    assert f"answer probe: 2 prompts x 512 tokens at {', '.join(map(str, widths))} bits" in printed
-    assert "with --answer-probe all)" in printed
     answer = profile.meta["probe"]["answer"]
-    assert answer["widths"] == widths and ("extrapolated" in answer) == (text == "fisher")
+    if text == "fisher":
+        again = answerprobe.screened(n)
+        what = f"every tensor at 2 bits, the {again} with the largest loss at 3 too"
+        assert answer["probe"] == "screen" and answer["widths"] == [2]
+        assert answer["screened"]["bits"] == 3
+        assert sum(len(answer["screened"][name]) for name in TENSORS) == again
+    else:
+        what = "every tensor at 2, 3, 4, 8 bits"
+        assert answer["probe"] == "all" and answer["widths"] == list(BITS)
+    assert f"answer probe: 2 prompts x 512 tokens, {what}, predicted" in printed
+    assert "with --answer-probe all)" in printed
+    assert ("extrapolated" in answer) == (text == "fisher")
     t = profile.tensors
-    for n in TENSORS:
-        a, text_loss = t[f"sensitivity.answer.{n}"], t[f"sensitivity.{n}"]
-        assert float(a[:, :2].abs().sum()) > 0  # measured
+    for name in TENSORS:
+        a, text_loss = t[f"sensitivity.answer.{name}"], t[f"sensitivity.{name}"]
+        assert float(a[:, 0].abs().sum()) > 0  # measured
         if text == "fisher":
-            want = a[:, 1:2] * text_loss[:, 2:] / text_loss[:, 1:2]
-            torch.testing.assert_close(a[:, 2:], want)
+            for i in range(n):
+                w = 1 if i in answer["screened"][name] else 0
+                want = a[i, w] * text_loss[i, w + 1 :] / text_loss[i, w]
+                torch.testing.assert_close(a[i, w + 1 :], want)
 
 
 def test_cli_answer_probe_option(tmp_path, monkeypatch):
-    """`--answer-probe all` keeps the full measurement; the cut is the default; another value
-    is refused by Settings."""
+    """The screen is the default, `--answer-probe cut` and `all` measure more; another value is
+    refused by Settings."""
     seen = []
     monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: seen.append(k) or 1 / 0)
     base = ["calibrate", str(tmp_path), "-o", str(tmp_path / "p")]  # a model path that exists
-    for extra in ([], ["--answer-probe", "all"]):
+    for extra in ([], ["--answer-probe", "cut"], ["--answer-probe", "all"]):
         CliRunner().invoke(main, base + extra)
-    assert [k["settings"].answer_probe for k in seen] == ["cut", "all"]
+    assert [k["settings"].answer_probe for k in seen] == ["screen", "cut", "all"]
     with pytest.raises(ValueError, match="answer_probe"):
         Settings(answer_probe="some")

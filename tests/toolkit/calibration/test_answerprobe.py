@@ -67,7 +67,9 @@ def test_the_probe_is_the_answer_nll_through_a_cache_quantized_in_one_layer(arch
     quantized = prompts.context.clone()
     quantized[:, prompts.context.float().argmax(1)] = False  # a kept sink: stays exact
     with torch.no_grad():
-        got = answerprobe.answer_pass(InMemory(model), prompts, quantized, key_range, lambda w: 0)
+        got, _ = answerprobe.answer_pass(
+            InMemory(model), prompts, quantized, key_range, lambda w: 0
+        )
         answers = int(prompts.answer.sum())
         reference = _brute(model, prompts, quantized, key_range, None, 0, 0)
         moved = 0.0

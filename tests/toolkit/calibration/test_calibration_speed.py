@@ -92,7 +92,7 @@ def test_the_answer_probe_losses_are_the_same_with_the_causal_kernel(monkeypatch
         with torch.no_grad():
             return answerprobe.answer_pass(
                 InMemory(model), prompts, prompts.context, key_range, lambda w: 0
-            )
+            )[0]
 
     causal = answerprobe._causal
     taken = []

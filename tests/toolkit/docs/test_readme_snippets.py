@@ -23,7 +23,7 @@ RUN = {
     "kvcalib.calibrate(": "the Python API snippet",
     "QuantizedKVCache.from_recipe(": "the transformers snippet",
 }
-# What the API snippet runs here in place of what it says: its calibration (390 s) left out, the
+# What the API snippet runs here in place of what it says: its calibration (228 s) left out, the
 # committed profile standing in for the profile/ it writes, and its evaluation on one window of
 # 256 tokens (as written: 4 x 1,024, ~100 s of one core).
 API_HERE = (
@@ -92,7 +92,7 @@ SHELL_SKIPPED = {
     "make test-all": "a long run: set-up and every test (the README's first screen)",
     "pip install": "installs into the environment the tests run in; its pins are the Makefile's "
     "(test_pip_lines_pin_what_make_installs)",
-    "kvcalib calibrate": "a long run: the default calibration takes 390 s; the committed profile "
+    "kvcalib calibrate": "a long run: the default calibration takes 228 s; the committed profile "
     "stands in for the profile/ it writes",
 }
 # The lines run, in order, in one folder, as a shell runs them: the `kvcalib` beside this Python,
