@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcalib_runtime.cache import sinks as cache_sinks
 from kvcalib_runtime.cache.attention import causal_attention
 from kvcalib_runtime.cache.scheme import quantized_prefix_int
 from kvcalib_runtime.cache.shard import shard_params
@@ -206,30 +207,20 @@ class Serving:
     # -- writing ---------------------------------------------------------------------------
 
     def _decide_sinks(self, st: Step, flags) -> list[int]:
-        """First-N positions, then flagged ones while the budget lasts, in position order (the
-        runtime's `cache.sinks.decide`); returns the row's sink positions."""
-        s = self.scheme
-        pos = torch.arange(st.n, st.n + st.T)
-        sink_pos = st.row.sink_pos
-        sink, slot = pos < s.sinks_first, pos.clone()
-        if flags is not None:
-            candidate = flags & ~sink
-            rank = (sink_pos >= s.sinks_first).sum() + candidate.cumsum(0)  # 1-based
-            taken = candidate & (rank <= s.sink_budget)
-            sink |= taken
-            slot = torch.where(taken, s.sinks_first + rank - 1, slot)
-        sink_pos[slot[sink]] = pos[sink]
-        st.row.is_sink[pos[sink]] = True
-        return sink_pos.tolist()
+        """The row's sink positions after this step's tokens: the runtime's `sinks.decide` on a
+        batch of one (first-N positions, then flagged ones while the budget lasts)."""
+        s, row = self.scheme, st.row
+        flags = None if flags is None else flags[None]
+        held = cache_sinks.decide(row.sink_pos[None], row.is_sink[None], [st.n], st.T, flags,
+                                  s.sinks_first, s.sink_budget)  # fmt: skip
+        return held[0]
 
     def _flush(self, layer, st: Step, tp: TensorPages, body, tails, sinks, new, sink_pos):
         """Store the sequence's T new tokens (new [Hkv, T, D]) of one tensor: sink slots, the
         positions the next token sees quantized into the pages, the rest into the ring (the
         runtime's `sinks.store` and `Stream.store`); tails, sinks: the row's tail_* and sink_*."""
         n, T = st.n, st.T
-        for slot, p in enumerate(sink_pos):
-            if n <= p < n + T:
-                sinks[layer, :, slot] = new[:, p - n]
+        cache_sinks.store(sinks[layer], sink_pos, n, new)
         residual = self.scheme.residual
         nb, target = _body(tp, residual, n), _body(tp, residual, n + T)
         tail = tails[layer]  # [Hkv, R, D]
