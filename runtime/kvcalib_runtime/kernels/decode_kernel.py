@@ -48,8 +48,8 @@ def _stream(S, L: tl.constexpr, LEVELS, blk, head, kv, slot, pos, pos0, live, in
     elsewhere (where live). (blk, head, slot): the body's rows (tiles.at; head 0 for "vector"),
     base: where the head's channels start in them; kv: the ring's (sequence, head); s_*, o_*:
     each half's "static" metadata; FOLD: the body's levels, its metadata left to the caller
-    (tiles.foldable, never with MIXED); table, LDT, PACKED: 2-bit codes' levels, by
-    kernels.packed in whole tiles with LUT (not MIXED; tiles.half)."""
+    (tiles.foldable, never with MIXED); table, LDT, PACKED: 2-bit codes' and 3- and 4-bit
+    codebooks' levels, by kernels.packed in whole tiles with LUT (not MIXED; tiles.half)."""
     C: tl.constexpr = D // 2
     lo = tiles.half(S, L, LEVELS, blk, head, slot, pos0, in_body, base, s_lo, o_lo, BN, BLOCK_C,
                     C, FOLD, table, LDT, PACKED, LUT and not MIXED)  # fmt: skip
@@ -167,7 +167,7 @@ def _decode_split_kernel(
     BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
     STAGES: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
     FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,  # metadata folded out of whole tiles
-    PACKED: tl.constexpr,                  # 2-bit levels by inline PTX (kernels.packed): a GPU
+    PACKED: tl.constexpr,                  # 2-4-bit levels by inline PTX (kernels.packed): a GPU
 ):
     """Program (b, KV head hk, split): the split-th chunk of the positions sequence b attends to
     (body, then the ring), plus the sink slots and the new token in split 0, for query heads
@@ -234,16 +234,17 @@ def _decode_split_kernel(
     V_META: tl.constexpr = (1 if VL.GRAN == tiles.TOKEN else 2) if FOLD_V else 0
     k_levels = KS.levels + hk * KL.BOOK  # this head's codebook row
     v_levels = VS.levels + hk * VL.BOOK
-    # 2-bit levels as 16-bit tables (a 16-bit cache: LUT): in the dot's dtype for folded whole
-    # tiles, else fp16
+    # 2-bit levels, and 3- and 4-bit codebooks', as 16-bit tables (a 16-bit cache: LUT;
+    # tiles.level_table): in the dot's dtype for folded whole tiles, else fp16
     LUT: tl.constexpr = DT.primitive_bitwidth == 16
     # pre-RoPE static keys in whole tiles: levels, metadata and rotation in the dot's 16-bit
     # dtype (packed half2 arithmetic), not fp32
     HALF_ROPE: tl.constexpr = PRE_ROPE and LUT and KL.GRAN == tiles.STATIC
-    k_table0 = tiles.table2(k_levels, KL.CB, DT if (FOLD_K or HALF_ROPE) and LUT else tl.float16)
-    k_table1 = tiles.table2(k_levels, KL.CB, tl.float16)
-    v_table0 = tiles.table2(v_levels, VL.CB, DT if FOLD_V and LUT else tl.float16)
-    v_table1 = tiles.table2(v_levels, VL.CB, tl.float16)
+    k_table0 = tiles.level_table(k_levels, KL.BITS, KL.CB,
+                           DT if (FOLD_K or HALF_ROPE) and LUT else tl.float16)  # fmt: skip
+    k_table1 = tiles.level_table(k_levels, KL.BITS, KL.CB, tl.float16)
+    v_table0 = tiles.level_table(v_levels, VL.BITS, VL.CB, DT if FOLD_V and LUT else tl.float16)
+    v_table1 = tiles.level_table(v_levels, VL.BITS, VL.CB, tl.float16)
     freq = zero
     RT: tl.constexpr = DT if HALF_ROPE else tl.float32  # R(j)'s dtype
     cos_j = tl.zeros([BLOCK_N, BLOCK_C], RT)

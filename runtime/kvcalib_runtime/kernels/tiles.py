@@ -6,7 +6,8 @@ channels], in fp32 registers, from what the cache stores (kernels.operands).
                    8 codes (BITS bytes)
     level          code itself, or a calibrated codebook entry (L scalars, read once per tile);
                    2-bit words of whole tiles: 16 levels a word by a byte-permute table
-                   (`table2`, kernels.packed), 16-bit
+                   (`table2`, kernels.packed), 16-bit; 3- and 4-bit codebooks' likewise, 8
+                   levels a word from byte tables (`level_table`)
     x              level * scale + offset, the metadata read once per group: per channel
                    ("static", read once per program by the caller), per group of channels of a
                    row ("token", "vector"; one byte each for metadata_code "byte", decoded
@@ -218,6 +219,29 @@ def table2(LEVELS, CODEBOOK: tl.constexpr, DT: tl.constexpr):
     return tl.sum(tl.where(c < 2, bits, 0)), tl.sum(tl.where(c >= 2, bits, 0))
 
 
+@triton.jit
+def _word(part, c, k: tl.constexpr):
+    """Bytes of codes 4k .. 4k + 3 of `part` [16] (byte c % 4 of the code's) as one int32."""
+    return tl.sum(tl.where(c // 4 == k, part << (c % 4) * 8, 0))
+
+
+@triton.jit
+def level_table(LEVELS, BITS: tl.constexpr, CODEBOOK: tl.constexpr, DT: tl.constexpr):
+    """The levels packed reads whole tiles from, in dtype DT (16 bits): a 3- or 4-bit
+    codebook's as byte tables, int32 scalars (L0, L1, L2, L3, H0, H1, H2, H3), byte c % 4 of
+    L[c // 4] the low byte of level c and of H[c // 4] its high byte (3 bits: L2, L3, H2, H3
+    unread); any other layout's `table2`."""
+    if CODEBOOK and (BITS == 3 or BITS == 4):
+        c = tl.arange(0, 16)
+        bits = level(c, LEVELS, BITS, True).to(DT).to(tl.int16, bitcast=True).to(tl.int32)
+        lo, hi = bits & 0xFF, (bits >> 8) & 0xFF
+        out = (_word(lo, c, 0), _word(lo, c, 1), _word(lo, c, 2), _word(lo, c, 3),
+               _word(hi, c, 0), _word(hi, c, 1), _word(hi, c, 2), _word(hi, c, 3))  # fmt: skip
+    else:
+        out = table2(LEVELS, CODEBOOK, DT)
+    return out
+
+
 # fmt: off
 @triton.jit
 def coordinates(CODES, BOOK, row, c0, live, BN: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -273,8 +297,9 @@ def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, 
     (contiguous only: blk a scalar): the tile's positions are pos0 + [0, BN), pos0 a multiple
     of BN, the metadata rows groups of GROUP positions. EXACT: S.codes holds the values.
     FOLD (`foldable`): the levels alone, the caller applies the metadata outside the tile.
-    WIDE (whole tiles) 2-bit codes in words: levels looked up in `table` (table2, dtype LDT:
-    the dot's with FOLD, else fp16 then fp32) by packed.levels (PACKED: inline PTX, a GPU).
+    WIDE (whole tiles) 2-bit codes in words, 3-bit codebook codes, 4-bit ones in words: levels
+    looked up in `table` (`level_table`, dtype LDT: the dot's with FOLD, else fp16 then fp32)
+    by packed.levels / packed.levels8 (PACKED: inline PTX, a GPU).
     """
     CODES = S.codes
     SCALE = S.scale
@@ -300,6 +325,10 @@ def half(S, L: tl.constexpr, LEVELS, blk, head, slot, pos0, live, c0, s_static, 
         if WIDE and BITS == 2 and UNIT == 32:
             lv = packed.levels(CODES, row, c0, live, table[0], table[1], BN, BLOCK_C, C, LDT,
                                PACKED)  # fmt: skip
+            if not FOLD:
+                lv = lv.to(tl.float32)
+        elif WIDE and CODEBOOK and (BITS == 3 or (BITS == 4 and UNIT == 32)):
+            lv = packed.levels8(CODES, row, c0, live, table, BN, BLOCK_C, C, BITS, LDT, PACKED)
             if not FOLD:
                 lv = lv.to(tl.float32)
         else:

@@ -202,7 +202,8 @@ def test_splits_fill_the_gpu_by_the_compiled_kernels_occupancy(monkeypatch):
 
 def _run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Execute kernels.packed's PTX on int64 tensors of 32-bit values (prmt.b32 in its default
-    mode, and.b32, shr.u32, mad.lo.u32, mov.b32 {lo, hi}: the PTX ISA's definitions)."""
+    mode, and.b32, or.b32, shl.b32, shr.u32, mad.lo.u32, mov.b32 {lo, hi}: the PTX ISA's
+    definitions)."""
     mask = 0xFFFFFFFF
 
     def value(token):
@@ -222,6 +223,10 @@ def _run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
         a, b = value(src[0]), value(src[1])
         if op == "and.b32":
             out = a & b
+        elif op == "or.b32":
+            out = a | b
+        elif op == "shl.b32":
+            out = a << b
         elif op == "shr.u32":
             out = a >> b
         elif op == "mad.lo.u32":
@@ -260,6 +265,65 @@ def test_the_packed_2_bit_lookup_is_the_plain_decode_for_every_code(dtype):
         regs = _run_ptx(packed.LUT16_ASM.value, {"$16": words, "$17": lo, "$18": hi})
         out = torch.stack([regs[f"${n}"] for n in range(16)], 1)
         assert torch.equal(out, bits[codes])
+
+
+@triton.jit
+def _table_kernel(LEVELS, OUT, BITS: tl.constexpr, DT: tl.constexpr):
+    words = tiles.level_table(LEVELS, BITS, True, DT)
+    for k in tl.static_range(8):
+        tl.store(OUT + k, words[k])
+
+
+@triton.jit
+def _pick_kernel(WORDS, TABLE, OUT, n, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    word = tl.load(WORDS + i, mask=i < n, other=0)
+    table = (tl.load(TABLE), tl.load(TABLE + 1), tl.load(TABLE + 2), tl.load(TABLE + 3),
+             tl.load(TABLE + 4), tl.load(TABLE + 5), tl.load(TABLE + 6),
+             tl.load(TABLE + 7))  # fmt: skip
+    for k in tl.static_range(8):
+        tl.store(OUT + i * 8 + k, packed._pick8(word, k, BITS, table), mask=i < n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [3, 4])
+def test_the_packed_3_and_4_bit_lookups_are_the_plain_decode_for_every_code(bits, dtype):
+    """LUT3_ASM / LUT4_ASM (inline PTX only a GPU runs) executed here instruction by
+    instruction on the byte tables tiles.level_table builds, for words holding every code at
+    each of their 8 positions and random words (3 bits: the 24-bit groups of 3 bytes; 4 bits:
+    int32 words, the top code's bit 3 in the sign bit), for codebooks random, sorted, with
+    negative, tiny and repeated levels: output n is code n's level in the cache dtype, bit for
+    bit, in fp16 and bf16; so is the interpreter's plain-Triton pick (`_pick8`) on the same
+    words (the decode tests hold it to the reference)."""
+    levels = 2**bits
+    gen = torch.Generator().manual_seed(bits)
+    books = [torch.linspace(-1, 1, levels), torch.randn(levels, generator=gen),
+             torch.randn(levels, generator=gen).sort().values,
+             torch.tensor([-3.5, -1e-3, 1e-3, 7.25] * (levels // 4)),
+             torch.tensor([0.5, -0.5]).repeat_interleave(levels // 2)]  # fmt: skip
+    every = torch.arange(levels).repeat_interleave(8).reshape(levels, 8)
+    codes = torch.cat([every, torch.randint(0, levels, (64, 8), generator=gen)])
+    words = (codes << bits * torch.arange(8)).sum(1)
+    asm = (packed.LUT3_ASM if bits == 3 else packed.LUT4_ASM).value
+    for book in books:
+        # levels the dtype holds: the interpreter casts fp32 to bf16 by truncation, a GPU rounds
+        book = book.to(dtype).float()
+        table = torch.zeros(8, dtype=torch.int32)
+        _table_kernel[(1,)](book, table, BITS=bits, DT=tl.float16 if dtype == torch.float16
+                            else tl.bfloat16)  # fmt: skip
+        table = table.long() & 0xFFFFFFFF
+        inputs = {f"${9 + k}": table[k] for k in range(8)}
+        if bits == 3:  # LUT3_ASM reads the low words L0, L1 then the high H0, H1
+            inputs = {"$9": table[0], "$10": table[1], "$11": table[4], "$12": table[5]}
+        regs = _run_ptx(asm, {"$8": words, **inputs})
+        out = torch.stack([regs[f"${n}"] for n in range(8)], 1)
+        expected = book.to(dtype).view(torch.int16)[codes]
+        assert torch.equal(out, expected.long() & 0xFFFF)
+        plain = torch.empty_like(expected)
+        signed = [torch.where(t >= 2**31, t - 2**32, t).to(torch.int32) for t in (words, table)]
+        _pick_kernel[(1,)](*signed, plain, len(words), BITS=bits,
+                           BLOCK=tiles.next_pow2(len(words)))  # fmt: skip
+        assert torch.equal(plain, expected)
 
 
 def test_supports_every_preset_layout():
@@ -345,12 +409,16 @@ for dtype, key, value, rope in [
     (torch.float16, fp8, QuantSpec(3, "static", outliers=0.01, outlier_slots=1, slot_code="fp8"),
      True),
     (torch.bfloat16, fp8, QuantSpec(2, metadata_code="byte"), True),
+    # 3- and 4-bit codebooks: levels by byte tables (kernels.packed's LUT3_ASM, LUT4_ASM)
+    (torch.float16, QuantSpec(3, "static", codebook=True, outliers=0.01, outlier_slots=1,
+                              slot_rule="error"), QuantSpec(4, symmetric=True, codebook=True),
+     True),
 ]:
     static = (torch.zeros(H, D), torch.ones(H, D))
-    book = torch.linspace(-1, 1, 2 ** key.bits)
     def body(spec):
         if spec is None:
             return torch.zeros(B, H, N, D, dtype=dtype)
+        book = torch.linspace(-1, 1, 2 ** spec.bits)
         return spec.layout.allocate((B, H, N, D), "cpu", dtype, static_range=static, codebook=book)
     keys, values = body(key), body(value)
     tail, nb = torch.zeros(B, H, 8, D, dtype=dtype), torch.zeros(B, dtype=torch.long)
@@ -366,7 +434,8 @@ for dtype, key, value, rope in [
                          inv_freq=torch.ones(D // 2) if rope else None, window=64 if rope else None)
 # paged (kernels.paged): kvcalib-2's bodies as 16-slot blocks read through a block table
 keys, values = (spec.layout.allocate((8, H, 16, D), "cpu", torch.float16, static_range=static,
-                                     codebook=book) for spec in (kvcalib2, QuantSpec(2)))
+                                     codebook=torch.linspace(-1, 1, 4))
+                for spec in (kvcalib2, QuantSpec(2)))
 table = torch.zeros(B, N // 16, dtype=torch.int32)
 dec.decode_attention(torch.zeros(B, 4 * H, 1, D, dtype=torch.float16), new, new,
                      Stored(keys, tail, nb), Stored(values, tail, nb), sinks, nb,
@@ -418,13 +487,13 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = [line.split()[1:] for line in done.stdout.splitlines()
                 if line.startswith("compiled")]  # fmt: skip
-    # quant_pack, flush, split, combine; four times (exact slots, none, fp8 slots, one-byte
-    # value metadata); paged split and combine; the full-precision stream's split and combine;
-    # vector codes' split and combine, without slots and with them
-    assert len(compiled) == 24
+    # quant_pack, flush, split, combine; five times (exact slots, none, fp8 slots, one-byte
+    # value metadata, 3- and 4-bit codebooks); paged split and combine; the full-precision
+    # stream's split and combine; vector codes' split and combine, without slots and with them
+    assert len(compiled) == 28
     # every decode variant streams its tiles through cp.async (ttg.async_copy_global_to_local)
     splits = [int(copies) for name, copies in compiled if name == "_decode_split_kernel"]
-    assert len(splits) == 8 and min(splits) > 0, splits
+    assert len(splits) == 9 and min(splits) > 0, splits
 
 
 def test_the_decode_benchmark_runs_its_smoke_configuration():
