@@ -285,15 +285,20 @@ def test_a_context_shorter_than_the_default_calibration_is_refused_before_it(tmp
 
 def test_the_default_calibration_cost_is_the_docs():
     """The note said "about a minute" where the README said 36 s: one measured number, stated in
-    docs/models.md."""
+    docs/models.md, in what `kvcalib eval` says before it calibrates and in `kvcalib calibrate
+    --help`."""
     from kvcalib import api
+    from kvcalib.cli import main
 
     readme = (Path(__file__).resolve().parents[3] / "docs" / "models.md").read_text()
     seconds, ratio = api.DEFAULT_COST.split(" s ")[0], api.DEFAULT_COST.split(", ")[-1]
     assert f"{seconds} s on 2 shared CPU cores for smollm2-135m, {ratio}" == api.DEFAULT_COST
+    times = ratio.split("x")[0]
     docs = " ".join(readme.split())
     assert f"the default `kvcalib calibrate` takes {seconds} s," in docs
-    assert f"{ratio.split('x')[0]}× a plain forward" in docs
+    assert f"{times}× a plain forward" in docs
+    helped = " ".join(CliRunner().invoke(main, ["calibrate", "--help"]).output.split())
+    assert f"the default calibration's {times} plain forwards" in helped
 
 
 def test_cli_calibrate_sensitivity_and_window_options(tmp_path, monkeypatch):
