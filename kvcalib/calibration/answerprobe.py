@@ -206,13 +206,11 @@ def answer_pass(
             nll = _nlls(lm, branches, ids, starts)
             advance(head_work * sum(b.shape[0] * b.shape[1] for b in branches))
         if screen:
-            column = BITS.index(max(widths))
-            loss = {(n, i, b): float(nll[j] - nll[0]) for j, (n, i, b) in enumerate(names[1:], 1)}
-            ranked = sorted(
-                ((n, i) for n in TENSORS for i in range(num_layers)),
-                key=lambda ni: -loss[ni[0], ni[1], max(widths)],
-            )[: screened(num_layers)]
-            more, again = _again(lm, kept, set(ranked), BITS[column + 1], kwargs, ids, starts,
+            top = max(widths)
+            loss = {(n, i): float(nll[j] - nll[0]) for j, (n, i, b) in enumerate(names[1:], 1)
+                    if b == top}  # fmt: skip
+            chosen = set(sorted(loss, key=loss.get, reverse=True)[: screened(num_layers)])
+            more, again = _again(lm, kept, chosen, BITS[BITS.index(top) + 1], kwargs, ids, starts,
                                  quantized, key_range, advance)  # fmt: skip
             names += again
             nll = torch.cat([nll, more])
