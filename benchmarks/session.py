@@ -23,6 +23,7 @@ import importlib.util
 import json
 import multiprocessing
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -100,14 +101,21 @@ def _worker(args, seeds: list[int], recipes: list[str], setup=None) -> None:
 
 def collect(args, tokenizer, tags: dict) -> dict:
     """{seed: {recipe: record}} of every current cell present (any session size: the sha is
-    checked against the size asked for)."""
-    records = {}
+    checked against the size asked for). Cells of these sessions scored under another plan are
+    left out, and said so: a report run with another --profile than the cells' would otherwise
+    read as a recipe with no session done."""
+    records, other = {}, {}
     for seed in range(args.sessions):
         sha = session_sha(tokenizer, _session(args, tokenizer, seed), args.max_new)
         for recipe, tag in tags.items():
             known = LC._read(cell_file(Path(args.out), seed, recipe))
             if _done(known, sha, tag):
                 records.setdefault(seed, {})[recipe] = known["record"]
+            elif known is not None and known.get("sha") == sha:
+                other[recipe] = other.get(recipe, 0) + 1
+    for recipe, n in other.items():
+        print(f"{recipe}: {n} cells scored under another plan left out (the cells' --profile?)",
+              file=sys.stderr)  # fmt: skip
     return records
 
 

@@ -209,7 +209,7 @@ def _bench():
 
 
 def test_runner_writes_a_cell_per_session_and_recipe_and_skips_done_ones(
-    model, tmp_path, monkeypatch
+    model, tmp_path, monkeypatch, capsys
 ):
     bench = _bench()
     tok = Tokenizer()
@@ -225,6 +225,9 @@ def test_runner_writes_a_cell_per_session_and_recipe_and_skips_done_ones(
     known = json.loads((cells / "kivi-2.json").read_text())
     assert len(known["record"]["turns"]) == 2 and known["plan"] is None
     assert set(bench.collect(args, tok, tags)[0]) == {"fp16", "kivi-2"}
+    # a report under another plan (another --profile) leaves the cell out, and says so
+    assert set(bench.collect(args, tok, {"fp16": None, "kivi-2": "another plan"})[0]) == {"fp16"}
+    assert "kivi-2: 1 cells scored under another plan left out" in capsys.readouterr().err
     text = bench.report(args, tok, tags, 0.0)
     assert "Drift" in text and (tmp_path / "sessions.png").is_file()
 
