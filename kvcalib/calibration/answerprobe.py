@@ -36,7 +36,8 @@ energy does). "cut" measures every tensor at 2 and 3 bits, where kvcalib-2's all
 "screen", the default, measures every tensor at 2 bits, then the third with the largest 2-bit
 loss at 3 bits too (a tensor whose 2-bit loss is small gains little from a third bit), branching
 from each layer's _Prompt kept by the first round: no second forward of the prompts, for three
-[Hkv, T, D] tensors a prompt and layer held until the end (1.1 GB on SmolLM2-135M in float32).
+[Hkv, T, D] tensors a prompt and layer held until the end (a size planned, not yet measured:
+3 x prompts x layers x Hkv x T x D values in the model's dtype).
 Of SmolLM2-135M's 4.5x of arithmetic it runs 3.5x. On the long-context suite's committed profiles
 (SmolLM2-135M, Qwen2.5-0.5B) kvcalib-2's plan digest is the same in all three modes; 2 bits alone
 moves it on both (tests/toolkit/calibration/test_answer_cut.py).
