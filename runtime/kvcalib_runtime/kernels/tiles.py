@@ -55,6 +55,10 @@ ROUNDING = tl.constexpr(12582912.0)  # 1.5 * 2**23: fp32 (v + R) - R rounds v ha
 SCALE_BASE = tl.constexpr(metabyte.BASE)  # one-byte metadata (layouts.metabyte)
 SCALE_CARRY = tl.constexpr(metabyte.CARRY)
 ZERO_STEPS = tl.constexpr(metabyte.ZERO_STEPS)
+SINCOS_ASM = tl.constexpr(
+    "{ .reg .f32 a, c, s; mov.b32 a, $2; cos.approx.f32 c, a; "
+    "sin.approx.f32 s, a; mov.b32 $0, c; mov.b32 $1, s; }"
+)  # trig FAST
 
 
 @triton.jit
@@ -73,13 +77,12 @@ def fp8_encode(steps):
 
 @triton.jit
 def fp8_decode(code):
-    """fp32 values of uint8 E4M3FN bytes (layouts.fp8.decode), built from their bits."""
+    """fp32 values of uint8 E4M3FN bytes (layouts.fp8.decode), built from their bits: exponent
+    and mantissa moved into an fp16's (bias 15, not 7: times 2^8 after), the sign to bit 15;
+    E4M3's subnormals land on fp16's, so every byte is exact (a shift, two masks, no select)."""
     b = code.to(tl.int32)
-    e = (b >> 3) & 15
-    m = b & 7
-    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    return tl.where((b & 0x80) != 0, -v, v)
+    half = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.int16)
+    return half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
 
 
 @triton.jit
@@ -115,12 +118,20 @@ def zero_decode(zero, scale, SPAN: tl.constexpr):
 
 
 @triton.jit
-def trig(angle):
+def trig(angle, FAST: tl.constexpr = False):
     """(cos, sin) of fp32 angles without libdevice (whose slow path for large arguments puts a
     local-memory array in the loop): reduced to [-pi, pi] (Cody-Waite), then by quadrant to
-    [-pi/4, pi/4], where Cephes' sinf / cosf polynomials are within 2 ulp."""
+    [-pi/4, pi/4], where Cephes' sinf / cosf polynomials are within 2 ulp. FAST (a GPU): the
+    reduced angle by the SFU's cos.approx / sin.approx (SINCOS_ASM: absolute error 2^-21.4
+    on [-pi, pi], CUDA's __sinf bound; 4 instructions, not ~25)."""
     turns = (angle * INV_TWO_PI + ROUNDING) - ROUNDING
     angle = tl.fma(-turns, TWO_PI_LO, tl.fma(-turns, TWO_PI_HI, angle))
+    if FAST:
+        cos, sin = tl.inline_asm_elementwise(SINCOS_ASM, "=r,=r,r",
+                                             [angle.to(tl.int32, bitcast=True)],
+                                             dtype=(tl.int32, tl.int32), is_pure=True,
+                                             pack=1)  # fmt: skip
+        return cos.to(tl.float32, bitcast=True), sin.to(tl.float32, bitcast=True)
     quad = (angle * TWO_OVER_PI + ROUNDING) - ROUNDING  # -2 .. 2
     r = tl.fma(-quad, HALF_PI_LO, tl.fma(-quad, HALF_PI_HI, angle))
     z = r * r
@@ -442,16 +453,19 @@ def slot(INDEX, DELTA, SCALE, i_row, d_row, live, base, k, FP8: tl.constexpr, D:
 
 # fmt: off
 @triton.jit
-def slot_scores(INDEX, DELTA, SCALE, q_lo, q_hi, i_row, d_row, live, base, j, freq,
-                K: tl.constexpr, D: tl.constexpr, PRE_ROPE: tl.constexpr, FP8: tl.constexpr):
+def slot_scores(INDEX, DELTA, SCALE, q_lo, q_hi, i_row, d_row, live, base, j, FREQ,
+                K: tl.constexpr, D: tl.constexpr, PRE_ROPE: tl.constexpr, FP8: tl.constexpr,
+                FAST: tl.constexpr = False):
     # fmt: on
     """What the keys' exact slots add to the scores, fp32 [BN, BLOCK_G] (positions x query
     heads, as the decode kernel's scores): q . R(j) (delta e_c) for each slot (channel c), q's
     halves q_lo, q_hi fp32 [BLOCK_G, BLOCK_C] gathered in registers. Before RoPE, q is the
     query rotated back by the tile's first position (R(p0)^T q, so that q . R(p0 + j) k =
-    q' . R(j) k), j [BN] the positions within the tile, freq [BLOCK_C] RoPE's; delta at
+    q' . R(j) k), j [BN] the positions within the tile, FREQ [D/2] RoPE's inverse frequencies
+    (read at c from global memory, L1-resident, not gathered across the threads); delta at
     channel c lands on c and its pair c +- D/2:
-    delta (q_c cos + q_pair sin) for c < D/2, delta (q_c cos - q_pair sin) otherwise."""
+    delta (q_c cos + q_pair sin) for c < D/2, delta (q_c cos - q_pair sin) otherwise.
+    FAST: `trig` by the SFU (a GPU)."""
     C: tl.constexpr = D // 2
     out = tl.zeros([j.shape[0], q_lo.shape[0]], tl.float32)
     qt_lo, qt_hi = tl.trans(q_lo), tl.trans(q_hi)
@@ -463,7 +477,7 @@ def slot_scores(INDEX, DELTA, SCALE, q_lo, q_hi, i_row, d_row, live, base, j, fr
         lo = tl.gather(qt_lo, at_c, axis=0)
         hi = tl.gather(qt_hi, at_c, axis=0)
         if PRE_ROPE:
-            cos, sin = trig(j.to(tl.float32) * tl.gather(freq, c, axis=0))
+            cos, sin = trig(j.to(tl.float32) * tl.load(FREQ + c), FAST)
             q = tl.where(upper[:, None], hi * cos[:, None] - lo * sin[:, None],
                          lo * cos[:, None] + hi * sin[:, None])  # fmt: skip
         else:
