@@ -139,9 +139,13 @@ def _update_wide(s, v_lo, v_hi, m_i, l_w, acc_lo, acc_hi, o_lo, o_hi, DT: tl.con
 
 
 @triton.jit
-def _fold_wide(l_i, acc_lo, acc_hi, l_w, o_lo, o_hi, b_lo, b_hi, META: tl.constexpr,
+def _fold_wide(l_i, acc_lo, acc_hi, l_w, o_lo, o_hi, b_lo, b_hi, m_was, m_i, META: tl.constexpr,
                OFFSET: tl.constexpr):
-    """The whole tiles' unreduced sums (`_update_wide`) into l_i and acc, at the same max."""
+    """The whole tiles' unreduced sums (`_update_wide`) into l_i and acc, at their max m_i:
+    l_i, the sum before them at max m_was, rescaled by what the loop scaled acc by (its alphas'
+    product, 2^(m_was - m_i) with -inf read as 0 as `_update` reads it)."""
+    l_i *= tl.exp2(tl.where(m_was == float("-inf"), 0.0, m_was) -
+                   tl.where(m_i == float("-inf"), 0.0, m_i))  # fmt: skip
     l_sum = tl.sum(l_w, axis=0)
     if META == 1 and OFFSET:
         acc_lo += tl.sum(o_lo, axis=0)[None, :]
@@ -260,7 +264,12 @@ def _decode_split_kernel(
         cos_a, sin_a = tiles.trig((lo * 1.0) * freq)
         cos_b, sin_b = tiles.trig((BLOCK_N * 1.0) * freq)
     hks_lo, hko_lo, hks_hi, hko_hi = ks_lo.to(DT), ko_lo.to(DT), ks_hi.to(DT), ko_hi.to(DT)
-    for phase in tl.static_range(2):  # 0: body only; 1: body and ring, in smaller tiles
+    # 1: body and ring, in smaller tiles (a few per sequence); 0: whole tiles of both bodies.
+    # The mixed tiles first: the whole tiles' loop then hands its state to no other loop, whose
+    # layouts Triton would carry into it (in the other order it computes each tile's max twice,
+    # once in the mixed loop's layout; kernel_budget reads the difference)
+    for phase in tl.static_range(1, -1, -1):
+        m_mixed = m_i  # phase 0: the mixed tiles' max, l_i's scale until _fold_wide
         start_at = lo if phase == 0 else both
         stop_at = both if phase == 0 else hi
         for start in tl.range(start_at, stop_at, BLOCK_N if phase == 0 else MIXED_N,
@@ -350,7 +359,7 @@ def _decode_split_kernel(
                                                    PRECISION)  # fmt: skip
         if phase == 0:
             l_i, acc_lo, acc_hi = _fold_wide(l_i, acc_lo, acc_hi, l_w, o_lo, o_hi, vo_lo, vo_hi,
-                                             V_META, V_OFFSET)  # fmt: skip
+                                             m_mixed, m_i, V_META, V_OFFSET)  # fmt: skip
     if split == 0:  # exact extras: x < num_sinks the sink slots, x == num_sinks the new token
         x = tl.arange(0, BLOCK_X)
         is_new = x == num_sinks
