@@ -329,7 +329,7 @@ def _decode_split_kernel(
                 s += tiles.slot_scores(KS.slot_index, KS.slot_delta, KS.scale + hk * D, q2_lo,
                                        q2_hi, tiles.at(KS.strides.index, k_blk, k_head, k_slot),
                                        tiles.at(KS.strides.delta, k_blk, k_head, k_slot), k_in,
-                                       k_base, in_tile, INV_FREQ, KL.K, D, PRE_ROPE,
+                                       k_base, in_tile, freq, KL.K, D, PRE_ROPE,
                                        KL.FP8, PACKED)  # fmt: skip
             s = tl.where(valid[:, None], s * sm_scale, float("-inf"))
             v_lo, v_hi = _stream(VS, VL, v_levels, v_blk, v_head, kv, v_slot, pos, start, valid,

@@ -453,7 +453,7 @@ def slot(INDEX, DELTA, SCALE, i_row, d_row, live, base, k, FP8: tl.constexpr, D:
 
 # fmt: off
 @triton.jit
-def slot_scores(INDEX, DELTA, SCALE, q_lo, q_hi, i_row, d_row, live, base, j, FREQ,
+def slot_scores(INDEX, DELTA, SCALE, q_lo, q_hi, i_row, d_row, live, base, j, freq,
                 K: tl.constexpr, D: tl.constexpr, PRE_ROPE: tl.constexpr, FP8: tl.constexpr,
                 FAST: tl.constexpr = False):
     # fmt: on
@@ -461,8 +461,7 @@ def slot_scores(INDEX, DELTA, SCALE, q_lo, q_hi, i_row, d_row, live, base, j, FR
     heads, as the decode kernel's scores): q . R(j) (delta e_c) for each slot (channel c), q's
     halves q_lo, q_hi fp32 [BLOCK_G, BLOCK_C] gathered in registers. Before RoPE, q is the
     query rotated back by the tile's first position (R(p0)^T q, so that q . R(p0 + j) k =
-    q' . R(j) k), j [BN] the positions within the tile, FREQ [D/2] RoPE's inverse frequencies
-    (read at c from global memory, L1-resident, not gathered across the threads); delta at
+    q' . R(j) k), j [BN] the positions within the tile, freq [BLOCK_C] RoPE's; delta at
     channel c lands on c and its pair c +- D/2:
     delta (q_c cos + q_pair sin) for c < D/2, delta (q_c cos - q_pair sin) otherwise.
     FAST: `trig` by the SFU (a GPU)."""
@@ -477,7 +476,7 @@ def slot_scores(INDEX, DELTA, SCALE, q_lo, q_hi, i_row, d_row, live, base, j, FR
         lo = tl.gather(qt_lo, at_c, axis=0)
         hi = tl.gather(qt_hi, at_c, axis=0)
         if PRE_ROPE:
-            cos, sin = trig(j.to(tl.float32) * tl.load(FREQ + c), FAST)
+            cos, sin = trig(j.to(tl.float32) * tl.gather(freq, c, axis=0), FAST)
             q = tl.where(upper[:, None], hi * cos[:, None] - lo * sin[:, None],
                          lo * cos[:, None] + hi * sin[:, None])  # fmt: skip
         else:
