@@ -95,7 +95,8 @@ def _recall(rec: dict) -> dict:
 
 
 def _num(x: float, digits: int = 3) -> str:
-    return "-" if x is None or math.isnan(x) else f"{x:.{digits}f}"
+    """x at `digits` decimals; what rounds to zero shows as 0, not -0 (fp16's KL to itself)."""
+    return "-" if x is None or math.isnan(x) else f"{round(x, digits) + 0.0:.{digits}f}"
 
 
 def _shown(row: dict, digits: int = 3) -> str:
