@@ -106,7 +106,8 @@ def _shown(row: dict, digits: int = 3) -> str:
 
 
 def format_turns(by_recipe: dict, key: str, digits: int = 3) -> str:
-    """Markdown: a row per turn, a column per recipe: mean [95% interval], and n."""
+    """Markdown: a row per turn, a column per recipe: mean [95% interval], and n (the most
+    any recipe has there; a cell over fewer sessions, a recipe still running, says its own)."""
     recipes = list(by_recipe)
     rows_of = {r: {row["turn"]: row for row in by_recipe[r][key]} for r in recipes}
     turns = sorted({t for rows in rows_of.values() for t in rows})
@@ -114,7 +115,10 @@ def format_turns(by_recipe: dict, key: str, digits: int = 3) -> str:
     for t in turns:
         cells = [rows_of[r].get(t) for r in recipes]
         n = max(c["n"] for c in cells if c is not None)
-        shown = [_shown(c, digits) if c is not None else "-" for c in cells]
+        shown = [
+            "-" if c is None else _shown(c, digits) + (f" (n {c['n']})" if c["n"] != n else "")
+            for c in cells
+        ]
         out.append(f"| {t} | {n} | " + " | ".join(shown) + " |")
     return "\n".join(out)
 

@@ -199,6 +199,9 @@ def test_report_pairs_against_fp16(sessions, tmp_path):
     assert "McNemar" in text and "| 4 | 1 |" in text
     # fp16's drift to itself is zero up to rounding: never shown as -0.0000
     assert "-0.0000" not in text and sessionreport._num(-4e-9, 4) == "0.0000"
+    # a recipe over fewer sessions than the row's n says its own
+    fewer = {**by_recipe, "kivi-2": {**kivi, "kl": [{**r, "n": 7} for r in kivi["kl"]]}}
+    assert "(n 1)" in sessionreport.format_turns(fewer, "kl")
     assert sessionreport.plot(by_recipe, tmp_path / "s.png").stat().st_size > 0
 
 
