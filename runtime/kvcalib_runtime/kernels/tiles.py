@@ -79,7 +79,7 @@ def fp8_encode(steps):
 def fp8_decode(code):
     """fp32 values of uint8 E4M3FN bytes (layouts.fp8.decode), built from their bits: exponent
     and mantissa moved into an fp16's (bias 15, not 7: times 2^8 after), the sign to bit 15;
-    E4M3's subnormals land on fp16's, so every byte is exact (a shift, two masks, no select)."""
+    E4M3's subnormals land on fp16's, so every byte is exact (shifts and masks, no select)."""
     b = code.to(tl.int32)
     half = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.int16)
     return half.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
@@ -122,8 +122,9 @@ def trig(angle, FAST: tl.constexpr = False):
     """(cos, sin) of fp32 angles without libdevice (whose slow path for large arguments puts a
     local-memory array in the loop): reduced to [-pi, pi] (Cody-Waite), then by quadrant to
     [-pi/4, pi/4], where Cephes' sinf / cosf polynomials are within 2 ulp. FAST (a GPU): the
-    reduced angle by the SFU's cos.approx / sin.approx (SINCOS_ASM: absolute error 2^-21.4
-    on [-pi, pi], CUDA's __sinf bound; 4 instructions, not ~25)."""
+    reduced angle by the SFU's cos.approx / sin.approx (SINCOS_ASM: absolute error 2^-21.41
+    on [-pi, pi], CUDA's __sinf bound; in the pre-RoPE slot loop ~14 instructions where the
+    polynomials took ~30)."""
     turns = (angle * INV_TWO_PI + ROUNDING) - ROUNDING
     angle = tl.fma(-turns, TWO_PI_LO, tl.fma(-turns, TWO_PI_HI, angle))
     if FAST:
