@@ -14,6 +14,9 @@ from kvcalib.errors import RecipeError
 from kvcalib.evaluation.listing import recipe_bits
 from kvcalib_runtime.layouts.quant import QuantSpec, fake_quantize
 
+ABLATION = Path(__file__).resolve().parents[3] / "benchmarks" / "kvcalib-1.5-ablation"
+SLOTS = ABLATION.parent / "long_context" / "smollm2-135m" / "variants" / "kvcalib-1.5s.toml"
+
 
 def _clusters(gen, heads=2, t=512, d=16, spread=0.01):
     """x [heads, t, d] drawn around 4 centres per vector of 2 channels (the same 4 for every
@@ -74,30 +77,27 @@ def test_fisher_weights_lower_the_weighted_error():
 
 
 def test_the_presets_variants_and_their_ablation_neighbours():
-    # kvcalib-1.5 and kvcalib-1.5s (vectors of 4, RoPE pairs, per head, Fisher; 6-bit and 5-bit
-    # indices) ask for their own codebooks, the same variants at their two widths; with the
-    # ablation the calibration fits each one-factor neighbour too, its own vectors at 4-8 bits
-    # and values in octets at 8: what the README's ablation and bits curve evaluate. A default
+    # kvcalib-1.5 (vectors of 4, RoPE pairs, per head, Fisher; 6-bit indices) asks for its own
+    # codebooks; with the ablation the calibration fits each one-factor neighbour too, its own
+    # vectors at 4-8 bits (kvcalib-1.5s's 5 among them: the retired variant's profile) and
+    # values in octets at 8: what the README's ablation and bits curve evaluate. A default
     # calibration fits only the presets' own (each costs k-means).
     recipe = load_recipe("kvcalib-1.5")
-    own = {codebook_variant(t, getattr(recipe, t)): (5, 6) for t in ("key", "value")}
-    slots = load_recipe("kvcalib-1.5s")
+    own = {codebook_variant(t, getattr(recipe, t)): (6,) for t in ("key", "value")}
+    slots = load_recipe(str(SLOTS))
     assert {codebook_variant(t, getattr(slots, t)) for t in ("key", "value")} == set(own)
     assert vectorbooks.wanted() == own
     wanted = vectorbooks.wanted(ablation=True)
     for variant in own:
         assert wanted[variant] == (4, 5, 6, 7, 8)
-    assert wanted["key:vq2:pre_rope:rope:head:fisher"] == (2, 3)
+    assert wanted["key:vq2:pre_rope:rope:head:fisher"] == (3,)
     assert {"key:vq4:pre_rope:head:fisher", "key:vq4:pre_rope:rope:layer:fisher"} <= set(wanted)
     assert {"value:vq4:head:plain", "value:vq4:layer:fisher"} <= set(wanted)
     assert wanted["value:vq8:head:fisher"] == (8,)
-    assert wanted["key:vq4:pre_rope:rope:head:fisher+answer"] == (5, 6)
-    assert wanted["value:vq4:head:fisher+answer"] == (5, 6)
+    assert wanted["key:vq4:pre_rope:rope:head:fisher+answer"] == (6,)
+    assert wanted["value:vq4:head:fisher+answer"] == (6,)
     for variant in wanted:
         assert vectorbooks.parse(variant)[1] in (2, 4, 8)
-
-
-ABLATION = Path(__file__).resolve().parents[3] / "benchmarks" / "kvcalib-1.5-ablation"
 
 
 @pytest.mark.parametrize("path", sorted(ABLATION.glob("*.toml")), ids=lambda p: p.stem)
