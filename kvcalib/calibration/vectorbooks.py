@@ -267,17 +267,28 @@ def _lloyd(u, weight, s2, count: int, generator) -> torch.Tensor:
     book = u[start]
     if len(book) < count:  # fewer samples than entries: the rest repeat the first
         book = torch.cat([book, book[:1].expand(count - len(book), -1)])
-    su2 = (s2 * u).T  # [w, M]
+    su2 = (s2 * u).contiguous()  # [M, w]: a transposed operand took the slow matmul
     base = (s2 * u.square()).sum(-1, keepdim=True)
+    s2, wu = s2.contiguous(), weight * u
+    order = torch.arange(count, dtype=u.dtype, device=u.device)
     for _ in range(ITERATIONS):
-        # base - 2 su2^T book^T + s2 book^2^T [M, E], bit for bit (-2 x is exact, + commutes),
+        # base - 2 su2 book^T + s2 book^2^T [M, E], bit for bit (-2 x is exact, + commutes),
         # in place: a fresh [M, E] per step and argmin's slow path were 70% of the k-means
-        dist = torch.mm(su2.T, book.T).mul_(-2).add_(base).add_(torch.mm(s2, book.square().T))
-        cell = dist.min(-1).indices  # argmin's first minimum, twice as fast
+        dist = torch.mm(su2, book.T).mul_(-2).add_(base).add_(torch.mm(s2, book.square().T))
+        cell = _first_min(dist, order)
         mass = torch.zeros_like(book).index_add_(0, cell, weight)
-        moment = torch.zeros_like(book).index_add_(0, cell, weight * u)
+        moment = torch.zeros_like(book).index_add_(0, cell, wu)
         new = torch.where(mass > 0, moment / mass.clamp_min(1e-30), book)
         if torch.equal(new, book):
             break
         book = new
     return book
+
+
+def _first_min(dist, order):
+    """The index of each row's first minimum of dist [M, E] (as argmin), order = 0 .. E - 1 in
+    dist's dtype: the row's minimum subtracted is 0 exactly at its minima and > 0 elsewhere, so
+    order + E * sign is smallest at the first one. Float passes only: a comparison's bool
+    tensor, or min's indices, cost twice as much on a CPU."""
+    low = dist.amin(-1, keepdim=True)
+    return torch.add(order, dist.sub_(low).sign_(), alpha=len(order)).amin(-1).long()
