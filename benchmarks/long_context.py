@@ -13,9 +13,15 @@ loses what NAME loses.
 One JSON per prompt under --out/cells/<task>-<length>/ (the prompt's token ids' sha256, every
 recipe's record, the seconds it took), written as it finishes and skipped when present with the
 same prompt and recipes: a run stopped at any point resumes where it was, in this session or the
-next. A calibrated recipe's record carries the digest of what its plan resolved from the profile
-(scheme and calibrated tensors, "plan"): scored under another plan (another calibration, or
-before records carried one), it is scored again; the others' records stand.
+next. Every record carries the digest of what its recipe's plan resolved (scheme, and a calibrated
+recipe's tensors from the profile: "plan"): scored under another plan (a changed preset, another
+calibration), it is scored again. Records of profile-free recipes written before they carried one
+(plan None) stand where --out/legacy-plans.json names today's plan as the one they were scored
+under (no such preset changed before: CHANGELOG.md).
+--against NAME:PROFILE pairs every recipe with NAME's records scored under another profile (a
+cheaper calibration's allocation against the one it would replace): the cells whose NAME record
+carries that profile's plan digest, reported beside the rest, never scored here.
+
 At the end (or with --report-only) every prompt present for the grid is tabulated into
 --out/NAME.md and .json (--name, default long_context: another recipe set's table beside it;
 accuracy with Wilson 95% intervals; paired differences to fp16 with bootstrap intervals and
@@ -41,6 +47,7 @@ from kvcalib_runtime.cache.scheme import LATER_FIELDS
 
 HERE = Path(__file__).resolve().parent
 RESIDUAL = 128
+LEGACY = "legacy-plans.json"
 RECIPES = ("fp16", "kivi-2", "turboquant-2.5", "kvcalib-2", "kvcalib-3")
 VERSUS, VERSUS_PEER = "kvcalib-2", "turboquant-2.5"  # also paired against each other
 SIDES = ("keys", "values")
@@ -65,7 +72,7 @@ def _read(path: Path) -> dict | None:
 def _setup(args, recipes: list[str]):
     """The model, its tokenizer, every recipe planned (a missing default profile is calibrated
     here, once) and each recipe's tag: the sha256 of what its plan resolved (scheme and
-    calibrated tensors), or None for a recipe that reads no profile."""
+    calibrated tensors)."""
     from kvcalib import load_model
     from kvcalib.api import default_profile
     from kvcalib.core.models import resolve
@@ -78,7 +85,12 @@ def _setup(args, recipes: list[str]):
     every = candidates(model, recipes, profile, residual=RESIDUAL)
     split = [c for r, c in zip(recipes, every, strict=True) if r in args.split]
     every += [coded_alone(c, side) for c in split for side in SIDES]
-    tags = {c.name: _digest(c) if c.recipe.needs_profile else None for c in every}
+    tags = {c.name: _digest(c) for c in every}
+    if args.against:
+        name, path = args.against.split(":", 1)
+        other_profile = default_profile(resolve(args.model), path)
+        (other,) = candidates(model, [name], other_profile, residual=RESIDUAL)
+        args.against_tag = (name, _digest(other))
     return model, tokenizer, every, tags
 
 
@@ -108,12 +120,24 @@ def _digest(candidate) -> str:
     return h.hexdigest()[:16]
 
 
-def _current(known: dict, tags: dict) -> set[str]:
+def legacy(out) -> dict:
+    """{recipe: plan digest} of the records under `out` written without a plan (LEGACY)."""
+    path = Path(out) / LEGACY
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def stands(plan, name: str, tag: str, old: dict) -> bool:
+    """Whether a record of recipe `name` scored under `plan` stands for today's plan `tag`: the
+    same plan, or no plan recorded and `old` (legacy()) naming today's as the one it was."""
+    return plan == tag or (plan is None and old.get(name) == tag)
+
+
+def _current(known: dict, tags: dict, old: dict) -> set[str]:
     """The recipes whose record in `known` stands: present, scored with today's plan."""
     return {
         r
         for r, tag in tags.items()
-        if r in known["recipes"] and known["recipes"][r].get("plan") == tag
+        if r in known["recipes"] and stands(known["recipes"][r].get("plan"), r, tag, old)
     }
 
 
@@ -124,13 +148,14 @@ def _worker(args, share: list[tuple], recipes: list[str], setup=None) -> None:
     haystack = longcontext.haystack(tokenizer)
     sinks, stop = longcontext.sinks_read(every), longcontext.stop_tokens(tokenizer)
     out = Path(args.out)
+    old = legacy(out)
     for task, n, seed, depth in share:
         sample = longcontext.build(tokenizer, haystack, task, n, seed, depth)
         path = cell_file(out, task, n, seed, depth)
         known = _read(path)
         if known is None or known["sha"] != _sha(sample.ids):
             known = {"sha": _sha(sample.ids), "recipes": {}, "seconds": 0.0}
-        todo = [c for c in every if c.name not in _current(known, tags)]
+        todo = [c for c in every if c.name not in _current(known, tags, old)]
         if not todo:
             continue
         start = time.perf_counter()
@@ -151,10 +176,10 @@ def _worker(args, share: list[tuple], recipes: list[str], setup=None) -> None:
 def _pending(args, tags: dict) -> list[tuple]:
     """The grid's prompts whose file is missing or lacks a current record of a recipe (the
     prompt's hash is checked by the worker, which has the tokenizer)."""
-    out = []
+    out, old = [], legacy(args.out)
     for p in longcontext.grid(args.tasks, args.lengths, args.prompts):
         known = _read(cell_file(Path(args.out), *p))
-        if known is None or len(_current(known, tags)) < len(tags):
+        if known is None or len(_current(known, tags, old)) < len(tags):
             out.append(p)
     return out
 
@@ -163,10 +188,10 @@ def report(args, tags: dict, hours: float) -> str:
     from kvcalib.evaluation import longreport
 
     out, recipes = Path(args.out), list(tags)
-    records, seconds = [], 0.0
+    records, seconds, old = [], 0.0, legacy(out)
     for p in longcontext.grid(args.tasks, args.lengths, args.prompts):
         known = _read(cell_file(out, *p))
-        if known is not None and len(_current(known, tags)) == len(tags):
+        if known is not None and len(_current(known, tags, old)) == len(tags):
             records.append((SimpleNamespace(task=p[0], length=p[1]), known["recipes"]))
             seconds += known["seconds"]
     if not records:
@@ -217,12 +242,54 @@ def report(args, tags: dict, hours: float) -> str:
             ),
             "",
         ]
+    paired = against(args, tags) if args.against else None
+    if paired is not None:
+        text += paired[0]
     out.joinpath(f"{args.name}.md").write_text("\n".join(text))
     doc = {"setup": setup, "rows": [vars(r) for r in rows]}
+    if paired is not None:
+        doc["against"] = {"recipe": args.against, "rows": [vars(r) for r in paired[1]]}
     out.joinpath(f"{args.name}.json").write_text(json.dumps(doc, indent=1) + "\n")
     longreport.plot(rows, out / f"{args.name}.png")
     longreport.plot_probe(rows, out / f"{args.name}_probe.png")
     return "\n".join(text)
+
+
+def against(args, tags: dict) -> tuple[list[str], list]:
+    """The report's lines pairing each recipe with --against's NAME under its own profile, over
+    the prompts where both records stand, and their rows (recipe, long_context)."""
+    from kvcalib.evaluation import longreport
+
+    name, tag = args.against_tag
+    recipes, old = list(tags), legacy(args.out)
+    label = f"{name} ({Path(args.against.split(':', 1)[1]).name})"
+    records = []
+    for p in longcontext.grid(args.tasks, args.lengths, args.prompts):
+        known = _read(cell_file(Path(args.out), *p))
+        if known is None or known["recipes"].get(name, {}).get("plan") != tag:
+            continue
+        if len(_current(known, tags, old)) == len(tags):
+            mine = {r: known["recipes"][r] for r in recipes}
+            records.append(
+                (SimpleNamespace(task=p[0], length=p[1]), {**mine, label: known["recipes"][name]})
+            )
+    if not records:
+        return [f"No prompt holds {name}'s record under {args.against.split(':', 1)[1]}.", ""], []
+    pooled = [(SimpleNamespace(task="all tasks", length=s.length), r) for s, r in records]
+    rows = [
+        SimpleNamespace(
+            recipe=r, long_context=longcontext.cells(records + pooled, r, reference=label)
+        )
+        for r in recipes
+        if r != name
+    ]
+    lines = [
+        f"Paired against {label}, {name} scored under that profile, on the same prompts:",
+        "",
+        longreport.format_paired(rows, reference=label),
+        "",
+    ]
+    return lines, rows
 
 
 def main() -> None:
@@ -243,6 +310,12 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=1, help="Processes, each its model.")
     parser.add_argument("--out", default=None, help="Default: benchmarks/long_context/MODEL.")
     parser.add_argument("--report-only", action="store_true", help="Tabulate what is done.")
+    parser.add_argument(
+        "--against",
+        default=None,
+        metavar="NAME:PROFILE",
+        help="Also pair every recipe with NAME's records scored under PROFILE (not scored here).",
+    )
     parser.add_argument(
         "--name",
         default="long_context",

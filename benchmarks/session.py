@@ -59,20 +59,26 @@ def _session(args, tokenizer, seed: int):
     return sess.generate(tokenizer, seed, turns=args.turns, **sizes)
 
 
-def _done(known: dict | None, sha: str, tag) -> bool:
-    return known is not None and known.get("sha") == sha and known.get("plan") == tag
+def _done(known: dict | None, sha: str, name: str, tag: str, old: dict) -> bool:
+    """Whether a cell stands: this session's, scored under today's plan (LC.stands)."""
+    return (
+        known is not None
+        and known.get("sha") == sha
+        and LC.stands(known.get("plan"), name, tag, old)
+    )
 
 
 def _worker(args, seeds: list[int], recipes: list[str], setup=None) -> None:
     """Run every pending (seed, recipe) cell of `seeds` (one process, its own model)."""
     model, tokenizer, every, tags = setup or LC._setup(args, recipes)
     out = Path(args.out)
+    old = LC.legacy(out)
     for seed in seeds:
         s = _session(args, tokenizer, seed)
         sha = session_sha(tokenizer, s, args.max_new)
         for c in every:
             path = cell_file(out, seed, c.name)
-            if _done(LC._read(path), sha, tags[c.name]):
+            if _done(LC._read(path), sha, c.name, tags[c.name], old):
                 continue
             start = time.perf_counter()
             record = sess.run_session(model, tokenizer, c, s, max_new=args.max_new)
@@ -104,12 +110,12 @@ def collect(args, tokenizer, tags: dict) -> dict:
     checked against the size asked for). Cells of these sessions scored under another plan are
     left out, and said so: a report run with another --profile than the cells' would otherwise
     read as a recipe with no session done."""
-    records, other = {}, {}
+    records, other, old = {}, {}, LC.legacy(args.out)
     for seed in range(args.sessions):
         sha = session_sha(tokenizer, _session(args, tokenizer, seed), args.max_new)
         for recipe, tag in tags.items():
             known = LC._read(cell_file(Path(args.out), seed, recipe))
-            if _done(known, sha, tag):
+            if _done(known, sha, recipe, tag, old):
                 records.setdefault(seed, {})[recipe] = known["record"]
             elif known is not None and known.get("sha") == sha:
                 other[recipe] = other.get(recipe, 0) + 1

@@ -5,6 +5,7 @@ would, and the suite runs end to end on the real model."""
 import json
 import re
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from click.testing import CliRunner
 from support.tiny import tiny_model
 
 from kvcalib.core.data import read_text
+from kvcalib.core.recipe import load_recipe
 from kvcalib.errors import DataError
 from kvcalib.evaluation import longcontext, longreport, longtasks
 from kvcalib.evaluation.external import external_cache
@@ -290,10 +292,12 @@ def _bench():
     return module
 
 
-def test_benchmark_rescores_a_record_from_another_calibration_only():
+def test_benchmark_rescores_a_record_from_another_plan_only():
     # The resumable benchmark keeps a record while the plan it was scored under stands: a
     # calibrated recipe planned from another profile (one range moved) must be scored again, the
-    # same profile must keep it, and a recipe that reads no profile keeps its record either way.
+    # same profile must keep it; a profile-free recipe's record carries its plan too, and one
+    # written before records carried it stands only where legacy-plans.json names today's plan
+    # as the one it was scored under (a preset changed since is scored again).
     from support.tiny import ShapeProfile
 
     bench = _bench()
@@ -306,14 +310,32 @@ def test_benchmark_rescores_a_record_from_another_calibration_only():
     (other,) = candidates(model, ["kvcalib-2"], moved, residual=128)
     assert bench._digest(kv2) == bench._digest(again)
     assert bench._digest(kv2) != bench._digest(other)
+    fp16, kivi2, kivi4 = candidates(model, ["fp16", "kivi-2", "kivi-4"], residual=128)
+    assert len({bench._digest(c) for c in (fp16, kivi2, kivi4)}) == 3
 
-    tags = {"fp16": None, "kvcalib-2": bench._digest(kv2)}
-    known = {"recipes": {"fp16": {"correct": True}, "kvcalib-2": {"plan": tags["kvcalib-2"]}}}
-    assert bench._current(known, tags) == {"fp16", "kvcalib-2"}
+    tags = {"fp16": bench._digest(fp16), "kvcalib-2": bench._digest(kv2)}
+    known = {"recipes": {"fp16": {"plan": tags["fp16"]}, "kvcalib-2": {"plan": tags["kvcalib-2"]}}}
+    assert bench._current(known, tags, {}) == {"fp16", "kvcalib-2"}
     known["recipes"]["kvcalib-2"]["plan"] = bench._digest(other)
-    assert bench._current(known, tags) == {"fp16"}
+    assert bench._current(known, tags, {}) == {"fp16"}
     del known["recipes"]["kvcalib-2"]["plan"]  # scored before records carried a plan
-    assert bench._current(known, tags) == {"fp16"}
+    assert bench._current(known, tags, {"kvcalib-2": tags["kvcalib-2"]}) == {"fp16", "kvcalib-2"}
+    del known["recipes"]["fp16"]["plan"]
+    assert bench._current(known, tags, {}) == set()
+    assert bench._current(known, tags, {"fp16": tags["fp16"]}) == {"fp16"}
+    assert bench._current(known, tags, {"fp16": bench._digest(kivi2)}) == set()
+
+
+def test_the_legacy_plans_name_profile_free_presets():
+    # Each committed legacy-plans.json (records written without a plan) names presets that read
+    # no profile, each once with a digest: what the runner compares today's plan against.
+    root = Path(__file__).resolve().parents[3] / "benchmarks"
+    files = sorted(root.glob("*/*/legacy-plans.json"))
+    assert len(files) >= 4
+    for path in files:
+        for name, digest in json.loads(path.read_text()).items():
+            assert not load_recipe(name).needs_profile, (path, name)
+            assert len(digest) == 16 and int(digest, 16) >= 0, (path, name)
 
 
 def test_benchmark_split_quantizes_one_side_of_the_plan():
