@@ -5,6 +5,7 @@ ratios, measured in one run.
     python benchmarks/bench_calibrate.py --scale          # + convert / copy (2B checkpoint)
     python benchmarks/bench_calibrate.py --keep           # + cache the profile as the default
     python benchmarks/bench_calibrate.py --model qwen2.5-0.5b --eval-windows 0   # another model
+    python benchmarks/bench_calibrate.py --eval-windows 0 --json DIR/MODEL.json  # the record
 
   calibrate / forward  `kvcalib.calibrate` of the default model (smollm2-135m) with the
                        default settings, load and report included, against the model's own
@@ -19,12 +20,17 @@ ratios, measured in one run.
                        safetensors load_file + save_file of its shards. Target <= 1.5x.
 
 Every number is printed with the machine's 1-minute load average (other jobs share the cores:
-ratios of interleaved runs hold up better than seconds).
+ratios of interleaved runs hold up better than seconds). --json writes the calibration's record
+(the committed ones, benchmarks/calibration-cost/, are the tables of docs/models.md).
 """
 
 import argparse
+import dataclasses
+import datetime
+import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,12 +44,34 @@ import bench_scale
 
 from kvcalib import calibrate, load_model
 from kvcalib.api import default_profile_path
+from kvcalib.calibration import Settings
 from kvcalib.core.data import calibration_windows, eval_windows
 from kvcalib.core.models import resolve
 
 
 def _load() -> str:
     return f"load {os.getloadavg()[0]:.1f}"
+
+
+def _commit() -> str:
+    """The checkout's commit (with "+" when the tree differs from it), or "" outside git."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("+" if dirty.strip() else "")  # fmt: skip
 
 
 def plain_forward(model, ids) -> float:
@@ -60,6 +88,7 @@ def main() -> None:
     parser.add_argument("--eval-windows", type=int, default=2, help="0: no eval ratios")
     parser.add_argument("--scale", action="store_true", help="also convert / copy (2B model)")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None, help="write the calibration's record")
     parser.add_argument(
         "--keep",
         action="store_true",
@@ -68,21 +97,41 @@ def main() -> None:
     )
     args = parser.parse_args()
     print(f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads, {_load()}")
+    loads = [os.getloadavg()[0]]
     model, tokenizer = load_model(args.model)
     ids = calibration_windows(tokenizer, None, num_samples=16, seq_len=512, seed=0)
     before = plain_forward(model, ids)
     print(f"plain forward 16 x 512: {before:.1f} s ({_load()})", flush=True)
+    loads.append(os.getloadavg()[0])
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         start = time.perf_counter()
         profile = calibrate(args.model, Path(tmp) / "profile", progress=False)
         total = time.perf_counter() - start
         print(f"calibrate: {total:.1f} s ({_load()})", flush=True)
+        loads.append(os.getloadavg()[0])
         after = plain_forward(model, ids)
+        loads.append(os.getloadavg()[0])
         plain = min(before, after)
         print(f"plain forward 16 x 512: {after:.1f} s ({_load()})\n")
         phases = "  ".join(f"{k} {v:.1f}s" for k, v in profile.meta["timings"].items())
         print(f"calibrate / forward: {total / plain:.2f}x  ({total:.1f} s / {plain:.1f} s)")
         print(f"  phases: {phases}\n", flush=True)
+        if args.json:
+            record = {
+                "model": args.model or "smollm2-135m",
+                "date": datetime.date.today().isoformat(),
+                "commit": _commit(),
+                "settings": dataclasses.asdict(Settings()),
+                "cpus": os.cpu_count(),
+                "threads": torch.get_num_threads(),
+                "load": [round(x, 1) for x in loads],
+                "forward_seconds": [round(before, 1), round(after, 1)],
+                "calibrate_seconds": round(total, 1),
+                "ratio": round(total / plain, 2),
+                "phases": {k: round(v, 1) for k, v in profile.meta["timings"].items()},
+            }
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(record, indent=1) + "\n")
         if args.eval_windows:
             windows = eval_windows(tokenizer, None, windows=args.eval_windows, seq_len=1024)
             start_load = _load()

@@ -20,6 +20,10 @@ CHANGELOG.md says what each preset was that day).
   today on the same windows, and Gemma's and Qwen's decode tables.
 - benchmarks/long_context/<model>/long_context*.json and cells/ (`make long-context`): the
   long-context suite; each cell records every calibrated recipe's plan digest.
+- benchmarks/calibration-cost/<model>.json (`benchmarks/bench_calibrate.py --json`): the default
+  calibration timed against a plain forward over its calibration tokens, back to back; and what
+  its retrieval prompts' count does to kvcalib-2 on Qwen2.5: calibration-cost/prompts-kl/ (prose
+  KL) and long_context/qwen2.5-0.5b/long_context_probe8.json (`--against`, paired).
 - benchmarks/dtype/bf16_smollm2.json (`benchmarks/dtype/run.sh`): the main table's recipes in
   bfloat16 and float32 on the same windows, kvcalib's through its converted folder scored
   against the source model at that dtype (the main table's bf16 column).
@@ -36,6 +40,7 @@ BENCH = ROOT / "benchmarks"
 VALUES = BENCH / "kvcalib-2-values"
 LC = BENCH / "long_context"
 DTYPE = BENCH / "dtype" / "bf16_smollm2.json"
+COST = BENCH / "calibration-cost"
 STALE = {"kvcalib-2"}  # recipes changed since the version-less leaderboard.json was measured
 # The date of each record that predates preset versions (its rows carry no version).
 RECORDED = {"leaderboard.json": "2026-11-30", "kvcalib-2-values": "2026-12-04"}
@@ -170,12 +175,17 @@ def render_decode(model: str) -> str:
 
 
 def plans(folder: Path) -> dict[str, str]:
-    """recipe -> the plan digest its records under folder/cells carry ("mixed" when several)."""
+    """recipe -> the plan digest its records under folder/cells carry ("mixed" when several);
+    a record written before profile-free recipes' records carried one, the plan
+    folder/legacy-plans.json names for it (benchmarks/long_context.py)."""
+    legacy = folder / "legacy-plans.json"
+    old = _load(legacy) if legacy.exists() else {}
     seen: dict[str, set] = {}
     for cell in folder.glob("cells/*/*.json"):
         for name, record in _load(cell)["recipes"].items():
-            if record.get("plan"):
-                seen.setdefault(name, set()).add(record["plan"])
+            plan = record.get("plan") or old.get(name)
+            if plan:
+                seen.setdefault(name, set()).add(plan)
     return {name: next(iter(d)) if len(d) == 1 else "mixed" for name, d in seen.items()}
 
 
@@ -296,6 +306,55 @@ def render_sources() -> str:
     )
 
 
+def render_cost() -> str:
+    """The default calibration against a plain forward, a row per committed record."""
+    rows = []
+    for path in sorted(COST.glob("*.json")):
+        r = _load(path)
+        forward = min(r["forward_seconds"])
+        phases = ", ".join(f"{k} {v:.0f}" for k, v in r["phases"].items() if v >= 0.5)
+        rows.append([
+            r["model"], r["date"], str(r["settings"]["retrieval_prompts"]), f"{forward:.1f}",
+            f"{r['calibrate_seconds']:.0f}", f"**{r['ratio']:.2f}×**",
+            f"{min(r['load']):.1f}–{max(r['load']):.1f}", phases,
+        ])  # fmt: skip
+    head = [
+        "model",
+        "date",
+        "probe prompts",
+        "forward s",
+        "calibrate s",
+        "ratio",
+        "load",
+        "phases, s",
+    ]
+    return _table(head, ["---", "---", "---:", "---:", "---:", "---:", "---", "---"], rows)
+
+
+def render_prompts() -> str:
+    """The default calibration's 8 retrieval prompts against 16: kvcalib-2 on Qwen2.5's 4K suite
+    paired (long_context_probe8.json's "against" rows, all tasks pooled) and its prose KL."""
+    doc = lc_report("qwen2.5-0.5b", "long_context_probe8")
+    (row,) = [r for r in doc["against"]["rows"] if r["recipe"] == "kvcalib-2-probe8"]
+    c = row["long_context"]["all tasks"]["4096"]
+    n = c["samples"]
+    eight = round(c["accuracy"] * n)
+    sixteen = eight - round(c["diff"] * n)
+    kl = []
+    for text, label in (("python-docs", "Python docs"), ("licenses", "licenses"), ("chat", "chat")):
+        a, b = (_load(COST / "prompts-kl" / f"qwen2.5-0.5b-{text}-{k}-prompts.json")[0]["kld"]
+                for k in (16, 8))  # fmt: skip
+        kl.append(f"{label} {a:.4f} → {b:.4f}")
+    return (
+        f"On Qwen2.5-0.5B at 4K (n {n} prompts, paired), kvcalib-2 planned from 8 prompts answers "
+        f"{eight} against {sixteen} from 16: {100 * c['diff']:+.1f} points "
+        f"[{100 * c['diff_low']:+.1f}, {100 * c['diff_high']:+.1f}], McNemar p "
+        f"{c['mcnemar_p']:.2f}; answer NLL {c['nll_diff']:+.3f} "
+        f"[{c['nll_diff_low']:+.3f}, {c['nll_diff_high']:+.3f}] nats per token. Decode KL on "
+        f"4 × 1,024 tokens of each text, 16 prompts → 8: {'; '.join(kl)}."
+    )
+
+
 BLOCKS = {
     "headline": render_headline,
     "sources": render_sources,
@@ -308,8 +367,10 @@ BLOCKS = {
     "lc-smollm2": lambda: render_lc("smollm2-135m", "long_context_4bit"),
     "lc-qwen-4k": lambda: render_lc("qwen2.5-0.5b"),
     "lc-qwen-long": lambda: render_lc("qwen2.5-0.5b-long"),
+    "calibration-cost": render_cost,
+    "probe-prompts": render_prompts,
 }
-FILES = ("README.md", "docs/results.md", "docs/long-context.md")
+FILES = ("README.md", "docs/results.md", "docs/long-context.md", "docs/models.md")
 
 
 def rewrite(text: str, render=None) -> str:

@@ -371,6 +371,13 @@ def convert(model, no_calibrate, **options):
     "over its 16 x 512 tokens (docs/models.md).",
 )
 @click.option(
+    "--retrieval-prompts",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Retrieval prompts the answer-loss sensitivity reads, 1,024 tokens each (default 8; the "
+    "probe's cost grows with them; 0: none, and no answer loss).",
+)
+@click.option(
     "--gradient-windows",
     type=click.IntRange(min=1),
     default=None,
@@ -408,6 +415,7 @@ def calibrate_(
     sensitivity,
     answer_sensitivity,
     answer_probe,
+    retrieval_prompts,
     gradient_windows,
     sensitivity_windows,
     codebook_windows,
@@ -429,6 +437,9 @@ def calibrate_(
         sensitivity="fisher" if sensitivity == "none" else sensitivity,
         answer_sensitivity=answer_sensitivity,
         answer_probe=answer_probe,
+        retrieval_prompts=default.retrieval_prompts
+        if retrieval_prompts is None
+        else retrieval_prompts,
         sensitivity_windows=sensitivity_windows or gradient_windows or default.sensitivity_windows,
         codebook_windows=codebook_windows or gradient_windows or default.codebook_windows,
         vector_ablation=vector_ablation,

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcalib.api import DEFAULT_COST
 from kvcalib.core.models import DEFAULT_MODEL
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -23,9 +24,9 @@ RUN = {
     "kvcalib.calibrate(": "the Python API snippet",
     "QuantizedKVCache.from_recipe(": "the transformers snippet",
 }
-# What the API snippet runs here in place of what it says: its calibration (228 s) left out, the
-# committed profile standing in for the profile/ it writes, and its evaluation on one window of
-# 256 tokens (as written: 4 x 1,024, ~100 s of one core).
+# What the API snippet runs here in place of what it says: its calibration (DEFAULT_COST) left
+# out, the committed profile standing in for the profile/ it writes, and its evaluation on one
+# window of 256 tokens (as written: 4 x 1,024, ~100 s of one core).
 API_HERE = (
     ('profile = kvcalib.calibrate(None, "profile/", progress=True)', ""),
     (
@@ -92,8 +93,8 @@ SHELL_SKIPPED = {
     "make test-all": "a long run: set-up and every test (the README's first screen)",
     "pip install": "installs into the environment the tests run in; its pins are the Makefile's "
     "(test_pip_lines_pin_what_make_installs)",
-    "kvcalib calibrate": "a long run: the default calibration takes 228 s; the committed profile "
-    "stands in for the profile/ it writes",
+    "kvcalib calibrate": f"a long run: the default calibration takes {DEFAULT_COST}; the committed "
+    "profile stands in for the profile/ it writes",
 }
 # The lines run, in order, in one folder, as a shell runs them: the `kvcalib` beside this Python,
 # in a user's environment (`_user_env`); after each, what is added to keep the test small (as
