@@ -90,6 +90,9 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="write the calibration's record")
     parser.add_argument(
+        "--machine", default="", help="what else ran on the machine (written into the record)"
+    )
+    parser.add_argument(
         "--keep",
         action="store_true",
         help="keep the profile as the default model's default profile (what eval and convert "
@@ -122,6 +125,7 @@ def main() -> None:
                 "date": datetime.date.today().isoformat(),
                 "commit": _commit(),
                 "settings": dataclasses.asdict(Settings()),
+                "machine": args.machine,
                 "cpus": os.cpu_count(),
                 "threads": torch.get_num_threads(),
                 "load": [round(x, 1) for x in loads],

@@ -2,7 +2,7 @@
 calibration tokens, from a model's shape alone (no weights), for each of the answer probe's modes
 (`kvcalib calibrate --answer-probe screen`, the default, `cut` and `all`).
 
-    python benchmarks/calibration_cost.py
+    python benchmarks/calibration_cost.py [--json benchmarks/calibration-cost/predicted.json]
 
 A decoder layer's parameters per token (attention and a gated MLP) and the head's (hidden x
 vocab) price each phase as its progress bar counts it (kvcalib.calibration: observe, gradients,
@@ -23,6 +23,9 @@ matrix products fill the cores (bench_calibrate.py measures them); the ratios be
 and between the cut and the full probe are what the model predicts.
 """
 
+import argparse
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 from kvcalib.calibration import Settings, answerprobe
@@ -65,13 +68,31 @@ def phases(s: Shape, mode: str) -> dict[str, float]:
     return {k: v / forward for k, v in out.items()}
 
 
-def main() -> None:
+def predictions() -> list[dict]:
+    """Every shape and probe mode: its phases in forwards (what --json writes)."""
+    out = []
     for name, shape in SHAPES.items():
-        s = Shape(*shape)
         for mode in answerprobe.MODES:
-            p = phases(s, mode)
-            parts = "  ".join(f"{k} {v:.2f}" for k, v in p.items())
-            print(f"{name}, --answer-probe {mode}: {sum(p.values()):.1f}x  ({parts})")
+            p = phases(Shape(*shape), mode)
+            out.append(
+                {"model": name, "mode": mode, "phases": {k: round(v, 3) for k, v in p.items()}}
+            )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, default=None, help="also write the predictions")
+    args = parser.parse_args()
+    rows = predictions()
+    for r in rows:
+        parts = "  ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
+        print(
+            f"{r['model']}, --answer-probe {r['mode']}: {sum(r['phases'].values()):.1f}x  ({parts})"
+        )
+    if args.json:
+        settings = {"retrieval_prompts": R, "retrieval_tokens": T_PROMPT, "windows": N, "tokens": T}
+        args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ CHANGELOG.md says what each preset was that day).
 - benchmarks/calibration-cost/<model>.json (`benchmarks/bench_calibrate.py --json`): the default
   calibration timed against a plain forward over its calibration tokens, back to back; and what
   its retrieval prompts' count does to kvcalib-2 on Qwen2.5: calibration-cost/prompts-kl/ (prose
-  KL) and long_context/qwen2.5-0.5b/long_context_probe8.json (`--against`, paired).
+  KL) and long_context/qwen2.5-0.5b/long_context_probe8.json (`--against`, paired); its cost
+  model's predictions, calibration-cost/predicted.json (`benchmarks/calibration_cost.py --json`).
 - benchmarks/dtype/bf16_smollm2.json (`benchmarks/dtype/run.sh`): the main table's recipes in
   bfloat16 and float32 on the same windows, kvcalib's through its converted folder scored
   against the source model at that dtype (the main table's bf16 column).
@@ -41,6 +42,7 @@ VALUES = BENCH / "kvcalib-2-values"
 LC = BENCH / "long_context"
 DTYPE = BENCH / "dtype" / "bf16_smollm2.json"
 COST = BENCH / "calibration-cost"
+PREDICTED = COST / "predicted.json"  # calibration_cost.py --json: the cost model, not a record
 STALE = {"kvcalib-2"}  # recipes changed since the version-less leaderboard.json was measured
 # The date of each record that predates preset versions (its rows carry no version).
 RECORDED = {"leaderboard.json": "2026-11-30", "kvcalib-2-values": "2026-12-04"}
@@ -309,26 +311,21 @@ def render_sources() -> str:
 def render_cost() -> str:
     """The default calibration against a plain forward, a row per committed record."""
     rows = []
-    for path in sorted(COST.glob("*.json")):
+    for path in sorted(set(COST.glob("*.json")) - {PREDICTED}):
         r = _load(path)
         forward = min(r["forward_seconds"])
-        phases = ", ".join(f"{k} {v:.0f}" for k, v in r["phases"].items() if v >= 0.5)
+        phases = ", ".join(
+            f"{k} {v:.0f}" for k, v in r["phases"].items() if v >= 1 and k != "total"
+        )
         rows.append([
-            r["model"], r["date"], str(r["settings"]["retrieval_prompts"]), f"{forward:.1f}",
-            f"{r['calibrate_seconds']:.0f}", f"**{r['ratio']:.2f}×**",
+            r["model"], r["date"], r["machine"], str(r["settings"]["retrieval_prompts"]),
+            f"{forward:.1f}", f"{r['calibrate_seconds']:.0f}", f"**{r['ratio']:.2f}×**",
             f"{min(r['load']):.1f}–{max(r['load']):.1f}", phases,
         ])  # fmt: skip
-    head = [
-        "model",
-        "date",
-        "probe prompts",
-        "forward s",
-        "calibrate s",
-        "ratio",
-        "load",
-        "phases, s",
-    ]
-    return _table(head, ["---", "---", "---:", "---:", "---:", "---:", "---", "---"], rows)
+    rows.sort(key=lambda r: (r[0], r[2] != "otherwise idle"))
+    head = ["model", "date", "machine", "prompts", "forward s", "calibrate s", "ratio", "load",
+            "phases, s"]  # fmt: skip
+    return _table(head, ["---", "---", "---", "---:", "---:", "---:", "---:", "---", "---"], rows)
 
 
 def render_prompts() -> str:
@@ -355,6 +352,23 @@ def render_prompts() -> str:
     )
 
 
+def render_cost_model() -> str:
+    """The cost model's prediction for the default calibration (--answer-probe screen), a
+    sentence from PREDICTED."""
+    doc = _load(PREDICTED)
+    parts = []
+    for r in doc["rows"]:
+        if r["mode"] == "screen":
+            p = r["phases"]
+            parts.append(
+                f"{sum(p.values()):.1f} on {r['model']} (the probe {p['answer probe']:.2f})"
+            )
+    return (
+        f"{'; '.join(parts)}, with {doc['settings']['retrieval_prompts']} retrieval prompts of "
+        f"{doc['settings']['retrieval_tokens']} tokens."
+    )
+
+
 BLOCKS = {
     "headline": render_headline,
     "sources": render_sources,
@@ -369,6 +383,7 @@ BLOCKS = {
     "lc-qwen-long": lambda: render_lc("qwen2.5-0.5b-long"),
     "calibration-cost": render_cost,
     "probe-prompts": render_prompts,
+    "cost-model": render_cost_model,
 }
 FILES = ("README.md", "docs/results.md", "docs/long-context.md", "docs/models.md")
 

@@ -80,6 +80,28 @@ def test_the_cut_and_the_screen_plan_what_every_width_plans_on_the_committed_pro
     assert any(_plan(r, narrow)[0] != _plan(r, full)[0] for r in ANSWER_PRESETS)
 
 
+def _bits(recipe: str, profile: Profile) -> list:
+    scheme, _ = _plan(recipe, profile)
+    return [(layer.key.bits, layer.value.bits) for layer in scheme.layers]
+
+
+def test_eight_prompts_plan_what_sixteen_plan_on_smollm2_and_not_on_qwen():
+    """The default calibration reads 8 retrieval prompts (issue 56): on SmolLM2-135M a default
+    calibration with 8 gives kvcalib-2 the bits the committed profile's 16 give (so its records
+    stand for today's default), on Qwen2.5-0.5B 8 move them (what long_context_probe8 measured,
+    paired). The profiles say how many prompts they read."""
+    smol = Profile.load(PROFILES / "smollm2-135m" / "profile")
+    smol8 = Profile.load(PROFILES / "smollm2-135m" / "profile-8-prompts")
+    qwen = Profile.load(PROFILES / "qwen2.5-0.5b" / "profile")
+    qwen8 = Profile.load(PROFILES / "qwen2.5-0.5b" / "profile-probe8")
+    read = [p.meta["probe"]["answer"]["prompts"] for p in (smol, smol8, qwen, qwen8)]
+    assert read == [16, 8, 16, 8]
+    assert smol8.meta["settings"]["retrieval_prompts"] == Settings().retrieval_prompts
+    for recipe in ANSWER_PRESETS:
+        assert _bits(recipe, smol8) == _bits(recipe, smol)
+        assert _bits(recipe, qwen8) != _bits(recipe, qwen)
+
+
 def test_the_other_presets_read_no_answer_loss():
     """The cut can move only allocations that read the answer loss: every other preset that
     allocates reads the text's alone."""

@@ -299,12 +299,30 @@ def test_the_default_calibration_cost_is_the_docs():
     assert record["settings"] == dataclasses.asdict(Settings())
     seconds, times = f"{record['calibrate_seconds']:.0f}", f"{record['ratio']:.1f}"
     assert (
-        f"{seconds} s on 2 shared CPU cores for smollm2-135m, {times}x a plain forward"
+        f"{seconds} s on 2 CPU cores for smollm2-135m, {times}x a plain forward"
     ) == api.DEFAULT_COST
     docs = " ".join((root / "docs" / "models.md").read_text().split())
     assert f"| smollm2-135m | {record['date']} |" in docs
     helped = " ".join(CliRunner().invoke(main, ["calibrate", "--help"]).output.split())
-    assert f"the default calibration's {times} plain forwards" in helped
+    probe = f"{record['phases']['answer probe'] / min(record['forward_seconds']):.1f}"
+    assert f"the screen is {probe} of the default calibration's {times} plain forwards" in helped
+
+
+def test_the_cost_models_committed_predictions_are_todays():
+    # docs/models.md states the cost model's predictions from benchmarks/calibration-cost/
+    # predicted.json: a change to the default settings or to the probe's arithmetic that leaves
+    # the committed file behind fails here (`python benchmarks/calibration_cost.py --json ...`).
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[3] / "benchmarks"
+    spec = importlib.util.spec_from_file_location("calibration_cost", root / "calibration_cost.py")
+    cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cost)
+    committed = json.loads((root / "calibration-cost" / "predicted.json").read_text())
+    assert committed["rows"] == cost.predictions()
+    assert committed["settings"]["retrieval_prompts"] == Settings().retrieval_prompts
+    screen = [r for r in committed["rows"] if r["mode"] == "screen"]
+    assert len(screen) == 3 and all(0 < r["phases"]["answer probe"] < 5 for r in screen)
 
 
 def test_cli_calibrate_sensitivity_and_window_options(tmp_path, monkeypatch):
