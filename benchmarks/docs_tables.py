@@ -25,6 +25,7 @@ CHANGELOG.md says what each preset was that day).
   its retrieval prompts' count does to kvcalib-2 on Qwen2.5: calibration-cost/prompts-kl/ (prose
   KL) and long_context/qwen2.5-0.5b/long_context_probe8.json (`--against`, paired); its cost
   model's predictions, calibration-cost/predicted.json (`benchmarks/calibration_cost.py --json`).
+- benchmarks/sessions/<model>/sessions.json (`benchmarks/session.py`): the long chat sessions.
 - benchmarks/dtype/bf16_smollm2.json (`benchmarks/dtype/run.sh`): the main table's recipes in
   bfloat16 and float32 on the same windows, kvcalib's through its converted folder scored
   against the source model at that dtype (the main table's bf16 column).
@@ -369,6 +370,35 @@ def render_cost_model() -> str:
     )
 
 
+def render_sessions(model: str = "qwen2.5-0.5b") -> str:
+    """The session benchmark at its probe turns, a row per recipe, from sessions.json (written by
+    benchmarks/session.py): fact recall, drift and repetition, each with its n and interval."""
+    doc = _load(BENCH / "sessions" / model / "sessions.json")
+    rows = []
+    for name, r in doc["recipes"].items():
+        turns = [c["turn"] for c in r["recall"]]
+        kl = {c["turn"]: c for c in r["kl"]}
+        rep = {c["turn"]: c for c in r["repeat4_diff"]}
+        last = r["recall"][-1]
+        recall = " / ".join(f"{100 * c['accuracy']:.0f}%" for c in r["recall"])
+        if name == "fp16":
+            diff = drift = repeat = "–"
+        else:
+            diff = (f"{100 * last['diff']:+.0f} [{100 * last['diff_low']:+.0f}, "
+                    f"{100 * last['diff_high']:+.0f}], p {last['mcnemar_p']:.2g}")  # fmt: skip
+            drift = " / ".join(f"{kl[t]['mean']:.3f}" for t in turns)
+            c = rep[max(set(rep) - set(turns))]  # the last turn that asks no fact
+            repeat = f"{100 * c['mean']:+.0f} [{100 * c['low']:+.0f}, {100 * c['high']:+.0f}]"
+        rows.append([name, str(last["n"]), recall, diff, drift, repeat])
+    t = " / ".join(str(c["turn"]) for c in next(iter(doc["recipes"].values()))["recall"])
+    first = next(iter(doc["recipes"].values()))
+    chat = max({c["turn"] for c in first["repeat4_diff"]} - {c["turn"] for c in first["recall"]})
+    head = ["recipe", "sessions", f"fact recall at turns {t}", "Δ recall at the last vs fp16",
+            f"drift KL at turns {t}", f"4-grams repeated vs fp16, turn {chat}"]  # fmt: skip
+    table = _table(head, ["---", "---:", "---:", "---:", "---:", "---:"], rows)
+    return doc["setup"] + ".\n\n" + table
+
+
 BLOCKS = {
     "headline": render_headline,
     "sources": render_sources,
@@ -384,8 +414,15 @@ BLOCKS = {
     "calibration-cost": render_cost,
     "probe-prompts": render_prompts,
     "cost-model": render_cost_model,
+    "sessions": render_sessions,
 }
-FILES = ("README.md", "docs/results.md", "docs/long-context.md", "docs/models.md")
+FILES = (
+    "README.md",
+    "docs/results.md",
+    "docs/long-context.md",
+    "docs/models.md",
+    "docs/sessions.md",
+)
 
 
 def rewrite(text: str, render=None) -> str:
