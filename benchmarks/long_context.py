@@ -86,7 +86,7 @@ def _setup(args, recipes: list[str]):
     split = [c for r, c in zip(recipes, every, strict=True) if r in args.split]
     every += [coded_alone(c, side) for c in split for side in SIDES]
     tags = {c.name: _digest(c) for c in every}
-    if args.against:
+    if getattr(args, "against", None):  # benchmarks/session.py shares this setup
         name, path = args.against.split(":", 1)
         other_profile = default_profile(resolve(args.model), path)
         (other,) = candidates(model, [name], other_profile, residual=RESIDUAL)
