@@ -399,6 +399,33 @@ def render_sessions(model: str = "qwen2.5-0.5b") -> str:
     return doc["setup"] + ".\n\n" + table
 
 
+def render_sessions_headline(model: str = "qwen2.5-0.5b") -> str:
+    """The session benchmark in one sentence for the README: fact recall at the last probe turn
+    and drift there, per recipe, with n (sessions.json)."""
+    recipes = _load(BENCH / "sessions" / model / "sessions.json")["recipes"]
+    first = next(iter(recipes.values()))
+    turn, turns = first["recall"][-1]["turn"], len(first["kl"])
+
+    def recall(r):
+        c = r["recall"][-1]
+        return f"{100 * c['accuracy']:.0f}% [{100 * c['low']:.0f}, {100 * c['high']:.0f}]"
+
+    def drift(r):
+        c = next(c for c in r["kl"] if c["turn"] == turn)
+        return f"{c['mean']:.3f} [{c['low']:.3f}, {c['high']:.3f}]"
+
+    recall = ", ".join(
+        f"{name} {recall(r)} (n {r['recall'][-1]['n']})" for name, r in recipes.items()
+    )
+    drift = ", ".join(f"{name} {drift(r)}" for name, r in recipes.items() if name != "fp16")
+    return (
+        f"On Qwen2.5-Coder-0.5B, through chat sessions of {turns} turns whose answers stay in "
+        f"the cache (interim), the system prompt's facts asked at turn {turn} come back from "
+        f"{recall}; drift there (KL per answer token against full precision on the same "
+        f"history): {drift}."
+    )
+
+
 BLOCKS = {
     "headline": render_headline,
     "sources": render_sources,
@@ -415,6 +442,7 @@ BLOCKS = {
     "probe-prompts": render_prompts,
     "cost-model": render_cost_model,
     "sessions": render_sessions,
+    "sessions-headline": render_sessions_headline,
 }
 FILES = (
     "README.md",
