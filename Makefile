@@ -15,7 +15,7 @@ OUT ?= out
 MODEL ?= smollm2-135m
 
 .PHONY: setup setup-vllm demo test test-all test-runtime test-vllm lint leaderboard long-context gpu-check \
-	kernel-budget docs
+	kernel-budget kernel-floor docs
 
 $(STAMP): pyproject.toml runtime/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -112,6 +112,9 @@ gpu-check: setup
 kernel-budget: setup
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/kernel_budget.py --out benchmarks/kernel_budget
 	$(BIN)/python benchmarks/kernel_budget.py --out benchmarks/kernel_budget --results
+
+kernel-floor: setup
+	$(BIN)/python benchmarks/kernel_floor.py --out benchmarks/kernel_budget/floor.json
 
 # The fast suite (no real-model test); everything (what CI runs): the runtime's tests with the
 # runtime installed alone, then the whole suite with the toolkit.
