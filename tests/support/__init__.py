@@ -7,9 +7,10 @@
     bodies        random quantized bodies of every layout (runtime tests)
     decode_cases  the decode kernel's cases and inputs, and its reference
     native_cases  stand-in compilers for the C library's build
+    ptx           an executor of the kernels' inline PTX, one thread's instructions on CPU
     calibrate     a tiny llama calibrated in memory (the calibration tests)
     caches        the simulated cache's tests' small llama, random ids and history reads
 
-Each imports only what its tier has: bodies, decode_cases, mutate and native_cases run in the
+Each imports only what its tier has: bodies, decode_cases, mutate, native_cases and ptx run in the
 runtime-only venv (`make test-runtime`).
 """

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from support.bodies import random_body, tensors, to_device
 from support.decode_cases import DECODE_CASES, decode_inputs, reference
+from support.ptx import run_ptx
 
 from kvcalib_runtime.kernels import decode_attention as dec
 from kvcalib_runtime.kernels import decode_config as cfg
@@ -200,50 +201,6 @@ def test_splits_fill_the_gpu_by_the_compiled_kernels_occupancy(monkeypatch):
     assert cfg.num_splits(torch.device("cpu"), 8, 32768, 64, 4) == 1
 
 
-def _run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Execute kernels.packed's PTX on int64 tensors of 32-bit values (prmt.b32 in its default
-    mode, and.b32, or.b32, shl.b32, shr.u32, mad.lo.u32, mov.b32 {lo, hi}: the PTX ISA's
-    definitions)."""
-    mask = 0xFFFFFFFF
-
-    def value(token):
-        return regs[token] if token in regs else torch.tensor(int(token, 0))
-
-    for line in asm.strip("{} \n").split(";"):
-        line = line.strip()
-        if not line or line.startswith(".reg"):
-            continue
-        op, args = line.split(None, 1)
-        if op == "mov.b32":  # {lo, hi}, src: the two 16-bit halves
-            halves, src = args.rsplit(",", 1)
-            lo, hi = (h.strip(" {}") for h in halves.split(","))
-            regs[lo], regs[hi] = value(src.strip()) & 0xFFFF, value(src.strip()) >> 16
-            continue
-        dst, *src = [a.strip() for a in args.split(",")]
-        a, b = value(src[0]), value(src[1])
-        if op == "and.b32":
-            out = a & b
-        elif op == "or.b32":
-            out = a | b
-        elif op == "shl.b32":
-            out = a << b
-        elif op == "shr.u32":
-            out = a >> b
-        elif op == "mad.lo.u32":
-            out = a * b + value(src[2])
-        elif op == "prmt.b32":  # byte i of d: byte (selector nibble i) of {b, a}
-            pool = [(a >> 8 * k) & 0xFF for k in range(4)] + [(b >> 8 * k) & 0xFF for k in range(4)]
-            sel, out = value(src[2]), 0
-            for i in range(4):
-                nibble = (sel >> 4 * i) & 0xF
-                assert not (nibble & 8).any()  # the sign-replicate mode: never selected here
-                out = out | sum(torch.where(nibble == k, pool[k], 0) for k in range(8)) << 8 * i
-        else:
-            raise AssertionError(f"unexpected PTX {op}")
-        regs[dst] = out & mask
-    return regs
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_packed_2_bit_lookup_is_the_plain_decode_for_every_code(dtype):
     """kernels.packed's inline PTX (which only a GPU runs) executed here instruction by
@@ -262,7 +219,7 @@ def test_the_packed_2_bit_lookup_is_the_plain_decode_for_every_code(dtype):
     for levels in books:
         bits = levels.to(dtype).view(torch.int16).long() & 0xFFFF
         lo, hi = bits[0] | bits[1] << 16, bits[2] | bits[3] << 16
-        regs = _run_ptx(packed.LUT16_ASM.value, {"$16": words, "$17": lo, "$18": hi})
+        regs = run_ptx(packed.LUT16_ASM.value, {"$16": words, "$17": lo, "$18": hi})
         out = torch.stack([regs[f"${n}"] for n in range(16)], 1)
         assert torch.equal(out, bits[codes])
 
@@ -315,7 +272,7 @@ def test_the_packed_3_and_4_bit_lookups_are_the_plain_decode_for_every_code(bits
         inputs = {f"${9 + k}": table[k] for k in range(8)}
         if bits == 3:  # LUT3_ASM reads the low words L0, L1 then the high H0, H1
             inputs = {"$9": table[0], "$10": table[1], "$11": table[4], "$12": table[5]}
-        regs = _run_ptx(asm, {"$8": words, **inputs})
+        regs = run_ptx(asm, {"$8": words, **inputs})
         out = torch.stack([regs[f"${n}"] for n in range(8)], 1)
         expected = book.to(dtype).view(torch.int16)[codes]
         assert torch.equal(out, expected.long() & 0xFFFF)

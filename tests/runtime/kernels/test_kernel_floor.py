@@ -1,0 +1,138 @@
+"""The Gluon skeleton of benchmarks/kernel_floor.py: every register its inline PTX writes holds
+the element the MMA reads there (issue 51).
+
+No GPU runs the skeleton, so its bookkeeping is proven here, one thread at a time: the PTX
+executed instruction by instruction (support.ptx) for every lane of a warp, each output
+register read through the operand's layout (kernel_floor's constants, which the skeleton
+asserts equal to Gluon's own when it compiles), and compared with the plain decode of the
+channel the other operand reads at that index (q at `key_channel`, the output store at
+`value_channel`). The compile itself is checked against the committed record.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from support.ptx import run_ptx
+
+ROOT = Path(__file__).resolve().parents[3]
+FLOOR = ROOT / "benchmarks" / "kernel_budget" / "floor.json"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import kernel_budget as kb  # noqa: E402
+import kernel_floor as kf  # noqa: E402
+
+LANES = range(32)
+
+
+def coords(layout, reg: int, lane: int) -> list[int]:
+    """The element [warp 0, ...] a linear layout puts in register `reg` of `lane`: the XOR of
+    the bases of their set bits."""
+    out = [0] * len(layout.shape)
+    for bases, index in ((layout.reg_bases, reg), (layout.lane_bases, lane)):
+        for bit, base in enumerate(bases):
+            if index >> bit & 1:
+                out = [a ^ b for a, b in zip(out, base, strict=True)]
+    return out
+
+
+def level_table(gen):
+    """Four random fp16 levels as packed.LUT16_ASM's table words, and their 16-bit patterns."""
+    bits = torch.randn(4, generator=gen).to(torch.float16).view(torch.int16).long() & 0xFFFF
+    return bits[0] | bits[1] << 16, bits[2] | bits[3] << 16, bits
+
+
+def run(asm_fn, outputs: int, words: torch.Tensor, lo, hi) -> torch.Tensor:
+    """One thread's asm block (kernel_floor's constexpr function) on its `words` [n] (samples x
+    n as columns): its `outputs` 16-bit results [samples, outputs]."""
+    names = tuple(f"${n}" for n in range(outputs))
+    given = tuple(f"${outputs + n}" for n in range(words.shape[1]))
+    table = (f"${outputs + len(given)}",), (f"${outputs + len(given) + 1}",)
+    regs = {name: words[:, n] for n, name in enumerate(given)}
+    regs.update({table[0][0]: lo, table[1][0]: hi})
+    regs = run_ptx(asm_fn((names,), (given, *table)), regs)
+    return torch.stack([regs[name] for name in names], 1)
+
+
+def test_the_relabelings_are_permutations():
+    """Every channel is read once: q's K index and the output rows relabel channels, never merge
+    them."""
+    assert sorted(kf.key_channel.fn(torch.arange(128)).tolist()) == list(range(128))
+    assert sorted(kf.value_channel.fn(torch.arange(128)).tolist()) == list(range(128))
+
+
+def test_each_key_register_holds_the_level_of_the_channel_q_reads_at_its_k():
+    """Lane (i, r) decodes words 2i + e of positions r, r + 8 (register e + 2h): A-operand
+    register R holds, at its (position, K index), the level of code key_channel(k) % 16 of the
+    word holding key_channel(k), for every register of every lane, on random codes."""
+    gen = torch.Generator().manual_seed(0)
+    lo, hi, bits = level_table(gen)
+    for lane in LANES:
+        i = lane % 4
+        codes = torch.randint(0, 4, (32, 4, 16), generator=gen)  # samples, word (e + 2h), code
+        words = (codes << 2 * torch.arange(16)).sum(-1)
+        out = run(kf._key_asm, 64, words, lo, hi)
+        for reg in range(64):
+            _, position, k = coords(kf.KEYS, reg, lane)
+            channel = int(kf.key_channel.fn(torch.tensor(k)))
+            e, h = channel // 16 - 2 * i, position // 8
+            assert e in (0, 1) and position % 8 == lane // 4, (lane, reg)
+            assert torch.equal(out[:, reg], bits[codes[:, e + 2 * h, channel % 16]]), (lane, reg)
+
+
+def test_each_value_register_holds_the_level_of_its_position_at_the_row_stored_out():
+    """Lane (i, r) decodes word r of positions 2i + b + 8c (register b + 2c): A-operand register
+    R of the transposed values holds, at its (row m, position), the level of code
+    value_channel(m) % 16 of that position's word, the output row m being stored to
+    value_channel(m)."""
+    gen = torch.Generator().manual_seed(1)
+    lo, hi, bits = level_table(gen)
+    for lane in LANES:
+        i, r = lane % 4, lane // 4
+        codes = torch.randint(0, 4, (32, 4, 16), generator=gen)  # samples, position (b + 2c), code
+        words = (codes << 2 * torch.arange(16)).sum(-1)
+        out = run(kf._value_asm, 64, words, lo, hi)
+        for reg in range(64):
+            _, m, position = coords(kf.VALUES, reg, lane)
+            channel = int(kf.value_channel.fn(torch.tensor(m)))
+            b, c = position % 2, position // 8
+            assert (position // 2) % 4 == i and channel // 16 == r, (lane, reg)
+            assert torch.equal(out[:, reg], bits[codes[:, b + 2 * c, channel % 16]]), (lane, reg)
+
+
+def test_the_probabilities_reach_the_b_operand_by_one_transpose_per_half():
+    """movmatrix.m8n8.trans (the PTX ISA: lane t's fragment is row t // 4, columns 2 (t % 4) and
+    + 1, of the 8 x 8 matrix or its transpose) maps the scores' registers 2h, 2h + 1
+    (positions 8h + r, heads 2i, 2i + 1) to the B operand's (positions 8h + 2i, + 1; head r)."""
+    for lane in LANES:
+        row, col = lane // 4, 2 * (lane % 4)
+        for h in range(2):
+            for s in range(2):
+                _, position, head = coords(kf.SCORES, 2 * h + s, lane)
+                assert (position - 8 * h, head) == (row, col + s)  # the fragment it reads
+                _, position, head = coords(kf.PROBS, 2 * h + s, lane)
+                assert (position - 8 * h, head) == (col + s, row)  # the transpose's
+
+
+def test_the_skeletons_compile_to_their_record(tmp_path):
+    """kernel_floor compiled now for sm_90 (its layout asserts pass: the constants above are
+    Gluon's) reads within 3% of the committed record's instructions per position."""
+    import triton
+
+    committed = json.loads(FLOOR.read_text())
+    if triton.__version__ != kb.TRITON or committed["triton"] != triton.__version__:
+        pytest.skip(f"the record was read with Triton {committed['triton']}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "runtime"), env.get("PYTHONPATH", "")])
+    out = tmp_path / "floor.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_floor.py"),
+                           "--out", str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    fresh = {r["formulation"]: r["per_position"] for r in json.loads(out.read_text())["rows"]}
+    for row in committed["rows"]:
+        assert abs(fresh[row["formulation"]] - row["per_position"]) <= 0.03 * row["per_position"]

@@ -1,0 +1,49 @@
+"""A CPU executor of the kernels' inline PTX (which only a GPU runs), instruction by instruction:
+the tests hold the bit tricks of kernels.packed and of benchmarks/kernel_floor.py's Gluon
+skeleton to the plain decode with it."""
+
+import torch
+
+
+def run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Execute inline PTX of one thread on int64 tensors of 32-bit values, `regs` its operands
+    by name ($n, or the block's own registers): prmt.b32 in its default mode, and.b32, or.b32,
+    shl.b32, shr.u32, mad.lo.u32, mov.b32 {lo, hi}, src (the PTX ISA's definitions)."""
+    mask = 0xFFFFFFFF
+
+    def value(token):
+        return regs[token] if token in regs else torch.tensor(int(token, 0))
+
+    for line in asm.strip("{} \n").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        if op == "mov.b32":  # {lo, hi}, src: the two 16-bit halves
+            halves, src = args.rsplit(",", 1)
+            lo, hi = (h.strip(" {}") for h in halves.split(","))
+            regs[lo], regs[hi] = value(src.strip()) & 0xFFFF, value(src.strip()) >> 16
+            continue
+        dst, *src = [a.strip() for a in args.split(",")]
+        a, b = value(src[0]), value(src[1])
+        if op == "and.b32":
+            out = a & b
+        elif op == "or.b32":
+            out = a | b
+        elif op == "shl.b32":
+            out = a << b
+        elif op == "shr.u32":
+            out = a >> b
+        elif op == "mad.lo.u32":
+            out = a * b + value(src[2])
+        elif op == "prmt.b32":  # byte i of d: byte (selector nibble i) of {b, a}
+            pool = [(a >> 8 * k) & 0xFF for k in range(4)] + [(b >> 8 * k) & 0xFF for k in range(4)]
+            sel, out = value(src[2]), 0
+            for i in range(4):
+                nibble = (sel >> 4 * i) & 0xF
+                assert not (nibble & 8).any()  # the sign-replicate mode: never selected here
+                out = out | sum(torch.where(nibble == k, pool[k], 0) for k in range(8)) << 8 * i
+        else:
+            raise AssertionError(f"unexpected PTX {op}")
+        regs[dst] = out & mask
+    return regs
