@@ -29,6 +29,12 @@ fp16): 2-bit key and value words decoded to fp16 levels by the byte-permute tabl
                   exact key slot (index and E4M3 delta bytes, q times the step gathered from a
                   per-program table in L1), the sink mask (one byte), the folded keys' constant
                   term, one-byte value scale and zero point decoded.
+  gluon+features, pre-RoPE
+                  keys stored before RoPE, as kvcalib-2 stores them: each thread holds a
+                  channel and its RoPE partner (words i, i + 4: `key_channel(k, True)`), the
+                  decoded keys rotated by R(j) (j < 64, a table built once, half2 arithmetic),
+                  q by R(start)^T each tile (angle addition, then to every warp through shared
+                  memory), the slot's q rotated by its absolute position (the SFU's cos, sin).
 
 Not in any row: the cp.async pipeline of the code words (plain loads here), the per-program
 setup, the tiles where body meets ring. tests/runtime/kernels/test_kernel_floor.py executes the
@@ -57,10 +63,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import budget_read as read
 import kernel_budget
 
-from kvcalib_runtime.kernels import packed
+from kvcalib_runtime.kernels import packed, tiles
 from kvcalib_runtime.layouts import metabyte
 
 G, D, BN, WARPS = 4, 128, 64, 4
+FORMULATIONS = ("triton", "gluon", "gluon+features", "gluon+features, pre-RoPE")
 SCALE_BASE = gl.constexpr(metabyte.BASE)  # one-byte value scales (layouts.metabyte)
 
 
@@ -110,6 +117,7 @@ def _triton_loop(Q, KC, VC, W, B, OUT, n, T, G: tl.constexpr, D: tl.constexpr,
 MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
 A_OP = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
 B_OP = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+Q_ROWS = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])  # q [D, 8]: a channel a thread
 # Thread (i, r) = (lane % 4, lane // 4) of each warp. Keys as A_OP [4, 16, D]: register bits
 # (k + 1, position + 8, k + 8, k + 16, k + 32, k + 64), lanes (k + 2, k + 4, position + 1, + 2,
 # + 4): positions r, r + 8, K index 2i + b + 8c + 16 kappa; its words [warp, position, word]
@@ -117,6 +125,12 @@ B_OP = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
 KEY_WORDS = gl.DistributedLinearLayout(
     reg_bases=[[0, 0, 1], [0, 8, 0]],
     lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])  # fmt: skip
+# keys before RoPE: words i + 4e, so that a channel and its RoPE partner (+ D/2, K index k ^ 64)
+# are in one thread (two loads a position, not one of 8 bytes)
+KEY_PAIRS = gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 4], [0, 8, 0]],
+    lane_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
     warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])  # fmt: skip
 # Values transposed as A_OP [4, D, 16]: register bits (position + 1, m + 8, position + 8, m + 16,
 # m + 32, m + 64), lanes (position + 2, + 4, m + 1, + 2, + 4): positions 2i + b + 8c of rows
@@ -149,10 +163,11 @@ PROBS = _linear([[0, 1, 0], [0, 8, 0]], LANES_B, [4, 16, 8])
 
 
 @gluon.jit
-def key_channel(k):
+def key_channel(k, PAIRS: gl.constexpr):
     """The channel whose code `_key_asm` puts at K index k = 16 kappa + 8c + 2i + b (kappa =
-    4e + k'): code k' + 4b + 8c of word 2i + e."""
-    word = 2 * ((k >> 1) & 3) + ((k >> 6) & 1)
+    4e + k'): code k' + 4b + 8c of word 2i + e; with PAIRS (KEY_PAIRS) of word i + 4e, so that
+    K index k ^ 64 holds its RoPE partner."""
+    word = ((k >> 1) & 3) + 4 * ((k >> 6) & 1) if PAIRS else 2 * ((k >> 1) & 3) + ((k >> 6) & 1)
     return 16 * word + ((k >> 4) & 3) + 4 * (k & 1) + 8 * ((k >> 3) & 1)
 
 
@@ -238,6 +253,35 @@ def _transpose_asm(outputs, inputs):
 
 
 @gluon.jit
+def _trig(angle):
+    """(cos, sin) of fp32 angles as tiles.trig(FAST=True) takes them: Cody-Waite to [-pi, pi],
+    then the SFU's cos.approx and sin.approx."""
+    turns = (angle * tiles.INV_TWO_PI + tiles.ROUNDING) - tiles.ROUNDING
+    angle = gl.fma(-turns, tiles.TWO_PI_LO, gl.fma(-turns, tiles.TWO_PI_HI, angle))
+    bits = angle.to(gl.int32, bitcast=True)
+    cos, sin = gl.inline_asm_elementwise(tiles.SINCOS_ASM, "=r,=r,r", [bits],
+                                         dtype=(gl.int32, gl.int32), is_pure=True,
+                                         pack=1)  # fmt: skip
+    return cos.to(gl.float32, bitcast=True), sin.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _halves(x):
+    """x [4, 16, D] in A_OP: its channels below D/2 and their RoPE partners (K index k ^ 64 with
+    KEY_PAIRS), each [4, 16, D/2]."""
+    D: gl.constexpr = x.shape[2]
+    return gl.split(gl.permute(gl.reshape(x, [4, 16, 2, D // 2]), (0, 1, 3, 2)))
+
+
+@gluon.jit
+def _pairs(lo, hi):
+    """`_halves` undone, back in A_OP."""
+    D: gl.constexpr = 2 * lo.shape[2]
+    x = gl.reshape(gl.permute(gl.join(lo, hi), (0, 1, 3, 2)), [4, 16, D])
+    return gl.convert_layout(x, A_OP, assert_trivial=True)
+
+
+@gluon.jit
 def _offsets(layout: gl.constexpr, d0: gl.constexpr, d1: gl.constexpr, d2: gl.constexpr,
              s0, s1, s2):  # fmt: skip
     """s0 i + s1 j + s2 k over [d0, d1, d2] in `layout`."""
@@ -250,8 +294,9 @@ def _offsets(layout: gl.constexpr, d0: gl.constexpr, d1: gl.constexpr, d2: gl.co
 
 
 @gluon.jit
-def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, TABLE,
-                G: gl.constexpr, D: gl.constexpr, FEATURES: gl.constexpr):  # fmt: skip
+def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, TABLE, INV_FREQ,
+                G: gl.constexpr, D: gl.constexpr, FEATURES: gl.constexpr,
+                PRE_ROPE: gl.constexpr):  # fmt: skip
     BN: gl.constexpr = 64
     gl.static_assert(gl.to_linear_layout(A_OP, [4, 16, D]) == KEYS)
     gl.static_assert(gl.to_linear_layout(A_OP, [4, D, 16]) == VALUES)
@@ -261,12 +306,15 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
     lo, hi = gl.load(T), gl.load(T + 1)
     # q^T [4, D, 8] as the B operand, K index k read from the channel _key_asm puts there
     k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
-    chan = key_channel(k)
+    chan = key_channel(k, PRE_ROPE)
     heads = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, B_OP)))
     at_q = _offsets(B_OP, 4, D, 8, 0, 0, D) + gl.expand_dims(gl.expand_dims(chan, 0), 2)
     qt = gl.load(Q + at_q, mask=gl.expand_dims(gl.expand_dims(heads < G, 0), 0) & (at_q >= 0),
                  other=0.0)  # fmt: skip
-    k_at = _offsets(KEY_WORDS, 4, 16, 8, 16 * (D // 16), D // 16, 1)
+    if PRE_ROPE:
+        k_at = _offsets(KEY_PAIRS, 4, 16, 8, 16 * (D // 16), D // 16, 1)
+    else:
+        k_at = _offsets(KEY_WORDS, 4, 16, 8, 16 * (D // 16), D // 16, 1)
     v_at = _offsets(VALUE_WORDS, 4, 16, 8, 16 * (D // 16), D // 16, 1)
     warp = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
     pos = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
@@ -276,6 +324,24 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
         gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, MMA))), 0), 0
     )
     q_off = gl.load(TABLE + D * 8 + slot_heads)  # q . offset, the folded keys' constant term
+    if PRE_ROPE:  # keys rotated by R(j), j < 64 in the tile; q by R(start)^T each tile
+        kk = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(0, A_OP)))
+        f = gl.load(INV_FREQ + key_channel(kk, True) % (D // 2))
+        j = _offsets(A_OP, 4, 16, D, 16, 1, 0).to(gl.float32)
+        cos_j, _ = _halves((gl.cos(j * gl.expand_dims(gl.expand_dims(f, 0), 0))).to(gl.float16))
+        sin_j, _ = _halves((gl.sin(j * gl.expand_dims(gl.expand_dims(f, 0), 0))).to(gl.float16))
+        kq = gl.arange(0, D, layout=gl.SliceLayout(1, Q_ROWS))
+        cq = key_channel(kq, True)
+        gq = gl.arange(0, 8, layout=gl.SliceLayout(0, Q_ROWS))
+        q_live = gl.expand_dims(kq >= 0, 1) & gl.expand_dims(gq < G, 0)
+        q_own = gl.load(Q + gl.expand_dims(cq, 1) + gl.expand_dims(gq * D, 0), mask=q_live,
+                        other=0.0).to(gl.float32)  # fmt: skip
+        q_pair = gl.load(Q + gl.expand_dims((cq + D // 2) % D, 1) + gl.expand_dims(gq * D, 0),
+                         mask=q_live, other=0.0).to(gl.float32)  # fmt: skip
+        q_pair = q_pair * gl.expand_dims(gl.where(cq < D // 2, 1.0, -1.0), 1)
+        fq = gl.load(INV_FREQ + cq % (D // 2))
+        cos_a, sin_a = gl.cos(fq * 0.0), gl.sin(fq * 0.0)
+        cos_b, sin_b = gl.cos(fq * BN), gl.sin(fq * BN)
     m_i = gl.full([4, 8], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
     l_w = gl.zeros([4, 16, 8], gl.float32, layout=MMA)
     o_w = gl.zeros([4, 16, 8], gl.float32, layout=MMA)
@@ -285,6 +351,13 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
         keys = gl.inline_asm(_key_asm, ("=h", "r", "r", "r"), [words, lo, hi],
                              gl.distributed_type(gl.float16, [4, 16, D], A_OP),
                              is_pure=True)  # fmt: skip
+        if PRE_ROPE:
+            k_lo, k_hi = _halves(keys)
+            keys = _pairs(k_lo * cos_j - k_hi * sin_j, k_hi * cos_j + k_lo * sin_j)
+            q_rot = q_own * gl.expand_dims(cos_a, 1) + q_pair * gl.expand_dims(sin_a, 1)
+            q_rot = gl.convert_layout(q_rot.to(gl.float16), gl.SliceLayout(0, B_OP))
+            qt = gl.expand_dims(q_rot, 0).broadcast_to([4, D, 8])
+            cos_a, sin_a = cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
         s = mma_v2(keys, qt, gl.zeros([4, 16, 8], gl.float32, layout=MMA))
         if FEATURES:  # kvcalib-2's: one exact key slot, the sink mask, one-byte value metadata
             rows = start + at
@@ -292,9 +365,12 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
             code = gl.load(DELTA + rows).to(gl.int32)
             half = (((code & 0x7F) << 7) | ((code & 0x80) << 8)).to(gl.int16)
             delta = half.to(gl.float16, bitcast=True).to(gl.float32) * 256.0  # tiles.fp8_decode
-            s += gl.load(TABLE + gl.expand_dims(index * 8, 2) + slot_heads) * gl.expand_dims(
-                delta, 2
-            )
+            slot = gl.load(TABLE + gl.expand_dims(index * 8, 2) + slot_heads)  # q c step
+            if PRE_ROPE:  # q . R(p) (delta e_c): q_c cos + sign q_pair sin at p f_c, by the SFU
+                pair = gl.load(TABLE + (D + 1) * 8 + gl.expand_dims(index * 8, 2) + slot_heads)
+                cos, sin = _trig(rows.to(gl.float32) * gl.load(INV_FREQ + index % (D // 2)))
+                slot = slot * gl.expand_dims(cos, 2) + pair * gl.expand_dims(sin, 2)
+            s += slot * gl.expand_dims(delta, 2)
             s = gl.where(gl.expand_dims(gl.load(SINK + rows) == 0, 2), s + q_off, float("-inf"))
             w = ((gl.load(VSCALE + rows).to(gl.int32) + SCALE_BASE) << 20).to(
                 gl.float32, bitcast=True
@@ -333,7 +409,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
 SIGNATURE = {"Q": "*fp16", "KC": "*i32", "VC": "*i32", "W": "*fp32", "B": "*fp32", "OUT": "*fp32",
              "n": "i32", "T": "*i32", "G": "constexpr", "D": "constexpr"}  # fmt: skip
 FEATURE_ARGS = {"SINK": "*u8", "INDEX": "*u8", "DELTA": "*u8", "VSCALE": "*u8", "VZERO": "*u8",
-                "TABLE": "*fp32"}  # fmt: skip
+                "TABLE": "*fp32", "INV_FREQ": "*fp32"}  # fmt: skip
 ALIGNED = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7)}
 
 
@@ -345,9 +421,11 @@ def measure(name: str) -> dict:
         options = {"num_warps": WARPS, "num_stages": 2}
     else:
         signature = {k: v for k, v in SIGNATURE.items() if v != "constexpr"}
-        signature.update(FEATURE_ARGS, G="constexpr", D="constexpr", FEATURES="constexpr")
+        signature.update(FEATURE_ARGS, G="constexpr", D="constexpr", FEATURES="constexpr",
+                         PRE_ROPE="constexpr")  # fmt: skip
         src = gluon.GluonASTSource(_gluon_loop, signature,
-                                   {"G": G, "D": D, "FEATURES": name == "gluon+features"},
+                                   {"G": G, "D": D, "FEATURES": "features" in name,
+                                    "PRE_ROPE": "pre-RoPE" in name},
                                    {**ALIGNED, (13,): [["tt.divisibility", 16]]})  # fmt: skip
         options = {"num_warps": WARPS}
     with knobs.compilation.scope():
@@ -372,7 +450,7 @@ def main(argv=None) -> int:
     except kernel_budget.BudgetError as e:
         print(f"kernel_floor: {e}", file=sys.stderr)
         return 2
-    rows = [measure(name) for name in ("triton", "gluon", "gluon+features")]
+    rows = [measure(name) for name in FORMULATIONS]
     print("| formulation | registers | loop instr. | per position | top opcodes |")
     print("|---|---:|---:|---:|---|")
     for r in rows:

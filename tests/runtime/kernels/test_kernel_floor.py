@@ -61,14 +61,17 @@ def run(asm_fn, outputs: int, words: torch.Tensor, lo, hi) -> torch.Tensor:
 def test_the_relabelings_are_permutations():
     """Every channel is read once: q's K index and the output rows relabel channels, never merge
     them."""
-    assert sorted(kf.key_channel.fn(torch.arange(128)).tolist()) == list(range(128))
+    for pairs in (False, True):
+        assert sorted(kf.key_channel.fn(torch.arange(128), pairs).tolist()) == list(range(128))
     assert sorted(kf.value_channel.fn(torch.arange(128)).tolist()) == list(range(128))
 
 
-def test_each_key_register_holds_the_level_of_the_channel_q_reads_at_its_k():
-    """Lane (i, r) decodes words 2i + e of positions r, r + 8 (register e + 2h): A-operand
-    register R holds, at its (position, K index), the level of code key_channel(k) % 16 of the
-    word holding key_channel(k), for every register of every lane, on random codes."""
+@pytest.mark.parametrize("pairs", [False, True])
+def test_each_key_register_holds_the_level_of_the_channel_q_reads_at_its_k(pairs):
+    """Lane (i, r) decodes words 2i + e (pairs, keys before RoPE: i + 4e) of positions r, r + 8
+    (register e + 2h): A-operand register R holds, at its (position, K index), the level of code
+    key_channel(k) % 16 of the word holding key_channel(k), for every register of every lane,
+    on random codes; with pairs, K index k ^ 64 holds the RoPE partner, channel + D/2."""
     gen = torch.Generator().manual_seed(0)
     lo, hi, bits = level_table(gen)
     for lane in LANES:
@@ -78,9 +81,12 @@ def test_each_key_register_holds_the_level_of_the_channel_q_reads_at_its_k():
         out = run(kf._key_asm, 64, words, lo, hi)
         for reg in range(64):
             _, position, k = coords(kf.KEYS, reg, lane)
-            channel = int(kf.key_channel.fn(torch.tensor(k)))
-            e, h = channel // 16 - 2 * i, position // 8
-            assert e in (0, 1) and position % 8 == lane // 4, (lane, reg)
+            channel = int(kf.key_channel.fn(torch.tensor(k), pairs))
+            first, step = (i, 4) if pairs else (2 * i, 1)  # the lane's words: first + step e
+            (e, other), h = divmod(channel // 16 - first, step), position // 8
+            assert e in (0, 1) and other == 0 and position % 8 == lane // 4, (lane, reg)
+            if pairs:
+                assert int(kf.key_channel.fn(torch.tensor(k ^ 64), pairs)) == channel ^ 64
             assert torch.equal(out[:, reg], bits[codes[:, e + 2 * h, channel % 16]]), (lane, reg)
 
 
