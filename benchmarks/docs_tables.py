@@ -26,6 +26,8 @@ CHANGELOG.md says what each preset was that day).
   KL) and long_context/qwen2.5-0.5b/long_context_probe8.json (`--against`, paired); its cost
   model's predictions, calibration-cost/predicted.json (`benchmarks/calibration_cost.py --json`).
 - benchmarks/sessions/<model>/sessions.json (`benchmarks/session.py`): the long chat sessions.
+- benchmarks/kernel_budget/budget.json and floor.json (`make kernel-budget`, `make
+  kernel-floor`): the decode kernel's loop and its skeletons compiled for sm_90 on a CPU.
 - benchmarks/dtype/bf16_smollm2.json (`benchmarks/dtype/run.sh`): the main table's recipes in
   bfloat16 and float32 on the same windows, kvcalib's through its converted folder scored
   against the source model at that dtype (the main table's bf16 column).
@@ -426,6 +428,45 @@ def render_sessions_headline(model: str = "qwen2.5-0.5b") -> str:
     )
 
 
+# one decode step at 32K x 16 over 8 KV heads, against an H200's issue rate (benchmarks/RESULTS.md)
+STEP_ROWS = 32768 * 8 * 16
+H200_ISSUE = 132 * 4 * 1.98e9  # SMs x schedulers x boost clock: warp-instructions a second
+FLOOR_NAMES = {
+    "triton": ("the loop's skeleton in Triton", "post-RoPE"),
+    "gluon": ("the skeleton in Gluon", "post-RoPE"),
+    "gluon+features": ("the Gluon skeleton with kvcalib-2's per-position work", "post-RoPE"),
+    "gluon+features, pre-RoPE": ("the same, keys before RoPE", "pre-RoPE"),
+}
+
+
+def render_floor() -> str:
+    """The decode kernel's whole-tile loop against its skeletons (kernel_budget/budget.json's
+    kvcalib-2 rows at 32/8/128 on sm_90 as launched, kernel_budget/floor.json's rows), per
+    position and the instruction floor of a 32K x 16 step they imply on an H200."""
+    budget = _load(BENCH / "kernel_budget" / "budget.json")
+    floor = _load(BENCH / "kernel_budget" / "floor.json")
+    rows = [(f"the decode kernel ({r['block_n']}, {r['num_warps']}, {r['num_stages']})",
+             r["keys"], r["registers"], r["per_position"])
+            for r in budget["rows"]
+            if r.get("chosen") and r["recipe"] == "kvcalib-2" and r["shape"] == "32/8/128"
+            and r["arch"] == "sm_90" and not r["paged"]]  # fmt: skip
+    rows += [(*FLOOR_NAMES[r["formulation"]][:1], FLOOR_NAMES[r["formulation"]][1],
+              r["registers"], r["per_position"]) for r in floor["rows"]]  # fmt: skip
+    lines = [
+        f"kvcalib-2 at 32/8/128, sm_90, compiled on a CPU (Triton {floor['triton']}); the "
+        "instruction floor is per position x 4.19 M rows / an H200's issue rate (1.05e12 "
+        "warp-instructions a second). Issue 51's targets: 30 a position after RoPE, 36 before, "
+        "128 registers.",
+        "",
+        "| loop | keys | registers | warp-instructions a position | instruction floor, 32K x 16 |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for name, keys, regs, per in rows:
+        step_us = per * STEP_ROWS / H200_ISSUE * 1e6
+        lines.append(f"| {name} | {keys} | {regs} | {per:.1f} | {step_us:.0f} µs |")
+    return "\n".join(lines)
+
+
 BLOCKS = {
     "headline": render_headline,
     "sources": render_sources,
@@ -443,6 +484,7 @@ BLOCKS = {
     "cost-model": render_cost_model,
     "sessions": render_sessions,
     "sessions-headline": render_sessions_headline,
+    "kernel-floor": render_floor,
 }
 FILES = (
     "README.md",
@@ -450,6 +492,7 @@ FILES = (
     "docs/long-context.md",
     "docs/models.md",
     "docs/sessions.md",
+    "docs/serving.md",
 )
 
 
