@@ -12,7 +12,9 @@ importable (the integration tests import the toolkit): how it ran on 2026-12-04.
    their references at real sizes, bit-exact packing on the GPU, a decode step under
    torch.cuda.set_sync_debug_mode("error"), generation replayed from a CUDA graph, the CUDA
    allocator against the cache's walked bytes, the paged decode kernel reading vLLM-style
-   pages through a block table (tests/runtime/kernels/test_paged_decode.py);
+   pages through a block table (tests/runtime/kernels/test_paged_decode.py), the Gluon
+   skeleton of benchmarks/kernel_floor.py against the attention it computes
+   (tests/runtime/kernels/test_kernel_floor.py: the next kernel's design, first run here);
    at most TEST_SECONDS
 2. benchmarks/bench_decode.py at 4K and 32K contexts, batch 1 and 16, the 32/8/128 shape in
    fp16, every layout and key position (12 rows, ~10 s each on an H200), FlashAttention
