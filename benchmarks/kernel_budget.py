@@ -13,8 +13,9 @@ believes it is an H100 (132 SMs; an A100's 108 for sm_80). Every kernel launch i
 and compiled through Triton's own binder (`create_function_from_signature` ->
 `JITFunction._pack_args` -> `triton.compile`), so the alignment attributes are a real launch's.
 The launcher tunes (BLOCK_N, warps, stages) by timing on a GPU at first use: every candidate it
-times is compiled at 32/8/128 on sm_90 (`chosen` marks the one it launches under CUDA-graph
-capture before tuning, the only choice made without a GPU); elsewhere only that one.
+times is compiled at 32/8/128 and 14/2/64 (heads of 128 and of 64 channels) on sm_90
+(`chosen` marks the one it launches under CUDA-graph capture before tuning, the only choice
+made without a GPU, `decode_config.UNTUNED`); elsewhere only that one.
 
 Per launch: registers and stack (`cuobjdump --dump-resource-usage`), spills (the ptxas log),
 shared memory (`metadata.shared` + static), occupancy (warps and CTAs per SM from registers,
@@ -111,7 +112,7 @@ def variants(quick: bool) -> list[Variant]:
         for shape in SHAPES:
             for recipe in RECIPES:
                 for pre in (True, False):
-                    spread = arch == 90 and shape == "32/8/128"
+                    spread = arch == 90 and shape in ("32/8/128", "14/2/64")
                     out.append(Variant(arch, recipe, shape, pre, False, spread))
                     if arch == 90:
                         out.append(Variant(arch, recipe, shape, pre, True, False))

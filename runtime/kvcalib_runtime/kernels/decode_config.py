@@ -11,11 +11,16 @@ import triton
 # (BLOCK_N, num_warps, num_stages): what `choose` times on a GPU, per (D, G, schemes, dtype)
 CONFIGS = ((32, 4, 2), (64, 4, 2), (64, 8, 2), (64, 8, 3), (128, 8, 2))
 INTERPRETED = (32, 4, 1)
-# what `choose` launches untuned (a CUDA graph captured before any eager step), by whether
-# keys are pre-RoPE: the candidate with the fewest steady-loop warp-instructions per position
-# that does not spill, read on sm_90 at 32/8/128 (benchmarks/kernel_budget: kvcalib-2 post-RoPE
-# 42.1 at 64/4/2 against 61.1 at 64/8/2; pre-RoPE keys spill at 4 warps)
-UNTUNED = {False: (64, 4, 2), True: (64, 8, 2)}
+# what `choose` launches untuned (a CUDA graph captured before any eager step), by whether keys
+# are pre-RoPE and whether a head has more than 64 channels, read on sm_90
+# (benchmarks/kernel_budget; a test holds it to budget.json): of the candidates whose largest
+# spill over the presets is smallest, the one with the fewest steady-loop warp-instructions per
+# position for kvcalib-2. 64 positions on 4 warps, but pre-RoPE keys of 128 channels spill at 4
+# and take 8 (at 64 channels 8 warps cost 2.6x the instructions of 4: each has too little of
+# the tile; at 128, 128 positions on 8 would save a sixth of kvcalib-2's but spill kvcalib-4's
+# and kvcalib-1.5's)
+UNTUNED = {(False, False): (64, 4, 2), (True, False): (64, 4, 2),
+           (False, True): (64, 4, 2), (True, True): (64, 8, 2)}  # fmt: skip
 
 
 @functools.cache
@@ -59,7 +64,7 @@ def choose(key, device: torch.device, launch) -> tuple[int, int, int]:
     if key in TUNED:
         return TUNED[key]
     if torch.cuda.is_current_stream_capturing():
-        return UNTUNED[bool(key[2])]
+        return UNTUNED[bool(key[2]), key[0] > 64]
     best = None
     for config in CONFIGS if key[0] <= 128 else [c for c in CONFIGS if c[0] <= 64]:
         launch(config)  # compile and warm

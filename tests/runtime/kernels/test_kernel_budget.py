@@ -117,6 +117,33 @@ def test_occupancy_counts_registers_shared_memory_and_slots(regs, warps, shared,
     assert read.occupancy(regs, warps, shared, kb.GPUS[90]) == ctas
 
 
+@pytest.mark.parametrize(("shape", "wide"), [("32/8/128", True), ("14/2/64", False)])
+@pytest.mark.parametrize("pre", [True, False])
+def test_the_untuned_launch_is_the_budgets_rule(shape, wide, pre):
+    """decode_config.UNTUNED (what a CUDA graph captured before any eager step launches, by key
+    position and head size) follows the rule its comment states, held to the committed budget
+    (every candidate compiled for every preset at that shape on sm_90): of the candidates whose
+    largest spill over the presets is smallest, the fewest kvcalib-2 warp-instructions per
+    position."""
+    from kvcalib_runtime.kernels import decode_config as cfg
+
+    keys = "pre-RoPE" if pre else "post-RoPE"
+    rows = [r for r in json.loads(BUDGET.read_text())["rows"]
+            if (r["arch"], r["shape"], r["keys"], r["paged"]) == ("sm_90", shape, keys, False)
+            and "skipped" not in r]  # fmt: skip
+    by_config = {}
+    for r in rows:
+        by_config.setdefault((r["block_n"], r["num_warps"], r["num_stages"]), []).append(r)
+    assert sorted(by_config) == sorted(cfg.CONFIGS)  # every candidate compiled
+    assert all(len(found) == len(kb.RECIPES) for found in by_config.values())
+    spill = {c: max(r["spill_bytes"] for r in found) for c, found in by_config.items()}
+    ours = {c: next(r["per_position"] for r in found if r["recipe"] == "kvcalib-2")
+            for c, found in by_config.items()}  # fmt: skip
+    least = min(spill.values())
+    best = min((c for c in by_config if spill[c] == least), key=ours.get)
+    assert best == cfg.UNTUNED[pre, wide]
+
+
 def test_held_fails_a_regression_and_a_gain_left_uncommitted():
     row = dict(arch="sm_90", recipe="kvcalib-2", shape="32/8/128", keys="post-RoPE", paged=False,
                chosen=True, registers=200, per_position=100.0, per_position_largest_loop=110.0,
