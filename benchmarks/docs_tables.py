@@ -419,12 +419,22 @@ def render_sessions_headline(model: str = "qwen2.5-0.5b") -> str:
     recall = ", ".join(
         f"{name} {recall(r)} (n {r['recall'][-1]['n']})" for name, r in recipes.items()
     )
-    drift = ", ".join(f"{name} {drift(r)}" for name, r in recipes.items() if name != "fp16")
+
+    def repeat(r):  # the last turn that asks no fact
+        asks = {c["turn"] for c in r["recall"]}
+        c = max((c for c in r["repeat4_diff"] if c["turn"] not in asks), key=lambda c: c["turn"])
+        return f"{100 * c['mean']:+.0f} [{100 * c['low']:+.0f}, {100 * c['high']:+.0f}]"
+
+    others = [(name, r) for name, r in recipes.items() if name != "fp16"]
+    drift = ", ".join(f"{name} {drift(r)}" for name, r in others)
+    chat = max({c["turn"] for c in first["repeat4_diff"]} - {c["turn"] for c in first["recall"]})
+    repeated = ", ".join(f"{name} {repeat(r)}" for name, r in others)
     return (
         f"On Qwen2.5-Coder-0.5B, through chat sessions of {turns} turns whose answers stay in "
-        f"the cache (interim), the system prompt's facts asked at turn {turn} come back from "
-        f"{recall}; drift there (KL per answer token against full precision on the same "
-        f"history): {drift}."
+        f"the cache, the system prompt's facts asked at turn {turn} come back from {recall}; "
+        f"drift there (KL per answer token against full precision on the same history): "
+        f"{drift}; an answer's 4-grams that repeat earlier answers at turn {chat}, points "
+        f"against fp16: {repeated}."
     )
 
 
