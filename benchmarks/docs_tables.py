@@ -41,6 +41,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+import budget_report as report  # noqa: E402  (stdlib and JSON only)
+
 VALUES = BENCH / "kvcalib-2-values"
 LC = BENCH / "long_context"
 DTYPE = BENCH / "dtype" / "bf16_smollm2.json"
@@ -438,9 +441,11 @@ def render_sessions_headline(model: str = "qwen2.5-0.5b") -> str:
     )
 
 
-# one decode step at 32K x 16 over 8 KV heads, against an H200's issue rate (benchmarks/RESULTS.md)
+# one decode step at 32K x 16 over 8 KV heads, against an H200's issue rate (budget_report's
+# constants, as benchmarks/RESULTS.md's predictions read them)
 STEP_ROWS = 32768 * 8 * 16
-H200_ISSUE = 132 * 4 * 1.98e9  # SMs x schedulers x boost clock: warp-instructions a second
+_, SMS, GHZ, _ = next(d for d in report.DEVICES if d[0] == "H200")
+H200_ISSUE = SMS * report.SCHEDULERS * GHZ * 1e9  # warp-instructions a second
 FLOOR_NAMES = {
     "triton": ("the loop's skeleton in Triton", "post-RoPE"),
     "gluon": ("the skeleton in Gluon", "post-RoPE"),
@@ -464,9 +469,9 @@ def render_floor() -> str:
               r["registers"], r["per_position"]) for r in floor["rows"]]  # fmt: skip
     lines = [
         f"kvcalib-2 at 32/8/128, sm_90, compiled on a CPU (Triton {floor['triton']}); the "
-        "instruction floor is per position x 4.19 M rows / an H200's issue rate (1.05e12 "
-        "warp-instructions a second). Issue 51's targets: 30 a position after RoPE, 36 before, "
-        "128 registers.",
+        f"instruction floor is per position x {STEP_ROWS / 1e6:.2f} M rows / an H200's issue "
+        f"rate ({H200_ISSUE:.3g} warp-instructions a second). Issue 51's targets: 30 a "
+        "position after RoPE, 36 before, 128 registers.",
         "",
         "| loop | keys | registers | warp-instructions a position | instruction floor, 32K x 16 |",
         "|---|---|---:|---:|---:|",
