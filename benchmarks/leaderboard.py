@@ -29,7 +29,7 @@ text. `--recipe` restricts the tables to some presets and `--no-extras` skips pa
 (a quick check of the script). Measured on 2 CPU cores shared with other jobs (2026-11-30, one
 score per table): the three texts' tables of the 14 presets without hf-quanto, 50 minutes; the
 first table with the hf-quanto peers, which decode token by token through transformers' own
-cache, 38 minutes alone. A whole run is ~136 cells; on 2026-12-06, nice 5 on 2 cores at a load
+cache, 38 minutes alone. A whole run is ~137 cells; on 2026-12-06, nice 5 on 2 cores at a load
 of ~7, a cell of the 14 took 40-251 s.
 """
 
@@ -83,13 +83,14 @@ PASSKEY_RECIPES = ("fp16", "per-token-2", "kivi-2", "kvquant-3", "kvcalib-2", "k
 
 def ablations() -> list:
     """kvcalib-2 with one ingredient changed at a time, and kvcalib-3 without its per-layer
-    bit allocation (each at its fixed width everywhere). A change of a tensor's normalized
+    bit allocation (each at its fixed width everywhere). A change of the keys' normalized
     domain (granularity, RoPE side, rotation) has no calibrated codebook in the default profile:
-    those rows use uniform levels for that tensor and compare against the "- key codebook" /
-    "- value codebook" rows."""
+    those rows use uniform levels for the keys and compare against the "- key codebook" row.
+    kvcalib-2's values have uniform levels already, so no row takes a value codebook away."""
     base, k3 = load_recipe("kvcalib-2"), load_recipe("kvcalib-3")
     key, value = base.key, base.value
-    no_slots = dict(outliers=0.0, outlier_slots=0, codebook="uniform")  # full range, uniform
+    # full range, uniform levels, no exact slot
+    no_slots = dict(outliers=0.0, outlier_slots=0, slot_code="exact", codebook="uniform")
 
     def variant(name, **changes):
         return dataclasses.replace(base, name=f"kvcalib-2 {name}", **changes)
@@ -104,10 +105,11 @@ def ablations() -> list:
             key=dataclasses.replace(key, **no_slots),
         ),
         variant("- key codebook", key=dataclasses.replace(key, codebook="uniform")),
-        variant("- value codebook", value=dataclasses.replace(value, codebook="uniform")),
+        variant("one-byte slot -> exact slot", key=dataclasses.replace(key, slot_code="exact")),
+        variant("- value Hadamard", value=dataclasses.replace(value, rotation="none")),
         variant(
-            "- value Hadamard (uniform)",
-            value=dataclasses.replace(value, rotation="none", codebook="uniform"),
+            "one-byte value scale and zero point -> fp16",
+            value=dataclasses.replace(value, metadata_code="dtype"),
         ),
         variant(
             "static -> dynamic keys, groups of 64 (uniform)",

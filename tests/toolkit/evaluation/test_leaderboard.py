@@ -10,6 +10,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import leaderboard as lb  # noqa: E402
 
+from kvcalib.core.plan import plan  # noqa: E402
+from kvcalib.core.profile import Profile  # noqa: E402
 from kvcalib.evaluation.score import Result  # noqa: E402
 
 
@@ -57,3 +59,20 @@ def test_clear_removes_the_cells_of_this_run_only(tmp_path):
     full.get("same-window", "pydoc", peer("A"), lambda: {"kld": 3})
     full.clear()
     assert not tmp_path.exists()
+
+
+def test_every_ablation_plans_on_the_committed_profile():
+    """The ablation table is the run's last: a variant the recipe schema refuses (an exact
+    slot's one-byte code left on a variant with no slot) would stop a run of ~90 min at its
+    end. Each variant is one ingredient off kvcalib-2 (or kvcalib-3), so each plans to another
+    scheme than its base's."""
+    profile = Profile.load(ROOT / "benchmarks/long_context/smollm2-135m/profile")
+    m = profile.meta["model"]
+    schemes = {
+        r.name: plan(r, num_layers=m["num_layers"], head_dim=m["head_dim"], profile=profile)[0]
+        for r in lb.ablations()
+    }
+    assert len(schemes) == len(lb.ablations())
+    for name, scheme in schemes.items():
+        base = "kvcalib-3" if name.startswith("kvcalib-3") else "kvcalib-2"
+        assert name == base or scheme != schemes[base], name
