@@ -8,9 +8,13 @@
     decode_cases  the decode kernel's cases and inputs, and its reference
     native_cases  stand-in compilers for the C library's build
     ptx           an executor of the kernels' inline PTX, one thread's instructions on CPU
+    ptx_cta       an executor of a compiled kernel's whole PTX, every thread of a CTA, on CPU
+                  tensors; `launches_executed` runs Triton launches through it
+    ptx_runs      the kernels the tests execute that way, in a process without the interpreter
+    floor_cases   benchmarks/kernel_floor.py's Gluon skeleton: its inputs and its reference
     calibrate     a tiny llama calibrated in memory (the calibration tests)
     caches        the simulated cache's tests' small llama, random ids and history reads
 
-Each imports only what its tier has: bodies, decode_cases, mutate, native_cases and ptx run in the
-runtime-only venv (`make test-runtime`).
+Each imports only what its tier has: bodies, decode_cases, mutate, native_cases, the ptx modules
+and floor_cases run in the runtime-only venv (`make test-runtime`).
 """
