@@ -5,8 +5,10 @@ the bytes it must read, and how far ahead of FlashAttention over an fp16 cache i
     python benchmarks/bench_decode.py --contexts 4096 32768 --batches 1 16   # make gpu-check
     python benchmarks/bench_decode.py --smoke                # CPU: tiny shapes, interpreted
 
-Layouts: kvcalib-2's (keys 2-bit "static" codebook with one exact slot per (token, KV head),
-pre-RoPE (rotated in the kernel) or post-RoPE; values 2-bit symmetric codebook per token) and
+Layouts: kvcalib-2's (keys 2-bit "static" codebook with one exact slot per (token, KV head)
+stored in one byte, pre-RoPE (rotated in the kernel) or post-RoPE; values 2-bit per token,
+asymmetric, with a one-byte scale and zero point: the preset's since 2026-12-04, whose whole
+tiles at 128 channels a head kernels.decode_gluon reads) and
 kvcalib-1.5's (6-bit indices of 4-channel vectors into a 64-entry codebook per KV head, keys
 pre-RoPE as RoPE-pair quads, values as adjacent quads: the lookup in the kernel's tile); a
 residual window of 128, token 0 and 8 predicted sinks exact. Grid: contexts x batches x shapes
@@ -73,8 +75,10 @@ from kvcalib_runtime.model.transforms import Transforms  # noqa: E402
 
 RESULTS = Path(__file__).with_name("RESULTS.md")
 RESIDUAL, SINKS_FIRST, SINK_BUDGET = 128, 1, 8
-KEY = QuantSpec(2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error")
-VALUE = QuantSpec(2, symmetric=True, codebook=True)
+KEY = QuantSpec(
+    2, "static", codebook=True, outliers=0.01, outlier_slots=1, slot_rule="error", slot_code="fp8"
+)
+VALUE = QuantSpec(2, metadata_code="byte")
 VQ_KEY = QuantSpec(6, "static", 4, codebook=True, method="vq", pairing="rope")
 VQ_VALUE = QuantSpec(6, "static", 4, codebook=True, method="vq")
 # (layout, key position) pairs the grid times: kvcalib-1.5 stores keys before RoPE only

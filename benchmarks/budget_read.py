@@ -144,6 +144,7 @@ def compile_launch(fn, args, kwargs, arch: int):
     import triton
     from triton import knobs
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
     target, options, signature, constexprs, attrs, _spec = _bound(fn, args, kwargs, arch)
     log = io.StringIO()
@@ -152,8 +153,10 @@ def compile_launch(fn, args, kwargs, arch: int):
         knobs.compilation.always_compile = True
         knobs.nvidia.dump_ptxas_log = True
         with contextlib.redirect_stdout(log):
-            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                                    options=options.__dict__)  # fmt: skip
+            source = (GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource)(
+                fn, signature, constexprs, attrs
+            )
+            kernel = triton.compile(source, target=target, options=options.__dict__)
     return kernel, log.getvalue()
 
 

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+# the decode kernels a row reads: the Triton kernel, the Gluon whole tiles (kernels.decode_gluon)
+KERNELS = {"_decode_split_kernel": "Triton", "_body_kernel": "Gluon"}
 
 
 # -- the rows -------------------------------------------------------------------------------
@@ -13,7 +15,8 @@ RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 def summary(row: dict) -> str:
     where = f"{row['arch']} {row['recipe']} {row['shape']} {row['keys']}" + (
-        " paged" if row["paged"] else "")  # fmt: skip
+        " paged" if row["paged"] else "") + (f" ({KERNELS[row['kernel']]})" if "kernel" in row
+                                             else "")  # fmt: skip
     if "registers" not in row:
         why = "skipped" if "skipped" in row else "FAILED"
         return f"{where}: {why} ({row.get('skipped') or row['failed']})"
@@ -25,14 +28,15 @@ def summary(row: dict) -> str:
             + (f", {row['compile_s']} s" if "compile_s" in row else ", kept"))  # fmt: skip
 
 
-COLUMNS = ("arch | recipe | shape | keys | paged | BLOCK_N, warps, stages | regs | stack B | "
+COLUMNS = ("arch | recipe | shape | keys | paged | kernel | BLOCK_N, warps, stages | regs | "
+           "stack B | "
            "spill B | shared KB | warps/SM | programs/SM 4Kx1, 4Kx16, 32Kx1, 32Kx16 | "
            "in flight KB/SM | steady loop instr. | per position | largest loop instr. | per "
            "position, largest loop | LDL+STL in loops | loop loads async / sync")  # fmt: skip
 
 
 def table(rows: list[dict]) -> list[str]:
-    out = ["| " + COLUMNS + " |", "|" + "---|" * 6 + "---:|" * 14]
+    out = ["| " + COLUMNS + " |", "|" + "---|" * 7 + "---:|" * 14]
     for r in rows:
         if "registers" not in r:
             continue
@@ -41,7 +45,8 @@ def table(rows: list[dict]) -> list[str]:
         )
         out.append(
             f"| {r['arch']} | {r['recipe']} | {r['shape']} | {r['keys']} | "
-            f"{'yes' if r['paged'] else 'no'} | {r['block_n']}, {r['num_warps']}, "
+            f"{'yes' if r['paged'] else 'no'} | {KERNELS[r['kernel']]} | {r['block_n']}, "
+            f"{r['num_warps']}, "
             f"{r['num_stages']}{' *' if r['chosen'] else ''} | {r['registers']} | {r['stack']} | "
             f"{r['spill_bytes']} | {r['shared_bytes'] / 1024:.1f} | {r['warps_per_sm']} | "
             f"{programs} | {r['bytes_in_flight_per_sm'] / 1024:.1f} | "
@@ -127,7 +132,10 @@ def results_section(doc: dict, results: str) -> str:
         "`python benchmarks/kernel_budget.py --results`. kvcalib-2 (the preset's first layer: "
         "2-bit static codebook keys with one fp8 exact slot, 2-bit per-token values with "
         "one-byte metadata) at 32/8/128, sm_90, the launch an H100 gets at 32K x 16 "
-        "(`*`: untuned; the others are the candidates the launcher times):",
+        "(`*`: untuned; the others are the candidates the launcher times). Its body's whole "
+        "tiles are the Gluon kernel's (kernels.decode_gluon); the Triton kernel's rows there "
+        "read only what follows them (a partial tile, the ring, the sinks, the new token), so "
+        "the Gluon rows predict the step:",
         "",
         *table(rows),
         "",
@@ -155,7 +163,8 @@ def results_section(doc: dict, results: str) -> str:
             at = measured.get(r["keys"], {}) if name == "H200" else {}
             ours = at.get("ours" if r["recipe"] == "kvcalib-2" else "exact", "")
             lines.append(
-                f"| {r['recipe']} {r['keys']} | {r['block_n']}, {r['num_warps']}, "
+                f"| {r['recipe']} {r['keys']} ({KERNELS[r['kernel']]}) | {r['block_n']}, "
+                f"{r['num_warps']}, "
                 f"{r['num_stages']} | {name} | {issue:.0f} | {byte:.0f} | {max(issue, byte):.0f} "
                 f"| {fp16_bytes / (tbs * 1e12) * 1e6:.0f} | {at.get('flash', '')} | {ours} |"
             )  # fmt: skip

@@ -456,11 +456,14 @@ FLOOR_NAMES = {
 
 def render_floor() -> str:
     """The decode kernel's whole-tile loop against its skeletons (kernel_budget/budget.json's
-    kvcalib-2 rows at 32/8/128 on sm_90 as launched, kernel_budget/floor.json's rows), per
-    position and the instruction floor of a 32K x 16 step they imply on an H200."""
+    kvcalib-2 rows at 32/8/128 on sm_90 as launched: the first kernel a step launches, the
+    Gluon whole tiles where they apply; kernel_budget/floor.json's rows), per position and the
+    instruction floor of a 32K x 16 step they imply on an H200."""
     budget = _load(BENCH / "kernel_budget" / "budget.json")
     floor = _load(BENCH / "kernel_budget" / "floor.json")
-    rows = [(f"the decode kernel ({r['block_n']}, {r['num_warps']}, {r['num_stages']})",
+    names = {"_body_kernel": "the decode kernel's whole tiles, Gluon (kernels.decode_gluon)",
+             "_decode_split_kernel": "the decode kernel, Triton"}  # fmt: skip
+    rows = [(f"{names[r['kernel']]} ({r['block_n']}, {r['num_warps']}, {r['num_stages']})",
              r["keys"], r["registers"], r["per_position"])
             for r in budget["rows"]
             if r.get("chosen") and r["recipe"] == "kvcalib-2" and r["shape"] == "32/8/128"

@@ -17,6 +17,11 @@ times is compiled at 32/8/128 and 14/2/64 (heads of 128 and of 64 channels) on s
 (`chosen` marks the one it launches under CUDA-graph capture before tuning, the only choice
 made without a GPU, `decode_config.UNTUNED`); elsewhere only that one.
 
+A row is one kernel's: the Triton decode kernel's, and where kvcalib-2's layout at 128 channels
+a head lets the launcher hand the body's whole tiles to kernels.decode_gluon, the Gluon
+kernel's as well (`kernel`; the Triton kernel then reads only what follows those tiles, and its
+row there describes that remainder's launch). The combine tags no loop and has no row.
+
 Per launch: registers and stack (`cuobjdump --dump-resource-usage`), spills (the ptxas log),
 shared memory (`metadata.shared` + static), occupancy (warps and CTAs per SM from registers,
 shared memory and the SM's limits), programs per SM of the grid the launcher picks at 4K and 32K
@@ -271,9 +276,10 @@ def bytes_held(value) -> int:
 
 
 def launch(v: Variant, context: int, batch: int, capturing: bool) -> list:
-    """The decode kernel's launches (fn, args, kwargs, grid) for one step at (context, batch):
-    the first JIT function the launcher runs, under a freshly loaded launch configuration (no
-    tuning remembered)."""
+    """The decode kernels' launches (fn, args, kwargs, grid) for one step at (context, batch):
+    those of every JIT function the launcher runs that tags a steady loop (the Triton kernel,
+    and kernels.decode_gluon's whole tiles where they apply; not the combine), under a freshly
+    loaded launch configuration (no tuning remembered)."""
     from kvcalib_runtime.kernels import decode_attention as dec
     from kvcalib_runtime.kernels import decode_config
 
@@ -283,8 +289,7 @@ def launch(v: Variant, context: int, batch: int, capturing: bool) -> list:
     with read.pretend_gpu(GPUS[v.arch][1], capturing, launches, v.arch) as mode:
         fake = read.to_fake(mode, (args, options))
         dec.decode_attention(*fake[0], **fake[1])
-    first = launches[0][0]
-    return [x for x in launches if x[0] is first]
+    return [x for x in launches if read.marker(x[0]) is not None]
 
 
 def config_of(kwargs: dict) -> tuple:
@@ -299,40 +304,45 @@ def measure(v: Variant, outdir: Path) -> list[dict]:
     except ValueError as e:
         return [dict(arch=f"sm_{v.arch}", recipe=v.recipe, shape=v.shape, keys=v.keys,
                      paged=v.paged, skipped=str(e).splitlines()[0])]  # fmt: skip
-    chosen = config_of(launch(v, *COMPILED_AT, capturing=True)[-1][2])
-    grids = {}  # config -> {load: grid}
+    chosen = {fn.__name__: config_of(kwargs)  # each kernel's last launch under capture
+              for fn, _, kwargs, _ in launch(v, *COMPILED_AT, capturing=True)}  # fmt: skip
+    grids = {}  # (kernel, config) -> {load: grid}
     at = {}
     for context, batch in LOADS:
         for fn, args, kwargs, grid in launch(v, context, batch, capturing=False):
-            config = config_of(kwargs)
+            config = (fn.__name__, config_of(kwargs))
             grids.setdefault(config, {})[f"{context // 1024}K x {batch}"] = grid
             if (context, batch) == COMPILED_AT:
                 at[config] = (fn, args, kwargs)
     rows, bytes_read = [], bytes_held(inputs(v, *COMPILED_AT))
     for config, (fn, args, kwargs) in at.items():
-        if not v.candidates and config != chosen:
+        if not v.candidates and config[1] != chosen[fn.__name__]:
             continue
         config_name = "_".join(map(str, (read.block_n(kwargs), read.num_warps(kwargs),
                                           read.num_stages(kwargs))))  # fmt: skip
         where = f"{'pre' if v.pre_rope else 'post'}{'-paged' if v.paged else ''}"
-        name = f"sm{v.arch}-{v.recipe}-{v.shape.replace('/', '_')}-{where}-{config_name}"
+        name = (f"sm{v.arch}-{v.recipe}-{v.shape.replace('/', '_')}-{where}-{config_name}"
+                f"{'-gluon' if fn.__name__ == '_body_kernel' else ''}")  # fmt: skip
         started = time.monotonic()
         kernel, log = read.compiled(fn, args, kwargs, v.arch)
         (outdir / f"{name}.cubin").write_bytes(kernel.asm["cubin"])
         facts = read.facts(kernel, log, kwargs, GPUS[v.arch], read.marker(fn))
         programs = {load: math.prod(g) / GPUS[v.arch][1] for load, g in grids[config].items()}
         rows.append(dict(arch=f"sm_{v.arch}", recipe=v.recipe, shape=v.shape, keys=v.keys,
-                         paged=v.paged, chosen=config == chosen, kernel=fn.__name__,
+                         paged=v.paged, chosen=config[1] == chosen[fn.__name__],
+                         kernel=fn.__name__,
                          **facts, programs_per_sm=programs, bytes_read_32k_x16=bytes_read,
                          cubin=f"{name}.cubin",
                          compile_s=round(time.monotonic() - started, 1)))  # fmt: skip
-    rows.sort(key=lambda r: (not r["chosen"], r["block_n"], r["num_warps"], r["num_stages"]))
+    rows.sort(key=lambda r: (r["kernel"], not r["chosen"], r["block_n"], r["num_warps"],
+                             r["num_stages"]))  # fmt: skip
     return rows
 
 
 def key(row: dict) -> tuple:
-    """What a row is a budget for: the variant (its chosen config is its budget)."""
-    return row["arch"], row["recipe"], row["shape"], row["keys"], row["paged"]
+    """What a row is a budget for: the variant and the kernel (its chosen config is its
+    budget)."""
+    return row["arch"], row["recipe"], row["shape"], row["keys"], row["paged"], row["kernel"]
 
 
 # what the budget test holds: (field, larger is worse, tolerance as a fraction of the committed)
@@ -349,6 +359,7 @@ def held(fresh: list[dict], committed: list[dict]) -> tuple[list[str], list[str]
     worse, better = [], []
     for row in (r for r in fresh if r.get("chosen")):
         where = " ".join(key(row)[:4]) + (" paged" if row["paged"] else "")
+        where += f" ({report.KERNELS[row['kernel']]})"
         old = budget.get(key(row))
         if old is None:
             worse.append(f"{where}: not in the committed budget")

@@ -63,7 +63,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import budget_read as read
 import kernel_budget
 
-from kvcalib_runtime.kernels import packed, tiles
+from kvcalib_runtime.kernels import packed
+from kvcalib_runtime.kernels.decode_gluon import (
+    A_OP,
+    B_OP,
+    KEY_PAIRS,
+    KEY_WORDS,
+    KEYS,
+    MMA,
+    PROBS,
+    Q_ROWS,
+    QUERY,
+    SCORES,
+    VALUE_WORDS,
+    VALUES,
+    _halves,
+    _key_asm,
+    _offsets,
+    _pairs,
+    _transpose_asm,
+    _trig,
+    _value_asm,
+    key_channel,
+    value_channel,
+)
 from kvcalib_runtime.layouts import metabyte
 
 G, D, BN, WARPS = 4, 128, 64, 4
@@ -113,184 +136,8 @@ def _triton_loop(Q, KC, VC, W, B, OUT, n, T, G: tl.constexpr, D: tl.constexpr,
 
 
 # -- Gluon: [warp, position, query head] products, each warp its own split --------------------
-
-MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1], instr_shape=[1, 16, 8])
-A_OP = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-B_OP = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-Q_ROWS = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])  # q [D, 8]: a channel a thread
-# Thread (i, r) = (lane % 4, lane // 4) of each warp. Keys as A_OP [4, 16, D]: register bits
-# (k + 1, position + 8, k + 8, k + 16, k + 32, k + 64), lanes (k + 2, k + 4, position + 1, + 2,
-# + 4): positions r, r + 8, K index 2i + b + 8c + 16 kappa; its words [warp, position, word]
-# (KEY_WORDS): 2i + e of positions r, r + 8, kappa = 4e + k' and K index -> code k' + 4b + 8c
-KEY_WORDS = gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 1], [0, 8, 0]],
-    lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])  # fmt: skip
-# keys before RoPE: words i + 4e, so that a channel and its RoPE partner (+ D/2, K index k ^ 64)
-# are in one thread (two loads a position, not one of 8 bytes)
-KEY_PAIRS = gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 4], [0, 8, 0]],
-    lane_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])  # fmt: skip
-# Values transposed as A_OP [4, D, 16]: register bits (position + 1, m + 8, position + 8, m + 16,
-# m + 32, m + 64), lanes (position + 2, + 4, m + 1, + 2, + 4): positions 2i + b + 8c of rows
-# m = r + 8 nu: word r of those four positions (VALUE_WORDS), row m holding channel
-# 16 (m % 8) + m // 8
-VALUE_WORDS = gl.DistributedLinearLayout(
-    reg_bases=[[0, 1, 0], [0, 8, 0]],
-    lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
-    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])  # fmt: skip
-
-
-def _linear(reg_bases, lane_bases, shape):
-    return gl.DistributedLinearLayout(reg_bases=reg_bases, lane_bases=lane_bases,
-                                      warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[],
-                                      shape=shape)  # fmt: skip
-
-
-# The operands and accumulators as Gluon lays them out at D = 128 (the skeleton asserts each when
-# it compiles; the tests read registers through them): lanes (k + 2, k + 4, m + 1, + 2, + 4) of
-# A_OP and the accumulator, (k + 2, k + 4, n + 1, + 2, + 4) of B_OP
-LANES_A = [[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
-LANES_B = [[0, 2, 0], [0, 4, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]]
-KEYS = _linear([[0, 0, 1], [0, 8, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32], [0, 0, 64]], LANES_A,
-               [4, 16, 128])  # fmt: skip
-VALUES = _linear([[0, 0, 1], [0, 8, 0], [0, 0, 8], [0, 16, 0], [0, 32, 0], [0, 64, 0]], LANES_A,
-                 [4, 128, 16])  # fmt: skip
-QUERY = _linear([[0, 1, 0], [0, 8, 0], [0, 16, 0], [0, 32, 0], [0, 64, 0]], LANES_B, [4, 128, 8])
-SCORES = _linear([[0, 0, 1], [0, 8, 0]], LANES_A, [4, 16, 8])
-PROBS = _linear([[0, 1, 0], [0, 8, 0]], LANES_B, [4, 16, 8])
-
-
-@gluon.jit
-def key_channel(k, PAIRS: gl.constexpr):
-    """The channel whose code `_key_asm` puts at K index k = 16 kappa + 8c + 2i + b (kappa =
-    4e + k'): code k' + 4b + 8c of word 2i + e; with PAIRS (KEY_PAIRS) of word i + 4e, so that
-    K index k ^ 64 holds its RoPE partner."""
-    word = ((k >> 1) & 3) + 4 * ((k >> 6) & 1) if PAIRS else 2 * ((k >> 1) & 3) + ((k >> 6) & 1)
-    return 16 * word + ((k >> 4) & 3) + 4 * (k & 1) + 8 * ((k >> 3) & 1)
-
-
-@gluon.jit
-def value_channel(m):
-    """The channel of row m of the transposed values (`_value_asm`): code m // 8 of word m % 8."""
-    return 16 * (m % 8) + m // 8
-
-
-@gluon.constexpr_function
-def key_register(e: int, h: int, k: int) -> int:
-    """A_OP register of codes k (b = 0) and k + 4 (b = 1) of key word e + 2h (codes k + 8, k + 12
-    four registers on: c = 1)."""
-    return 2 * h + 8 * (k & 1) + 16 * (k >> 1) + 32 * e
-
-
-@gluon.constexpr_function
-def value_register(code: int, c: int) -> int:
-    """A_OP register of code `code` of the value words of positions 2i + 8c and 2i + 8c + 1 (the
-    next register: the second position's)."""
-    return (
-        2 * (code & 1) + 4 * c + 8 * ((code >> 1) & 1) + 16 * ((code >> 2) & 1) + 32 * (code >> 3)
-    )
-
-
-@gluon.constexpr_function
-def _key_asm(outputs, inputs):
-    """Each key word to its A_OP registers (`key_register`): packed.LUT16_ASM's permutes, written
-    in place."""
-    (out,), (words, lo, hi) = outputs, inputs
-    lines = ["{ .reg .b32 s, t, u, p, q;"]
-    for reg, word in enumerate(words):
-        for k in range(4):
-            src = word
-            if k:
-                lines.append(f"shr.u32 u, {word}, {2 * k};")
-                src = "u"
-            r = key_register(reg & 1, reg >> 1, k)
-            lines += [f"and.b32 s, {src}, 0x03030303;", "mad.lo.u32 s, s, 34, 0x10101010;",
-                      f"prmt.b32 p, {lo[0]}, {hi[0]}, s;", "shr.u32 t, s, 16;",
-                      f"prmt.b32 q, {lo[0]}, {hi[0]}, t;",
-                      f"mov.b32 {{{out[r]}, {out[r + 1]}}}, p;",
-                      f"mov.b32 {{{out[r + 4]}, {out[r + 5]}}}, q;"]  # fmt: skip
-    return "\n".join(lines) + " }"
-
-
-@gluon.constexpr_function
-def _value_asm(outputs, inputs):
-    """Value words of positions (2i + 8c, 2i + 8c + 1) (registers 2c, 2c + 1) to A_OP registers
-    (`value_register`): both positions' codes interleaved into one selector by a permute, so
-    that each table permute gives the (position, position + 1) pair a register holds."""
-    (out,), (words, lo, hi) = outputs, inputs
-    lines = ["{ .reg .b32 a, b, s, t;"]
-    for c in range(2):
-        for k in range(4):
-            lines += [
-                f"shr.u32 a, {words[2 * c]}, {2 * k};",
-                "and.b32 a, a, 0x03030303;",
-                f"shr.u32 b, {words[2 * c + 1]}, {2 * k};",
-                "and.b32 b, b, 0x03030303;",
-            ]
-            for sel, code in (("0x5140", k), ("0x7362", k + 8)):
-                r, r4 = value_register(code, c), value_register(code + 4, c)
-                lines += [f"prmt.b32 s, a, b, {sel};", "mad.lo.u32 s, s, 34, 0x10101010;",
-                          f"prmt.b32 t, {lo[0]}, {hi[0]}, s;",
-                          f"mov.b32 {{{out[r]}, {out[r + 1]}}}, t;", "shr.u32 s, s, 16;",
-                          f"prmt.b32 t, {lo[0]}, {hi[0]}, s;",
-                          f"mov.b32 {{{out[r4]}, {out[r4 + 1]}}}, t;"]  # fmt: skip
-    return "\n".join(lines) + " }"
-
-
-@gluon.constexpr_function
-def _transpose_asm(outputs, inputs):
-    """The probabilities from the scores' accumulator layout (positions r, r + 8; heads 2i,
-    2i + 1) to B_OP (positions 2i, 2i + 1 and + 8; head r): an 8 x 8 transpose of each half."""
-    (out,), (p,) = outputs, inputs
-    lines = ["{ .reg .b32 a;"]
-    for h in range(2):
-        lines += [f"mov.b32 a, {{{p[2 * h]}, {p[2 * h + 1]}}};",
-                  "movmatrix.sync.aligned.m8n8.trans.b16 a, a;",
-                  f"mov.b32 {{{out[2 * h]}, {out[2 * h + 1]}}}, a;"]  # fmt: skip
-    return "\n".join(lines) + " }"
-
-
-@gluon.jit
-def _trig(angle):
-    """(cos, sin) of fp32 angles as tiles.trig(FAST=True) takes them: Cody-Waite to [-pi, pi],
-    then the SFU's cos.approx and sin.approx."""
-    turns = (angle * tiles.INV_TWO_PI + tiles.ROUNDING) - tiles.ROUNDING
-    angle = gl.fma(-turns, tiles.TWO_PI_LO, gl.fma(-turns, tiles.TWO_PI_HI, angle))
-    bits = angle.to(gl.int32, bitcast=True)
-    cos, sin = gl.inline_asm_elementwise(tiles.SINCOS_ASM, "=r,=r,r", [bits],
-                                         dtype=(gl.int32, gl.int32), is_pure=True,
-                                         pack=1)  # fmt: skip
-    return cos.to(gl.float32, bitcast=True), sin.to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _halves(x):
-    """x [4, 16, D] in A_OP: its channels below D/2 and their RoPE partners (K index k ^ 64 with
-    KEY_PAIRS), each [4, 16, D/2]."""
-    D: gl.constexpr = x.shape[2]
-    return gl.split(gl.permute(gl.reshape(x, [4, 16, 2, D // 2]), (0, 1, 3, 2)))
-
-
-@gluon.jit
-def _pairs(lo, hi):
-    """`_halves` undone, back in A_OP."""
-    D: gl.constexpr = 2 * lo.shape[2]
-    x = gl.reshape(gl.permute(gl.join(lo, hi), (0, 1, 3, 2)), [4, 16, D])
-    return gl.convert_layout(x, A_OP, assert_trivial=True)
-
-
-@gluon.jit
-def _offsets(layout: gl.constexpr, d0: gl.constexpr, d1: gl.constexpr, d2: gl.constexpr,
-             s0, s1, s2):  # fmt: skip
-    """s0 i + s1 j + s2 k over [d0, d1, d2] in `layout`."""
-    i = gl.arange(0, d0, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
-    j = gl.arange(0, d1, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
-    k = gl.arange(0, d2, layout=gl.SliceLayout(0, gl.SliceLayout(0, layout)))
-    along_i = gl.expand_dims(gl.expand_dims(i * s0, 1), 2)
-    along_j = gl.expand_dims(gl.expand_dims(j * s1, 0), 2)
-    return along_i + along_j + gl.expand_dims(gl.expand_dims(k * s2, 0), 0)
+# The layouts, the relabelings and the inline PTX are kernels.decode_gluon's (the launched
+# kernel's whole tiles), imported: this skeleton is that loop without its cache's addressing.
 
 
 @gluon.jit

@@ -53,6 +53,16 @@ DECODE_CASES = {
     "5/6-bit": (S(6, "static"), S(5, symmetric=True), 2, 2, 64, True, None),
 }  # fmt: skip
 
+# kvcalib-2's layout at 128 channels, which kernels.decode_gluon's whole tiles read on a GPU
+GLUON_CASES = {
+    "kvcalib-2 G4 D128": (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1,
+                            slot_rule="error", slot_code="fp8"), S(2, metadata_code="byte"), 8,
+                          2, 128, True, None),
+    "kvcalib-2 post-RoPE G8 D128": (S(2, "static", codebook=True, outliers=0.01,
+                                      outlier_slots=1, slot_rule="error", slot_code="fp8"),
+                                    S(2, metadata_code="byte"), 8, 1, 128, False, None),
+}  # fmt: skip
+
 
 def random_sinks(positions, reach: int, hkv: int, d: int, dtype, gen) -> Sinks:
     """Sink slots holding `positions` (B lists of S, -1 empty) of sequences that reach `reach`
@@ -66,14 +76,16 @@ def random_sinks(positions, reach: int, hkv: int, d: int, dtype, gen) -> Sinks:
     return Sinks(*sink_kv, sink_pos, is_sink)
 
 
-def decode_inputs(case, gen, dtype=torch.float16):
-    """A cache's worth of random stored bits for case: 3 sequences (lengths 150, 61, 0), a ring of
-    16 (key and value bodies end at different positions), 3 sink slots, fp16."""
-    key, value, H, hkv, D, pre_rope, window = DECODE_CASES[case]
-    B, P, R = 3, 151, 16
+def decode_inputs(case, gen, dtype=torch.float16, lengths=(150, 61, 0)):
+    """A cache's worth of random stored bits for case (DECODE_CASES, or GLUON_CASES with
+    "gluon: " before its name): 3 sequences (lengths 150, 61, 0 unless given), a ring of 16
+    (key and value bodies end at different positions), 3 sink slots, fp16."""
+    cases = GLUON_CASES if case.startswith("gluon: ") else DECODE_CASES
+    key, value, H, hkv, D, pre_rope, window = cases[case.removeprefix("gluon: ")]
+    B, P, R = len(lengths), max(lengths) + 1, 16
     slots = P if window is None else 64  # a window's ring body: position p in slot p % 64
     kb, vb = (random_body(s, (B, hkv, slots, D), dtype, gen) for s in (key, value))
-    lengths = torch.tensor([150, 61, 0])
+    lengths = torch.tensor(lengths)
     k_nb, v_nb = ((lengths - r).clamp(min=0) for r in (9, 14))
     keys = Stored(kb, torch.randn(B, hkv, R, D, generator=gen).to(dtype), k_nb)
     values = Stored(vb, torch.randn(B, hkv, R, D, generator=gen).to(dtype), v_nb)

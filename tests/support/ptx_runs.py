@@ -4,6 +4,7 @@ prints one JSON object, what the tests assert on.
 
     python tests/support/ptx_runs.py anchor           Triton's own tl.dot lowering against torch
     python tests/support/ptx_runs.py decode ARCH      decode_attention on every DECODE_CASES case
+    python tests/support/ptx_runs.py gluon ARCH       the same with kernels.decode_gluon's tiles
     python tests/support/ptx_runs.py skeleton         benchmarks/kernel_floor.py's Gluon loops
 """
 
@@ -88,6 +89,38 @@ def decode(arch: int, prmt_reversed: bool = False) -> dict:
     return out
 
 
+def gluon(arch: int) -> dict:
+    """decode_attention with kernels.decode_gluon's whole tiles (as on a GPU) on each of
+    GLUON_CASES, three sequences of 1,090, 700 and 130 positions: its error against the
+    reference in float64, the bound, and the error of the same launch without the Gluon
+    kernel's splits (their rows left empty: what its tiles add)."""
+    from kvcalib_runtime.kernels import decode_attention as dec
+    from kvcalib_runtime.kernels import decode_gluon
+    from support.decode_cases import GLUON_CASES, decode_inputs, reference
+
+    def skipped(q, ks, vs, k_layout, sinks, inv_freq, part, stats, splits, first, *_):
+        part[:, :, first:] = 0
+        stats[:, :, first:, 0] = float("-inf")
+        stats[:, :, first:, 1] = 0
+
+    decode_gluon.runs_on = lambda device: True
+    launch = decode_gluon.launch
+    out = {}
+    for case in GLUON_CASES:
+        args, options = decode_inputs(f"gluon: {case}", torch.Generator().manual_seed(3),
+                                      lengths=(1090, 700, 130))  # fmt: skip
+        exact = reference(args, options, dtype=torch.float64)
+        bound = 2 * (reference(args, options).double() - exact).abs().max()
+        errors = []
+        for body in (launch, skipped):
+            decode_gluon.launch = body
+            with ptx_cta.launches_executed(arch):
+                ours = dec.decode_attention(*args, **options)
+            errors.append(float((ours.double() - exact).abs().max()))
+        out[case] = {"error": errors[0], "without": errors[1], "bound": float(bound)}
+    return out
+
+
 def skeleton() -> dict:
     """kernel_floor's Gluon loop (with and without kvcalib-2's features, keys after and before
     RoPE) over 256 positions: its error against the attention it computes, and the scale."""
@@ -128,6 +161,8 @@ if __name__ == "__main__":
         result = anchor()
     elif command == "decode":
         result = decode(int(sys.argv[2]), prmt_reversed="--prmt-reversed" in sys.argv)
+    elif command == "gluon":
+        result = gluon(int(sys.argv[2]))
     else:
         result = skeleton()
     print(json.dumps(result))

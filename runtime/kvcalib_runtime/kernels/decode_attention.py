@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from kvcalib_runtime.kernels import decode_config as config
-from kvcalib_runtime.kernels import tiles
+from kvcalib_runtime.kernels import decode_gluon, tiles
 from kvcalib_runtime.kernels.decode_kernel import _combine_kernel, _decode_split_kernel
 from kvcalib_runtime.kernels.operands import Sinks, Stored
 from kvcalib_runtime.layouts import Kind
@@ -183,27 +183,45 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
     fold_k = inv_freq is None and k_layout.GRAN in (tiles.STATIC.value, tiles.VECTORS.value)
     fold_v = tiles.foldable(v_layout, D // 2) and v_layout.K == 0
     key = (D, G, inv_freq is not None, q.dtype, k_layout, v_layout, page)
+    # the body's whole tiles by the Gluon kernel (kvcalib-2's layout at 128 channels, on a GPU),
+    # the rest (one tile, the ring, the sinks and the new token) by the Triton kernel's split
+    whole = decode_gluon.applies(k_layout, v_layout, D, G, q.dtype, paged, window)
+    whole = whole and decode_gluon.runs_on(q.device)
+    body_held = config.RESIDENT.get((key, "gluon"), 1)  # its programs an SM holds, once read
+    body_splits = (config.num_splits(q.device, B * hkv, span, decode_gluon.BLOCK_N, body_held)
+                   if whole else 0)  # fmt: skip
 
     def launch(choice):
         block_n, warps, stages = choice
         held = config.RESIDENT.get((key, choice), 1)
-        splits = config.num_splits(q.device, B * hkv, span, block_n, held)
-        part = torch.empty(B, H, splits, D, device=q.device, dtype=torch.float32)
-        stats = torch.empty(B, H, splits, 2, device=q.device, dtype=torch.float32)
+        splits = 1 if whole else config.num_splits(q.device, B * hkv, span, block_n, held)
+        part = torch.empty(B, H, splits + body_splits, D, device=q.device, dtype=torch.float32)
+        stats = torch.empty(B, H, splits + body_splits, 2, device=q.device, dtype=torch.float32)
+        if whole:
+            body = decode_gluon.launch(q, k_buffers, v_buffers, k_layout, sink_buffers,
+                                       inv_freq, part, stats, body_splits, splits,
+                                       D**-0.5 * LOG2E, positions)  # fmt: skip
+            known = (key, "gluon") in config.RESIDENT
+            if q.device.type == "cuda" and body is not None and not known:
+                config.RESIDENT[key, "gluon"] = config.resident(
+                    body.n_regs, decode_gluon.WARPS, body.metadata.shared
+                )
         # fmt: off
         kernel = _decode_split_kernel[(B, hkv, splits)](
             q, k_new, v_new, sink_buffers,
             lengths, inv_freq if inv_freq is not None else part,
             part, stats, k_buffers, v_buffers,
             block_table if paged else lengths, block_table.stride(0) if paged else 0,
-            hkv, positions, num_sinks, splits, window or 0, D**-0.5 * LOG2E, keys.tail.shape[2],
+            hkv, positions, num_sinks, splits, splits + body_splits, window or 0,
+            D**-0.5 * LOG2E, keys.tail.shape[2],
             k_layout, v_layout,
             G=G, D=D, PRE_ROPE=inv_freq is not None,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             BLOCK_G=max(8, tiles.next_pow2(G)), BLOCK_C=max(16, tiles.next_pow2(D // 2)),
             BLOCK_N=block_n, BLOCK_X=max(16, tiles.next_pow2(num_sinks + 1)), STAGES=stages,
             PAGED=paged, PAGE=page, FOLD_K=fold_k, FOLD_V=fold_v,
-            PACKED=q.device.type == "cuda", num_warps=warps,
+            PACKED=q.device.type == "cuda", WHOLE=decode_gluon.BLOCK_N if whole else 0,
+            num_warps=warps,
         )
         # fmt: on
         # later launches split by it (Triton returns no kernel where a cache hook compiled it)
@@ -214,9 +232,9 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
             part,
             stats,
             out,
-            splits,
+            splits + body_splits,
             D=D,
-            BLOCK_S=tiles.next_pow2(splits),
+            BLOCK_S=tiles.next_pow2(splits + body_splits),
             BLOCK_D=tiles.next_pow2(D),
             num_warps=4,
         )  # fmt: skip

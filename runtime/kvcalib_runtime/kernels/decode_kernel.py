@@ -165,19 +165,21 @@ def _decode_split_kernel(
     PART, STATS,                           # float32 [B, H, splits, D], [B, H, splits, 2]
     KS, VS,                                # keys', values' StreamBuffers
     BLOCK_TABLE, table_stride,             # int32 [B, blocks per sequence] when PAGED
-    num_kv, positions, num_sinks, num_splits, window, sm_scale, ring_size,
+    num_kv, positions, num_sinks, num_splits, split_rows, window, sm_scale, ring_size,
     KL: tl.constexpr, VL: tl.constexpr,    # keys', values' StreamLayout
     G: tl.constexpr, D: tl.constexpr, PRE_ROPE: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_X: tl.constexpr,
     STAGES: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
     FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,  # metadata folded out of whole tiles
     PACKED: tl.constexpr,                  # 2-4-bit levels by inline PTX (kernels.packed): a GPU
-):
+    WHOLE: tl.constexpr = 0,               # > 0: both bodies' WHOLE-position tiles are read by
+):                                         # kernels.decode_gluon, this kernel what follows
     """Program (b, KV head hk, split): the split-th chunk of the positions sequence b attends to
     (body, then the ring), plus the sink slots and the new token in split 0, for query heads
     hk * G .. hk * G + G - 1. Writes PART (unnormalized) and STATS (running max in log2 units,
-    sum). PAGED: position p of the bodies is slot p % PAGE of block BLOCK_TABLE[b, p // PAGE]
-    (vLLM's pages); else slot p (p % slots for a ring) of sequence b.
+    sum), split_rows splits a head (the Gluon kernel's after num_splits). PAGED: position p of
+    the bodies is slot p % PAGE of block BLOCK_TABLE[b, p // PAGE] (vLLM's pages); else slot p
+    (p % slots for a ring) of sequence b.
 
     Whole tiles (phase 0) keep metadata out of the [BN, BLOCK_C] tiles where the layout allows
     (FOLD_K, FOLD_V): per-channel key metadata folded into q once per program (q s . level +
@@ -191,6 +193,8 @@ def _decode_split_kernel(
     nbk, nbv = tl.load(KS.n_body + b).to(tl.int32), tl.load(VS.n_body + b).to(tl.int32)
     first = tl.where(window > 0, tl.maximum(n - window + 1, 0), 0)  # oldest visible position
     lo = first // BLOCK_N * BLOCK_N
+    if WHOLE:  # no window: the whole tiles of both bodies were read by kernels.decode_gluon
+        lo = tl.minimum(nbk, nbv) // WHOLE * WHOLE
     chunk = tl.cdiv(tl.cdiv(n - lo, num_splits), BLOCK_N) * BLOCK_N
     lo += split * chunk
     hi = tl.minimum(lo + chunk, n)
@@ -387,7 +391,7 @@ def _decode_split_kernel(
         v_hi += tl.load(V_NEW + kv * D + C + ch[None, :] + x[:, None] * 0, mask=new, other=0.0)
         m_i, l_i, acc_lo, acc_hi = _update(s, v_lo, v_hi, m_i, l_i, acc_lo, acc_hi, DT,
                                            PRECISION)  # fmt: skip
-    out = (kv * G + g) * num_splits + split  # [BLOCK_G] rows of PART / STATS
+    out = (kv * G + g) * split_rows + split  # [BLOCK_G] rows of PART / STATS
     part = PART + out[None, :] * D + ch[:, None]
     tl.store(part, acc_lo, mask=tl.trans(q_mask))
     tl.store(part + C, acc_hi, mask=tl.trans(q_mask))

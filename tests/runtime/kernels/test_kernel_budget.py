@@ -23,6 +23,7 @@ BUDGET = ROOT / "benchmarks" / "kernel_budget" / "budget.json"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import budget_read as read  # noqa: E402
+import budget_report as report  # noqa: E402
 import kernel_budget as kb  # noqa: E402
 
 SASS = """
@@ -90,6 +91,18 @@ def test_the_decode_kernel_tags_its_whole_tile_loop():
     assert read.STEADY in text and "tl.load(SINKS.is_sink" in text and "mask" not in text
 
 
+def test_the_gluon_whole_tiles_tag_their_loop():
+    """kernels.decode_gluon's kernel tags the load of its keys' code words: only its loop
+    over whole tiles runs it."""
+    from kvcalib_runtime.kernels import decode_gluon
+
+    if not decode_gluon.available():
+        pytest.skip("kernels.decode_gluon is written for another Triton's Gluon")
+    path, line = read.marker(decode_gluon._body_kernel)
+    text = Path(path).read_text().splitlines()[line - 1]
+    assert read.STEADY in text and "gl.load(KC + " in text
+
+
 TTGIR = """
     %a = tt.load %p : !tt.ptr<i64>
     %r:2 = scf.for %i = %lo to %hi step %c64 iter_args(%x = %y) -> (i32) {
@@ -130,7 +143,7 @@ def test_the_untuned_launch_is_the_budgets_rule(shape, wide, pre):
     keys = "pre-RoPE" if pre else "post-RoPE"
     rows = [r for r in json.loads(BUDGET.read_text())["rows"]
             if (r["arch"], r["shape"], r["keys"], r["paged"]) == ("sm_90", shape, keys, False)
-            and "skipped" not in r]  # fmt: skip
+            and "skipped" not in r and r["kernel"] == "_decode_split_kernel"]  # fmt: skip
     by_config = {}
     for r in rows:
         by_config.setdefault((r["block_n"], r["num_warps"], r["num_stages"]), []).append(r)
@@ -146,9 +159,9 @@ def test_the_untuned_launch_is_the_budgets_rule(shape, wide, pre):
 
 def test_held_fails_a_regression_and_a_gain_left_uncommitted():
     row = dict(arch="sm_90", recipe="kvcalib-2", shape="32/8/128", keys="post-RoPE", paged=False,
-               chosen=True, registers=200, per_position=100.0, per_position_largest_loop=110.0,
-               spill_bytes=0, stack=0, loop_local=0, loop_sync_loads=5,
-               warps_per_sm=8)  # fmt: skip
+               kernel="_decode_split_kernel", chosen=True, registers=200, per_position=100.0,
+               per_position_largest_loop=110.0, spill_bytes=0, stack=0, loop_local=0,
+               loop_sync_loads=5, warps_per_sm=8)  # fmt: skip
     assert kb.held([row], [row]) == ([], [])
     assert kb.held([{**row, "registers": 205}], [row]) == ([], [])  # within 3%
     worse, _ = kb.held([{**row, "registers": 210, "loop_local": 2}], [row])
@@ -156,7 +169,7 @@ def test_held_fails_a_regression_and_a_gain_left_uncommitted():
     _, better = kb.held([{**row, "per_position": 30.0, "warps_per_sm": 16}], [row])
     assert len(better) == 2
     assert kb.held([row], [{**row, "keys": "pre-RoPE"}])[0] == [
-        "sm_90 kvcalib-2 32/8/128 post-RoPE: not in the committed budget"
+        "sm_90 kvcalib-2 32/8/128 post-RoPE (Triton): not in the committed budget"
     ]
 
 
@@ -217,7 +230,8 @@ def fresh(tmp_path_factory) -> list[dict]:
 
 def test_the_decode_kernel_holds_its_committed_budget(fresh):
     committed = json.loads(BUDGET.read_text())["rows"]
-    assert len(fresh) == 4 and all(r["chosen"] for r in fresh)
+    # kvcalib-2's Triton kernel and Gluon whole tiles, the full-precision stream's Triton kernel
+    assert len(fresh) == 6 and all(r["chosen"] for r in fresh)
     worse, better = kb.held(fresh, committed)
     assert not worse, "the decode kernel exceeds its budget:\n" + "\n".join(worse)
     assert not better, (
@@ -269,10 +283,11 @@ def test_gpu_check_dry_run_builds_its_gpu_steps():
     rows = [
         line.split(" | ") for line in done.stdout.splitlines() if line.endswith("| dry run |  |")
     ]
-    assert len(rows) == 4, done.stdout
+    assert len(rows) == 6, done.stdout  # kvcalib-2's Triton and Gluon kernels, the stream's
+    names = {v: k for k, v in report.KERNELS.items()}
     for cells in rows:
-        recipe, shape, keys, config, cpu = cells[0].strip("| "), *cells[1:5]
-        held = budget[("sm_90", recipe, shape, keys, False)]
+        recipe, shape, keys, kernel, config, cpu = cells[0].strip("| "), *cells[1:6]
+        held = budget[("sm_90", recipe, shape, keys, False, names[kernel])]
         assert config == f"{held['block_n']}, {held['num_warps']}, {held['num_stages']}"
         assert int(cpu) == held["registers"]
     assert "| Qwen2.5-0.5B | 16384 | 16 | dry run: runtime cache QuantizedCache" in done.stdout

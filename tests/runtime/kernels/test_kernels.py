@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 from support.bodies import random_body, tensors, to_device
-from support.decode_cases import DECODE_CASES, decode_inputs, reference
+from support.decode_cases import DECODE_CASES, GLUON_CASES, decode_inputs, reference
 from support.ptx import run_ptx
 
 from kvcalib_runtime.kernels import decode_attention as dec
@@ -332,6 +332,23 @@ def test_decode_attention_on_gpu(case, dtype, monkeypatch):
         monkeypatch.setattr(cfg, "choose", lambda key, device, launch, config=config: config)
         ours = dec.decode_attention(*args, **options)
         assert (ours.double() - exact).abs().max() <= bound, config
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(GLUON_CASES))
+def test_the_gluon_whole_tiles_on_gpu(case):
+    """kernels.decode_gluon's whole tiles (kvcalib-2's layout, 128 channels, fp16) at the same
+    rule on a GPU, over sequences of 1,090, 700 and 130 positions (1,024, 640 and 64 of them in
+    its tiles); test_ptx_cta.py holds them to it on the CPU."""
+    from kvcalib_runtime.kernels import decode_gluon
+
+    args, options = decode_inputs(f"gluon: {case}", torch.Generator().manual_seed(3),
+                                  lengths=(1090, 700, 130))  # fmt: skip
+    args, options = to_device(args), {k: to_device(v) for k, v in options.items()}
+    exact = reference(args, options, dtype=torch.float64)
+    bound = 2 * (reference(args, options).double() - exact).abs().max()
+    assert decode_gluon.available()
+    assert (dec.decode_attention(*args, **options).double() - exact).abs().max() <= bound
 
 
 COMPILE_SCRIPT = """

@@ -11,6 +11,10 @@ runs the kernels' Python and takes `PACKED=False`; here the compiled PTX runs, i
   it to (test_kernels.py): its error against the float64 reference at most twice the fp16
   reference's. An executor whose byte permute reads its sources the wrong way round misses it
   by three orders of magnitude: the rule sees the packed lookups.
+- With kernels.decode_gluon's whole tiles (kvcalib-2's layout at 128 channels, keys before and
+  after RoPE), decode_attention meets the same rule over sequences of 1,090, 700 and 130
+  positions (the Gluon kernel reads 1,024, 640 and 64 of them); without the Gluon kernel's
+  splits it misses the rule by two orders of magnitude: the tiles it reads are checked.
 """
 
 import sys
@@ -53,3 +57,11 @@ def test_decode_attention_as_compiled_for_a_gpu_meets_the_flash_rule(case, decod
 def test_a_wrong_byte_permute_breaks_the_rule():
     broken = executed("decode", "80", "--prmt-reversed")["kvcalib-2 G4 D128"]
     assert broken["error"] > 100 * broken["bound"]
+
+
+def test_the_gluon_whole_tiles_meet_the_flash_rule():
+    result = executed("gluon", "80")
+    assert set(result) == {"kvcalib-2 G4 D128", "kvcalib-2 post-RoPE G8 D128"}
+    for case, r in result.items():
+        assert r["error"] <= r["bound"], (case, r)
+        assert r["without"] > 100 * r["bound"], (case, r)

@@ -1,0 +1,431 @@
+"""The decode kernel's whole tiles in Gluon, for kvcalib-2's layout at 128 channels a head: the
+body's 64-position tiles that both bodies hold (`_body_kernel`), beside the Triton kernel
+(kernels.decode_kernel), which then reads only what follows them (the last partial tile, the
+residual ring, the sink slots and the new token); the combine merges both kernels' splits.
+
+Why Gluon: Triton moves each decoded tile to the tensor cores' operand layout through shared
+memory and repacks the 16-bit table outputs every tile, ~29 warp-instructions a position before
+any of kvcalib-2's features (benchmarks/kernel_floor.py). Here the layouts are written out
+(the skeleton's, measured there): each of the 4 warps an independent split of 16 positions of a
+64-position tile (its own softmax state, merged once after the loop); mma.sync with positions as
+the scores' rows (K q^T) and channels as the output's rows (V^T p); every thread decodes exactly
+the code words its A-operand fragments hold, by the byte-permute lookup of kernels.packed:
+keys, words i and i + 4 of positions r and r + 8 (lane = 4r + i: a channel and its RoPE partner
+in one thread), the K index relabeled to the codes' order (`key_channel`, q read in that order);
+values, word r of positions 2i, 2i + 1, 2i + 8, 2i + 9, two positions' codes interleaved into
+one selector (`value_channel` the output rows, undone by the store); the probabilities reach
+the B operand by one movmatrix transpose a half. No shared memory in the loop.
+
+What it reads (`applies`): keys "static" (per-channel scale and offset) with a 2-bit codebook
+and one exact slot per row whose delta is an E4M3 byte in steps of the channel's scale, before
+or after RoPE; values "token" (one group a row), 2-bit uniform, asymmetric, with a one-byte
+scale and zero point (layouts.metabyte); fp16, G <= 8 query heads a KV head, contiguous bodies,
+no sliding window. Per position in the loop: two code loads of 16 and 8 bytes a thread, the
+slot's index and delta, the sink flag and the values' two metadata bytes; the slot's score is
+q . R(p) (delta s_c e_c) from a per-program table of q_c s_c and its RoPE partner's (global
+scratch, written at the program's start), its angle by the SFU.
+
+Gluon's API moves between Triton releases: `available()` holds it to the one it is written
+for, and the decode launcher uses the Triton kernel alone elsewhere. No interpreter runs Gluon:
+tests/runtime/kernels/test_ptx_cta.py executes this kernel's PTX on the CPU.
+"""
+
+import torch
+import triton
+
+from kvcalib_runtime.kernels import tiles
+from kvcalib_runtime.layouts import Kind, metabyte
+
+TRITON = "3.9.0"  # the Gluon this module is written for
+BLOCK_N = 64  # positions a tile: 4 warps of 16
+WARPS = 4
+
+
+def available() -> bool:
+    """Whether this Triton's Gluon is the one written for."""
+    return triton.__version__ == TRITON
+
+
+if available():
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    SCALE_BASE = gl.constexpr(metabyte.BASE)
+    ZERO_STEP = gl.constexpr(3.0 / metabyte.ZERO_STEPS)  # 2-bit uniform: SPAN 3 (tiles.zero_decode)
+    VALUE_LO = gl.constexpr(0x3C000000)  # fp16 levels 0, 1 (uniform: the codes themselves)
+    VALUE_HI = gl.constexpr(0x42004000)  # fp16 levels 2, 3
+
+    MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1],
+                                    instr_shape=[1, 16, 8])  # fmt: skip
+    A_OP = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_OP = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    Q_ROWS = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])  # q [D, 8]: a channel a thread
+    # Keys as A_OP [4, 16, D]: thread (i, r) holds positions r, r + 8 and K indices
+    # 2i + b + 8c + 16 kappa; its code words [warp, position, word] are words i + 4e (KEY_PAIRS,
+    # so that a channel and its RoPE partner, K index k ^ 64, are in one thread) or 2i + e
+    # (KEY_WORDS) of positions r, r + 8, kappa = 4e + k', the K index holding code k' + 4b + 8c
+    KEY_WORDS = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 8, 0]],
+        lane_bases=[[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])  # fmt: skip
+    KEY_PAIRS = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 4], [0, 8, 0]],
+        lane_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])  # fmt: skip
+    # Values transposed as A_OP [4, D, 16]: thread (i, r) holds positions 2i + b + 8c of rows
+    # m = r + 8 nu: word r of those four positions (VALUE_WORDS), row m holding channel
+    # 16 (m % 8) + m // 8
+    VALUE_WORDS = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1, 0], [0, 8, 0]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
+        warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])  # fmt: skip
+
+    def _linear(reg_bases, lane_bases, shape):
+        return gl.DistributedLinearLayout(reg_bases=reg_bases, lane_bases=lane_bases,
+                                          warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[],
+                                          shape=shape)  # fmt: skip
+
+    # The operands and accumulators as Gluon lays them out at D = 128 (asserted at compile;
+    # the tests read registers through them)
+    LANES_A = [[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]]
+    LANES_B = [[0, 2, 0], [0, 4, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]]
+    KEYS = _linear([[0, 0, 1], [0, 8, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
+                   LANES_A, [4, 16, 128])  # fmt: skip
+    VALUES = _linear([[0, 0, 1], [0, 8, 0], [0, 0, 8], [0, 16, 0], [0, 32, 0], [0, 64, 0]],
+                     LANES_A, [4, 128, 16])  # fmt: skip
+    QUERY = _linear([[0, 1, 0], [0, 8, 0], [0, 16, 0], [0, 32, 0], [0, 64, 0]], LANES_B,
+                    [4, 128, 8])  # fmt: skip
+    SCORES = _linear([[0, 0, 1], [0, 8, 0]], LANES_A, [4, 16, 8])
+    PROBS = _linear([[0, 1, 0], [0, 8, 0]], LANES_B, [4, 16, 8])
+
+    @gluon.jit
+    def key_channel(k, PAIRS: gl.constexpr):
+        """The channel whose code `_key_asm` puts at K index k = 16 kappa + 8c + 2i + b (kappa
+        = 4e + k'): code k' + 4b + 8c of word 2i + e; with PAIRS (KEY_PAIRS) of word i + 4e,
+        so that K index k ^ 64 holds its RoPE partner."""
+        pairs = ((k >> 1) & 3) + 4 * ((k >> 6) & 1)
+        word = pairs if PAIRS else 2 * ((k >> 1) & 3) + ((k >> 6) & 1)
+        return 16 * word + ((k >> 4) & 3) + 4 * (k & 1) + 8 * ((k >> 3) & 1)
+
+    @gluon.jit
+    def value_channel(m):
+        """The channel of row m of the transposed values (`_value_asm`): code m // 8 of word
+        m % 8."""
+        return 16 * (m % 8) + m // 8
+
+    @gluon.constexpr_function
+    def key_register(e: int, h: int, k: int) -> int:
+        """A_OP register of codes k (b = 0) and k + 4 (b = 1) of key word e + 2h (codes k + 8,
+        k + 12 four registers on: c = 1)."""
+        return 2 * h + 8 * (k & 1) + 16 * (k >> 1) + 32 * e
+
+    @gluon.constexpr_function
+    def value_register(code: int, c: int) -> int:
+        """A_OP register of code `code` of the value words of positions 2i + 8c and 2i + 8c + 1
+        (the next register: the second position's)."""
+        return (2 * (code & 1) + 4 * c + 8 * ((code >> 1) & 1) + 16 * ((code >> 2) & 1)
+                + 32 * (code >> 3))  # fmt: skip
+
+    @gluon.constexpr_function
+    def _key_asm(outputs, inputs):
+        """Each key word to its A_OP registers (`key_register`): packed.LUT16_ASM's permutes,
+        written in place."""
+        (out,), (words, lo, hi) = outputs, inputs
+        lines = ["{ .reg .b32 s, t, u, p, q;"]
+        for reg, word in enumerate(words):
+            for k in range(4):
+                src = word
+                if k:
+                    lines.append(f"shr.u32 u, {word}, {2 * k};")
+                    src = "u"
+                r = key_register(reg & 1, reg >> 1, k)
+                lines += [f"and.b32 s, {src}, 0x03030303;", "mad.lo.u32 s, s, 34, 0x10101010;",
+                          f"prmt.b32 p, {lo[0]}, {hi[0]}, s;", "shr.u32 t, s, 16;",
+                          f"prmt.b32 q, {lo[0]}, {hi[0]}, t;",
+                          f"mov.b32 {{{out[r]}, {out[r + 1]}}}, p;",
+                          f"mov.b32 {{{out[r + 4]}, {out[r + 5]}}}, q;"]  # fmt: skip
+        return "\n".join(lines) + " }"
+
+    @gluon.constexpr_function
+    def _value_asm(outputs, inputs):
+        """Value words of positions (2i + 8c, 2i + 8c + 1) (registers 2c, 2c + 1) to A_OP
+        registers (`value_register`): both positions' codes interleaved into one selector by a
+        permute, so that each table permute gives the (position, position + 1) pair a register
+        holds."""
+        (out,), (words, lo, hi) = outputs, inputs
+        lines = ["{ .reg .b32 a, b, s, t;"]
+        for c in range(2):
+            for k in range(4):
+                lines += [f"shr.u32 a, {words[2 * c]}, {2 * k};", "and.b32 a, a, 0x03030303;",
+                          f"shr.u32 b, {words[2 * c + 1]}, {2 * k};",
+                          "and.b32 b, b, 0x03030303;"]  # fmt: skip
+                for sel, code in (("0x5140", k), ("0x7362", k + 8)):
+                    r, r4 = value_register(code, c), value_register(code + 4, c)
+                    lines += [f"prmt.b32 s, a, b, {sel};", "mad.lo.u32 s, s, 34, 0x10101010;",
+                              f"prmt.b32 t, {lo[0]}, {hi[0]}, s;",
+                              f"mov.b32 {{{out[r]}, {out[r + 1]}}}, t;", "shr.u32 s, s, 16;",
+                              f"prmt.b32 t, {lo[0]}, {hi[0]}, s;",
+                              f"mov.b32 {{{out[r4]}, {out[r4 + 1]}}}, t;"]  # fmt: skip
+        return "\n".join(lines) + " }"
+
+    @gluon.constexpr_function
+    def _transpose_asm(outputs, inputs):
+        """The probabilities from the scores' accumulator layout (positions r, r + 8; heads 2i,
+        2i + 1) to B_OP (positions 2i, 2i + 1 and + 8; head r): an 8 x 8 transpose a half."""
+        (out,), (p,) = outputs, inputs
+        lines = ["{ .reg .b32 a;"]
+        for h in range(2):
+            lines += [f"mov.b32 a, {{{p[2 * h]}, {p[2 * h + 1]}}};",
+                      "movmatrix.sync.aligned.m8n8.trans.b16 a, a;",
+                      f"mov.b32 {{{out[2 * h]}, {out[2 * h + 1]}}}, a;"]  # fmt: skip
+        return "\n".join(lines) + " }"
+
+    @gluon.jit
+    def _trig(angle):
+        """(cos, sin) of fp32 angles as tiles.trig(FAST=True) takes them: Cody-Waite to
+        [-pi, pi], then the SFU's cos.approx and sin.approx."""
+        turns = (angle * tiles.INV_TWO_PI + tiles.ROUNDING) - tiles.ROUNDING
+        angle = gl.fma(-turns, tiles.TWO_PI_LO, gl.fma(-turns, tiles.TWO_PI_HI, angle))
+        bits = angle.to(gl.int32, bitcast=True)
+        cos, sin = gl.inline_asm_elementwise(tiles.SINCOS_ASM, "=r,=r,r", [bits],
+                                             dtype=(gl.int32, gl.int32), is_pure=True,
+                                             pack=1)  # fmt: skip
+        return cos.to(gl.float32, bitcast=True), sin.to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _halves(x):
+        """x [4, 16, D] in A_OP: its channels below D/2 and their RoPE partners (K index
+        k ^ 64 with KEY_PAIRS), each [4, 16, D/2]."""
+        D: gl.constexpr = x.shape[2]
+        return gl.split(gl.permute(gl.reshape(x, [4, 16, 2, D // 2]), (0, 1, 3, 2)))
+
+    @gluon.jit
+    def _pairs(lo, hi):
+        """`_halves` undone, back in A_OP."""
+        D: gl.constexpr = 2 * lo.shape[2]
+        x = gl.reshape(gl.permute(gl.join(lo, hi), (0, 1, 3, 2)), [4, 16, D])
+        return gl.convert_layout(x, A_OP, assert_trivial=True)
+
+    @gluon.jit
+    def _offsets(layout: gl.constexpr, d0: gl.constexpr, d1: gl.constexpr, d2: gl.constexpr,
+                 s0, s1, s2):  # fmt: skip
+        """s0 i + s1 j + s2 k over [d0, d1, d2] in `layout`."""
+        i = gl.arange(0, d0, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+        j = gl.arange(0, d1, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+        k = gl.arange(0, d2, layout=gl.SliceLayout(0, gl.SliceLayout(0, layout)))
+        along_i = gl.expand_dims(gl.expand_dims(i * s0, 1), 2)
+        along_j = gl.expand_dims(gl.expand_dims(j * s1, 0), 2)
+        return along_i + along_j + gl.expand_dims(gl.expand_dims(k * s2, 0), 0)
+
+    @gluon.jit
+    def _table_word(LEVELS, first: gl.constexpr):
+        """Levels first, first + 1 of a codebook row (fp32) as one int32 of two fp16."""
+        a = gl.load(LEVELS + first).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32)
+        b = gl.load(LEVELS + first + 1).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32)
+        return (a & 0xFFFF) | (b << 16)
+
+    # fmt: off
+    @gluon.jit
+    def _body_kernel(
+        Q, INV_FREQ, SINK, TABLE, PART, STATS,
+        KC, KSCALE, KOFF, KLEV, KIDX, KDEL, NBK,   # keys: words, static scale and offset,
+        VC, VSCALE, VZERO, NBV,                    # codebook, slot index and delta, body sizes
+        kc_b, kc_h, kc_p, ki_b, ki_h, ki_p, kd_b, kd_h, kd_p,   # element strides (sequence,
+        vc_b, vc_h, vc_p, vm_b, vm_h, vm_p,                     # head row, slot)
+        num_kv, positions, num_splits, first_split, split_rows, sm_scale,
+        G: gl.constexpr, D: gl.constexpr, BOOK: gl.constexpr, PRE_ROPE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+    ):
+        # fmt: on
+        """Program (b, KV head hk, split): the split-th chunk of the 64-position tiles that
+        both bodies of sequence b hold, for query heads hk * G .. hk * G + G - 1, written as
+        split first_split + split of PART / STATS (split_rows a head), as the Triton kernel
+        writes its own. Sinks are masked (their exact copies are the Triton kernel's)."""
+        gl.static_assert(D == 128 and BLOCK_N == 64)  # the layouts' shapes
+        gl.static_assert(gl.to_linear_layout(A_OP, [4, 16, D]) == KEYS)
+        gl.static_assert(gl.to_linear_layout(A_OP, [4, D, 16]) == VALUES)
+        gl.static_assert(gl.to_linear_layout(B_OP, [4, D, 8]) == QUERY)
+        gl.static_assert(gl.to_linear_layout(MMA, [4, 16, 8]) == SCORES)
+        gl.static_assert(gl.to_linear_layout(B_OP, [4, 16, 8]) == PROBS)
+        BN: gl.constexpr = BLOCK_N
+        C: gl.constexpr = D // 2
+        b, hk, split = gl.program_id(0), gl.program_id(1), gl.program_id(2)
+        kv = b.to(gl.int64) * num_kv + hk
+        whole = gl.minimum(gl.load(NBK + b), gl.load(NBV + b)).to(gl.int32) // BN * BN
+        chunk = gl.cdiv(gl.cdiv(whole, num_splits), BN) * BN
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, whole)
+        # the slot table, [2 D + 1, 8] per program: q_c s_c, the RoPE partner's +- q s_c, q . o
+        gq = gl.arange(0, 8, layout=gl.SliceLayout(0, Q_ROWS))
+        cq = gl.arange(0, D, layout=gl.SliceLayout(1, Q_ROWS))
+        q_live = gl.expand_dims(cq >= 0, 1) & gl.expand_dims(gq < G, 0)
+        q_at = Q + (kv * G) * D + gl.expand_dims(gq * D, 0)
+        t_own = gl.load(q_at + gl.expand_dims(cq, 1), mask=q_live, other=0.0).to(gl.float32)
+        t_pair = gl.load(q_at + gl.expand_dims((cq + C) % D, 1), mask=q_live,
+                         other=0.0).to(gl.float32)  # fmt: skip
+        t_pair = t_pair * gl.expand_dims(gl.where(cq < C, 1.0, -1.0), 1)
+        s_q = gl.expand_dims(gl.load(KSCALE + hk * D + cq).to(gl.float32), 1)
+        o_q = gl.expand_dims(gl.load(KOFF + hk * D + cq).to(gl.float32), 1)
+        table = TABLE + (kv * gl.num_programs(2) + split) * ((2 * D + 1) * 8)
+        rows = gl.expand_dims(cq * 8, 1) + gl.expand_dims(gq, 0)
+        gl.store(table + rows, t_own * s_q)
+        gl.store(table + D * 8 + rows, t_pair * s_q)
+        gl.store(table + 2 * D * 8 + gq, gl.sum(t_own * o_q, axis=0))
+        gl.barrier()  # the table, read below by every thread
+        levels = KLEV + hk * BOOK
+        k_lo, k_hi = _table_word(levels, 0), _table_word(levels, 2)
+        # q^T [4, D, 8] as the B operand, K index k read from the channel _key_asm puts there
+        k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
+        chan = key_channel(k, PRE_ROPE)
+        heads = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, B_OP)))
+        at_q = _offsets(B_OP, 4, D, 8, 0, 0, D) + gl.expand_dims(gl.expand_dims(chan, 0), 2)
+        head_live = gl.expand_dims(gl.expand_dims(heads < G, 0), 0) & (at_q >= 0)
+        qt = gl.load(Q + (kv * G) * D + at_q, mask=head_live, other=0.0)
+        if not PRE_ROPE:  # scores = (q s) . level + q . o
+            s_k = gl.load(KSCALE + hk * D + chan)
+            qt = (qt.to(gl.float32) * gl.expand_dims(gl.expand_dims(s_k.to(gl.float32), 0), 2)
+                  ).to(gl.float16)  # fmt: skip
+        k_base = b.to(gl.int64) * kc_b + hk * kc_h
+        v_base = b.to(gl.int64) * vc_b + hk * vc_h
+        i_base = b.to(gl.int64) * ki_b + hk * ki_h
+        d_base = b.to(gl.int64) * kd_b + hk * kd_h
+        m_base = b.to(gl.int64) * vm_b + hk * vm_h
+        if PRE_ROPE:
+            k_at = _offsets(KEY_PAIRS, 4, 16, 8, 16 * kc_p, kc_p, 1)
+        else:
+            k_at = _offsets(KEY_WORDS, 4, 16, 8, 16 * kc_p, kc_p, 1)
+        v_at = _offsets(VALUE_WORDS, 4, 16, 8, 16 * vc_p, vc_p, 1)
+        warp = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
+        pos = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
+        at = gl.expand_dims(warp * 16, 1) + gl.expand_dims(pos, 0)  # [4, 16] in the tile
+        slot_heads = gl.expand_dims(
+            gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, MMA))), 0),
+            0)  # fmt: skip
+        q_off = gl.load(table + 2 * D * 8 + slot_heads)
+        if PRE_ROPE:  # keys x s + o, rotated by R(j) (j < 64 in the tile); q by R(start)^T
+            kk = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(0, A_OP)))
+            ck = key_channel(kk, True)
+            s_k = gl.expand_dims(gl.expand_dims(gl.load(KSCALE + hk * D + ck), 0), 0)
+            o_k = gl.expand_dims(gl.expand_dims(gl.load(KOFF + hk * D + ck), 0), 0)
+            f = gl.load(INV_FREQ + ck % C)
+            j = _offsets(A_OP, 4, 16, D, 16, 1, 0).to(gl.float32)
+            cos_j, sin_j = _trig(j * gl.expand_dims(gl.expand_dims(f, 0), 0))
+            cos_j, _ = _halves(cos_j.to(gl.float16))
+            sin_j, _ = _halves(sin_j.to(gl.float16))
+            q_own = gl.load(Q + (kv * G) * D + gl.expand_dims(gq * D, 0)
+                            + gl.expand_dims(key_channel(cq, True), 1), mask=q_live,
+                            other=0.0).to(gl.float32)  # fmt: skip
+            q_pair = gl.load(Q + (kv * G) * D + gl.expand_dims(gq * D, 0)
+                             + gl.expand_dims((key_channel(cq, True) + C) % D, 1),
+                             mask=q_live, other=0.0).to(gl.float32)  # fmt: skip
+            q_pair = q_pair * gl.expand_dims(gl.where(key_channel(cq, True) < C, 1.0, -1.0), 1)
+            fq = gl.load(INV_FREQ + key_channel(cq, True) % C)
+            cos_a, sin_a = _trig(lo.to(gl.float32) * fq)
+            cos_b, sin_b = _trig(fq * BN)
+        m_i = gl.full([4, 8], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+        l_w = gl.zeros([4, 16, 8], gl.float32, layout=MMA)
+        o_w = gl.zeros([4, 16, 8], gl.float32, layout=MMA)
+        acc = gl.zeros([4, D, 8], gl.float32, layout=MMA)  # transposed: channels x query heads
+        for start in range(lo, hi, BN):
+            words = gl.load(KC + k_base + start * kc_p + k_at)  # budget: steady loop
+            keys = gl.inline_asm(_key_asm, ("=h", "r", "r", "r"), [words, k_lo, k_hi],
+                                 gl.distributed_type(gl.float16, [4, 16, D], A_OP),
+                                 is_pure=True)  # fmt: skip
+            if PRE_ROPE:
+                keys = keys * s_k + o_k
+                kl, kh = _halves(keys)
+                keys = _pairs(kl * cos_j - kh * sin_j, kh * cos_j + kl * sin_j)
+                q_rot = q_own * gl.expand_dims(cos_a, 1) + q_pair * gl.expand_dims(sin_a, 1)
+                q_rot = gl.convert_layout(q_rot.to(gl.float16), gl.SliceLayout(0, B_OP))
+                qt = gl.expand_dims(q_rot, 0).broadcast_to([4, D, 8])
+                cos_a, sin_a = cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
+            s = mma_v2(keys, qt, gl.zeros([4, 16, 8], gl.float32, layout=MMA))
+            p_at = start + at
+            index = gl.load(KIDX + i_base + p_at * ki_p).to(gl.int32)
+            code = gl.load(KDEL + d_base + p_at * kd_p).to(gl.int32)
+            half = (((code & 0x7F) << 7) | ((code & 0x80) << 8)).to(gl.int16)
+            delta = half.to(gl.float16, bitcast=True).to(gl.float32) * 256.0  # tiles.fp8_decode
+            slot = gl.load(table + gl.expand_dims(index * 8, 2) + slot_heads)  # q_c s_c
+            if PRE_ROPE:  # q . R(p) (delta s_c e_c): q_c cos + q_pair sin (sign in the table)
+                pair = gl.load(table + D * 8 + gl.expand_dims(index * 8, 2) + slot_heads)
+                cos, sin = _trig(p_at.to(gl.float32) * gl.load(INV_FREQ + index % C))
+                slot = slot * gl.expand_dims(cos, 2) + pair * gl.expand_dims(sin, 2)
+            else:
+                s += q_off
+            s = (s + slot * gl.expand_dims(delta, 2)) * sm_scale
+            s = gl.where(gl.expand_dims(gl.load(SINK + b * positions + p_at) == 0, 2), s,
+                         float("-inf"))  # fmt: skip
+            m_row = m_base + p_at * vm_p
+            w = ((gl.load(VSCALE + m_row).to(gl.int32) + SCALE_BASE) << 20).to(
+                gl.float32, bitcast=True)  # fmt: skip
+            v_off = -(gl.load(VZERO + m_row).to(gl.float32) * ZERO_STEP) * w
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: zeros
+            p = gl.exp2(s - gl.expand_dims(m_use, 1))
+            alpha = gl.expand_dims(gl.exp2(m_i - m_use), 1)
+            l_w = l_w * alpha + p
+            o_w = o_w * alpha + p * gl.expand_dims(v_off, 2)
+            pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
+            pt = gl.inline_asm(_transpose_asm, ("=h", "h"), [pw],
+                               gl.distributed_type(gl.float16, [4, 16, 8], B_OP),
+                               is_pure=True)  # fmt: skip
+            vw = gl.load(VC + v_base + start * vc_p + v_at)
+            vt = gl.inline_asm(_value_asm, ("=h", "r", "r", "r"), [vw, VALUE_LO, VALUE_HI],
+                               gl.distributed_type(gl.float16, [4, D, 16], A_OP),
+                               is_pure=True)  # fmt: skip
+            acc = mma_v2(vt, pt, acc * alpha)
+            m_i = m_new
+        # the warps' splits merged at their largest max (-inf where nothing was read)
+        m_all = gl.max(m_i, axis=0)
+        scale = gl.exp2(m_i - gl.expand_dims(gl.where(m_all == float("-inf"), 0.0, m_all), 0))
+        COLS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, MMA))
+        total = gl.convert_layout(gl.sum(gl.sum(l_w, axis=1) * scale, axis=0), COLS)
+        offset = gl.convert_layout(gl.sum(gl.sum(o_w, axis=1) * scale, axis=0), COLS)
+        out = gl.sum(acc * gl.expand_dims(scale, 1), axis=0) + gl.expand_dims(offset, 0)
+        row = gl.arange(0, D, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA)))
+        head = gl.arange(0, 8, layout=COLS)
+        line = (kv * G + head) * split_rows + first_split + split  # [8] rows of PART / STATS
+        gl.store(PART + gl.expand_dims(line * D, 0) + gl.expand_dims(value_channel(row), 1), out,
+                 mask=gl.expand_dims(row >= 0, 1) & gl.expand_dims(head < G, 0))  # fmt: skip
+        gl.store(STATS + line * 2, gl.convert_layout(m_all, COLS), mask=head < G)
+        gl.store(STATS + line * 2 + 1, total, mask=head < G)
+
+
+def runs_on(device) -> bool:
+    """Whether the kernel is launched for tensors on `device`: a GPU's (the tests execute it on
+    the CPU by saying yes here)."""
+    return torch.device(device).type == "cuda"
+
+
+def applies(k_layout, v_layout, head_dim: int, group: int, dtype, paged: bool, window) -> bool:
+    """Whether `_body_kernel` reads these streams (the module docstring's layout)."""
+    keys = (k_layout.BITS == 2 and int(Kind.STATIC) == k_layout.GRAN and k_layout.CB
+            and not k_layout.SYM and k_layout.K == 1 and k_layout.FP8 and k_layout.UNIT == 32
+            and not k_layout.RING)  # fmt: skip
+    values = (v_layout.BITS == 2 and int(Kind.TOKEN) == v_layout.GRAN and not v_layout.CB
+              and not v_layout.SYM and v_layout.K == 0 and v_layout.BYTE
+              and head_dim == v_layout.GROUP and v_layout.UNIT == 32
+              and not v_layout.RING)  # fmt: skip
+    return (available() and keys and values and head_dim == 128 and group <= 8
+            and dtype == torch.float16 and not paged and not window)  # fmt: skip
+
+
+def launch(q, ks, vs, k_layout, sinks, inv_freq, part, stats, splits: int, first_split: int,
+           sm_scale: float, positions: int):  # fmt: skip
+    """`_body_kernel` over (sequences, KV heads, splits) for decode_attention: its splits are
+    rows first_split .. first_split + splits - 1 of part / stats (the Triton kernel's before
+    them). Returns what the launch returns (the compiled kernel: its registers size the
+    splits)."""
+    B, H, _, D = q.shape
+    hkv = ks.tail.shape[1]
+    table = torch.empty(B * hkv * splits, 2 * D + 1, 8, device=q.device, dtype=torch.float32)
+    return _body_kernel[(B, hkv, splits)](
+        q, inv_freq if inv_freq is not None else table, sinks.is_sink, table, part, stats,
+        ks.codes, ks.scale, ks.offset, ks.levels, ks.slot_index, ks.slot_delta, ks.n_body,
+        vs.codes, vs.scale, vs.offset, vs.n_body,
+        *ks.strides.codes, *ks.strides.index, *ks.strides.delta, *vs.strides.codes,
+        *vs.strides.meta, hkv, positions, splits, first_split, first_split + splits, sm_scale,
+        G=H // hkv, D=D, BOOK=k_layout.BOOK, PRE_ROPE=inv_freq is not None, BLOCK_N=BLOCK_N,
+        num_warps=WARPS, num_stages=1,  # plain loads: no pipeline
+    )  # fmt: skip
