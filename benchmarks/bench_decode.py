@@ -67,7 +67,6 @@ from kvcalib_runtime.kernels import decode_config  # noqa: E402
 from kvcalib_runtime.kernels.operands import Sinks  # noqa: E402
 from kvcalib_runtime.layouts import Kind  # noqa: E402
 from kvcalib_runtime.layouts.body import Body  # noqa: E402
-from kvcalib_runtime.layouts.packing import unpack  # noqa: E402
 from kvcalib_runtime.layouts.quant import QuantSpec  # noqa: E402
 from kvcalib_runtime.model.forward import Transformer  # noqa: E402
 from kvcalib_runtime.model.rope import Rope  # noqa: E402
@@ -225,18 +224,9 @@ def probe(buffers: list[torch.Tensor]):
 
 
 def dequantized(body: Body, nb: int, dtype, rope: Rope | None):
-    """The unfused baseline's first half: positions [0, nb) of every sequence in dtype."""
-    if not body.packed:  # vector codes: its own read
-        return _rotated(body.dequantize(torch.float32, n=nb), rope).to(dtype)
-    codes = unpack(body.codes[:, :, :nb], body.spec.bits, body.width)
-    x = body.levels[0][codes.long()]
-    if body.spec.layout.calibrated_range:
-        x = x * body.scale.float()[None, :, None] + body.offset.float()[None, :, None]
-    else:
-        x = x * body.scale[:, :, :nb].float()
-    if body.slot_index is not None:
-        x.scatter_add_(-1, body.slot_index[:, :, :nb].long(), body.slot_delta[:, :, :nb].float())
-    return _rotated(x, rope).to(dtype)
+    """The unfused baseline's first half: positions [0, nb) of every sequence in dtype, by the
+    body's own torch read (codes, levels, metadata, exact slots), then RoPE."""
+    return _rotated(body.dequantize(torch.float32, n=nb), rope).to(dtype)
 
 
 def _rotated(x: torch.Tensor, rope: Rope | None) -> torch.Tensor:
