@@ -77,12 +77,14 @@ from kvcalib_runtime.kernels.decode_gluon import (
     SCORES,
     VALUE_WORDS,
     VALUES,
+    _declared,
+    _fragments,
     _halves,
     _key_asm,
     _offsets,
-    _pairs,
-    _transpose_asm,
+    _transposed,
     _trig,
+    _unpacked,
     _value_asm,
     key_channel,
     value_channel,
@@ -92,6 +94,22 @@ from kvcalib_runtime.layouts import metabyte
 G, D, BN, WARPS = 4, 128, 64, 4
 FORMULATIONS = ("triton", "gluon", "gluon+features", "gluon+features, pre-RoPE")
 SCALE_BASE = gl.constexpr(metabyte.BASE)  # one-byte value scales (layouts.metabyte)
+
+
+@gluon.jit
+def _pairs(lo, hi):
+    """`_halves` undone, back in A_OP."""
+    D: gl.constexpr = 2 * lo.shape[2]
+    x = gl.reshape(gl.permute(gl.join(lo, hi), (0, 1, 3, 2)), [4, 16, D])
+    return gl.convert_layout(x, A_OP, assert_trivial=True)
+
+
+@gluon.constexpr_function
+def _transpose_asm(outputs, inputs):
+    """The probabilities to fp16 B_OP values (decode_gluon's `_transposed`)."""
+    (out,), (p,) = outputs, inputs
+    b = _fragments("b", 2)
+    return "\n".join([_declared(*b), *_transposed(b, p), *_unpacked(out, b)]) + " }"
 
 
 @triton.jit
@@ -136,8 +154,10 @@ def _triton_loop(Q, KC, VC, W, B, OUT, n, T, G: tl.constexpr, D: tl.constexpr,
 
 
 # -- Gluon: [warp, position, query head] products, each warp its own split --------------------
-# The layouts, the relabelings and the inline PTX are kernels.decode_gluon's (the launched
-# kernel's whole tiles), imported: this skeleton is that loop without its cache's addressing.
+# The layouts, the relabelings and the inline PTX's decode are kernels.decode_gluon's (the
+# launched kernel's whole tiles), imported: this skeleton is that loop without its cache's
+# addressing, and with Gluon's mma_v2 after each decode where the kernel fuses decode and
+# products into one asm block (its copies of the fragments are in these rows, not the kernel's).
 
 
 @gluon.jit

@@ -371,10 +371,24 @@ class Cta:
 
     # -- integer and bit arithmetic ---------------------------------------------------------
 
+    def _pairs(self, ops, active, fn):
+        """An f16x2 operation: fn over the fp16 values of the same half of each b32 source
+        (low half, then high), each result rounded to fp16 once."""
+        d, *sources = ops
+        words = [self.read(r, "b32") for r in sources]
+        out = np.zeros(self.threads, U64)
+        for shift in (U64(0), U64(16)):
+            halves = [as_float((w >> shift) & U64(0xFFFF), "f16").astype(np.float64) for w in words]
+            with np.errstate(all="ignore"):
+                out |= from_float(fn(*halves).astype(np.float16), "f16") << shift
+        self.write(d, out, active, "b32")
+
     def _binary(self, op, ops, active, fn):
         t = op[-1]
         d, a, b = ops
-        if t in FLOAT:
+        if t == "f16x2":
+            self._pairs(ops, active, fn)
+        elif t in FLOAT:
             x, y = as_float(self.read(a, t), t), as_float(self.read(b, t), t)
             with np.errstate(all="ignore"):
                 self.write(d, from_float(fn(x, y), t), active, t)
@@ -435,6 +449,9 @@ class Cta:
 
     def _fma(self, op, ops, active):
         t = op[-1]
+        if t == "f16x2":
+            self._pairs(ops, active, lambda x, y, z: x * y + z)
+            return
         d, a, b, c = ops
         x, y, z = (as_float(self.read(r, t), t).astype(np.float64) for r in (a, b, c))
         self.write(d, from_float(x * y + z, t), active, t)
@@ -451,7 +468,9 @@ class Cta:
     def _neg(self, op, ops, active):
         t = op[-1]
         d, a = ops
-        if t in FLOAT:
+        if t == "f16x2":
+            self._pairs(ops, active, lambda x: -x)
+        elif t in FLOAT:
             self.write(d, from_float(-as_float(self.read(a, t), t), t), active, t)
         else:
             self.write(d, from_int(-as_int(self.read(a, t), t), WIDTH[t]), active, t)

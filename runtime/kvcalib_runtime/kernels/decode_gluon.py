@@ -14,7 +14,11 @@ keys, words i and i + 4 of positions r and r + 8 (lane = 4r + i: a channel and i
 in one thread), the K index relabeled to the codes' order (`key_channel`, q read in that order);
 values, word r of positions 2i, 2i + 1, 2i + 8, 2i + 9, two positions' codes interleaved into
 one selector (`value_channel` the output rows, undone by the store); the probabilities reach
-the B operand by one movmatrix transpose a half. No shared memory in the loop.
+the B operand by one movmatrix transpose a half. Each tile's decode and its tensor-core
+products are one inline-PTX block (`_scores_asm`, `_rotated_scores_asm`, `_values_asm`): the
+codes decoded straight into the mma.sync fragments, pre-RoPE keys scaled, offset and rotated
+there in half2 arithmetic; the table words are ordinary registers of every thread
+(`_in_registers`). No shared memory in the loop but pre-RoPE q's rotation (once a tile).
 
 What it reads (`applies`): keys "static" (per-channel scale and offset) with a 2-bit codebook
 and one exact slot per row whose delta is an E4M3 byte in steps of the channel's scale, before
@@ -49,7 +53,6 @@ def available() -> bool:
 if available():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     SCALE_BASE = gl.constexpr(metabyte.BASE)
     ZERO_STEP = gl.constexpr(3.0 / metabyte.ZERO_STEPS)  # 2-bit uniform: SPAN 3 (tiles.zero_decode)
@@ -61,6 +64,7 @@ if available():
     A_OP = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     B_OP = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     Q_ROWS = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])  # q [D, 8]: a channel a thread
+    ONE_A_THREAD = gl.BlockedLayout([1], [32], [4], [0])
     # Keys as A_OP [4, 16, D]: thread (i, r) holds positions r, r + 8 and K indices
     # 2i + b + 8c + 16 kappa; its code words [warp, position, word] are words i + 4e (KEY_PAIRS,
     # so that a channel and its RoPE partner, K index k ^ 64, are in one thread) or 2i + e
@@ -96,6 +100,9 @@ if available():
                      LANES_A, [4, 128, 16])  # fmt: skip
     QUERY = _linear([[0, 1, 0], [0, 8, 0], [0, 16, 0], [0, 32, 0], [0, 64, 0]], LANES_B,
                     [4, 128, 8])  # fmt: skip
+    QUERY_PAIRS = _linear([[0, 4, 0], [0, 8, 0], [0, 16, 0], [0, 32, 0]],
+                          [[0, 1, 0], [0, 2, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
+                          [4, 64, 8])  # fmt: skip
     SCORES = _linear([[0, 0, 1], [0, 8, 0]], LANES_A, [4, 16, 8])
     PROBS = _linear([[0, 1, 0], [0, 8, 0]], LANES_B, [4, 16, 8])
 
@@ -114,25 +121,42 @@ if available():
         m % 8."""
         return 16 * (m % 8) + m // 8
 
+    # The decode and the tensor-core products in PTX (the constexpr functions below write it):
+    # an A_OP register is a pair of fp16 (K indices 2i, 2i + 1 of a row); registers 4t .. 4t + 3
+    # are the fragment of mma.sync k-step t (keys: 16 channels; transposed values: 16 rows).
+    # The fused blocks decode straight into the fragment registers: Gluon's own mma_v2 after an
+    # asm block splits each pair into two fp16 values and joins them again, and ptxas copies the
+    # joined pairs into each fragment (~40 moves a tile); written as one block, it copies none.
+
+    @gluon.constexpr_function
+    def _mma(d, a, b, c) -> str:
+        """PTX: d = a b + c, one m16n8k16 tensor-core product (register lists)."""
+        return (
+            f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{', '.join(d)}}}, "
+            f"{{{', '.join(a)}}}, {{{', '.join(b)}}}, {{{', '.join(c)}}};"
+        )
+
     @gluon.constexpr_function
     def key_register(e: int, h: int, k: int) -> int:
         """A_OP register of codes k (b = 0) and k + 4 (b = 1) of key word e + 2h (codes k + 8,
-        k + 12 four registers on: c = 1)."""
-        return 2 * h + 8 * (k & 1) + 16 * (k >> 1) + 32 * e
+        k + 12 two registers on: c = 1)."""
+        return h + 4 * (k & 1) + 8 * (k >> 1) + 16 * e
 
     @gluon.constexpr_function
     def value_register(code: int, c: int) -> int:
         """A_OP register of code `code` of the value words of positions 2i + 8c and 2i + 8c + 1
-        (the next register: the second position's)."""
-        return (2 * (code & 1) + 4 * c + 8 * ((code >> 1) & 1) + 16 * ((code >> 2) & 1)
-                + 32 * (code >> 3))  # fmt: skip
+        (its two fp16: the two positions')."""
+        return (code & 1) + 2 * c + 4 * ((code >> 1) & 1) + 8 * ((code >> 2) & 1) + 16 * (code >> 3)
 
     @gluon.constexpr_function
-    def _key_asm(outputs, inputs):
-        """Each key word to its A_OP registers (`key_register`): packed.LUT16_ASM's permutes,
-        written in place."""
-        (out,), (words, lo, hi) = outputs, inputs
-        lines = ["{ .reg .b32 s, t, u, p, q;"]
+    def _fragments(name: str, count: int) -> list[str]:
+        return [f"{name}{j}" for j in range(count)]
+
+    @gluon.constexpr_function
+    def _key_decode(a, words, lo, hi) -> list[str]:
+        """PTX: each key word into A_OP registers a (`key_register`): packed.LUT16_ASM's
+        permutes, written in place. Temporaries s, t, u."""
+        lines = []
         for reg, word in enumerate(words):
             for k in range(4):
                 src = word
@@ -141,44 +165,116 @@ if available():
                     src = "u"
                 r = key_register(reg & 1, reg >> 1, k)
                 lines += [f"and.b32 s, {src}, 0x03030303;", "mad.lo.u32 s, s, 34, 0x10101010;",
-                          f"prmt.b32 p, {lo[0]}, {hi[0]}, s;", "shr.u32 t, s, 16;",
-                          f"prmt.b32 q, {lo[0]}, {hi[0]}, t;",
-                          f"mov.b32 {{{out[r]}, {out[r + 1]}}}, p;",
-                          f"mov.b32 {{{out[r + 4]}, {out[r + 5]}}}, q;"]  # fmt: skip
-        return "\n".join(lines) + " }"
+                          f"prmt.b32 {a[r]}, {lo[0]}, {hi[0]}, s;", "shr.u32 t, s, 16;",
+                          f"prmt.b32 {a[r + 2]}, {lo[0]}, {hi[0]}, t;"]  # fmt: skip
+        return lines
+
+    @gluon.constexpr_function
+    def _value_decode(a, words, lo, hi) -> list[str]:
+        """PTX: value words of positions (2i + 8c, 2i + 8c + 1) (registers 2c, 2c + 1) into A_OP
+        registers a (`value_register`): both positions' codes interleaved into one selector by a
+        permute, so that each table permute gives the (position, position + 1) pair a register
+        holds. Temporaries s, t, u."""
+        lines = []
+        for c in range(2):
+            for k in range(4):
+                lines += [f"shr.u32 t, {words[2 * c]}, {2 * k};", "and.b32 t, t, 0x03030303;",
+                          f"shr.u32 u, {words[2 * c + 1]}, {2 * k};",
+                          "and.b32 u, u, 0x03030303;"]  # fmt: skip
+                for sel, code in (("0x5140", k), ("0x7362", k + 8)):
+                    r, r4 = value_register(code, c), value_register(code + 4, c)
+                    lines += [f"prmt.b32 s, t, u, {sel};", "mad.lo.u32 s, s, 34, 0x10101010;",
+                              f"prmt.b32 {a[r]}, {lo[0]}, {hi[0]}, s;", "shr.u32 s, s, 16;",
+                              f"prmt.b32 {a[r4]}, {lo[0]}, {hi[0]}, s;"]  # fmt: skip
+        return lines
+
+    @gluon.constexpr_function
+    def _unpacked(out, a) -> list[str]:
+        """PTX: registers a split into the fp16 outputs out (two an A_OP register)."""
+        return [f"mov.b32 {{{out[2 * j]}, {out[2 * j + 1]}}}, {x};" for j, x in enumerate(a)]
+
+    @gluon.constexpr_function
+    def _transposed(b, p) -> list[str]:
+        """PTX: the probabilities p from the scores' accumulator layout (positions r, r + 8;
+        heads 2i, 2i + 1) to the B_OP registers b (positions 2i, 2i + 1 and + 8; head r): an
+        8 x 8 transpose a half. Temporary t."""
+        lines = []
+        for h in range(2):
+            lines += [f"mov.b32 t, {{{p[2 * h]}, {p[2 * h + 1]}}};",
+                      f"movmatrix.sync.aligned.m8n8.trans.b16 {b[h]}, t;"]  # fmt: skip
+        return lines
+
+    @gluon.constexpr_function
+    def _declared(*names) -> str:
+        return "{ .reg .b32 s, t, u, " + ", ".join(names) + ";"
+
+    @gluon.constexpr_function
+    def _key_asm(outputs, inputs):
+        """Key words to fp16 A_OP values (`_key_decode` alone: what the register tests of
+        tests/runtime/kernels/test_kernel_floor.py read, and kernel_floor's skeleton)."""
+        (out,), (words, lo, hi) = outputs, inputs
+        a = _fragments("a", len(out) // 2)
+        return "\n".join([_declared(*a), *_key_decode(a, words, lo, hi), *_unpacked(out, a)]) + " }"
 
     @gluon.constexpr_function
     def _value_asm(outputs, inputs):
-        """Value words of positions (2i + 8c, 2i + 8c + 1) (registers 2c, 2c + 1) to A_OP
-        registers (`value_register`): both positions' codes interleaved into one selector by a
-        permute, so that each table permute gives the (position, position + 1) pair a register
-        holds."""
+        """Value words to fp16 A_OP values of the transposed values (`_value_decode` alone, as
+        `_key_asm`)."""
         (out,), (words, lo, hi) = outputs, inputs
-        lines = ["{ .reg .b32 a, b, s, t;"]
-        for c in range(2):
-            for k in range(4):
-                lines += [f"shr.u32 a, {words[2 * c]}, {2 * k};", "and.b32 a, a, 0x03030303;",
-                          f"shr.u32 b, {words[2 * c + 1]}, {2 * k};",
-                          "and.b32 b, b, 0x03030303;"]  # fmt: skip
-                for sel, code in (("0x5140", k), ("0x7362", k + 8)):
-                    r, r4 = value_register(code, c), value_register(code + 4, c)
-                    lines += [f"prmt.b32 s, a, b, {sel};", "mad.lo.u32 s, s, 34, 0x10101010;",
-                              f"prmt.b32 t, {lo[0]}, {hi[0]}, s;",
-                              f"mov.b32 {{{out[r]}, {out[r + 1]}}}, t;", "shr.u32 s, s, 16;",
-                              f"prmt.b32 t, {lo[0]}, {hi[0]}, s;",
-                              f"mov.b32 {{{out[r4]}, {out[r4 + 1]}}}, t;"]  # fmt: skip
+        a = _fragments("a", len(out) // 2)
+        return (
+            "\n".join([_declared(*a), *_value_decode(a, words, lo, hi), *_unpacked(out, a)]) + " }"
+        )
+
+    @gluon.constexpr_function
+    def _scores_asm(outputs, inputs):
+        """A post-RoPE tile's scores K q^T [4, 16, 8] (MMA, fp32) from its key words, the table
+        words and q^T's B_OP registers (`packed_pairs`): `_key_decode` into the fragments, then
+        the D / 16 k-steps."""
+        (out,), (words, lo, hi, q) = outputs, inputs
+        a = _fragments("a", 2 * len(q))
+        lines = [_declared(*a), *_key_decode(a, words, lo, hi)]
+        lines += [f"mov.b32 {x}, 0f00000000;" for x in out]
+        for t in range(len(q) // 2):
+            lines.append(_mma(out, a[4 * t : 4 * t + 4], q[2 * t : 2 * t + 2], out))
         return "\n".join(lines) + " }"
 
     @gluon.constexpr_function
-    def _transpose_asm(outputs, inputs):
-        """The probabilities from the scores' accumulator layout (positions r, r + 8; heads 2i,
-        2i + 1) to B_OP (positions 2i, 2i + 1 and + 8; head r): an 8 x 8 transpose a half."""
-        (out,), (p,) = outputs, inputs
-        lines = ["{ .reg .b32 a;"]
-        for h in range(2):
-            lines += [f"mov.b32 a, {{{p[2 * h]}, {p[2 * h + 1]}}};",
-                      "movmatrix.sync.aligned.m8n8.trans.b16 a, a;",
-                      f"mov.b32 {{{out[2 * h]}, {out[2 * h + 1]}}}, a;"]  # fmt: skip
+    def _rotated_scores_asm(outputs, inputs):
+        """A pre-RoPE tile's scores (R(j) (x s + o)) q_a^T [4, 16, 8] (MMA, fp32), q_a being q
+        rotated by the tile's start: `_key_decode` into the fragments, each scaled and offset
+        by its channels' (scale, offset: _pack16 of [D] in A_OP's K order, one word a K pair),
+        each register of the lower K half rotated with its partner's (K index k ^ D/2, D/32
+        k-steps on) by cos and sin of its positions' in-tile angles (_pack16 of `_halves`),
+        then the k-steps with q_a^T (B_OP, fp16: two a register)."""
+        (out,), (words, lo, hi, scale, offset, cos, sin, qh) = outputs, inputs
+        a, q = _fragments("a", len(qh)), _fragments("q", len(qh) // 2)
+        lines = [_declared(*a, *q, "x", "y"), *_key_decode(a, words, lo, hi)]
+        lines += [f"mov.b32 {x}, {{{qh[2 * j]}, {qh[2 * j + 1]}}};" for j, x in enumerate(q)]
+        lines += [f"fma.rn.f16x2 {r}, {r}, {scale[j >> 1]}, {offset[j >> 1]};"
+                  for j, r in enumerate(a)]  # fmt: skip
+        half = len(a) // 2
+        for j in range(half):
+            low, high = a[j], a[j + half]
+            lines += [f"mul.rn.f16x2 x, {high}, {sin[j]};", f"mul.rn.f16x2 y, {low}, {sin[j]};",
+                      "neg.f16x2 x, x;", f"fma.rn.f16x2 {low}, {low}, {cos[j]}, x;",
+                      f"fma.rn.f16x2 {high}, {high}, {cos[j]}, y;"]  # fmt: skip
+        lines += [f"mov.b32 {x}, 0f00000000;" for x in out]
+        for t in range(len(q) // 2):
+            lines.append(_mma(out, a[4 * t : 4 * t + 4], q[2 * t : 2 * t + 2], out))
+        return "\n".join(lines) + " }"
+
+    @gluon.constexpr_function
+    def _values_asm(outputs, inputs):
+        """acc + V^T p [4, D, 8] (MMA, fp32) from a tile's value words, the table words, its
+        probabilities (the scores' layout, fp16) and acc: `_transposed`, `_value_decode` into
+        the fragments (as many as the accumulator's registers: four a 16-row block), then one
+        product a block."""
+        (out,), (words, lo, hi, p, acc) = outputs, inputs
+        a, b = _fragments("a", len(out)), _fragments("b", 2)
+        lines = [_declared(*a, *b), *_transposed(b, p), *_value_decode(a, words, lo, hi)]
+        for m in range(0, len(out), 4):
+            lines.append(_mma(out[m : m + 4], a[m : m + 4], b, acc[m : m + 4]))
         return "\n".join(lines) + " }"
 
     @gluon.jit
@@ -201,13 +297,6 @@ if available():
         return gl.split(gl.permute(gl.reshape(x, [4, 16, 2, D // 2]), (0, 1, 3, 2)))
 
     @gluon.jit
-    def _pairs(lo, hi):
-        """`_halves` undone, back in A_OP."""
-        D: gl.constexpr = 2 * lo.shape[2]
-        x = gl.reshape(gl.permute(gl.join(lo, hi), (0, 1, 3, 2)), [4, 16, D])
-        return gl.convert_layout(x, A_OP, assert_trivial=True)
-
-    @gluon.jit
     def _offsets(layout: gl.constexpr, d0: gl.constexpr, d1: gl.constexpr, d2: gl.constexpr,
                  s0, s1, s2):  # fmt: skip
         """s0 i + s1 j + s2 k over [d0, d1, d2] in `layout`."""
@@ -217,6 +306,45 @@ if available():
         along_i = gl.expand_dims(gl.expand_dims(i * s0, 1), 2)
         along_j = gl.expand_dims(gl.expand_dims(j * s1, 0), 2)
         return along_i + along_j + gl.expand_dims(gl.expand_dims(k * s2, 0), 0)
+
+    @gluon.constexpr_function
+    def _paired(shape):
+        return [*shape[:-1], shape[-1] // 2, 2]
+
+    @gluon.jit
+    def _pack16(x):
+        """fp16 x [..., n] as int32 [..., n / 2]: elements 2k and 2k + 1 of the last axis (the
+        two halves of one register where x's layout pairs them) as one word."""
+        pairs = gl.reshape(x, _paired(x.shape))
+        even, odd = gl.split(pairs)
+        even = even.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        return even | (odd.to(gl.int16, bitcast=True).to(gl.int32) << 16)
+
+    @gluon.jit
+    def packed_pairs(qt):
+        """q^T [4, D, 8] in B_OP as int32 [4, D / 2, 8] (QUERY_PAIRS): each B_OP register, K
+        indices 2k and 2k + 1, as one word (the fused blocks' operand)."""
+        D: gl.constexpr = qt.shape[1]
+        packed = gl.permute(_pack16(gl.permute(qt, (0, 2, 1))), (0, 2, 1))
+        gl.static_assert(gl.to_linear_layout(packed.type.layout, [4, D // 2, 8]) == QUERY_PAIRS)
+        return packed
+
+    @gluon.jit
+    def _in_registers(at, k_lo, k_hi, v_lo, v_hi):
+        """The four table words (every thread's the same) in ordinary registers of each thread,
+        and a barrier (which also publishes what the program wrote before it). ptxas keeps a
+        value every thread shares in a uniform register, and a permute's table operands must
+        be ordinary ones: it copied them in before each permute, 44 copies a tile. Each thread
+        stores them at at[4t ..] and reads its neighbour's copy (t ^ 1) after the barrier: a
+        value ptxas cannot know is shared, held in registers across the loop."""
+        tid = gl.arange(0, 128, layout=ONE_A_THREAD)
+        at = at.to(gl.pointer_type(gl.int32), bitcast=True)
+        mine, theirs = at + 4 * tid, at + 4 * (tid ^ 1)
+        words = (k_lo, k_hi, v_lo, v_hi)
+        for i in gl.static_range(4):
+            gl.store(mine + i, gl.full([128], words[i], gl.int32, ONE_A_THREAD))
+        gl.barrier()
+        return (gl.load(theirs), gl.load(theirs + 1), gl.load(theirs + 2), gl.load(theirs + 3))
 
     @gluon.jit
     def _table_word(LEVELS, first: gl.constexpr):
@@ -249,6 +377,7 @@ if available():
         gl.static_assert(gl.to_linear_layout(MMA, [4, 16, 8]) == SCORES)
         gl.static_assert(gl.to_linear_layout(B_OP, [4, 16, 8]) == PROBS)
         BN: gl.constexpr = BLOCK_N
+        SLOT_TABLE: gl.constexpr = (2 * D + 1) * 8
         C: gl.constexpr = D // 2
         b, hk, split = gl.program_id(0), gl.program_id(1), gl.program_id(2)
         kv = b.to(gl.int64) * num_kv + hk
@@ -267,14 +396,14 @@ if available():
         t_pair = t_pair * gl.expand_dims(gl.where(cq < C, 1.0, -1.0), 1)
         s_q = gl.expand_dims(gl.load(KSCALE + hk * D + cq).to(gl.float32), 1)
         o_q = gl.expand_dims(gl.load(KOFF + hk * D + cq).to(gl.float32), 1)
-        table = TABLE + (kv * gl.num_programs(2) + split) * ((2 * D + 1) * 8)
+        table = TABLE + (kv * gl.num_programs(2) + split) * (SLOT_TABLE + 4 * 128)
         rows = gl.expand_dims(cq * 8, 1) + gl.expand_dims(gq, 0)
         gl.store(table + rows, t_own * s_q)
         gl.store(table + D * 8 + rows, t_pair * s_q)
         gl.store(table + 2 * D * 8 + gq, gl.sum(t_own * o_q, axis=0))
-        gl.barrier()  # the table, read below by every thread
         levels = KLEV + hk * BOOK
-        k_lo, k_hi = _table_word(levels, 0), _table_word(levels, 2)
+        k_lo, k_hi, v_lo, v_hi = _in_registers(table + SLOT_TABLE, _table_word(levels, 0),
+                                               _table_word(levels, 2), VALUE_LO, VALUE_HI)
         # q^T [4, D, 8] as the B operand, K index k read from the channel _key_asm puts there
         k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
         chan = key_channel(k, PRE_ROPE)
@@ -286,6 +415,7 @@ if available():
             s_k = gl.load(KSCALE + hk * D + chan)
             qt = (qt.to(gl.float32) * gl.expand_dims(gl.expand_dims(s_k.to(gl.float32), 0), 2)
                   ).to(gl.float16)  # fmt: skip
+            q_pairs = packed_pairs(qt)
         k_base = b.to(gl.int64) * kc_b + hk * kc_h
         v_base = b.to(gl.int64) * vc_b + hk * vc_h
         i_base = b.to(gl.int64) * ki_b + hk * ki_h
@@ -306,13 +436,14 @@ if available():
         if PRE_ROPE:  # keys x s + o, rotated by R(j) (j < 64 in the tile); q by R(start)^T
             kk = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(0, A_OP)))
             ck = key_channel(kk, True)
-            s_k = gl.expand_dims(gl.expand_dims(gl.load(KSCALE + hk * D + ck), 0), 0)
-            o_k = gl.expand_dims(gl.expand_dims(gl.load(KOFF + hk * D + ck), 0), 0)
+            s_k = _pack16(gl.load(KSCALE + hk * D + ck).to(gl.float16))
+            o_k = _pack16(gl.load(KOFF + hk * D + ck).to(gl.float16))
             f = gl.load(INV_FREQ + ck % C)
             j = _offsets(A_OP, 4, 16, D, 16, 1, 0).to(gl.float32)
             cos_j, sin_j = _trig(j * gl.expand_dims(gl.expand_dims(f, 0), 0))
             cos_j, _ = _halves(cos_j.to(gl.float16))
             sin_j, _ = _halves(sin_j.to(gl.float16))
+            cos_j, sin_j = _pack16(cos_j), _pack16(sin_j)
             q_own = gl.load(Q + (kv * G) * D + gl.expand_dims(gq * D, 0)
                             + gl.expand_dims(key_channel(cq, True), 1), mask=q_live,
                             other=0.0).to(gl.float32)  # fmt: skip
@@ -329,18 +460,21 @@ if available():
         acc = gl.zeros([4, D, 8], gl.float32, layout=MMA)  # transposed: channels x query heads
         for start in range(lo, hi, BN):
             words = gl.load(KC + k_base + start * kc_p + k_at)  # budget: steady loop
-            keys = gl.inline_asm(_key_asm, ("=h", "r", "r", "r"), [words, k_lo, k_hi],
-                                 gl.distributed_type(gl.float16, [4, 16, D], A_OP),
-                                 is_pure=True)  # fmt: skip
             if PRE_ROPE:
-                keys = keys * s_k + o_k
-                kl, kh = _halves(keys)
-                keys = _pairs(kl * cos_j - kh * sin_j, kh * cos_j + kl * sin_j)
                 q_rot = q_own * gl.expand_dims(cos_a, 1) + q_pair * gl.expand_dims(sin_a, 1)
                 q_rot = gl.convert_layout(q_rot.to(gl.float16), gl.SliceLayout(0, B_OP))
                 qt = gl.expand_dims(q_rot, 0).broadcast_to([4, D, 8])
                 cos_a, sin_a = cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
-            s = mma_v2(keys, qt, gl.zeros([4, 16, 8], gl.float32, layout=MMA))
+                s = gl.inline_asm(
+                    _rotated_scores_asm, ("=f", "r", "r", "r", "r", "r", "r", "r", "h"),
+                    [words, k_lo, k_hi, s_k, o_k, cos_j, sin_j, qt],
+                    gl.distributed_type(gl.float32, [4, 16, 8], MMA), is_pure=True,
+                )  # fmt: skip
+            else:
+                s = gl.inline_asm(_scores_asm, ("=f", "r", "r", "r", "r"),
+                                  [words, k_lo, k_hi, q_pairs],
+                                  gl.distributed_type(gl.float32, [4, 16, 8], MMA),
+                                  is_pure=True)  # fmt: skip
             p_at = start + at
             index = gl.load(KIDX + i_base + p_at * ki_p).to(gl.int32)
             code = gl.load(KDEL + d_base + p_at * kd_p).to(gl.int32)
@@ -367,14 +501,11 @@ if available():
             l_w = l_w * alpha + p
             o_w = o_w * alpha + p * gl.expand_dims(v_off, 2)
             pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
-            pt = gl.inline_asm(_transpose_asm, ("=h", "h"), [pw],
-                               gl.distributed_type(gl.float16, [4, 16, 8], B_OP),
-                               is_pure=True)  # fmt: skip
             vw = gl.load(VC + v_base + start * vc_p + v_at)
-            vt = gl.inline_asm(_value_asm, ("=h", "r", "r", "r"), [vw, VALUE_LO, VALUE_HI],
-                               gl.distributed_type(gl.float16, [4, D, 16], A_OP),
-                               is_pure=True)  # fmt: skip
-            acc = mma_v2(vt, pt, acc * alpha)
+            acc = gl.inline_asm(_values_asm, ("=f", "r", "r", "r", "h", "f"),
+                                [vw, v_lo, v_hi, pw, acc * alpha],
+                                gl.distributed_type(gl.float32, [4, D, 8], MMA),
+                                is_pure=True)  # fmt: skip
             m_i = m_new
         # the warps' splits merged at their largest max (-inf where nothing was read)
         m_all = gl.max(m_i, axis=0)
@@ -419,7 +550,9 @@ def launch(q, ks, vs, k_layout, sinks, inv_freq, part, stats, splits: int, first
     splits)."""
     B, H, _, D = q.shape
     hkv = ks.tail.shape[1]
-    table = torch.empty(B * hkv * splits, 2 * D + 1, 8, device=q.device, dtype=torch.float32)
+    # per program: the slot table [2 D + 1, 8] and the table words of each thread (4 x 128)
+    table = torch.empty(B * hkv * splits, (2 * D + 1) * 8 + 4 * 128, device=q.device,
+                        dtype=torch.float32)  # fmt: skip
     return _body_kernel[(B, hkv, splits)](
         q, inv_freq if inv_freq is not None else table, sinks.is_sink, table, part, stats,
         ks.codes, ks.scale, ks.offset, ks.levels, ks.slot_index, ks.slot_delta, ks.n_body,
