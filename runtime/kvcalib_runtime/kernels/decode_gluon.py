@@ -137,6 +137,15 @@ if available():
         )
 
     @gluon.constexpr_function
+    def _scores(out, a, q) -> list[str]:
+        """PTX: the scores out = A q^T from zero, one product a k-step (A_OP registers a, four a
+        k-step; B_OP registers q, two)."""
+        lines = [f"mov.b32 {x}, 0f00000000;" for x in out]
+        for t in range(len(q) // 2):
+            lines.append(_mma(out, a[4 * t : 4 * t + 4], q[2 * t : 2 * t + 2], out))
+        return lines
+
+    @gluon.constexpr_function
     def key_register(e: int, h: int, k: int) -> int:
         """A_OP register of codes k (b = 0) and k + 4 (b = 1) of key word e + 2h (codes k + 8,
         k + 12 two registers on: c = 1)."""
@@ -233,10 +242,7 @@ if available():
         the D / 16 k-steps."""
         (out,), (words, lo, hi, q) = outputs, inputs
         a = _fragments("a", 2 * len(q))
-        lines = [_declared(*a), *_key_decode(a, words, lo, hi)]
-        lines += [f"mov.b32 {x}, 0f00000000;" for x in out]
-        for t in range(len(q) // 2):
-            lines.append(_mma(out, a[4 * t : 4 * t + 4], q[2 * t : 2 * t + 2], out))
+        lines = [_declared(*a), *_key_decode(a, words, lo, hi), *_scores(out, a, q)]
         return "\n".join(lines) + " }"
 
     @gluon.constexpr_function
@@ -259,10 +265,7 @@ if available():
             lines += [f"mul.rn.f16x2 x, {high}, {sin[j]};", f"mul.rn.f16x2 y, {low}, {sin[j]};",
                       "neg.f16x2 x, x;", f"fma.rn.f16x2 {low}, {low}, {cos[j]}, x;",
                       f"fma.rn.f16x2 {high}, {high}, {cos[j]}, y;"]  # fmt: skip
-        lines += [f"mov.b32 {x}, 0f00000000;" for x in out]
-        for t in range(len(q) // 2):
-            lines.append(_mma(out, a[4 * t : 4 * t + 4], q[2 * t : 2 * t + 2], out))
-        return "\n".join(lines) + " }"
+        return "\n".join(lines + _scores(out, a, q)) + " }"
 
     @gluon.constexpr_function
     def _values_asm(outputs, inputs):
