@@ -24,7 +24,10 @@ fp16): 2-bit key and value words decoded to fp16 levels by the byte-permute tabl
                   positions' codes interleaved into one selector so that each permute gives the
                   (position, position + 1) pair a register holds, the output rows relabeled
                   (`value_channel`, undone by the store). The probabilities reach the B operand
-                  by one movmatrix transpose per 8 x 8 half. No shared memory in the loop.
+                  by one movmatrix transpose per 8 x 8 half. Decode and products are one block
+                  of inline PTX each (the codes decoded into the MMA fragments), the table
+                  words in each thread's registers: kernels.decode_gluon's blocks. No shared
+                  memory in the loop.
   gluon+features  with kvcalib-2's per-position work added as its cache stores it today: one
                   exact key slot (index and E4M3 delta bytes, q times the step gathered from a
                   per-program table in L1), the sink mask (one byte), the folded keys' constant
@@ -32,7 +35,9 @@ fp16): 2-bit key and value words decoded to fp16 levels by the byte-permute tabl
   gluon+features, pre-RoPE
                   keys stored before RoPE, as kvcalib-2 stores them: each thread holds a
                   channel and its RoPE partner (words i, i + 4: `key_channel(k, True)`), the
-                  decoded keys rotated by R(j) (j < 64, a table built once, half2 arithmetic),
+                  decoded keys scaled and offset per channel (by one and zero here: the
+                  arithmetic, not the values) and rotated by R(j) (j < 64, a table built once,
+                  half2 arithmetic),
                   q by R(start)^T each tile (angle addition, then to every warp through shared
                   memory), the slot's q rotated by its absolute position (the SFU's cos, sin).
 
@@ -57,7 +62,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import budget_read as read
@@ -75,18 +79,20 @@ from kvcalib_runtime.kernels.decode_gluon import (
     Q_ROWS,
     QUERY,
     SCORES,
+    VALUE_HI,
+    VALUE_LO,
     VALUE_WORDS,
     VALUES,
-    _declared,
-    _fragments,
     _halves,
-    _key_asm,
+    _in_registers,
     _offsets,
-    _transposed,
+    _pack16,
+    _rotated_scores_asm,
+    _scores_asm,
     _trig,
-    _unpacked,
-    _value_asm,
+    _values_asm,
     key_channel,
+    packed_pairs,
     value_channel,
 )
 from kvcalib_runtime.layouts import metabyte
@@ -94,22 +100,6 @@ from kvcalib_runtime.layouts import metabyte
 G, D, BN, WARPS = 4, 128, 64, 4
 FORMULATIONS = ("triton", "gluon", "gluon+features", "gluon+features, pre-RoPE")
 SCALE_BASE = gl.constexpr(metabyte.BASE)  # one-byte value scales (layouts.metabyte)
-
-
-@gluon.jit
-def _pairs(lo, hi):
-    """`_halves` undone, back in A_OP."""
-    D: gl.constexpr = 2 * lo.shape[2]
-    x = gl.reshape(gl.permute(gl.join(lo, hi), (0, 1, 3, 2)), [4, 16, D])
-    return gl.convert_layout(x, A_OP, assert_trivial=True)
-
-
-@gluon.constexpr_function
-def _transpose_asm(outputs, inputs):
-    """The probabilities to fp16 B_OP values (decode_gluon's `_transposed`)."""
-    (out,), (p,) = outputs, inputs
-    b = _fragments("b", 2)
-    return "\n".join([_declared(*b), *_transposed(b, p), *_unpacked(out, b)]) + " }"
 
 
 @triton.jit
@@ -154,10 +144,9 @@ def _triton_loop(Q, KC, VC, W, B, OUT, n, T, G: tl.constexpr, D: tl.constexpr,
 
 
 # -- Gluon: [warp, position, query head] products, each warp its own split --------------------
-# The layouts, the relabelings and the inline PTX's decode are kernels.decode_gluon's (the
-# launched kernel's whole tiles), imported: this skeleton is that loop without its cache's
-# addressing, and with Gluon's mma_v2 after each decode where the kernel fuses decode and
-# products into one asm block (its copies of the fragments are in these rows, not the kernel's).
+# The layouts, the relabelings and the inline PTX (decode and products in one block, the table
+# words in each thread's registers) are kernels.decode_gluon's (the launched kernel's whole
+# tiles), imported: this skeleton is that loop without its cache's addressing.
 
 
 @gluon.jit
@@ -170,7 +159,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
     gl.static_assert(gl.to_linear_layout(B_OP, [4, D, 8]) == QUERY)
     gl.static_assert(gl.to_linear_layout(MMA, [4, 16, 8]) == SCORES)
     gl.static_assert(gl.to_linear_layout(B_OP, [4, 16, 8]) == PROBS)
-    lo, hi = gl.load(T), gl.load(T + 1)
+    lo, hi, _, _ = _in_registers(T + 2, gl.load(T), gl.load(T + 1), VALUE_LO, VALUE_HI)
     # q^T [4, D, 8] as the B operand, K index k read from the channel _key_asm puts there
     k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
     chan = key_channel(k, PRE_ROPE)
@@ -178,6 +167,8 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
     at_q = _offsets(B_OP, 4, D, 8, 0, 0, D) + gl.expand_dims(gl.expand_dims(chan, 0), 2)
     qt = gl.load(Q + at_q, mask=gl.expand_dims(gl.expand_dims(heads < G, 0), 0) & (at_q >= 0),
                  other=0.0)  # fmt: skip
+    if not PRE_ROPE:
+        q_pairs = packed_pairs(qt)
     if PRE_ROPE:
         k_at = _offsets(KEY_PAIRS, 4, 16, 8, 16 * (D // 16), D // 16, 1)
     else:
@@ -197,6 +188,10 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
         j = _offsets(A_OP, 4, 16, D, 16, 1, 0).to(gl.float32)
         cos_j, _ = _halves((gl.cos(j * gl.expand_dims(gl.expand_dims(f, 0), 0))).to(gl.float16))
         sin_j, _ = _halves((gl.sin(j * gl.expand_dims(gl.expand_dims(f, 0), 0))).to(gl.float16))
+        cos_j, sin_j = _pack16(cos_j), _pack16(sin_j)
+        # unit scale and zero offset: the kernel's arithmetic on kvcalib-2's keys, not its values
+        unit = _pack16(gl.full([D], 1.0, gl.float16, gl.SliceLayout(0, gl.SliceLayout(0, A_OP))))
+        zero = _pack16(gl.zeros([D], gl.float16, gl.SliceLayout(0, gl.SliceLayout(0, A_OP))))
         kq = gl.arange(0, D, layout=gl.SliceLayout(1, Q_ROWS))
         cq = key_channel(kq, True)
         gq = gl.arange(0, 8, layout=gl.SliceLayout(0, Q_ROWS))
@@ -215,17 +210,20 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
     acc = gl.zeros([4, D, 8], gl.float32, layout=MMA)  # transposed: channels x query heads
     for start in range(0, n, BN):
         words = gl.load(KC + start * (D // 16) + k_at)
-        keys = gl.inline_asm(_key_asm, ("=h", "r", "r", "r"), [words, lo, hi],
-                             gl.distributed_type(gl.float16, [4, 16, D], A_OP),
-                             is_pure=True)  # fmt: skip
         if PRE_ROPE:
-            k_lo, k_hi = _halves(keys)
-            keys = _pairs(k_lo * cos_j - k_hi * sin_j, k_hi * cos_j + k_lo * sin_j)
             q_rot = q_own * gl.expand_dims(cos_a, 1) + q_pair * gl.expand_dims(sin_a, 1)
             q_rot = gl.convert_layout(q_rot.to(gl.float16), gl.SliceLayout(0, B_OP))
             qt = gl.expand_dims(q_rot, 0).broadcast_to([4, D, 8])
             cos_a, sin_a = cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
-        s = mma_v2(keys, qt, gl.zeros([4, 16, 8], gl.float32, layout=MMA))
+            s = gl.inline_asm(
+                _rotated_scores_asm, ("=f", "r", "r", "r", "r", "r", "r", "r", "h"),
+                [words, lo, hi, unit, zero, cos_j, sin_j, qt],
+                gl.distributed_type(gl.float32, [4, 16, 8], MMA), is_pure=True,
+            )  # fmt: skip
+        else:
+            s = gl.inline_asm(_scores_asm, ("=f", "r", "r", "r", "r"), [words, lo, hi, q_pairs],
+                              gl.distributed_type(gl.float32, [4, 16, 8], MMA),
+                              is_pure=True)  # fmt: skip
         if FEATURES:  # kvcalib-2's: one exact key slot, the sink mask, one-byte value metadata
             rows = start + at
             index = gl.load(INDEX + rows).to(gl.int32)
@@ -251,14 +249,11 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
         l_w = l_w * alpha + p
         o_w = o_w * alpha + p * gl.expand_dims(b, 2)
         pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
-        pt = gl.inline_asm(_transpose_asm, ("=h", "h"), [pw],
-                           gl.distributed_type(gl.float16, [4, 16, 8], B_OP),
-                           is_pure=True)  # fmt: skip
         words = gl.load(VC + start * (D // 16) + v_at)
-        vt = gl.inline_asm(_value_asm, ("=h", "r", "r", "r"), [words, lo, hi],
-                           gl.distributed_type(gl.float16, [4, D, 16], A_OP),
-                           is_pure=True)  # fmt: skip
-        acc = mma_v2(vt, pt, acc * alpha)
+        acc = gl.inline_asm(_values_asm, ("=f", "r", "r", "r", "h", "f"),
+                            [words, lo, hi, pw, acc * alpha],
+                            gl.distributed_type(gl.float32, [4, D, 8], MMA),
+                            is_pure=True)  # fmt: skip
         m_i = m_new
     scale = gl.exp2(m_i - gl.expand_dims(gl.max(m_i, axis=0), 0))  # each warp's split to one max
     COLS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, MMA))

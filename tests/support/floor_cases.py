@@ -27,6 +27,7 @@ def skeleton_inputs(gen, n: int, d: int, g: int):
     bits = levels.view(torch.int16).long() & 0xFFFF
     table = torch.tensor([bits[0] | bits[1] << 16, bits[2] | bits[3] << 16])
     table = table.where(table < 2**31, table - 2**32).to(torch.int32)
+    table = torch.cat([table, torch.zeros(4 * 128, dtype=torch.int32)])  # each thread's copy
     q = torch.randn(g, d, generator=gen).to(torch.float16)
     meta = dict(w=torch.rand(n, generator=gen) + 0.5, b=torch.randn(n, generator=gen) * 0.1,
                 sink=(torch.rand(n, generator=gen) < 0.05).to(torch.uint8),

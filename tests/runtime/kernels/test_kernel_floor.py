@@ -1,12 +1,14 @@
-"""The Gluon skeleton of benchmarks/kernel_floor.py: every register its inline PTX writes holds
-the element the MMA reads there (issue 51).
+"""The Gluon skeleton of benchmarks/kernel_floor.py and the decode it shares with the kernel
+(kernels.decode_gluon): every register the inline PTX decodes holds the element the MMA reads
+there (issue 51).
 
-No GPU runs the skeleton, so its bookkeeping is proven here, one thread at a time: the PTX
-executed instruction by instruction (support.ptx) for every lane of a warp, each output
-register read through the operand's layout (kernel_floor's constants, which the skeleton
-asserts equal to Gluon's own when it compiles), and compared with the plain decode of the
+The bookkeeping is proven here one thread at a time: the decode blocks' PTX executed
+instruction by instruction (support.ptx) for every lane of a warp, each output register read
+through the operand's layout (decode_gluon's constants, which the kernel and the skeleton
+assert equal to Gluon's own when they compile), and compared with the plain decode of the
 channel the other operand reads at that index (q at `key_channel`, the output store at
-`value_channel`). The compile itself is checked against the committed record.
+`value_channel`). The skeleton runs whole on the CPU (support.ptx_cta) and on a GPU when there
+is one; its compile is checked against the committed record.
 """
 
 import json
@@ -34,6 +36,8 @@ if triton.__version__ != kb.TRITON:  # Gluon's API moves between releases
 
 import kernel_floor as kf  # noqa: E402
 
+from kvcalib_runtime.kernels import decode_gluon as dg  # noqa: E402
+
 LANES = range(32)
 
 
@@ -55,7 +59,7 @@ def level_table(gen):
 
 
 def run(asm_fn, outputs: int, words: torch.Tensor, lo, hi) -> torch.Tensor:
-    """One thread's asm block (kernel_floor's constexpr function) on its `words` [n] (samples x
+    """One thread's asm block (decode_gluon's constexpr function) on its `words` [n] (samples x
     n as columns): its `outputs` 16-bit results [samples, outputs]."""
     names = tuple(f"${n}" for n in range(outputs))
     given = tuple(f"${outputs + n}" for n in range(words.shape[1]))
@@ -70,8 +74,8 @@ def test_the_relabelings_are_permutations():
     """Every channel is read once: q's K index and the output rows relabel channels, never merge
     them."""
     for pairs in (False, True):
-        assert sorted(kf.key_channel.fn(torch.arange(128), pairs).tolist()) == list(range(128))
-    assert sorted(kf.value_channel.fn(torch.arange(128)).tolist()) == list(range(128))
+        assert sorted(dg.key_channel.fn(torch.arange(128), pairs).tolist()) == list(range(128))
+    assert sorted(dg.value_channel.fn(torch.arange(128)).tolist()) == list(range(128))
 
 
 @pytest.mark.parametrize("pairs", [False, True])
@@ -86,15 +90,15 @@ def test_each_key_register_holds_the_level_of_the_channel_q_reads_at_its_k(pairs
         i = lane % 4
         codes = torch.randint(0, 4, (32, 4, 16), generator=gen)  # samples, word (e + 2h), code
         words = (codes << 2 * torch.arange(16)).sum(-1)
-        out = run(kf._key_asm, 64, words, lo, hi)
+        out = run(dg._key_asm, 64, words, lo, hi)
         for reg in range(64):
-            _, position, k = coords(kf.KEYS, reg, lane)
-            channel = int(kf.key_channel.fn(torch.tensor(k), pairs))
+            _, position, k = coords(dg.KEYS, reg, lane)
+            channel = int(dg.key_channel.fn(torch.tensor(k), pairs))
             first, step = (i, 4) if pairs else (2 * i, 1)  # the lane's words: first + step e
             (e, other), h = divmod(channel // 16 - first, step), position // 8
             assert e in (0, 1) and other == 0 and position % 8 == lane // 4, (lane, reg)
             if pairs:
-                assert int(kf.key_channel.fn(torch.tensor(k ^ 64), pairs)) == channel ^ 64
+                assert int(dg.key_channel.fn(torch.tensor(k ^ 64), pairs)) == channel ^ 64
             assert torch.equal(out[:, reg], bits[codes[:, e + 2 * h, channel % 16]]), (lane, reg)
 
 
@@ -109,10 +113,10 @@ def test_each_value_register_holds_the_level_of_its_position_at_the_row_stored_o
         i, r = lane % 4, lane // 4
         codes = torch.randint(0, 4, (32, 4, 16), generator=gen)  # samples, position (b + 2c), code
         words = (codes << 2 * torch.arange(16)).sum(-1)
-        out = run(kf._value_asm, 64, words, lo, hi)
+        out = run(dg._value_asm, 64, words, lo, hi)
         for reg in range(64):
-            _, m, position = coords(kf.VALUES, reg, lane)
-            channel = int(kf.value_channel.fn(torch.tensor(m)))
+            _, m, position = coords(dg.VALUES, reg, lane)
+            channel = int(dg.value_channel.fn(torch.tensor(m)))
             b, c = position % 2, position // 8
             assert (position // 2) % 4 == i and channel // 16 == r, (lane, reg)
             assert torch.equal(out[:, reg], bits[codes[:, b + 2 * c, channel % 16]]), (lane, reg)
@@ -126,9 +130,9 @@ def test_the_probabilities_reach_the_b_operand_by_one_transpose_per_half():
         row, col = lane // 4, 2 * (lane % 4)
         for h in range(2):
             for s in range(2):
-                _, position, head = coords(kf.SCORES, 2 * h + s, lane)
+                _, position, head = coords(dg.SCORES, 2 * h + s, lane)
                 assert (position - 8 * h, head) == (row, col + s)  # the fragment it reads
-                _, position, head = coords(kf.PROBS, 2 * h + s, lane)
+                _, position, head = coords(dg.PROBS, 2 * h + s, lane)
                 assert (position - 8 * h, head) == (col + s, row)  # the transpose's
 
 
