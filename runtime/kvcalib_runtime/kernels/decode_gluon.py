@@ -337,7 +337,7 @@ if available():
         """The four table words (every thread's the same) in ordinary registers of each thread,
         and a barrier (which also publishes what the program wrote before it). ptxas keeps a
         value every thread shares in a uniform register, and a permute's table operands must
-        be ordinary ones: it copied them in before each permute, 44 copies a tile. Each thread
+        be ordinary ones: it copied them in before each permute, ~40 copies a tile. Each thread
         stores them at at[4t ..] and reads its neighbour's copy (t ^ 1) after the barrier: a
         value ptxas cannot know is shared, held in registers across the loop."""
         tid = gl.arange(0, 128, layout=ONE_A_THREAD)
