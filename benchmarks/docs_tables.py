@@ -334,6 +334,25 @@ def render_cost() -> str:
     return _table(head, ["---", "---", "---", "---:", "---:", "---:", "---:", "---", "---"], rows)
 
 
+def render_vq() -> str:
+    """kvcalib-1.5s (the retired vector-code variant with an exact slot) on Qwen2.5's 4K suite
+    beside kvcalib-1.5, kivi-2 and fp16 on the same prompts (long_context_vq.json: its table
+    and its --pair rows, every task pooled and passkey)."""
+    doc = lc_report("qwen2.5-0.5b", "long_context_vq")
+    lines = []
+    for pair in doc["pairs"]:
+        parts = []
+        for task in ("all tasks", "passkey"):
+            c = pair["long_context"][task]["4096"]
+            parts.append(
+                f"{task} (n {c['samples']}) {100 * c['diff']:+.0f} points "
+                f"[{100 * c['diff_low']:+.0f}, {100 * c['diff_high']:+.0f}], McNemar p "
+                f"{c['mcnemar_p']:.2g}"
+            )
+        lines.append(f"{pair['recipe']} against {pair['reference']}, paired: {'; '.join(parts)}.")
+    return render_lc("qwen2.5-0.5b", "long_context_vq") + "\n\n" + " ".join(lines)
+
+
 def render_prompts() -> str:
     """The default calibration's 8 retrieval prompts against 16: kvcalib-2 on Qwen2.5's 4K suite
     paired (long_context_probe8.json's "against" rows, all tasks pooled) and its prose KL."""
@@ -499,6 +518,7 @@ BLOCKS = {
     "lc-qwen-long": lambda: render_lc("qwen2.5-0.5b-long"),
     "calibration-cost": render_cost,
     "probe-prompts": render_prompts,
+    "lc-qwen-vq": render_vq,
     "cost-model": render_cost_model,
     "sessions": render_sessions,
     "sessions-headline": render_sessions_headline,

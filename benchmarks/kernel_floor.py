@@ -5,9 +5,10 @@ and with kvcalib-2's features.
     python benchmarks/kernel_floor.py --out benchmarks/kernel_budget/floor.json  # kernel-floor
 
 Every row does the same work per tile of 64 positions (G = 4 query heads a KV head, D = 128,
-fp16): 2-bit key and value words decoded to fp16 levels by the byte-permute table
-(kernels.packed), scores, an online softmax whose probabilities are scaled per position (a
-"token" value scale) with a rank-1 offset term, and p . v. Keys after RoPE.
+fp16): 2-bit key words decoded to fp16 levels by the byte-permute table (kernels.packed), 2-bit
+value words to their uniform levels 0 .. 3 (as kvcalib-2 stores values), scores, an online
+softmax whose probabilities are scaled per position (a "token" value scale) with a rank-1 offset
+term, and p . v. Keys after RoPE.
 
   triton          the decode kernel's formulation in Triton: `packed.levels` tiles [BN, D/2] (a
                   thread holds a word's 16 channels), K q^T and V^T p with positions as the
@@ -20,10 +21,12 @@ fp16): 2-bit key and value words decoded to fp16 levels by the byte-permute tabl
                   output's (V^T p). Every thread decodes exactly the words its A-operand
                   fragments hold: keys, words 2i, 2i + 1 of positions r, r + 8 (lane = 4r + i),
                   the K index relabeled to the codes' order (`key_channel`: q is read in that
-                  order once); values, word r of positions 2i, 2i + 1, 2i + 8, 2i + 9, two
-                  positions' codes interleaved into one selector so that each permute gives the
-                  (position, position + 1) pair a register holds, the output rows relabeled
-                  (`value_channel`, undone by the store). The probabilities reach the B operand
+                  order once); values, word r of positions 2i, 2i + 1, 2i + 8, 2i + 9, by the
+                  magic-number conversion (a permute puts two positions' bytes in one register,
+                  each code masked under fp16 1024's exponent, 1024 subtracted), the output
+                  rows relabeled and scaled (`value_channel`, `value_unit`, undone once after
+                  the loop). The triton row reads values by the table (of levels 0 .. 3), as the
+                  decode kernel does. The probabilities reach the B operand
                   by one movmatrix transpose per 8 x 8 half. Decode and products are one block
                   of inline PTX each (the codes decoded into the MMA fragments), the table
                   words in each thread's registers: kernels.decode_gluon's blocks. No shared
@@ -79,8 +82,6 @@ from kvcalib_runtime.kernels.decode_gluon import (
     Q_ROWS,
     QUERY,
     SCORES,
-    VALUE_HI,
-    VALUE_LO,
     VALUE_WORDS,
     VALUES,
     _halves,
@@ -94,6 +95,7 @@ from kvcalib_runtime.kernels.decode_gluon import (
     key_channel,
     packed_pairs,
     value_channel,
+    value_unit,
 )
 from kvcalib_runtime.layouts import metabyte
 
@@ -111,6 +113,7 @@ def _triton_loop(Q, KC, VC, W, B, OUT, n, T, G: tl.constexpr, D: tl.constexpr,
     j = tl.arange(0, BN)
     g = tl.arange(0, BG)
     lo, hi = tl.load(T), tl.load(T + 1)
+    v_lo, v_hi = tl.load(T + 2), tl.load(T + 3)  # the values' levels 0 .. 3
     live = j >= 0
     q_lo = tl.load(Q + g[:, None] * D + ch[None, :], mask=(g < G)[:, None], other=0.0)
     q_hi = tl.load(Q + g[:, None] * D + C + ch[None, :], mask=(g < G)[:, None], other=0.0)
@@ -132,10 +135,10 @@ def _triton_loop(Q, KC, VC, W, B, OUT, n, T, G: tl.constexpr, D: tl.constexpr,
         l_w = l_w * alpha[None, :] + p
         o_w = o_w * alpha[None, :] + p * b[:, None]
         pw = (p * w[:, None]).to(tl.float16)
-        v_lo = packed.levels(VC, row, 0, live, lo, hi, BN, C, C, tl.float16, True)
-        v_hi = packed.levels(VC, row, C, live, lo, hi, BN, C, C, tl.float16, True)
-        acc_lo = acc_lo * alpha[None, :] + tl.dot(tl.trans(v_lo), pw)
-        acc_hi = acc_hi * alpha[None, :] + tl.dot(tl.trans(v_hi), pw)
+        vl = packed.levels(VC, row, 0, live, v_lo, v_hi, BN, C, C, tl.float16, True)
+        vh = packed.levels(VC, row, C, live, v_lo, v_hi, BN, C, C, tl.float16, True)
+        acc_lo = acc_lo * alpha[None, :] + tl.dot(tl.trans(vl), pw)
+        acc_hi = acc_hi * alpha[None, :] + tl.dot(tl.trans(vh), pw)
         m_i = m_new
     total, offset = tl.sum(l_w, axis=0), tl.sum(o_w, axis=0)
     out = OUT + g[None, :] * D + ch[:, None]
@@ -159,7 +162,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
     gl.static_assert(gl.to_linear_layout(B_OP, [4, D, 8]) == QUERY)
     gl.static_assert(gl.to_linear_layout(MMA, [4, 16, 8]) == SCORES)
     gl.static_assert(gl.to_linear_layout(B_OP, [4, 16, 8]) == PROBS)
-    lo, hi, _, _ = _in_registers(T + 2, gl.load(T), gl.load(T + 1), VALUE_LO, VALUE_HI)
+    lo, hi = _in_registers(T + 4, gl.load(T), gl.load(T + 1))
     # q^T [4, D, 8] as the B operand, K index k read from the channel _key_asm puts there
     k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
     chan = key_channel(k, PRE_ROPE)
@@ -250,8 +253,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
         o_w = o_w * alpha + p * gl.expand_dims(b, 2)
         pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
         words = gl.load(VC + start * (D // 16) + v_at)
-        acc = gl.inline_asm(_values_asm, ("=f", "r", "r", "r", "h", "f"),
-                            [words, lo, hi, pw, acc * alpha],
+        acc = gl.inline_asm(_values_asm, ("=f", "r", "h", "f"), [words, pw, acc * alpha],
                             gl.distributed_type(gl.float32, [4, D, 8], MMA),
                             is_pure=True)  # fmt: skip
         m_i = m_new
@@ -259,9 +261,9 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
     COLS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, MMA))
     total = gl.convert_layout(gl.sum(gl.sum(l_w, axis=1) * scale, axis=0), COLS)
     offset = gl.convert_layout(gl.sum(gl.sum(o_w, axis=1) * scale, axis=0), COLS)
-    out = gl.sum(acc * gl.expand_dims(scale, 1), axis=0)
-    out = (out + gl.expand_dims(offset, 0)) / gl.expand_dims(total, 0)
     row = gl.arange(0, D, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA)))
+    out = gl.sum(acc * gl.expand_dims(scale, 1), axis=0) * gl.expand_dims(value_unit(row), 1)
+    out = (out + gl.expand_dims(offset, 0)) / gl.expand_dims(total, 0)
     head = gl.arange(0, 8, layout=COLS)
     channel = value_channel(row)
     gl.store(OUT + gl.expand_dims(channel, 1) + gl.expand_dims(head * D, 0), out,

@@ -20,7 +20,9 @@ calibration), it is scored again. Records of profile-free recipes written before
 under (no such preset changed before: CHANGELOG.md).
 --against NAME:PROFILE pairs every recipe with NAME's records scored under another profile (a
 cheaper calibration's allocation against the one it would replace): the cells whose NAME record
-carries that profile's plan digest, reported beside the rest, never scored here.
+carries that profile's plan digest, reported beside the rest, never scored here. --pair A:B
+pairs recipe A against recipe B of the same run on the same prompts (repeat; default kvcalib-2
+against turboquant-2.5 where both ran).
 
 At the end (or with --report-only) every prompt present for the grid is tabulated into
 --out/NAME.md and .json (--name, default long_context: another recipe set's table beside it;
@@ -49,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 RESIDUAL = 128
 LEGACY = "legacy-plans.json"
 RECIPES = ("fp16", "kivi-2", "turboquant-2.5", "kvcalib-2", "kvcalib-3")
-VERSUS, VERSUS_PEER = "kvcalib-2", "turboquant-2.5"  # also paired against each other
+VERSUS, VERSUS_PEER = "kvcalib-2", "turboquant-2.5"  # --pair's default
 SIDES = ("keys", "values")
 
 
@@ -232,14 +234,16 @@ def report(args, tags: dict, hours: float) -> str:
         ).split("\n", 2)[2],
         "",
     ]
-    if {VERSUS, VERSUS_PEER} <= set(recipes):
-        versus = longcontext.cells(records + pooled, VERSUS, reference=VERSUS_PEER)
+    pairs = []
+    for a, b in [p.split(":", 1) for p in args.pair] or [(VERSUS, VERSUS_PEER)]:
+        if not {a, b} <= set(recipes):
+            continue
+        versus = longcontext.cells(records + pooled, a, reference=b)
+        pairs.append({"recipe": a, "reference": b, "long_context": versus})
         text += [
-            f"{VERSUS} paired against {VERSUS_PEER} on the same prompts:",
+            f"{a} paired against {b} on the same prompts:",
             "",
-            longreport.format_paired(
-                [SimpleNamespace(recipe=VERSUS, long_context=versus)], reference=VERSUS_PEER
-            ),
+            longreport.format_paired([SimpleNamespace(recipe=a, long_context=versus)], reference=b),
             "",
         ]
     paired = against(args, tags) if args.against else None
@@ -247,6 +251,8 @@ def report(args, tags: dict, hours: float) -> str:
         text += paired[0]
     out.joinpath(f"{args.name}.md").write_text("\n".join(text))
     doc = {"setup": setup, "rows": [vars(r) for r in rows]}
+    if pairs:
+        doc["pairs"] = pairs
     if paired is not None:
         doc["against"] = {"recipe": args.against, "rows": [vars(r) for r in paired[1]]}
     out.joinpath(f"{args.name}.json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -315,6 +321,14 @@ def main() -> None:
         default=None,
         metavar="NAME:PROFILE",
         help="Also pair every recipe with NAME's records scored under PROFILE (not scored here).",
+    )
+    parser.add_argument(
+        "--pair",
+        action="append",
+        default=[],
+        metavar="A:B",
+        help="Also pair recipe A against recipe B on the same prompts (repeat; default: "
+        f"{VERSUS}:{VERSUS_PEER} where both ran).",
     )
     parser.add_argument(
         "--name",

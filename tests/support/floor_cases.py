@@ -14,8 +14,9 @@ def skeleton_args(q, kc, vc, table, meta, out, n: int) -> list:
 
 def skeleton_inputs(gen, n: int, d: int, g: int):
     """The skeleton's arguments for n positions (a multiple of 64), g query heads of d
-    channels: (q, key words, value words, level table), the per-position metadata, and what
-    the reference needs: levels [n, d] of keys and values, fp32."""
+    channels: (q, key words, value words, the level tables: the keys' and the values' uniform
+    0 .. 3), the per-position metadata, and what the reference needs: levels [n, d] of keys
+    and values (the codes), fp32."""
     key_codes = torch.randint(0, 4, (n, d), generator=gen)
     value_codes = torch.randint(0, 4, (n, d), generator=gen)
 
@@ -25,9 +26,9 @@ def skeleton_inputs(gen, n: int, d: int, g: int):
 
     levels = torch.randn(4, generator=gen).to(torch.float16)
     bits = levels.view(torch.int16).long() & 0xFFFF
-    table = torch.tensor([bits[0] | bits[1] << 16, bits[2] | bits[3] << 16])
+    table = torch.tensor([bits[0] | bits[1] << 16, bits[2] | bits[3] << 16, 0x3C000000, 0x42004000])
     table = table.where(table < 2**31, table - 2**32).to(torch.int32)
-    table = torch.cat([table, torch.zeros(4 * 128, dtype=torch.int32)])  # each thread's copy
+    table = torch.cat([table, torch.zeros(2 * 128, dtype=torch.int32)])  # each thread's copy
     q = torch.randn(g, d, generator=gen).to(torch.float16)
     meta = dict(w=torch.rand(n, generator=gen) + 0.5, b=torch.randn(n, generator=gen) * 0.1,
                 sink=(torch.rand(n, generator=gen) < 0.05).to(torch.uint8),
@@ -39,7 +40,7 @@ def skeleton_inputs(gen, n: int, d: int, g: int):
                 freq=1e4 ** -(torch.arange(d // 2) / (d // 2)))  # fmt: skip
     meta["delta"][(meta["delta"] & 0x7F) > 0x77] = 0  # finite E4M3 bytes only
     args = (q, pack(key_codes), pack(value_codes), table)
-    return args, meta, levels.float()[key_codes], levels.float()[value_codes]
+    return args, meta, levels.float()[key_codes], value_codes.float()
 
 
 def skeleton_reference(q, keys, values, meta, features: bool, pre: bool):

@@ -8,23 +8,35 @@ import torch
 def run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Execute inline PTX of one thread on int64 tensors of 32-bit values, `regs` its operands
     by name ($n, or the block's own registers): prmt.b32 in its default mode, and.b32, or.b32,
-    shl.b32, shr.u32, mad.lo.u32, mov.b32 {lo, hi}, src (the PTX ISA's definitions)."""
+    shl.b32, shr.u32, mad.lo.u32, sub.rn.f16x2 (each half rounded once), mov.b32 d, src and
+    mov.b32 {lo, hi}, src (the PTX ISA's definitions)."""
     mask = 0xFFFFFFFF
 
     def value(token):
         return regs[token] if token in regs else torch.tensor(int(token, 0))
+
+    def halves(x):  # a register's two fp16, as float64 [..., 2]
+        pairs = torch.stack([x & 0xFFFF, x >> 16], -1).to(torch.int32)
+        return pairs.to(torch.int16).view(torch.float16).double()
+
+    def packed(h):  # float64 [..., 2] rounded to fp16, as one register
+        bits = h.to(torch.float16).view(torch.int16).long() & 0xFFFF
+        return bits[..., 0] | bits[..., 1] << 16
 
     for line in asm.strip("{} \n").split(";"):
         line = line.strip()
         if not line or line.startswith(".reg"):
             continue
         op, args = line.split(None, 1)
-        if op == "mov.b32":  # {lo, hi}, src: the two 16-bit halves
-            halves, src = args.rsplit(",", 1)
-            lo, hi = (h.strip(" {}") for h in halves.split(","))
+        if op == "mov.b32" and args.startswith("{"):  # {lo, hi}, src: the two 16-bit halves
+            pair, src = args.rsplit(",", 1)
+            lo, hi = (h.strip(" {}") for h in pair.split(","))
             regs[lo], regs[hi] = value(src.strip()) & 0xFFFF, value(src.strip()) >> 16
             continue
         dst, *src = [a.strip() for a in args.split(",")]
+        if op == "mov.b32":
+            regs[dst] = value(src[0]) & mask
+            continue
         a, b = value(src[0]), value(src[1])
         if op == "and.b32":
             out = a & b
@@ -34,6 +46,8 @@ def run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             out = a << b
         elif op == "shr.u32":
             out = a >> b
+        elif op == "sub.rn.f16x2":  # the exact difference, rounded once to fp16
+            out = packed(halves(a) - halves(b))
         elif op == "mad.lo.u32":
             out = a * b + value(src[2])
         elif op == "prmt.b32":  # byte i of d: byte (selector nibble i) of {b, a}

@@ -9,16 +9,18 @@ any of kvcalib-2's features (benchmarks/kernel_floor.py). Here the layouts are w
 (the skeleton's, measured there): each of the 4 warps an independent split of 16 positions of a
 64-position tile (its own softmax state, merged once after the loop); mma.sync with positions as
 the scores' rows (K q^T) and channels as the output's rows (V^T p); every thread decodes exactly
-the code words its A-operand fragments hold, by the byte-permute lookup of kernels.packed:
-keys, words i and i + 4 of positions r and r + 8 (lane = 4r + i: a channel and its RoPE partner
-in one thread), the K index relabeled to the codes' order (`key_channel`, q read in that order);
-values, word r of positions 2i, 2i + 1, 2i + 8, 2i + 9, two positions' codes interleaved into
-one selector (`value_channel` the output rows, undone by the store); the probabilities reach
-the B operand by one movmatrix transpose a half. Each tile's decode and its tensor-core
-products are one inline-PTX block (`_scores_asm`, `_rotated_scores_asm`, `_values_asm`): the
-codes decoded straight into the mma.sync fragments, pre-RoPE keys scaled, offset and rotated
-there in half2 arithmetic; the table words are ordinary registers of every thread
-(`_in_registers`). No shared memory in the loop but pre-RoPE q's rotation (once a tile).
+the code words its A-operand fragments hold: keys by the byte-permute lookup of kernels.packed,
+words i and i + 4 of positions r and r + 8 (lane = 4r + i: a channel and its RoPE partner in one
+thread), the K index relabeled to the codes' order (`key_channel`, q read in that order);
+values, uniform, by the magic-number conversion (two instructions a register), word r of
+positions 2i, 2i + 1, 2i + 8, 2i + 9, a permute putting two positions' bytes in one register
+(`value_channel` the output rows, undone by the store, `value_unit` their scale); the
+probabilities reach the B operand by one movmatrix transpose a half. Each tile's decode and its
+tensor-core products are one inline-PTX block (`_scores_asm`, `_rotated_scores_asm`,
+`_values_asm`): the codes decoded straight into the mma.sync fragments, pre-RoPE keys scaled,
+offset and rotated there in half2 arithmetic; the keys' table words are ordinary registers of
+every thread (`_in_registers`). No shared memory in the loop but pre-RoPE q's rotation (once a
+tile).
 
 What it reads (`applies`): keys "static" (per-channel scale and offset) with a 2-bit codebook
 and one exact slot per row whose delta is an E4M3 byte in steps of the channel's scale, before
@@ -56,8 +58,6 @@ if available():
 
     SCALE_BASE = gl.constexpr(metabyte.BASE)
     ZERO_STEP = gl.constexpr(3.0 / metabyte.ZERO_STEPS)  # 2-bit uniform: SPAN 3 (tiles.zero_decode)
-    VALUE_LO = gl.constexpr(0x3C000000)  # fp16 levels 0, 1 (uniform: the codes themselves)
-    VALUE_HI = gl.constexpr(0x42004000)  # fp16 levels 2, 3
 
     MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1],
                                     instr_shape=[1, 16, 8])  # fmt: skip
@@ -121,6 +121,17 @@ if available():
         m % 8."""
         return 16 * (m % 8) + m // 8
 
+    @gluon.jit
+    def value_shift(m):
+        """Where row m's codes sit in `_value_decode`'s halves, bits 2 ((m // 8) % 4) up: the
+        row holds 2^value_shift(m) times its codes."""
+        return 2 * ((m // 8) % 4)
+
+    @gluon.jit
+    def value_unit(m):
+        """2^-value_shift(m) (fp32, exact: its exponent's bits)."""
+        return ((127 - value_shift(m)) << 23).to(gl.float32, bitcast=True)
+
     # The decode and the tensor-core products in PTX (the constexpr functions below write it):
     # an A_OP register is a pair of fp16 (K indices 2i, 2i + 1 of a row); registers 4t .. 4t + 3
     # are the fragment of mma.sync k-step t (keys: 16 channels; transposed values: 16 rows).
@@ -179,22 +190,23 @@ if available():
         return lines
 
     @gluon.constexpr_function
-    def _value_decode(a, words, lo, hi) -> list[str]:
+    def _value_decode(a, words) -> list[str]:
         """PTX: value words of positions (2i + 8c, 2i + 8c + 1) (registers 2c, 2c + 1) into A_OP
-        registers a (`value_register`): both positions' codes interleaved into one selector by a
-        permute, so that each table permute gives the (position, position + 1) pair a register
-        holds. Temporaries s, t, u."""
-        lines = []
+        registers a (`value_register`) by the magic-number conversion of uniform codes: a
+        permute puts byte j of both words in the two halves of one register, under fp16 1024's
+        exponent bits (an or); code 4j + q of each, masked in place (bits 2q of its half, the
+        exponent kept: one immediate a mask), is 1024 + 4^q code, and 1024 off leaves 4^q code,
+        exact (`value_unit` undoes 4^q on the output rows). Temporaries s, t, u."""
+        lines = ["mov.b32 u, 0x64006400;"]  # fp16 1024, 1024
         for c in range(2):
-            for k in range(4):
-                lines += [f"shr.u32 t, {words[2 * c]}, {2 * k};", "and.b32 t, t, 0x03030303;",
-                          f"shr.u32 u, {words[2 * c + 1]}, {2 * k};",
-                          "and.b32 u, u, 0x03030303;"]  # fmt: skip
-                for sel, code in (("0x5140", k), ("0x7362", k + 8)):
-                    r, r4 = value_register(code, c), value_register(code + 4, c)
-                    lines += [f"prmt.b32 s, t, u, {sel};", "mad.lo.u32 s, s, 34, 0x10101010;",
-                              f"prmt.b32 {a[r]}, {lo[0]}, {hi[0]}, s;", "shr.u32 s, s, 16;",
-                              f"prmt.b32 {a[r4]}, {lo[0]}, {hi[0]}, s;"]  # fmt: skip
+            for j in range(4):
+                select = 0x4400 + 0x1111 * j  # bytes j, j, 4 + j, 4 + j of (word, next word)
+                lines += [f"prmt.b32 t, {words[2 * c]}, {words[2 * c + 1]}, {select:#06x};",
+                          "or.b32 t, t, 0x64006400;"]  # fmt: skip
+                for q in range(4):
+                    r = value_register(4 * j + q, c)
+                    mask = 0x64006400 | 0x00030003 << 2 * q
+                    lines += [f"and.b32 s, t, {mask:#010x};", f"sub.rn.f16x2 {a[r]}, s, u;"]
         return lines
 
     @gluon.constexpr_function
@@ -229,11 +241,9 @@ if available():
     def _value_asm(outputs, inputs):
         """Value words to fp16 A_OP values of the transposed values (`_value_decode` alone, as
         `_key_asm`)."""
-        (out,), (words, lo, hi) = outputs, inputs
+        (out,), (words,) = outputs, inputs
         a = _fragments("a", len(out) // 2)
-        return (
-            "\n".join([_declared(*a), *_value_decode(a, words, lo, hi), *_unpacked(out, a)]) + " }"
-        )
+        return "\n".join([_declared(*a), *_value_decode(a, words), *_unpacked(out, a)]) + " }"
 
     @gluon.constexpr_function
     def _scores_asm(outputs, inputs):
@@ -269,13 +279,13 @@ if available():
 
     @gluon.constexpr_function
     def _values_asm(outputs, inputs):
-        """acc + V^T p [4, D, 8] (MMA, fp32) from a tile's value words, the table words, its
-        probabilities (the scores' layout, fp16) and acc: `_transposed`, `_value_decode` into
-        the fragments (as many as the accumulator's registers: four a 16-row block), then one
-        product a block."""
-        (out,), (words, lo, hi, p, acc) = outputs, inputs
+        """acc + V^T p [4, D, 8] (MMA, fp32), row m times 1 / value_unit(m), from a tile's
+        value words, its probabilities (the scores' layout, fp16) and acc: `_transposed`,
+        `_value_decode` into the fragments (as many as the accumulator's registers: four a
+        16-row block), then one product a block."""
+        (out,), (words, p, acc) = outputs, inputs
         a, b = _fragments("a", len(out)), _fragments("b", 2)
-        lines = [_declared(*a, *b), *_transposed(b, p), *_value_decode(a, words, lo, hi)]
+        lines = [_declared(*a, *b), *_transposed(b, p), *_value_decode(a, words)]
         for m in range(0, len(out), 4):
             lines.append(_mma(out[m : m + 4], a[m : m + 4], b, acc[m : m + 4]))
         return "\n".join(lines) + " }"
@@ -333,21 +343,20 @@ if available():
         return packed
 
     @gluon.jit
-    def _in_registers(at, k_lo, k_hi, v_lo, v_hi):
-        """The four table words (every thread's the same) in ordinary registers of each thread,
+    def _in_registers(at, lo, hi):
+        """The two table words (every thread's the same) in ordinary registers of each thread,
         and a barrier (which also publishes what the program wrote before it). ptxas keeps a
         value every thread shares in a uniform register, and a permute's table operands must
         be ordinary ones: it copied them in before each permute, ~40 copies a tile. Each thread
-        stores them at at[4t ..] and reads its neighbour's copy (t ^ 1) after the barrier: a
+        stores them at at[2t ..] and reads its neighbour's copy (t ^ 1) after the barrier: a
         value ptxas cannot know is shared, held in registers across the loop."""
         tid = gl.arange(0, 128, layout=ONE_A_THREAD)
         at = at.to(gl.pointer_type(gl.int32), bitcast=True)
-        mine, theirs = at + 4 * tid, at + 4 * (tid ^ 1)
-        words = (k_lo, k_hi, v_lo, v_hi)
-        for i in gl.static_range(4):
-            gl.store(mine + i, gl.full([128], words[i], gl.int32, ONE_A_THREAD))
+        mine, theirs = at + 2 * tid, at + 2 * (tid ^ 1)
+        gl.store(mine, gl.full([128], lo, gl.int32, ONE_A_THREAD))
+        gl.store(mine + 1, gl.full([128], hi, gl.int32, ONE_A_THREAD))
         gl.barrier()
-        return (gl.load(theirs), gl.load(theirs + 1), gl.load(theirs + 2), gl.load(theirs + 3))
+        return gl.load(theirs), gl.load(theirs + 1)
 
     @gluon.jit
     def _table_word(LEVELS, first: gl.constexpr):
@@ -399,14 +408,14 @@ if available():
         t_pair = t_pair * gl.expand_dims(gl.where(cq < C, 1.0, -1.0), 1)
         s_q = gl.expand_dims(gl.load(KSCALE + hk * D + cq).to(gl.float32), 1)
         o_q = gl.expand_dims(gl.load(KOFF + hk * D + cq).to(gl.float32), 1)
-        table = TABLE + (kv * gl.num_programs(2) + split) * (SLOT_TABLE + 4 * 128)
+        table = TABLE + (kv * gl.num_programs(2) + split) * (SLOT_TABLE + 2 * 128)
         rows = gl.expand_dims(cq * 8, 1) + gl.expand_dims(gq, 0)
         gl.store(table + rows, t_own * s_q)
         gl.store(table + D * 8 + rows, t_pair * s_q)
         gl.store(table + 2 * D * 8 + gq, gl.sum(t_own * o_q, axis=0))
         levels = KLEV + hk * BOOK
-        k_lo, k_hi, v_lo, v_hi = _in_registers(table + SLOT_TABLE, _table_word(levels, 0),
-                                               _table_word(levels, 2), VALUE_LO, VALUE_HI)
+        k_lo, k_hi = _in_registers(table + SLOT_TABLE, _table_word(levels, 0),
+                                   _table_word(levels, 2))
         # q^T [4, D, 8] as the B operand, K index k read from the channel _key_asm puts there
         k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
         chan = key_channel(k, PRE_ROPE)
@@ -505,8 +514,7 @@ if available():
             o_w = o_w * alpha + p * gl.expand_dims(v_off, 2)
             pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
             vw = gl.load(VC + v_base + start * vc_p + v_at)
-            acc = gl.inline_asm(_values_asm, ("=f", "r", "r", "r", "h", "f"),
-                                [vw, v_lo, v_hi, pw, acc * alpha],
+            acc = gl.inline_asm(_values_asm, ("=f", "r", "h", "f"), [vw, pw, acc * alpha],
                                 gl.distributed_type(gl.float32, [4, D, 8], MMA),
                                 is_pure=True)  # fmt: skip
             m_i = m_new
@@ -516,8 +524,9 @@ if available():
         COLS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, MMA))
         total = gl.convert_layout(gl.sum(gl.sum(l_w, axis=1) * scale, axis=0), COLS)
         offset = gl.convert_layout(gl.sum(gl.sum(o_w, axis=1) * scale, axis=0), COLS)
-        out = gl.sum(acc * gl.expand_dims(scale, 1), axis=0) + gl.expand_dims(offset, 0)
         row = gl.arange(0, D, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA)))
+        out = gl.sum(acc * gl.expand_dims(scale, 1), axis=0) * gl.expand_dims(value_unit(row), 1)
+        out += gl.expand_dims(offset, 0)
         head = gl.arange(0, 8, layout=COLS)
         line = (kv * G + head) * split_rows + first_split + split  # [8] rows of PART / STATS
         gl.store(PART + gl.expand_dims(line * D, 0) + gl.expand_dims(value_channel(row), 1), out,
@@ -553,8 +562,8 @@ def launch(q, ks, vs, k_layout, sinks, inv_freq, part, stats, splits: int, first
     splits)."""
     B, H, _, D = q.shape
     hkv = ks.tail.shape[1]
-    # per program: the slot table [2 D + 1, 8] and the table words of each thread (4 x 128)
-    table = torch.empty(B * hkv * splits, (2 * D + 1) * 8 + 4 * 128, device=q.device,
+    # per program: the slot table [2 D + 1, 8] and the table words of each thread (2 x 128)
+    table = torch.empty(B * hkv * splits, (2 * D + 1) * 8 + 2 * 128, device=q.device,
                         dtype=torch.float32)  # fmt: skip
     return _body_kernel[(B, hkv, splits)](
         q, inv_freq if inv_freq is not None else table, sinks.is_sink, table, part, stats,

@@ -58,14 +58,14 @@ def level_table(gen):
     return bits[0] | bits[1] << 16, bits[2] | bits[3] << 16, bits
 
 
-def run(asm_fn, outputs: int, words: torch.Tensor, lo, hi) -> torch.Tensor:
+def run(asm_fn, outputs: int, words: torch.Tensor, *tables) -> torch.Tensor:
     """One thread's asm block (decode_gluon's constexpr function) on its `words` [n] (samples x
-    n as columns): its `outputs` 16-bit results [samples, outputs]."""
+    n as columns) and table words: its `outputs` 16-bit results [samples, outputs]."""
     names = tuple(f"${n}" for n in range(outputs))
     given = tuple(f"${outputs + n}" for n in range(words.shape[1]))
-    table = (f"${outputs + len(given)}",), (f"${outputs + len(given) + 1}",)
+    table = tuple((f"${outputs + len(given) + n}",) for n in range(len(tables)))
     regs = {name: words[:, n] for n, name in enumerate(given)}
-    regs.update({table[0][0]: lo, table[1][0]: hi})
+    regs.update({name: word for (name,), word in zip(table, tables, strict=True)})
     regs = run_ptx(asm_fn((names,), (given, *table)), regs)
     return torch.stack([regs[name] for name in names], 1)
 
@@ -102,24 +102,26 @@ def test_each_key_register_holds_the_level_of_the_channel_q_reads_at_its_k(pairs
             assert torch.equal(out[:, reg], bits[codes[:, e + 2 * h, channel % 16]]), (lane, reg)
 
 
-def test_each_value_register_holds_the_level_of_its_position_at_the_row_stored_out():
+def test_each_value_register_holds_the_code_of_its_position_at_the_row_stored_out():
     """Lane (i, r) decodes word r of positions 2i + b + 8c (register b + 2c): A-operand register
-    R of the transposed values holds, at its (row m, position), the level of code
-    value_channel(m) % 16 of that position's word, the output row m being stored to
-    value_channel(m)."""
+    R of the transposed values holds, at its (row m, position), code value_channel(m) % 16 of
+    that position's word times 2^value_shift(m), exactly, in fp16, the output row m being
+    stored to value_channel(m) (times value_unit(m)); every code at every shift."""
     gen = torch.Generator().manual_seed(1)
-    lo, hi, bits = level_table(gen)
     for lane in LANES:
         i, r = lane % 4, lane // 4
         codes = torch.randint(0, 4, (32, 4, 16), generator=gen)  # samples, position (b + 2c), code
+        codes[:4, 0] = torch.arange(4)[:, None]  # each code at each of a word's 16 places
         words = (codes << 2 * torch.arange(16)).sum(-1)
-        out = run(dg._value_asm, 64, words, lo, hi)
+        out = run(dg._value_asm, 64, words)
         for reg in range(64):
             _, m, position = coords(dg.VALUES, reg, lane)
             channel = int(dg.value_channel.fn(torch.tensor(m)))
             b, c = position % 2, position // 8
             assert (position // 2) % 4 == i and channel // 16 == r, (lane, reg)
-            assert torch.equal(out[:, reg], bits[codes[:, b + 2 * c, channel % 16]]), (lane, reg)
+            level = codes[:, b + 2 * c, channel % 16] << int(dg.value_shift.fn(torch.tensor(m)))
+            bits = level.to(torch.float16).view(torch.int16).long() & 0xFFFF
+            assert torch.equal(out[:, reg], bits), (lane, reg)
 
 
 def test_the_probabilities_reach_the_b_operand_by_one_transpose_per_half():
