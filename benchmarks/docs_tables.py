@@ -26,6 +26,9 @@ CHANGELOG.md says what each preset was that day).
   KL) and long_context/qwen2.5-0.5b/long_context_probe8.json (`--against`, paired); its cost
   model's predictions, calibration-cost/predicted.json (`benchmarks/calibration_cost.py --json`).
 - benchmarks/sessions/<model>/sessions.json (`benchmarks/session.py`): the long chat sessions.
+- long_context/qwen2.5-0.5b/long_context_vq.json (`--pair`) and
+  kvcalib-1.5-ablation/slots/eval_python_docs_qwen2.5-0.5b.json (`kvcalib eval --json`), both
+  under long_context/qwen2.5-0.5b/profile-vq: the vector codes with and without an exact slot.
 - benchmarks/kernel_budget/budget.json and floor.json (`make kernel-budget`, `make
   kernel-floor`): the decode kernel's loop and its skeletons compiled for sm_90 on a CPU.
 - benchmarks/dtype/bf16_smollm2.json (`benchmarks/dtype/run.sh`): the main table's recipes in
@@ -337,7 +340,8 @@ def render_cost() -> str:
 def render_vq() -> str:
     """kvcalib-1.5s (the retired vector-code variant with an exact slot) on Qwen2.5's 4K suite
     beside kvcalib-1.5, kivi-2 and fp16 on the same prompts (long_context_vq.json: its table
-    and its --pair rows, every task pooled and passkey)."""
+    and its --pair rows, every task pooled and passkey), and their prose KL under the same
+    profile (kvcalib-1.5-ablation/slots/eval_python_docs_qwen2.5-0.5b.json)."""
     doc = lc_report("qwen2.5-0.5b", "long_context_vq")
     lines = []
     for pair in doc["pairs"]:
@@ -350,6 +354,16 @@ def render_vq() -> str:
                 f"{c['mcnemar_p']:.2g}"
             )
         lines.append(f"{pair['recipe']} against {pair['reference']}, paired: {'; '.join(parts)}.")
+    evals = _load(BENCH / "kvcalib-1.5-ablation" / "slots" / "eval_python_docs_qwen2.5-0.5b.json")
+    setup = evals[0]["setup"]
+    kl = ", ".join(
+        f"{r['recipe']} {r['kld']:.3f} at {r['bits_per_element']:.2f} bits" for r in evals
+    )
+    lines.append(
+        f"Prose KL against full precision ({setup['data']}, {setup['windows']} × "
+        f"{setup['seq_len']:,} tokens, {setup['mode']}, residual {setup['residual']}; bits a "
+        f"stored element of the quantized body): {kl}."
+    )
     return render_lc("qwen2.5-0.5b", "long_context_vq") + "\n\n" + " ".join(lines)
 
 
