@@ -38,11 +38,12 @@ term, and p . v. Keys after RoPE.
   gluon+features, pre-RoPE
                   keys stored before RoPE, as kvcalib-2 stores them: each thread holds a
                   channel and its RoPE partner (words i, i + 4: `key_channel(k, True)`), the
-                  decoded keys scaled and offset per channel (by one and zero here: the
-                  arithmetic, not the values) and rotated by R(j) (j < 64, a table built once,
-                  half2 arithmetic),
-                  q by R(start)^T each tile (angle addition, then to every warp through shared
-                  memory), the slot's q rotated by its absolute position (the SFU's cos, sin).
+                  decoded keys scaled, offset per channel (by one and zero here: the
+                  arithmetic, not the values) and rotated by R(j) (j < 64) in four half2 fma a
+                  channel pair from six tables built once in shared memory (`rope_tables`,
+                  24 ld.shared.v4 a thread and tile), q by R(start)^T each tile (angle
+                  addition, then to every warp through shared memory), the slot's q rotated by
+                  its absolute position (the SFU's cos, sin).
 
 Not in any row: the cp.async pipeline of the code words (plain loads here), the per-program
 setup, the tiles where body meets ring. tests/runtime/kernels/test_kernel_floor.py executes the
@@ -77,6 +78,7 @@ from kvcalib_runtime.kernels.decode_gluon import (
     KEY_PAIRS,
     KEY_WORDS,
     KEYS,
+    MAX_REGISTERS,
     MMA,
     PROBS,
     Q_ROWS,
@@ -84,16 +86,16 @@ from kvcalib_runtime.kernels.decode_gluon import (
     SCORES,
     VALUE_WORDS,
     VALUES,
-    _halves,
     _in_registers,
     _offsets,
-    _pack16,
-    _rotated_scores_asm,
     _scores_asm,
     _trig,
     _values_asm,
     key_channel,
     packed_pairs,
+    rope_kept,
+    rope_tables,
+    rotated_scores,
     value_channel,
     value_unit,
 )
@@ -154,6 +156,7 @@ def _triton_loop(Q, KC, VC, W, B, OUT, n, T, G: tl.constexpr, D: tl.constexpr,
 
 @gluon.jit
 def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, TABLE, INV_FREQ,
+                KSCALE, KOFF,
                 G: gl.constexpr, D: gl.constexpr, FEATURES: gl.constexpr,
                 PRE_ROPE: gl.constexpr):  # fmt: skip
     BN: gl.constexpr = 64
@@ -186,15 +189,9 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
     )
     q_off = gl.load(TABLE + D * 8 + slot_heads)  # q . offset, the folded keys' constant term
     if PRE_ROPE:  # keys rotated by R(j), j < 64 in the tile; q by R(start)^T each tile
-        kk = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(0, A_OP)))
-        f = gl.load(INV_FREQ + key_channel(kk, True) % (D // 2))
-        j = _offsets(A_OP, 4, 16, D, 16, 1, 0).to(gl.float32)
-        cos_j, _ = _halves((gl.cos(j * gl.expand_dims(gl.expand_dims(f, 0), 0))).to(gl.float16))
-        sin_j, _ = _halves((gl.sin(j * gl.expand_dims(gl.expand_dims(f, 0), 0))).to(gl.float16))
-        cos_j, sin_j = _pack16(cos_j), _pack16(sin_j)
-        # unit scale and zero offset: the kernel's arithmetic on kvcalib-2's keys, not its values
-        unit = _pack16(gl.full([D], 1.0, gl.float16, gl.SliceLayout(0, gl.SliceLayout(0, A_OP))))
-        zero = _pack16(gl.zeros([D], gl.float16, gl.SliceLayout(0, gl.SliceLayout(0, A_OP))))
+        # scales of one and offsets of zero: the kernel's arithmetic on kvcalib-2's keys, not
+        # its values
+        tables = rope_tables(KSCALE, KOFF, INV_FREQ, D)
         kq = gl.arange(0, D, layout=gl.SliceLayout(1, Q_ROWS))
         cq = key_channel(kq, True)
         gq = gl.arange(0, 8, layout=gl.SliceLayout(0, Q_ROWS))
@@ -218,11 +215,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
             q_rot = gl.convert_layout(q_rot.to(gl.float16), gl.SliceLayout(0, B_OP))
             qt = gl.expand_dims(q_rot, 0).broadcast_to([4, D, 8])
             cos_a, sin_a = cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
-            s = gl.inline_asm(
-                _rotated_scores_asm, ("=f", "r", "r", "r", "r", "r", "r", "r", "h"),
-                [words, lo, hi, unit, zero, cos_j, sin_j, qt],
-                gl.distributed_type(gl.float32, [4, 16, 8], MMA), is_pure=True,
-            )  # fmt: skip
+            s = rotated_scores(words, lo, hi, tables, qt)
         else:
             s = gl.inline_asm(_scores_asm, ("=f", "r", "r", "r", "r"), [words, lo, hi, q_pairs],
                               gl.distributed_type(gl.float32, [4, 16, 8], MMA),
@@ -257,6 +250,8 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
                             gl.distributed_type(gl.float32, [4, D, 8], MMA),
                             is_pure=True)  # fmt: skip
         m_i = m_new
+    if PRE_ROPE:
+        rope_kept(tables)
     scale = gl.exp2(m_i - gl.expand_dims(gl.max(m_i, axis=0), 0))  # each warp's split to one max
     COLS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, MMA))
     total = gl.convert_layout(gl.sum(gl.sum(l_w, axis=1) * scale, axis=0), COLS)
@@ -273,7 +268,8 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
 SIGNATURE = {"Q": "*fp16", "KC": "*i32", "VC": "*i32", "W": "*fp32", "B": "*fp32", "OUT": "*fp32",
              "n": "i32", "T": "*i32", "G": "constexpr", "D": "constexpr"}  # fmt: skip
 FEATURE_ARGS = {"SINK": "*u8", "INDEX": "*u8", "DELTA": "*u8", "VSCALE": "*u8", "VZERO": "*u8",
-                "TABLE": "*fp32", "INV_FREQ": "*fp32"}  # fmt: skip
+                "TABLE": "*fp32", "INV_FREQ": "*fp32", "KSCALE": "*fp32",
+                "KOFF": "*fp32"}  # fmt: skip
 ALIGNED = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7)}
 
 
@@ -292,6 +288,8 @@ def measure(name: str) -> dict:
                                     "PRE_ROPE": "pre-RoPE" in name},
                                    {**ALIGNED, (13,): [["tt.divisibility", 16]]})  # fmt: skip
         options = {"num_warps": WARPS}
+        if "pre-RoPE" in name:  # the kernel's launch bound
+            options["maxnreg"] = MAX_REGISTERS
     with knobs.compilation.scope():
         knobs.compilation.always_compile = True  # Triton's cache keys miss the layouts' globals
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

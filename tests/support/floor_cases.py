@@ -7,9 +7,11 @@ from kvcalib_runtime.layouts import fp8, metabyte
 
 
 def skeleton_args(q, kc, vc, table, meta, out, n: int) -> list:
-    """The skeleton's arguments in its order (kernel_floor.SIGNATURE, FEATURE_ARGS)."""
+    """The skeleton's arguments in its order (kernel_floor.SIGNATURE, FEATURE_ARGS), the keys'
+    scales one and offsets zero."""
     return [q, kc, vc, meta["w"], meta["b"], out, n, table, meta["sink"], meta["index"],
-            meta["delta"], meta["scale"], meta["zero"], meta["slots"], meta["freq"]]  # fmt: skip
+            meta["delta"], meta["scale"], meta["zero"], meta["slots"], meta["freq"],
+            torch.ones(q.shape[1]), torch.zeros(q.shape[1])]  # fmt: skip
 
 
 def skeleton_inputs(gen, n: int, d: int, g: int):

@@ -18,9 +18,14 @@ positions 2i, 2i + 1, 2i + 8, 2i + 9, a permute putting two positions' bytes in 
 probabilities reach the B operand by one movmatrix transpose a half. Each tile's decode and its
 tensor-core products are one inline-PTX block (`_scores_asm`, `_rotated_scores_asm`,
 `_values_asm`): the codes decoded straight into the mma.sync fragments, pre-RoPE keys scaled,
-offset and rotated there in half2 arithmetic; the keys' table words are ordinary registers of
-every thread (`_in_registers`). No shared memory in the loop but pre-RoPE q's rotation (once a
-tile).
+offset and rotated there, four half2 fma a channel pair; the keys' table words are ordinary
+registers of every thread (`_in_registers`). Shared memory in the loop only before RoPE: the
+six tables that scale, offset and rotate the keys (`rope_tables`, built once a program, 96
+words a thread), read by address in the fused block, each k-step's 24 just before its
+products (fewer instructions than scaling, then rotating, from four tables held in registers
+across the loop, and those 64 registers free), and q's rotation, once a tile. Per-position
+offsets reach their pointers zero-extended (`_unsigned`), so that ptxas need not hold 64-bit
+addresses across the loop; before RoPE the launch is bounded to 128 registers.
 
 What it reads (`applies`): keys "static" (per-channel scale and offset) with a 2-bit codebook
 and one exact slot per row whose delta is an E4M3 byte in steps of the channel's scale, before
@@ -45,6 +50,11 @@ from kvcalib_runtime.layouts import Kind, metabyte
 TRITON = "3.9.0"  # the Gluon this module is written for
 BLOCK_N = 64  # positions a tile: 4 warps of 16
 WARPS = 4
+# Keys before RoPE: 4 programs an SM (CUDA's __launch_bounds__(128, 4)). Unbounded, ptxas
+# takes 130 registers, which leaves 3; at 128 it spills nothing and issues as many
+# instructions (benchmarks/kernel_budget). After RoPE unbounded: 96, where a bound of 128
+# makes it take 114 and issue more.
+MAX_REGISTERS = 128
 
 
 def available() -> bool:
@@ -105,6 +115,18 @@ if available():
                           [4, 64, 8])  # fmt: skip
     SCORES = _linear([[0, 0, 1], [0, 8, 0]], LANES_A, [4, 16, 8])
     PROBS = _linear([[0, 1, 0], [0, 8, 0]], LANES_B, [4, 16, 8])
+    # The pre-RoPE keys' tables (`rope_tables`), chunk kappa of each (K indices 16 kappa ..
+    # 16 kappa + 15 of the lower half, k-step kappa): ROPE_HALVES [4, 16, 16] fp32 the values
+    # of thread (i, r), K index 16 kappa + 8c + 2i + b of positions r + 8h (registers b, h, c),
+    # ROPE_CHUNK [4, 16, 8] their fp16 pairs, register h + 2c that of A_OP register
+    # 4 kappa + h + 2c (`key_register`)
+    ROPE_HALVES = _linear([[0, 0, 1], [0, 8, 0], [0, 0, 8]],
+                          [[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+                          [4, 16, 16])  # fmt: skip
+    ROPE_CHUNK = _linear([[0, 8, 0], [0, 0, 4]],
+                         [[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+                         [4, 16, 8])  # fmt: skip
+    FLAT = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
     @gluon.jit
     def key_channel(k, PAIRS: gl.constexpr):
@@ -173,12 +195,13 @@ if available():
         return [f"{name}{j}" for j in range(count)]
 
     @gluon.constexpr_function
-    def _key_decode(a, words, lo, hi) -> list[str]:
+    def _key_decode(a, words, lo, hi, shifts=(0, 1, 2, 3)) -> list[str]:
         """PTX: each key word into A_OP registers a (`key_register`): packed.LUT16_ASM's
-        permutes, written in place. Temporaries s, t, u."""
+        permutes, written in place; `shifts`: which codes k of each byte (k-steps k and k + 4).
+        Temporaries s, t, u."""
         lines = []
         for reg, word in enumerate(words):
-            for k in range(4):
+            for k in shifts:
                 src = word
                 if k:
                     lines.append(f"shr.u32 u, {word}, {2 * k};")
@@ -197,15 +220,16 @@ if available():
         exponent bits (an or); code 4j + q of each, masked in place (bits 2q of its half, the
         exponent kept: one immediate a mask), is 1024 + 4^q code, and 1024 off leaves 4^q code,
         exact (`value_unit` undoes 4^q on the output rows). Temporaries s, t, u."""
-        lines = ["mov.b32 u, 0x64006400;"]  # fp16 1024, 1024
+        magic = 0x64006400  # fp16 1024 in both halves
+        lines = [f"mov.b32 u, {magic:#010x};"]
         for c in range(2):
             for j in range(4):
                 select = 0x4400 + 0x1111 * j  # bytes j, j, 4 + j, 4 + j of (word, next word)
                 lines += [f"prmt.b32 t, {words[2 * c]}, {words[2 * c + 1]}, {select:#06x};",
-                          "or.b32 t, t, 0x64006400;"]  # fmt: skip
+                          f"or.b32 t, t, {magic:#010x};"]  # fmt: skip
                 for q in range(4):
                     r = value_register(4 * j + q, c)
-                    mask = 0x64006400 | 0x00030003 << 2 * q
+                    mask = magic | 0x00030003 << 2 * q
                     lines += [f"and.b32 s, t, {mask:#010x};", f"sub.rn.f16x2 {a[r]}, s, u;"]
         return lines
 
@@ -258,24 +282,36 @@ if available():
     @gluon.constexpr_function
     def _rotated_scores_asm(outputs, inputs):
         """A pre-RoPE tile's scores (R(j) (x s + o)) q_a^T [4, 16, 8] (MMA, fp32), q_a being q
-        rotated by the tile's start: `_key_decode` into the fragments, each scaled and offset
-        by its channels' (scale, offset: _pack16 of [D] in A_OP's K order, one word a K pair),
-        each register of the lower K half rotated with its partner's (K index k ^ D/2, D/32
-        k-steps on) by cos and sin of its positions' in-tile angles (_pack16 of `_halves`),
-        then the k-steps with q_a^T (B_OP, fp16: two a register)."""
-        (out,), (words, lo, hi, scale, offset, cos, sin, qh) = outputs, inputs
+        rotated by the tile's start, from its key words, the table words, this thread's row of
+        each of `rope_tables`' six tables (a shared address) and q_a^T (B_OP, fp16: two a
+        register). One chunk a code k of each byte: the chunk's words of the six tables (one
+        ld.shared.v4 each), `_key_decode` into k-steps k and k + D/32 (a lower K index's RoPE
+        partner, K index k ^ D/2, is D/32 k-steps on), each pair of registers scaled, offset
+        and rotated at once (low = x_l c1 + x_h c2 + c3, high = x_h c4 + x_l c5 + c6: four
+        fma), then the chunk's two k-steps: a chunk's fragments and table words are dead after
+        its products."""
+        (out,), (words, lo, hi, *rows, qh) = outputs, inputs
         a, q = _fragments("a", len(qh)), _fragments("q", len(qh) // 2)
-        lines = [_declared(*a, *q, "x", "y"), *_key_decode(a, words, lo, hi)]
+        half, steps = len(a) // 2, len(a) // 8  # lower registers; k-steps to the partner
+        c = [_fragments(f"c{t}_", half) for t in range(len(rows))]
+        lines = [_declared(*a, *q, *(x for table in c for x in table), "x", "y")]
         lines += [f"mov.b32 {x}, {{{qh[2 * j]}, {qh[2 * j + 1]}}};" for j, x in enumerate(q)]
-        lines += [f"fma.rn.f16x2 {r}, {r}, {scale[j >> 1]}, {offset[j >> 1]};"
-                  for j, r in enumerate(a)]  # fmt: skip
-        half = len(a) // 2
-        for j in range(half):
-            low, high = a[j], a[j + half]
-            lines += [f"mul.rn.f16x2 x, {high}, {sin[j]};", f"mul.rn.f16x2 y, {low}, {sin[j]};",
-                      "neg.f16x2 x, x;", f"fma.rn.f16x2 {low}, {low}, {cos[j]}, x;",
-                      f"fma.rn.f16x2 {high}, {high}, {cos[j]}, y;"]  # fmt: skip
-        return "\n".join(lines + _scores(out, a, q)) + " }"
+        lines += [f"mov.b32 {x}, 0f00000000;" for x in out]
+        c1, c2, c3, c4, c5, c6 = c
+        for k in range(steps):
+            for table, (row,) in zip(c, rows, strict=True):
+                words_k = ", ".join(table[4 * k : 4 * k + 4])
+                lines.append(f"ld.shared.v4.b32 {{{words_k}}}, [{row} + {16 * k}];")
+            lines += _key_decode(a, words, lo, hi, (k,))
+            for j in range(4 * k, 4 * k + 4):
+                low, high = a[j], a[j + half]
+                lines += [f"fma.rn.f16x2 x, {high}, {c2[j]}, {c3[j]};",
+                          f"fma.rn.f16x2 y, {low}, {c5[j]}, {c6[j]};",
+                          f"fma.rn.f16x2 {low}, {low}, {c1[j]}, x;",
+                          f"fma.rn.f16x2 {high}, {high}, {c4[j]}, y;"]  # fmt: skip
+            for t in (k, k + steps):
+                lines.append(_mma(out, a[4 * t : 4 * t + 4], q[2 * t : 2 * t + 2], out))
+        return "\n".join(lines) + " }"
 
     @gluon.constexpr_function
     def _values_asm(outputs, inputs):
@@ -303,13 +339,6 @@ if available():
         return cos.to(gl.float32, bitcast=True), sin.to(gl.float32, bitcast=True)
 
     @gluon.jit
-    def _halves(x):
-        """x [4, 16, D] in A_OP: its channels below D/2 and their RoPE partners (K index
-        k ^ 64 with KEY_PAIRS), each [4, 16, D/2]."""
-        D: gl.constexpr = x.shape[2]
-        return gl.split(gl.permute(gl.reshape(x, [4, 16, 2, D // 2]), (0, 1, 3, 2)))
-
-    @gluon.jit
     def _offsets(layout: gl.constexpr, d0: gl.constexpr, d1: gl.constexpr, d2: gl.constexpr,
                  s0, s1, s2):  # fmt: skip
         """s0 i + s1 j + s2 k over [d0, d1, d2] in `layout`."""
@@ -332,6 +361,104 @@ if available():
         even, odd = gl.split(pairs)
         even = even.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
         return even | (odd.to(gl.int16, bitcast=True).to(gl.int32) << 16)
+
+    @gluon.constexpr_function
+    def _rows_asm(outputs, inputs):
+        """PTX: each table's row of this thread (the buffers' addresses + 64 tid)."""
+        (*rows,), (*buffers, tid) = outputs, inputs
+        return "\n".join(
+            f"add.u32 {r[0]}, {b[0]}, {tid[0]};" for r, b in zip(rows, buffers, strict=True)
+        )
+
+    @gluon.constexpr_function
+    def _stored_asm(outputs, inputs):
+        """PTX: each table's four words of a chunk at its row's address (+ 16 kappa)."""
+        half = len(inputs) // 2
+        rows, words = inputs[:half], inputs[half:]
+        return "\n".join(f"st.shared.v4.b32 [{r[0]}], {{{', '.join(w)}}};"
+                          for r, w in zip(rows, words, strict=True))  # fmt: skip
+
+    @gluon.jit
+    def rope_tables(SCALE, OFFSET, INV_FREQ, D: gl.constexpr):
+        """The six tables that scale, offset and rotate pre-RoPE keys in `_rotated_scores_asm`,
+        built once a program in shared memory, 8 KB each, a 64-byte row a thread (tid = 32 warp +
+        lane), its words those of the A_OP registers of the lower K half it holds, in their
+        order (k-step kappa's four at 16 kappa: one ld.shared.v4). For a position j in the tile,
+        the channel l at a lower K index and h, its RoPE partner's (K index k ^ D/2): c1 = cos
+        s_l, c2 = -sin s_h, c3 = cos o_l - sin o_h, c4 = cos s_h, c5 = sin s_l, c6 = sin o_l +
+        cos o_h at angle j f_l (fp16), where R(j) (x s + o) = (x_l c1 + x_h c2 + c3, x_h c4 +
+        x_l c5 + c6). SCALE, OFFSET: the channels' (fp32 or fp16), INV_FREQ: RoPE's
+        frequencies. Returns (each table's row of this thread, the buffers): the loop's asm
+        takes both, the buffers to keep them allocated."""
+        gl.static_assert(D == 128)  # 16 words a row
+        C: gl.constexpr = D // 2
+        b1 = gl.allocate_shared_memory(gl.int32, [16 * 128], FLAT)
+        b2 = gl.allocate_shared_memory(gl.int32, [16 * 128], FLAT)
+        b3 = gl.allocate_shared_memory(gl.int32, [16 * 128], FLAT)
+        b4 = gl.allocate_shared_memory(gl.int32, [16 * 128], FLAT)
+        b5 = gl.allocate_shared_memory(gl.int32, [16 * 128], FLAT)
+        b6 = gl.allocate_shared_memory(gl.int32, [16 * 128], FLAT)
+        tid = gl.arange(0, 128, layout=ONE_A_THREAD) * 64
+        rows = gl.inline_asm(
+            _rows_asm, ("=r", "=r", "=r", "=r", "=r", "=r", "r", "r", "r", "r", "r", "r", "r"),
+            [b1, b2, b3, b4, b5, b6, tid], [tid.type] * 6, is_pure=False,
+        )  # fmt: skip
+        r1, r2, r3, r4, r5, r6 = rows
+        e = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(0, ROPE_HALVES)))
+        j = _offsets(ROPE_HALVES, 4, 16, 16, 16, 1, 0).to(gl.float32)
+        for kappa in gl.static_range(D // 32):
+            low = key_channel(16 * kappa + e, True)
+            high = key_channel(16 * kappa + C + e, True)
+            f = gl.expand_dims(gl.expand_dims(gl.load(INV_FREQ + low % C), 0), 0)
+            s_l = gl.expand_dims(gl.expand_dims(gl.load(SCALE + low).to(gl.float32), 0), 0)
+            s_h = gl.expand_dims(gl.expand_dims(gl.load(SCALE + high).to(gl.float32), 0), 0)
+            o_l = gl.expand_dims(gl.expand_dims(gl.load(OFFSET + low).to(gl.float32), 0), 0)
+            o_h = gl.expand_dims(gl.expand_dims(gl.load(OFFSET + high).to(gl.float32), 0), 0)
+            cos, sin = _trig(j * f)
+            c1 = _pack16((cos * s_l).to(gl.float16))
+            gl.static_assert(gl.to_linear_layout(c1.type.layout, [4, 16, 8]) == ROPE_CHUNK)
+            gl.inline_asm(_stored_asm,
+                          ("r", "r", "r", "r", "r", "r", "r", "r", "r", "r", "r", "r"),
+                          [r1 + 16 * kappa, r2 + 16 * kappa, r3 + 16 * kappa, r4 + 16 * kappa,
+                           r5 + 16 * kappa, r6 + 16 * kappa, c1,
+                           _pack16((-sin * s_h).to(gl.float16)),
+                           _pack16((cos * o_l - sin * o_h).to(gl.float16)),
+                           _pack16((cos * s_h).to(gl.float16)),
+                           _pack16((sin * s_l).to(gl.float16)),
+                           _pack16((sin * o_l + cos * o_h).to(gl.float16))],
+                          [], is_pure=False)  # fmt: skip
+        gl.barrier()
+        return rows, (b1, b2, b3, b4, b5, b6)
+
+    @gluon.jit
+    def rotated_scores(words, lo, hi, tables, qt):
+        """`_rotated_scores_asm` on a tile's key words and q_a^T, the tables read from shared
+        memory (`rope_tables`' rows)."""
+        (r1, r2, r3, r4, r5, r6), _ = tables
+        return gl.inline_asm(
+            _rotated_scores_asm, ("=f", "r", "r", "r", "r", "r", "r", "r", "r", "r", "h"),
+            [words, lo, hi, r1, r2, r3, r4, r5, r6, qt],
+            gl.distributed_type(gl.float32, [4, 16, 8], MMA), is_pure=False,
+        )  # fmt: skip
+
+    @gluon.jit
+    def rope_kept(tables):
+        """After the loop: `rope_tables`' buffers used once more (no instruction). The loop's
+        asm reads them by address, which the allocator does not see: without this use it gave
+        their memory to the loop's own shared scratch (q's rotation), and the executed PTX's
+        error grew fourfold (tests/support/ptx_runs.py gluon 80: 4.8e-3 against 1.2e-3, still
+        inside the test's bound of twice the reference's own fp16 error)."""
+        _, (b1, b2, b3, b4, b5, b6) = tables
+        gl.inline_asm("", ("r", "r", "r", "r", "r", "r"), [b1, b2, b3, b4, b5, b6], [],
+                      is_pure=False)  # fmt: skip
+
+    @gluon.jit
+    def _unsigned(x):
+        """A non-negative int32 offset widened to int64 without its sign. Added to a pointer
+        as int32, Triton sign-extends it (one more instruction a load), and ptxas then keeps
+        the loop's 64-bit addresses in registers; zero-extended, it computes each from its
+        32-bit offset when needed."""
+        return x.to(gl.uint32, bitcast=True).to(gl.int64)
 
     @gluon.jit
     def packed_pairs(qt):
@@ -446,16 +573,7 @@ if available():
             0)  # fmt: skip
         q_off = gl.load(table + 2 * D * 8 + slot_heads)
         if PRE_ROPE:  # keys x s + o, rotated by R(j) (j < 64 in the tile); q by R(start)^T
-            kk = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(0, A_OP)))
-            ck = key_channel(kk, True)
-            s_k = _pack16(gl.load(KSCALE + hk * D + ck).to(gl.float16))
-            o_k = _pack16(gl.load(KOFF + hk * D + ck).to(gl.float16))
-            f = gl.load(INV_FREQ + ck % C)
-            j = _offsets(A_OP, 4, 16, D, 16, 1, 0).to(gl.float32)
-            cos_j, sin_j = _trig(j * gl.expand_dims(gl.expand_dims(f, 0), 0))
-            cos_j, _ = _halves(cos_j.to(gl.float16))
-            sin_j, _ = _halves(sin_j.to(gl.float16))
-            cos_j, sin_j = _pack16(cos_j), _pack16(sin_j)
+            tables = rope_tables(KSCALE + hk * D, KOFF + hk * D, INV_FREQ, D)
             q_own = gl.load(Q + (kv * G) * D + gl.expand_dims(gq * D, 0)
                             + gl.expand_dims(key_channel(cq, True), 1), mask=q_live,
                             other=0.0).to(gl.float32)  # fmt: skip
@@ -471,38 +589,34 @@ if available():
         o_w = gl.zeros([4, 16, 8], gl.float32, layout=MMA)
         acc = gl.zeros([4, D, 8], gl.float32, layout=MMA)  # transposed: channels x query heads
         for start in range(lo, hi, BN):
-            words = gl.load(KC + k_base + start * kc_p + k_at)  # budget: steady loop
+            words = gl.load(KC + k_base + start * kc_p + _unsigned(k_at))  # budget: steady loop
             if PRE_ROPE:
                 q_rot = q_own * gl.expand_dims(cos_a, 1) + q_pair * gl.expand_dims(sin_a, 1)
                 q_rot = gl.convert_layout(q_rot.to(gl.float16), gl.SliceLayout(0, B_OP))
                 qt = gl.expand_dims(q_rot, 0).broadcast_to([4, D, 8])
                 cos_a, sin_a = cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
-                s = gl.inline_asm(
-                    _rotated_scores_asm, ("=f", "r", "r", "r", "r", "r", "r", "r", "h"),
-                    [words, k_lo, k_hi, s_k, o_k, cos_j, sin_j, qt],
-                    gl.distributed_type(gl.float32, [4, 16, 8], MMA), is_pure=True,
-                )  # fmt: skip
+                s = rotated_scores(words, k_lo, k_hi, tables, qt)
             else:
                 s = gl.inline_asm(_scores_asm, ("=f", "r", "r", "r", "r"),
                                   [words, k_lo, k_hi, q_pairs],
                                   gl.distributed_type(gl.float32, [4, 16, 8], MMA),
                                   is_pure=True)  # fmt: skip
             p_at = start + at
-            index = gl.load(KIDX + i_base + p_at * ki_p).to(gl.int32)
-            code = gl.load(KDEL + d_base + p_at * kd_p).to(gl.int32)
+            index = gl.load(KIDX + i_base + _unsigned(p_at * ki_p)).to(gl.int32)
+            code = gl.load(KDEL + d_base + _unsigned(p_at * kd_p)).to(gl.int32)
             half = (((code & 0x7F) << 7) | ((code & 0x80) << 8)).to(gl.int16)
             delta = half.to(gl.float16, bitcast=True).to(gl.float32) * 256.0  # tiles.fp8_decode
-            slot = gl.load(table + gl.expand_dims(index * 8, 2) + slot_heads)  # q_c s_c
+            slot = gl.load(table + _unsigned(gl.expand_dims(index * 8, 2) + slot_heads))  # q_c s_c
             if PRE_ROPE:  # q . R(p) (delta s_c e_c): q_c cos + q_pair sin (sign in the table)
-                pair = gl.load(table + D * 8 + gl.expand_dims(index * 8, 2) + slot_heads)
-                cos, sin = _trig(p_at.to(gl.float32) * gl.load(INV_FREQ + index % C))
+                pair = gl.load(table + D * 8 + _unsigned(gl.expand_dims(index * 8, 2) + slot_heads))
+                cos, sin = _trig(p_at.to(gl.float32) * gl.load(INV_FREQ + _unsigned(index % C)))
                 slot = slot * gl.expand_dims(cos, 2) + pair * gl.expand_dims(sin, 2)
             else:
                 s += q_off
             s = (s + slot * gl.expand_dims(delta, 2)) * sm_scale
-            s = gl.where(gl.expand_dims(gl.load(SINK + b * positions + p_at) == 0, 2), s,
+            s = gl.where(gl.expand_dims(gl.load(SINK + b * positions + _unsigned(p_at)) == 0, 2), s,
                          float("-inf"))  # fmt: skip
-            m_row = m_base + p_at * vm_p
+            m_row = m_base + _unsigned(p_at * vm_p)
             w = ((gl.load(VSCALE + m_row).to(gl.int32) + SCALE_BASE) << 20).to(
                 gl.float32, bitcast=True)  # fmt: skip
             v_off = -(gl.load(VZERO + m_row).to(gl.float32) * ZERO_STEP) * w
@@ -513,11 +627,13 @@ if available():
             l_w = l_w * alpha + p
             o_w = o_w * alpha + p * gl.expand_dims(v_off, 2)
             pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
-            vw = gl.load(VC + v_base + start * vc_p + v_at)
+            vw = gl.load(VC + v_base + start * vc_p + _unsigned(v_at))
             acc = gl.inline_asm(_values_asm, ("=f", "r", "h", "f"), [vw, pw, acc * alpha],
                                 gl.distributed_type(gl.float32, [4, D, 8], MMA),
                                 is_pure=True)  # fmt: skip
             m_i = m_new
+        if PRE_ROPE:
+            rope_kept(tables)
         # the warps' splits merged at their largest max (-inf where nothing was read)
         m_all = gl.max(m_i, axis=0)
         scale = gl.exp2(m_i - gl.expand_dims(gl.where(m_all == float("-inf"), 0.0, m_all), 0))
@@ -573,4 +689,5 @@ def launch(q, ks, vs, k_layout, sinks, inv_freq, part, stats, splits: int, first
         *vs.strides.meta, hkv, positions, splits, first_split, first_split + splits, sm_scale,
         G=H // hkv, D=D, BOOK=k_layout.BOOK, PRE_ROPE=inv_freq is not None, BLOCK_N=BLOCK_N,
         num_warps=WARPS, num_stages=1,  # plain loads: no pipeline
+        maxnreg=MAX_REGISTERS if inv_freq is not None else None,
     )  # fmt: skip
