@@ -535,6 +535,7 @@ BLOCKS = {
     "lc-qwen-vq": render_vq,
     "cost-model": render_cost_model,
     "sessions": render_sessions,
+    "sessions-smollm2": lambda: render_sessions("smollm2-135m"),
     "sessions-headline": render_sessions_headline,
     "kernel-floor": render_floor,
 }
