@@ -43,7 +43,8 @@ term, and p . v. Keys after RoPE.
                   channel pair from six tables built once in shared memory (`rope_tables`,
                   24 ld.shared.v4 a thread and tile), q by R(start)^T each tile (angle
                   addition, then to every warp through shared memory), the slot's q rotated by
-                  its absolute position (the SFU's cos, sin).
+                  its absolute position (the SFU's cos, sin); bounded at 128 registers, as the
+                  kernel's launch is.
 
 Not in any row: the cp.async pipeline of the code words (plain loads here), the per-program
 setup, the tiles where body meets ring. tests/runtime/kernels/test_kernel_floor.py executes the
