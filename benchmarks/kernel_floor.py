@@ -89,9 +89,7 @@ from kvcalib_runtime.kernels.decode_gluon import (
     VALUES,
     _in_registers,
     _offsets,
-    _scores_asm,
     _trig,
-    _values_asm,
     key_channel,
     packed_pairs,
     rope_kept,
@@ -100,6 +98,7 @@ from kvcalib_runtime.kernels.decode_gluon import (
     value_channel,
     value_unit,
 )
+from kvcalib_runtime.kernels.gluon_ptx import scores_asm, values_asm
 from kvcalib_runtime.layouts import metabyte
 
 G, D, BN, WARPS = 4, 128, 64, 4
@@ -167,7 +166,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
     gl.static_assert(gl.to_linear_layout(MMA, [4, 16, 8]) == SCORES)
     gl.static_assert(gl.to_linear_layout(B_OP, [4, 16, 8]) == PROBS)
     lo, hi = _in_registers(T + 4, gl.load(T), gl.load(T + 1))
-    # q^T [4, D, 8] as the B operand, K index k read from the channel _key_asm puts there
+    # q^T [4, D, 8] as the B operand, K index k read from the channel gluon_ptx.key_asm puts there
     k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
     chan = key_channel(k, PRE_ROPE)
     heads = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, B_OP)))
@@ -218,7 +217,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
             cos_a, sin_a = cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
             s = rotated_scores(words, lo, hi, tables, qt)
         else:
-            s = gl.inline_asm(_scores_asm, ("=f", "r", "r", "r", "r"), [words, lo, hi, q_pairs],
+            s = gl.inline_asm(scores_asm, ("=f", "r", "r", "r", "r"), [words, lo, hi, q_pairs],
                               gl.distributed_type(gl.float32, [4, 16, 8], MMA),
                               is_pure=True)  # fmt: skip
         if FEATURES:  # kvcalib-2's: one exact key slot, the sink mask, one-byte value metadata
@@ -247,7 +246,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
         o_w = o_w * alpha + p * gl.expand_dims(b, 2)
         pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
         words = gl.load(VC + start * (D // 16) + v_at)
-        acc = gl.inline_asm(_values_asm, ("=f", "r", "h", "f"), [words, pw, acc * alpha],
+        acc = gl.inline_asm(values_asm, ("=f", "r", "h", "f"), [words, pw, acc * alpha],
                             gl.distributed_type(gl.float32, [4, D, 8], MMA),
                             is_pure=True)  # fmt: skip
         m_i = m_new

@@ -16,12 +16,12 @@ values, uniform, by the magic-number conversion (two instructions a register), w
 positions 2i, 2i + 1, 2i + 8, 2i + 9, a permute putting two positions' bytes in one register
 (`value_channel` the output rows, undone by the store, `value_unit` their scale); the
 probabilities reach the B operand by one movmatrix transpose a half. Each tile's decode and its
-tensor-core products are one inline-PTX block (`_scores_asm`, `_rotated_scores_asm`,
-`_values_asm`): the codes decoded straight into the mma.sync fragments, pre-RoPE keys scaled,
-offset and rotated there, four half2 fma a channel pair; the keys' table words are ordinary
-registers of every thread (`_in_registers`). Shared memory in the loop only before RoPE: the
-six tables that scale, offset and rotate the keys (`rope_tables`, built once a program, 96
-words a thread), read by address in the fused block, each k-step's 24 just before its
+tensor-core products are one inline-PTX block (kernels.gluon_ptx: `scores_asm`,
+`rotated_scores_asm`, `values_asm`): the codes decoded straight into the mma.sync fragments,
+pre-RoPE keys scaled, offset and rotated there, four half2 fma a channel pair; the keys' table
+words are ordinary registers of every thread (`_in_registers`). Shared memory in the loop only
+before RoPE: the six tables that scale, offset and rotate the keys (`rope_tables`, built once a
+program, 96 words a thread), read by address in the fused block, each k-step's 24 just before its
 products (fewer instructions than scaling, then rotating, from four tables held in registers
 across the loop, and those 64 registers free), and q's rotation, once a tile. Per-position
 offsets reach their pointers zero-extended (`_unsigned`), so that ptxas need not hold 64-bit
@@ -65,6 +65,14 @@ def available() -> bool:
 if available():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+
+    from kvcalib_runtime.kernels.gluon_ptx import (
+        rotated_scores_asm,
+        rows_asm,
+        scores_asm,
+        stored_asm,
+        values_asm,
+    )
 
     SCALE_BASE = gl.constexpr(metabyte.BASE)
     ZERO_STEP = gl.constexpr(3.0 / metabyte.ZERO_STEPS)  # 2-bit uniform: SPAN 3 (tiles.zero_decode)
@@ -130,7 +138,7 @@ if available():
 
     @gluon.jit
     def key_channel(k, PAIRS: gl.constexpr):
-        """The channel whose code `_key_asm` puts at K index k = 16 kappa + 8c + 2i + b (kappa
+        """The channel whose code `key_asm` puts at K index k = 16 kappa + 8c + 2i + b (kappa
         = 4e + k'): code k' + 4b + 8c of word 2i + e; with PAIRS (KEY_PAIRS) of word i + 4e,
         so that K index k ^ 64 holds its RoPE partner."""
         pairs = ((k >> 1) & 3) + 4 * ((k >> 6) & 1)
@@ -139,7 +147,7 @@ if available():
 
     @gluon.jit
     def value_channel(m):
-        """The channel of row m of the transposed values (`_value_asm`): code m // 8 of word
+        """The channel of row m of the transposed values (`value_asm`): code m // 8 of word
         m % 8."""
         return 16 * (m % 8) + m // 8
 
@@ -153,178 +161,6 @@ if available():
     def value_unit(m):
         """2^-value_shift(m) (fp32, exact: its exponent's bits)."""
         return ((127 - value_shift(m)) << 23).to(gl.float32, bitcast=True)
-
-    # The decode and the tensor-core products in PTX (the constexpr functions below write it):
-    # an A_OP register is a pair of fp16 (K indices 2i, 2i + 1 of a row); registers 4t .. 4t + 3
-    # are the fragment of mma.sync k-step t (keys: 16 channels; transposed values: 16 rows).
-    # The fused blocks decode straight into the fragment registers: Gluon's own mma_v2 after an
-    # asm block splits each pair into two fp16 values and joins them again, and ptxas copies the
-    # joined pairs into each fragment (~40 moves a tile); written as one block, it copies none.
-
-    @gluon.constexpr_function
-    def _mma(d, a, b, c) -> str:
-        """PTX: d = a b + c, one m16n8k16 tensor-core product (register lists)."""
-        return (
-            f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{', '.join(d)}}}, "
-            f"{{{', '.join(a)}}}, {{{', '.join(b)}}}, {{{', '.join(c)}}};"
-        )
-
-    @gluon.constexpr_function
-    def _scores(out, a, q) -> list[str]:
-        """PTX: the scores out = A q^T from zero, one product a k-step (A_OP registers a, four a
-        k-step; B_OP registers q, two)."""
-        lines = [f"mov.b32 {x}, 0f00000000;" for x in out]
-        for t in range(len(q) // 2):
-            lines.append(_mma(out, a[4 * t : 4 * t + 4], q[2 * t : 2 * t + 2], out))
-        return lines
-
-    @gluon.constexpr_function
-    def key_register(e: int, h: int, k: int) -> int:
-        """A_OP register of codes k (b = 0) and k + 4 (b = 1) of key word e + 2h (codes k + 8,
-        k + 12 two registers on: c = 1)."""
-        return h + 4 * (k & 1) + 8 * (k >> 1) + 16 * e
-
-    @gluon.constexpr_function
-    def value_register(code: int, c: int) -> int:
-        """A_OP register of code `code` of the value words of positions 2i + 8c and 2i + 8c + 1
-        (its two fp16: the two positions')."""
-        return (code & 1) + 2 * c + 4 * ((code >> 1) & 1) + 8 * ((code >> 2) & 1) + 16 * (code >> 3)
-
-    @gluon.constexpr_function
-    def _fragments(name: str, count: int) -> list[str]:
-        return [f"{name}{j}" for j in range(count)]
-
-    @gluon.constexpr_function
-    def _key_decode(a, words, lo, hi, shifts=(0, 1, 2, 3)) -> list[str]:
-        """PTX: each key word into A_OP registers a (`key_register`): packed.LUT16_ASM's
-        permutes, written in place; `shifts`: which codes k of each byte (k-steps k and k + 4).
-        Temporaries s, t, u."""
-        lines = []
-        for reg, word in enumerate(words):
-            for k in shifts:
-                src = word
-                if k:
-                    lines.append(f"shr.u32 u, {word}, {2 * k};")
-                    src = "u"
-                r = key_register(reg & 1, reg >> 1, k)
-                lines += [f"and.b32 s, {src}, 0x03030303;", "mad.lo.u32 s, s, 34, 0x10101010;",
-                          f"prmt.b32 {a[r]}, {lo[0]}, {hi[0]}, s;", "shr.u32 t, s, 16;",
-                          f"prmt.b32 {a[r + 2]}, {lo[0]}, {hi[0]}, t;"]  # fmt: skip
-        return lines
-
-    @gluon.constexpr_function
-    def _value_decode(a, words) -> list[str]:
-        """PTX: value words of positions (2i + 8c, 2i + 8c + 1) (registers 2c, 2c + 1) into A_OP
-        registers a (`value_register`) by the magic-number conversion of uniform codes: a
-        permute puts byte j of both words in the two halves of one register, under fp16 1024's
-        exponent bits (an or); code 4j + q of each, masked in place (bits 2q of its half, the
-        exponent kept: one immediate a mask), is 1024 + 4^q code, and 1024 off leaves 4^q code,
-        exact (`value_unit` undoes 4^q on the output rows). Temporaries s, t, u."""
-        magic = 0x64006400  # fp16 1024 in both halves
-        lines = [f"mov.b32 u, {magic:#010x};"]
-        for c in range(2):
-            for j in range(4):
-                select = 0x4400 + 0x1111 * j  # bytes j, j, 4 + j, 4 + j of (word, next word)
-                lines += [f"prmt.b32 t, {words[2 * c]}, {words[2 * c + 1]}, {select:#06x};",
-                          f"or.b32 t, t, {magic:#010x};"]  # fmt: skip
-                for q in range(4):
-                    r = value_register(4 * j + q, c)
-                    mask = magic | 0x00030003 << 2 * q
-                    lines += [f"and.b32 s, t, {mask:#010x};", f"sub.rn.f16x2 {a[r]}, s, u;"]
-        return lines
-
-    @gluon.constexpr_function
-    def _unpacked(out, a) -> list[str]:
-        """PTX: registers a split into the fp16 outputs out (two an A_OP register)."""
-        return [f"mov.b32 {{{out[2 * j]}, {out[2 * j + 1]}}}, {x};" for j, x in enumerate(a)]
-
-    @gluon.constexpr_function
-    def _transposed(b, p) -> list[str]:
-        """PTX: the probabilities p from the scores' accumulator layout (positions r, r + 8;
-        heads 2i, 2i + 1) to the B_OP registers b (positions 2i, 2i + 1 and + 8; head r): an
-        8 x 8 transpose a half. Temporary t."""
-        lines = []
-        for h in range(2):
-            lines += [f"mov.b32 t, {{{p[2 * h]}, {p[2 * h + 1]}}};",
-                      f"movmatrix.sync.aligned.m8n8.trans.b16 {b[h]}, t;"]  # fmt: skip
-        return lines
-
-    @gluon.constexpr_function
-    def _declared(*names) -> str:
-        return "{ .reg .b32 s, t, u, " + ", ".join(names) + ";"
-
-    @gluon.constexpr_function
-    def _key_asm(outputs, inputs):
-        """Key words to fp16 A_OP values (`_key_decode` alone: what the register tests of
-        tests/runtime/kernels/test_kernel_floor.py read, and kernel_floor's skeleton)."""
-        (out,), (words, lo, hi) = outputs, inputs
-        a = _fragments("a", len(out) // 2)
-        return "\n".join([_declared(*a), *_key_decode(a, words, lo, hi), *_unpacked(out, a)]) + " }"
-
-    @gluon.constexpr_function
-    def _value_asm(outputs, inputs):
-        """Value words to fp16 A_OP values of the transposed values (`_value_decode` alone, as
-        `_key_asm`)."""
-        (out,), (words,) = outputs, inputs
-        a = _fragments("a", len(out) // 2)
-        return "\n".join([_declared(*a), *_value_decode(a, words), *_unpacked(out, a)]) + " }"
-
-    @gluon.constexpr_function
-    def _scores_asm(outputs, inputs):
-        """A post-RoPE tile's scores K q^T [4, 16, 8] (MMA, fp32) from its key words, the table
-        words and q^T's B_OP registers (`packed_pairs`): `_key_decode` into the fragments, then
-        the D / 16 k-steps."""
-        (out,), (words, lo, hi, q) = outputs, inputs
-        a = _fragments("a", 2 * len(q))
-        lines = [_declared(*a), *_key_decode(a, words, lo, hi), *_scores(out, a, q)]
-        return "\n".join(lines) + " }"
-
-    @gluon.constexpr_function
-    def _rotated_scores_asm(outputs, inputs):
-        """A pre-RoPE tile's scores (R(j) (x s + o)) q_a^T [4, 16, 8] (MMA, fp32), q_a being q
-        rotated by the tile's start, from its key words, the table words, this thread's row of
-        each of `rope_tables`' six tables (a shared address) and q_a^T (B_OP, fp16: two a
-        register). One chunk a code k of each byte: the chunk's words of the six tables (one
-        ld.shared.v4 each), `_key_decode` into k-steps k and k + D/32 (a lower K index's RoPE
-        partner, K index k ^ D/2, is D/32 k-steps on), each pair of registers scaled, offset
-        and rotated at once (low = x_l c1 + x_h c2 + c3, high = x_h c4 + x_l c5 + c6: four
-        fma), then the chunk's two k-steps: a chunk's fragments and table words are dead after
-        its products."""
-        (out,), (words, lo, hi, *rows, qh) = outputs, inputs
-        a, q = _fragments("a", len(qh)), _fragments("q", len(qh) // 2)
-        half, steps = len(a) // 2, len(a) // 8  # lower registers; k-steps to the partner
-        c = [_fragments(f"c{t}_", half) for t in range(len(rows))]
-        lines = [_declared(*a, *q, *(x for table in c for x in table), "x", "y")]
-        lines += [f"mov.b32 {x}, {{{qh[2 * j]}, {qh[2 * j + 1]}}};" for j, x in enumerate(q)]
-        lines += [f"mov.b32 {x}, 0f00000000;" for x in out]
-        c1, c2, c3, c4, c5, c6 = c
-        for k in range(steps):
-            for table, (row,) in zip(c, rows, strict=True):
-                words_k = ", ".join(table[4 * k : 4 * k + 4])
-                lines.append(f"ld.shared.v4.b32 {{{words_k}}}, [{row} + {16 * k}];")
-            lines += _key_decode(a, words, lo, hi, (k,))
-            for j in range(4 * k, 4 * k + 4):
-                low, high = a[j], a[j + half]
-                lines += [f"fma.rn.f16x2 x, {high}, {c2[j]}, {c3[j]};",
-                          f"fma.rn.f16x2 y, {low}, {c5[j]}, {c6[j]};",
-                          f"fma.rn.f16x2 {low}, {low}, {c1[j]}, x;",
-                          f"fma.rn.f16x2 {high}, {high}, {c4[j]}, y;"]  # fmt: skip
-            for t in (k, k + steps):
-                lines.append(_mma(out, a[4 * t : 4 * t + 4], q[2 * t : 2 * t + 2], out))
-        return "\n".join(lines) + " }"
-
-    @gluon.constexpr_function
-    def _values_asm(outputs, inputs):
-        """acc + V^T p [4, D, 8] (MMA, fp32), row m times 1 / value_unit(m), from a tile's
-        value words, its probabilities (the scores' layout, fp16) and acc: `_transposed`,
-        `_value_decode` into the fragments (as many as the accumulator's registers: four a
-        16-row block), then one product a block."""
-        (out,), (words, p, acc) = outputs, inputs
-        a, b = _fragments("a", len(out)), _fragments("b", 2)
-        lines = [_declared(*a, *b), *_transposed(b, p), *_value_decode(a, words)]
-        for m in range(0, len(out), 4):
-            lines.append(_mma(out[m : m + 4], a[m : m + 4], b, acc[m : m + 4]))
-        return "\n".join(lines) + " }"
 
     @gluon.jit
     def _trig(angle):
@@ -362,25 +198,9 @@ if available():
         even = even.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
         return even | (odd.to(gl.int16, bitcast=True).to(gl.int32) << 16)
 
-    @gluon.constexpr_function
-    def _rows_asm(outputs, inputs):
-        """PTX: each table's row of this thread (the buffers' addresses + 64 tid)."""
-        (*rows,), (*buffers, tid) = outputs, inputs
-        return "\n".join(
-            f"add.u32 {r[0]}, {b[0]}, {tid[0]};" for r, b in zip(rows, buffers, strict=True)
-        )
-
-    @gluon.constexpr_function
-    def _stored_asm(outputs, inputs):
-        """PTX: each table's four words of a chunk at its row's address (+ 16 kappa)."""
-        half = len(inputs) // 2
-        rows, words = inputs[:half], inputs[half:]
-        return "\n".join(f"st.shared.v4.b32 [{r[0]}], {{{', '.join(w)}}};"
-                          for r, w in zip(rows, words, strict=True))  # fmt: skip
-
     @gluon.jit
     def rope_tables(SCALE, OFFSET, INV_FREQ, D: gl.constexpr):
-        """The six tables that scale, offset and rotate pre-RoPE keys in `_rotated_scores_asm`,
+        """The six tables that scale, offset and rotate pre-RoPE keys in `rotated_scores_asm`,
         built once a program in shared memory, 8 KB each, a 64-byte row a thread (tid = 32 warp +
         lane), its words those of the A_OP registers of the lower K half it holds, in their
         order (k-step kappa's four at 16 kappa: one ld.shared.v4). For a position j in the tile,
@@ -400,7 +220,7 @@ if available():
         b6 = gl.allocate_shared_memory(gl.int32, [16 * 128], FLAT)
         tid = gl.arange(0, 128, layout=ONE_A_THREAD) * 64
         rows = gl.inline_asm(
-            _rows_asm, ("=r", "=r", "=r", "=r", "=r", "=r", "r", "r", "r", "r", "r", "r", "r"),
+            rows_asm, ("=r", "=r", "=r", "=r", "=r", "=r", "r", "r", "r", "r", "r", "r", "r"),
             [b1, b2, b3, b4, b5, b6, tid], [tid.type] * 6, is_pure=False,
         )  # fmt: skip
         r1, r2, r3, r4, r5, r6 = rows
@@ -417,7 +237,7 @@ if available():
             cos, sin = _trig(j * f)
             c1 = _pack16((cos * s_l).to(gl.float16))
             gl.static_assert(gl.to_linear_layout(c1.type.layout, [4, 16, 8]) == ROPE_CHUNK)
-            gl.inline_asm(_stored_asm,
+            gl.inline_asm(stored_asm,
                           ("r", "r", "r", "r", "r", "r", "r", "r", "r", "r", "r", "r"),
                           [r1 + 16 * kappa, r2 + 16 * kappa, r3 + 16 * kappa, r4 + 16 * kappa,
                            r5 + 16 * kappa, r6 + 16 * kappa, c1,
@@ -432,11 +252,11 @@ if available():
 
     @gluon.jit
     def rotated_scores(words, lo, hi, tables, qt):
-        """`_rotated_scores_asm` on a tile's key words and q_a^T, the tables read from shared
+        """`rotated_scores_asm` on a tile's key words and q_a^T, the tables read from shared
         memory (`rope_tables`' rows)."""
         (r1, r2, r3, r4, r5, r6), _ = tables
         return gl.inline_asm(
-            _rotated_scores_asm, ("=f", "r", "r", "r", "r", "r", "r", "r", "r", "r", "h"),
+            rotated_scores_asm, ("=f", "r", "r", "r", "r", "r", "r", "r", "r", "r", "h"),
             [words, lo, hi, r1, r2, r3, r4, r5, r6, qt],
             gl.distributed_type(gl.float32, [4, 16, 8], MMA), is_pure=False,
         )  # fmt: skip
@@ -543,7 +363,7 @@ if available():
         levels = KLEV + hk * BOOK
         k_lo, k_hi = _in_registers(table + SLOT_TABLE, _table_word(levels, 0),
                                    _table_word(levels, 2))
-        # q^T [4, D, 8] as the B operand, K index k read from the channel _key_asm puts there
+        # q^T [4, D, 8] as the B operand, K index k read from the channel key_asm puts there
         k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
         chan = key_channel(k, PRE_ROPE)
         heads = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, B_OP)))
@@ -597,7 +417,7 @@ if available():
                 cos_a, sin_a = cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
                 s = rotated_scores(words, k_lo, k_hi, tables, qt)
             else:
-                s = gl.inline_asm(_scores_asm, ("=f", "r", "r", "r", "r"),
+                s = gl.inline_asm(scores_asm, ("=f", "r", "r", "r", "r"),
                                   [words, k_lo, k_hi, q_pairs],
                                   gl.distributed_type(gl.float32, [4, 16, 8], MMA),
                                   is_pure=True)  # fmt: skip
@@ -628,7 +448,7 @@ if available():
             o_w = o_w * alpha + p * gl.expand_dims(v_off, 2)
             pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
             vw = gl.load(VC + v_base + start * vc_p + _unsigned(v_at))
-            acc = gl.inline_asm(_values_asm, ("=f", "r", "h", "f"), [vw, pw, acc * alpha],
+            acc = gl.inline_asm(values_asm, ("=f", "r", "h", "f"), [vw, pw, acc * alpha],
                                 gl.distributed_type(gl.float32, [4, D, 8], MMA),
                                 is_pure=True)  # fmt: skip
             m_i = m_new

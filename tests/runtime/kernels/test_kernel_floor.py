@@ -37,6 +37,7 @@ if triton.__version__ != kb.TRITON:  # Gluon's API moves between releases
 import kernel_floor as kf  # noqa: E402
 
 from kvcalib_runtime.kernels import decode_gluon as dg  # noqa: E402
+from kvcalib_runtime.kernels import gluon_ptx  # noqa: E402
 
 LANES = range(32)
 
@@ -90,7 +91,7 @@ def test_each_key_register_holds_the_level_of_the_channel_q_reads_at_its_k(pairs
         i = lane % 4
         codes = torch.randint(0, 4, (32, 4, 16), generator=gen)  # samples, word (e + 2h), code
         words = (codes << 2 * torch.arange(16)).sum(-1)
-        out = run(dg._key_asm, 64, words, lo, hi)
+        out = run(gluon_ptx.key_asm, 64, words, lo, hi)
         for reg in range(64):
             _, position, k = coords(dg.KEYS, reg, lane)
             channel = int(dg.key_channel.fn(torch.tensor(k), pairs))
@@ -113,7 +114,7 @@ def test_each_value_register_holds_the_code_of_its_position_at_the_row_stored_ou
         codes = torch.randint(0, 4, (32, 4, 16), generator=gen)  # samples, position (b + 2c), code
         codes[:4, 0] = torch.arange(4)[:, None]  # each code at each of a word's 16 places
         words = (codes << 2 * torch.arange(16)).sum(-1)
-        out = run(dg._value_asm, 64, words)
+        out = run(gluon_ptx.value_asm, 64, words)
         for reg in range(64):
             _, m, position = coords(dg.VALUES, reg, lane)
             channel = int(dg.value_channel.fn(torch.tensor(m)))

@@ -1,0 +1,216 @@
+"""The inline PTX of kernels.decode_gluon's fused blocks, written by constexpr functions that
+Gluon calls with each operand's per-thread register names: the codes decoded straight into
+mma.sync fragments (keys by the byte-permute lookup of kernels.packed, values by the
+magic-number conversion), pre-RoPE keys scaled, offset and rotated from shared-memory tables,
+and the tensor-core products. Strings only: the layouts they assume are decode_gluon's
+(`key_register`, `value_register` say which register holds which code). Imported by
+decode_gluon where its Gluon is available.
+"""
+
+from triton.experimental import gluon
+
+# The decode and the tensor-core products in PTX (the constexpr functions below write it):
+# an A_OP register is a pair of fp16 (K indices 2i, 2i + 1 of a row); registers 4t .. 4t + 3
+# are the fragment of mma.sync k-step t (keys: 16 channels; transposed values: 16 rows).
+# The fused blocks decode straight into the fragment registers: Gluon's own mma_v2 after an
+# asm block splits each pair into two fp16 values and joins them again, and ptxas copies the
+# joined pairs into each fragment (~40 moves a tile); written as one block, it copies none.
+
+
+@gluon.constexpr_function
+def _mma(d, a, b, c) -> str:
+    """PTX: d = a b + c, one m16n8k16 tensor-core product (register lists)."""
+    return (
+        f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{', '.join(d)}}}, "
+        f"{{{', '.join(a)}}}, {{{', '.join(b)}}}, {{{', '.join(c)}}};"
+    )
+
+
+@gluon.constexpr_function
+def _scores(out, a, q) -> list[str]:
+    """PTX: the scores out = A q^T from zero, one product a k-step (A_OP registers a, four a
+    k-step; B_OP registers q, two)."""
+    lines = [f"mov.b32 {x}, 0f00000000;" for x in out]
+    for t in range(len(q) // 2):
+        lines.append(_mma(out, a[4 * t : 4 * t + 4], q[2 * t : 2 * t + 2], out))
+    return lines
+
+
+@gluon.constexpr_function
+def key_register(e: int, h: int, k: int) -> int:
+    """A_OP register of codes k (b = 0) and k + 4 (b = 1) of key word e + 2h (codes k + 8,
+    k + 12 two registers on: c = 1)."""
+    return h + 4 * (k & 1) + 8 * (k >> 1) + 16 * e
+
+
+@gluon.constexpr_function
+def value_register(code: int, c: int) -> int:
+    """A_OP register of code `code` of the value words of positions 2i + 8c and 2i + 8c + 1
+    (its two fp16: the two positions')."""
+    return (code & 1) + 2 * c + 4 * ((code >> 1) & 1) + 8 * ((code >> 2) & 1) + 16 * (code >> 3)
+
+
+@gluon.constexpr_function
+def _fragments(name: str, count: int) -> list[str]:
+    return [f"{name}{j}" for j in range(count)]
+
+
+@gluon.constexpr_function
+def _key_decode(a, words, lo, hi, shifts=(0, 1, 2, 3)) -> list[str]:
+    """PTX: each key word into A_OP registers a (`key_register`): packed.LUT16_ASM's
+    permutes, written in place; `shifts`: which codes k of each byte (k-steps k and k + 4).
+    Temporaries s, t, u."""
+    lines = []
+    for reg, word in enumerate(words):
+        for k in shifts:
+            src = word
+            if k:
+                lines.append(f"shr.u32 u, {word}, {2 * k};")
+                src = "u"
+            r = key_register(reg & 1, reg >> 1, k)
+            lines += [f"and.b32 s, {src}, 0x03030303;", "mad.lo.u32 s, s, 34, 0x10101010;",
+                      f"prmt.b32 {a[r]}, {lo[0]}, {hi[0]}, s;", "shr.u32 t, s, 16;",
+                      f"prmt.b32 {a[r + 2]}, {lo[0]}, {hi[0]}, t;"]  # fmt: skip
+    return lines
+
+
+@gluon.constexpr_function
+def _value_decode(a, words) -> list[str]:
+    """PTX: value words of positions (2i + 8c, 2i + 8c + 1) (registers 2c, 2c + 1) into A_OP
+    registers a (`value_register`) by the magic-number conversion of uniform codes: a
+    permute puts byte j of both words in the two halves of one register, under fp16 1024's
+    exponent bits (an or); code 4j + q of each, masked in place (bits 2q of its half, the
+    exponent kept: one immediate a mask), is 1024 + 4^q code, and 1024 off leaves 4^q code,
+    exact (decode_gluon.`value_unit` undoes 4^q on the output rows). Temporaries s, t, u."""
+    magic = 0x64006400  # fp16 1024 in both halves
+    lines = [f"mov.b32 u, {magic:#010x};"]
+    for c in range(2):
+        for j in range(4):
+            select = 0x4400 + 0x1111 * j  # bytes j, j, 4 + j, 4 + j of (word, next word)
+            lines += [f"prmt.b32 t, {words[2 * c]}, {words[2 * c + 1]}, {select:#06x};",
+                      f"or.b32 t, t, {magic:#010x};"]  # fmt: skip
+            for q in range(4):
+                r = value_register(4 * j + q, c)
+                mask = magic | 0x00030003 << 2 * q
+                lines += [f"and.b32 s, t, {mask:#010x};", f"sub.rn.f16x2 {a[r]}, s, u;"]
+    return lines
+
+
+@gluon.constexpr_function
+def _unpacked(out, a) -> list[str]:
+    """PTX: registers a split into the fp16 outputs out (two an A_OP register)."""
+    return [f"mov.b32 {{{out[2 * j]}, {out[2 * j + 1]}}}, {x};" for j, x in enumerate(a)]
+
+
+@gluon.constexpr_function
+def _transposed(b, p) -> list[str]:
+    """PTX: the probabilities p from the scores' accumulator layout (positions r, r + 8;
+    heads 2i, 2i + 1) to the B_OP registers b (positions 2i, 2i + 1 and + 8; head r): an
+    8 x 8 transpose a half. Temporary t."""
+    lines = []
+    for h in range(2):
+        lines += [f"mov.b32 t, {{{p[2 * h]}, {p[2 * h + 1]}}};",
+                  f"movmatrix.sync.aligned.m8n8.trans.b16 {b[h]}, t;"]  # fmt: skip
+    return lines
+
+
+@gluon.constexpr_function
+def _declared(*names) -> str:
+    return "{ .reg .b32 s, t, u, " + ", ".join(names) + ";"
+
+
+@gluon.constexpr_function
+def key_asm(outputs, inputs):
+    """Key words to fp16 A_OP values (`_key_decode` alone: what the register tests of
+    tests/runtime/kernels/test_kernel_floor.py read, and kernel_floor's skeleton)."""
+    (out,), (words, lo, hi) = outputs, inputs
+    a = _fragments("a", len(out) // 2)
+    return "\n".join([_declared(*a), *_key_decode(a, words, lo, hi), *_unpacked(out, a)]) + " }"
+
+
+@gluon.constexpr_function
+def value_asm(outputs, inputs):
+    """Value words to fp16 A_OP values of the transposed values (`_value_decode` alone, as
+    `key_asm`)."""
+    (out,), (words,) = outputs, inputs
+    a = _fragments("a", len(out) // 2)
+    return "\n".join([_declared(*a), *_value_decode(a, words), *_unpacked(out, a)]) + " }"
+
+
+@gluon.constexpr_function
+def scores_asm(outputs, inputs):
+    """A post-RoPE tile's scores K q^T [4, 16, 8] (MMA, fp32) from its key words, the table
+    words and q^T's B_OP registers (decode_gluon.`packed_pairs`): `_key_decode` into the
+    fragments, then
+    the D / 16 k-steps."""
+    (out,), (words, lo, hi, q) = outputs, inputs
+    a = _fragments("a", 2 * len(q))
+    lines = [_declared(*a), *_key_decode(a, words, lo, hi), *_scores(out, a, q)]
+    return "\n".join(lines) + " }"
+
+
+@gluon.constexpr_function
+def rotated_scores_asm(outputs, inputs):
+    """A pre-RoPE tile's scores (R(j) (x s + o)) q_a^T [4, 16, 8] (MMA, fp32), q_a being q
+    rotated by the tile's start, from its key words, the table words, this thread's row of
+    each of decode_gluon.`rope_tables`' six tables (a shared address) and q_a^T (B_OP, fp16:
+    two a register). One chunk a code k of each byte: the chunk's words of the six tables (one
+    ld.shared.v4 each), `_key_decode` into k-steps k and k + D/32 (a lower K index's RoPE
+    partner, K index k ^ D/2, is D/32 k-steps on), each pair of registers scaled, offset
+    and rotated at once (low = x_l c1 + x_h c2 + c3, high = x_h c4 + x_l c5 + c6: four
+    fma), then the chunk's two k-steps: a chunk's fragments and table words are dead after
+    its products."""
+    (out,), (words, lo, hi, *rows, qh) = outputs, inputs
+    a, q = _fragments("a", len(qh)), _fragments("q", len(qh) // 2)
+    half, steps = len(a) // 2, len(a) // 8  # lower registers; k-steps to the partner
+    c = [_fragments(f"c{t}_", half) for t in range(len(rows))]
+    lines = [_declared(*a, *q, *(x for table in c for x in table), "x", "y")]
+    lines += [f"mov.b32 {x}, {{{qh[2 * j]}, {qh[2 * j + 1]}}};" for j, x in enumerate(q)]
+    lines += [f"mov.b32 {x}, 0f00000000;" for x in out]
+    c1, c2, c3, c4, c5, c6 = c
+    for k in range(steps):
+        for table, (row,) in zip(c, rows, strict=True):
+            words_k = ", ".join(table[4 * k : 4 * k + 4])
+            lines.append(f"ld.shared.v4.b32 {{{words_k}}}, [{row} + {16 * k}];")
+        lines += _key_decode(a, words, lo, hi, (k,))
+        for j in range(4 * k, 4 * k + 4):
+            low, high = a[j], a[j + half]
+            lines += [f"fma.rn.f16x2 x, {high}, {c2[j]}, {c3[j]};",
+                      f"fma.rn.f16x2 y, {low}, {c5[j]}, {c6[j]};",
+                      f"fma.rn.f16x2 {low}, {low}, {c1[j]}, x;",
+                      f"fma.rn.f16x2 {high}, {high}, {c4[j]}, y;"]  # fmt: skip
+        for t in (k, k + steps):
+            lines.append(_mma(out, a[4 * t : 4 * t + 4], q[2 * t : 2 * t + 2], out))
+    return "\n".join(lines) + " }"
+
+
+@gluon.constexpr_function
+def values_asm(outputs, inputs):
+    """acc + V^T p [4, D, 8] (MMA, fp32), row m times 1 / value_unit(m), from a tile's
+    value words, its probabilities (the scores' layout, fp16) and acc: `_transposed`,
+    `_value_decode` into the fragments (as many as the accumulator's registers: four a
+    16-row block), then one product a block."""
+    (out,), (words, p, acc) = outputs, inputs
+    a, b = _fragments("a", len(out)), _fragments("b", 2)
+    lines = [_declared(*a, *b), *_transposed(b, p), *_value_decode(a, words)]
+    for m in range(0, len(out), 4):
+        lines.append(_mma(out[m : m + 4], a[m : m + 4], b, acc[m : m + 4]))
+    return "\n".join(lines) + " }"
+
+
+@gluon.constexpr_function
+def rows_asm(outputs, inputs):
+    """PTX: each table's row of this thread (the buffers' addresses + 64 tid)."""
+    (*rows,), (*buffers, tid) = outputs, inputs
+    return "\n".join(
+        f"add.u32 {r[0]}, {b[0]}, {tid[0]};" for r, b in zip(rows, buffers, strict=True)
+    )
+
+
+@gluon.constexpr_function
+def stored_asm(outputs, inputs):
+    """PTX: each table's four words of a chunk at its row's address (+ 16 kappa)."""
+    half = len(inputs) // 2
+    rows, words = inputs[:half], inputs[half:]
+    return "\n".join(f"st.shared.v4.b32 [{r[0]}], {{{', '.join(w)}}};"
+                      for r, w in zip(rows, words, strict=True))  # fmt: skip
