@@ -9,12 +9,15 @@ so paths meet again where they join (structured code, as Triton emits it); barri
 reductions and the warp-wide matrix instructions refuse to run unless their warps have met.
 Registers hold raw bits (uint64, one element a thread), read as each opcode's type says.
 Global memory is the arguments' tensors at their own host addresses, read and written in place;
-shared and local memory are byte arrays. Arithmetic rounds as the PTX ISA says where NumPy does
-(fp32 and fp16 to nearest even); `ex2.approx`, `sin.approx`, `cos.approx` and `div.full` are
-computed exactly, `fma` in fp64 then rounded, `mma.sync` accumulates in fp64: the tests'
-tolerances cover the hardware's approximations. Only the opcodes the project's kernels emit are
-defined (not wgmma, which sm_90's Triton kernels use: they are executed compiled for sm_80); any
-other is refused by name, never guessed.
+shared and local memory are byte arrays. An asynchronous copy (cp.async) reads its source when
+issued and lands in shared memory only at the wait_group that completes its group, so that a
+kernel reading a buffer before its copy lands reads what was there (lockstep threads cannot
+show a missing barrier between warps, only a missing wait). Arithmetic rounds as the PTX ISA
+says where NumPy does (fp32 and fp16 to nearest even); `ex2.approx`, `sin.approx`,
+`cos.approx` and `div.full` are computed exactly, `fma` in fp64 then rounded, `mma.sync`
+accumulates in fp64: the tests' tolerances cover the hardware's approximations. Only the
+opcodes the project's kernels emit are defined (not wgmma, which sm_90's Triton kernels use:
+they are executed compiled for sm_80); any other is refused by name, never guessed.
 """
 
 import contextlib
@@ -141,6 +144,23 @@ class Global(Space):
             out[at] = (b << (U64(8) * np.arange(size, dtype=U64))).sum(1, dtype=U64)
         return out
 
+    def word(self, addr: np.ndarray) -> np.ndarray:
+        """Bytes at addr, where each is a tensor's or in the 4-byte word of one (as a GPU
+        reads: memory is mapped in pages, far coarser); those outside read as 0."""
+        addr = addr.astype(np.int64)
+        near = np.stack([self._holds(addr - addr % 4 + k) for k in range(4)]).any(0)
+        if not near.all():
+            raise PTXError("a cp.async reads a word none of whose bytes is an argument's")
+        out = np.zeros(len(addr), U64)
+        held = self._holds(addr)
+        out[held] = self.load(addr[held], 1)
+        return out
+
+    def _holds(self, addr: np.ndarray) -> np.ndarray:
+        which = np.searchsorted(self.bases, addr, side="right") - 1
+        sizes = np.array([len(r) for r in self.regions])[np.maximum(which, 0)]
+        return (which >= 0) & (addr - self.bases[np.maximum(which, 0)] < sizes)
+
     def store(self, addr: np.ndarray, size: int, value: np.ndarray, active: np.ndarray):
         addr, value = addr[active], value[active]
         which, offset = self._region(addr, size)
@@ -241,6 +261,7 @@ class Cta:
         self.shared = Space(np.zeros(max(self.shared_size, 16), np.uint8), 0)
         self.local = Local(self.threads, self.local_size)
         self.carry = np.zeros(self.threads, U64)
+        self.copies, self.groups = [], []  # cp.async: the open group, the committed ones
         self.special = {"%tid.x": np.arange(self.threads), "%tid.y": 0, "%tid.z": 0,
                         "%ctaid.x": ctaid[0], "%ctaid.y": ctaid[1], "%ctaid.z": ctaid[2],
                         "%nctaid.x": grid[0], "%nctaid.y": grid[1], "%nctaid.z": grid[2],
@@ -289,6 +310,8 @@ class Cta:
             v = v.astype(U64)
         elif token in ("global_smem", "__local_depot0"):  # each space's base address
             v = np.zeros(self.threads, U64)
+        elif token in self.param:  # a parameter's address: 8 x its index in the param space
+            v = np.full(self.threads, 8 * self.params.index(token), U64)
         elif not re.match(r"^-?\d", token):
             raise PTXError(f"an operand never written: {token}")
         elif t in FLOAT and not token.startswith(("0f", "0F", "0d", "0D")):
@@ -340,7 +363,13 @@ class Cta:
         space, t = op[1], op[-1]
         dst, addr = ops
         if space == "param":
-            self.write(dst, np.full(self.threads, self.param[addr.strip("[] ")], U64), active, t)
+            name = addr.strip("[] ")
+            if name in self.param:
+                value = np.full(self.threads, self.param[name], U64)
+            else:  # at an address taken by mov (`read`)
+                at = np.where(active, self.address(addr, space)[0], 0)
+                value = np.array([self.param[self.params[i // 8]] for i in at], U64)
+            self.write(dst, value, active, t)
             return
         parts = self.vector(dst) if dst.startswith("{") else [dst]
         size = WIDTH[t] // 8
@@ -359,6 +388,39 @@ class Cta:
         mem = self._space(space)
         for i, p in enumerate(parts):
             mem.store(at + size * i, size, self.read(p, t), active)
+
+    def _cp(self, op, ops, active):
+        """cp.async: a copy is read when issued and lands in shared memory only at the
+        wait_group that completes its group (a read of its destination before that wait
+        reads what was there), per thread; src-size bytes of the source (the rest zeros),
+        each byte of a tensor or of a 4-byte word holding one of its bytes (`Global.word`)."""
+        if op[2] == "commit_group":
+            self.groups.append(self.copies)
+            self.copies = []
+        elif op[2] == "wait_group":
+            keep = int(ops[0], 0)
+            done = self.groups[: max(len(self.groups) - keep, 0)]
+            for group in done:
+                for mask, at, data in group:
+                    now = mask & active
+                    for i in range(data.shape[1]):
+                        self.shared.store(at + i, 1, data[:, i], now)
+                    mask &= ~active
+            self.groups = [g for g in self.groups if any(m.any() for m, _, _ in g)]
+        else:
+            dst, src, size, *rest = ops
+            size = _int(size)
+            given = self.read(rest[0]).astype(np.int64) if rest else np.full(self.threads, size)
+            at, _ = self.address(dst, "shared")
+            if (at % size).any():
+                raise PTXError(f"a cp.async of {size} bytes to a misaligned shared address")
+            source, _ = self.address(src)
+            data = np.zeros((self.threads, size), U64)
+            for i in range(size):
+                reads = active & (given > i)
+                if reads.any():
+                    data[reads, i] = self.global_.word(source[reads] + i)
+            self.copies.append((active.copy(), at, data))
 
     def _space(self, space: str) -> Space:
         if space == "global":

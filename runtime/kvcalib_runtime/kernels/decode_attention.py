@@ -187,7 +187,15 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
     # the rest (one tile, the ring, the sinks and the new token) by the Triton kernel's split
     whole = decode_gluon.applies(k_layout, v_layout, D, G, q.dtype, paged, window)
     whole = whole and decode_gluon.runs_on(q.device)
-    body_held = config.RESIDENT.get((key, "gluon"), 1)  # its programs an SM holds, once read
+    if whole and q.device.type == "cuda" and (key, "gluon") not in config.RESIDENT:
+        # its programs an SM, read off its compile before its first grid (a CUDA graph
+        # captured at the first step keeps that grid)
+        scratch = torch.empty(1, device=q.device, dtype=torch.float32)
+        body = decode_gluon.launch(q, k_buffers, v_buffers, k_layout, sink_buffers, inv_freq,
+                                   scratch, scratch, 1, 0, 1.0, positions, warmup=True)  # fmt: skip
+        config.RESIDENT[key, "gluon"] = config.resident(body.n_regs, decode_gluon.WARPS,
+                                                        body.metadata.shared)  # fmt: skip
+    body_held = config.RESIDENT.get((key, "gluon"), 1)
     body_splits = (config.num_splits(q.device, B * hkv, span, decode_gluon.BLOCK_N, body_held)
                    if whole else 0)  # fmt: skip
 
@@ -198,14 +206,8 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
         part = torch.empty(B, H, splits + body_splits, D, device=q.device, dtype=torch.float32)
         stats = torch.empty(B, H, splits + body_splits, 2, device=q.device, dtype=torch.float32)
         if whole:
-            body = decode_gluon.launch(q, k_buffers, v_buffers, k_layout, sink_buffers,
-                                       inv_freq, part, stats, body_splits, splits,
-                                       D**-0.5 * LOG2E, positions)  # fmt: skip
-            known = (key, "gluon") in config.RESIDENT
-            if q.device.type == "cuda" and body is not None and not known:
-                config.RESIDENT[key, "gluon"] = config.resident(
-                    body.n_regs, decode_gluon.WARPS, body.metadata.shared
-                )
+            decode_gluon.launch(q, k_buffers, v_buffers, k_layout, sink_buffers, inv_freq, part,
+                                stats, body_splits, splits, D**-0.5 * LOG2E, positions)  # fmt: skip
         # fmt: off
         kernel = _decode_split_kernel[(B, hkv, splits)](
             q, k_new, v_new, sink_buffers,

@@ -19,27 +19,37 @@ probabilities reach the B operand by one movmatrix transpose a half. Each tile's
 tensor-core products are one inline-PTX block (kernels.gluon_ptx: `scores_asm`,
 `rotated_scores_asm`, `values_asm`): the codes decoded straight into the mma.sync fragments,
 pre-RoPE keys scaled, offset and rotated there, four half2 fma a channel pair; the keys' table
-words are ordinary registers of every thread (`_in_registers`). Shared memory in the loop only
-before RoPE: the six tables that scale, offset and rotate the keys (`rope_tables`, built once a
-program, 96 words a thread), read by address in the fused block, each k-step's 24 just before its
-products (fewer instructions than scaling, then rotating, from four tables held in registers
-across the loop, and those 64 registers free), and q's rotation, once a tile. Per-position
-offsets reach their pointers zero-extended (`_unsigned`), so that ptxas need not hold 64-bit
-addresses across the loop; before RoPE the launch is bounded to 128 registers.
+words are ordinary registers of every thread (`_in_registers`). Before RoPE, the six tables that
+scale, offset and rotate the keys are in shared memory (`rope_tables`, built once a program, 96
+words a thread), read by address in the fused block, each k-step's 24 just before its products
+(fewer instructions than scaling, then rotating, from four tables held in registers across the
+loop, and those 64 registers free); q is rotated once a tile.
+
+The pipeline: every per-position stream reaches shared memory by cp.async while the tile before
+is computed, the codes 16 bytes a thread of each stream, the five one-byte streams (slot index
+and delta, value scale and zero point, sink flag) 4 bytes a thread (`_meta_copy`), then read
+from there (the codes in their operands' layouts, the bytes by address: `_shared_byte`). The
+codes' buffers are a ring of two after RoPE (one barrier a tile); before it one buffer (the
+tables leave room for no more at 4 programs an SM), read at the tile's start, a second barrier
+before the next copy. Offsets that stay per position reach their pointers zero-extended
+(`_unsigned`), so that ptxas need not hold 64-bit addresses across the loop; the launch is
+bounded to 128 registers before RoPE, 96 after (`MAX_REGISTERS`).
 
 What it reads (`applies`): keys "static" (per-channel scale and offset) with a 2-bit codebook
 and one exact slot per row whose delta is an E4M3 byte in steps of the channel's scale, before
 or after RoPE; values "token" (one group a row), 2-bit uniform, asymmetric, with a one-byte
-scale and zero point (layouts.metabyte); fp16, G <= 8 query heads a KV head, contiguous bodies,
-no sliding window. Per position in the loop: two code loads of 16 and 8 bytes a thread, the
-slot's index and delta, the sink flag and the values' two metadata bytes; the slot's score is
-q . R(p) (delta s_c e_c) from a per-program table of q_c s_c and its RoPE partner's (global
-scratch, written at the program's start), its angle by the SFU.
+scale and zero point (layouts.metabyte); fp16, G <= 8 query heads a KV head, contiguous bodies
+(`copied_strides`), no sliding window. The slot's score is q . R(p) (delta s_c e_c) from a
+per-program table of q_c s_c and its RoPE partner's (global scratch, written at the program's
+start: the loop's one load from global memory that is not a copy, a gather by the slot's
+index), its angle by the SFU.
 
 Gluon's API moves between Triton releases: `available()` holds it to the one it is written
 for, and the decode launcher uses the Triton kernel alone elsewhere. No interpreter runs Gluon:
 tests/runtime/kernels/test_ptx_cta.py executes this kernel's PTX on the CPU.
 """
+
+import functools
 
 import torch
 import triton
@@ -50,11 +60,11 @@ from kvcalib_runtime.layouts import Kind, metabyte
 TRITON = "3.9.0"  # the Gluon this module is written for
 BLOCK_N = 64  # positions a tile: 4 warps of 16
 WARPS = 4
-# Keys before RoPE: 4 programs an SM (CUDA's __launch_bounds__(128, 4)). Unbounded, ptxas
-# takes 130 registers, which leaves 3; at 128 it spills nothing and issues as many
-# instructions (benchmarks/kernel_budget). After RoPE unbounded: 96, where a bound of 128
-# makes it take 114 and issue more.
-MAX_REGISTERS = 128
+# Registers a thread, bounded so that an SM holds 4 programs (16 warps) with keys before RoPE
+# and 5 (20) after (CUDA's __launch_bounds__(128, n)): unbounded, ptxas takes 130 and 112,
+# which leave 3 and 4; bounded, neither spills and each issues about as many instructions
+# (benchmarks/kernel_budget).
+MAX_REGISTERS = {True: 128, False: 96}  # keys pre-RoPE?
 
 
 def available() -> bool:
@@ -65,8 +75,10 @@ def available() -> bool:
 if available():
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
     from kvcalib_runtime.kernels.gluon_ptx import (
+        byte_asm,
         rotated_scores_asm,
         rows_asm,
         scores_asm,
@@ -135,6 +147,8 @@ if available():
                          [[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
                          [4, 16, 8])  # fmt: skip
     FLAT = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    TILE = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    COPY = gl.BlockedLayout([1, 1, 4], [1, 16, 2], [4, 1, 1], [2, 1, 0])
 
     @gluon.jit
     def key_channel(k, PAIRS: gl.constexpr):
@@ -220,8 +234,9 @@ if available():
         b6 = gl.allocate_shared_memory(gl.int32, [16 * 128], FLAT)
         tid = gl.arange(0, 128, layout=ONE_A_THREAD) * 64
         rows = gl.inline_asm(
-            rows_asm, ("=r", "=r", "=r", "=r", "=r", "=r", "r", "r", "r", "r", "r", "r", "r"),
-            [b1, b2, b3, b4, b5, b6, tid], [tid.type] * 6, is_pure=False,
+            rows_asm, ("=r", "=r", "=r", "=r", "=r", "=r", "r", "r", "r", "r", "r", "r", "r", "r",
+                       "r", "r", "r", "r"), [b1, b2, b3, b4, b5, b6, tid, tid, tid, tid, tid, tid],
+            [tid.type] * 6, is_pure=False,
         )  # fmt: skip
         r1, r2, r3, r4, r5, r6 = rows
         e = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(0, ROPE_HALVES)))
@@ -273,6 +288,43 @@ if available():
                       is_pure=False)  # fmt: skip
 
     @gluon.jit
+    def _meta_copy(KIDX, KDEL, VSCALE, VZERO, SINK, head_at, sink_at, mbuf, tile):
+        """The copy of a tile's per-position bytes: its slot indices, slot deltas, value scales
+        and zero points (bytes head_at + p of each: one offset, `meta_strides`) and sink flags
+        (sink_at + p), 64 a stream. cp.async copies 4 bytes at least, and a row of one byte a
+        slot starts anywhere in a word: each stream is copied as the 17 words from the one
+        holding its first byte (85 threads, one word each; the 17th only where that byte is
+        not a word's first, so that every word read holds a byte of its tensor), stream s at
+        bytes 68 s .. 68 s + 67 of a buffer of `mbuf`'s ring, its first byte `shift` on.
+        Returns (each thread's source word at position 0 and whether it copies, as async_load
+        takes them; the shared addresses of tile positions `tile` [4, 16] of the first stream
+        and of the sink flags in buffer 0: `_shared_byte` reads the others 68 bytes apart)."""
+        e = gl.arange(0, 128, layout=ONE_A_THREAD)
+        stream, word = e // 17, e % 17
+        shift = (head_at & 3).to(gl.int32)
+        sink_shift = (sink_at & 3).to(gl.int32)
+        lead = gl.where(stream == 4, sink_shift, shift)
+        i8: gl.constexpr = gl.pointer_type(gl.int8)
+        per_head = gl.where(stream == 0, KIDX.to(i8, bitcast=True),
+                            gl.where(stream == 1, KDEL.to(i8, bitcast=True),
+                                     gl.where(stream == 2, VSCALE.to(i8, bitcast=True),
+                                              VZERO.to(i8, bitcast=True))))  # fmt: skip
+        at = gl.where(stream == 4, SINK.to(i8, bitcast=True) + sink_at, per_head + head_at)
+        at = (at + (4 * word - lead)).to(gl.pointer_type(gl.int32), bitcast=True)
+        live = (stream < 5) & ((word < 16) | (lead > 0))
+        heads, sinks = gl.inline_asm(rows_asm, ("=r", "=r", "r", "r", "r", "r"),
+                                     [mbuf, mbuf, tile + shift, tile + 272 + sink_shift],
+                                     [tile.type] * 2, is_pure=False)  # fmt: skip
+        return at, live, heads, sinks
+
+    @gluon.jit
+    def _shared_byte(at, OFFSET: gl.constexpr):
+        """The byte at shared address at + OFFSET, zero-extended (the address is one that
+        Gluon's allocator does not see: `_meta_copy`'s)."""
+        return gl.inline_asm_elementwise(byte_asm(OFFSET), "=r,r", [at], dtype=gl.int32,
+                                         is_pure=False, pack=1)  # fmt: skip
+
+    @gluon.jit
     def _unsigned(x):
         """A non-negative int32 offset widened to int64 without its sign. Added to a pointer
         as int32, Triton sign-extends it (one more instruction a load), and ptxas then keeps
@@ -313,13 +365,13 @@ if available():
         return (a & 0xFFFF) | (b << 16)
 
     # fmt: off
-    @gluon.jit
+    @gluon.jit(do_not_specialize=["num_splits", "first_split", "split_rows"])  # `launch`'s warmup
     def _body_kernel(
         Q, INV_FREQ, SINK, TABLE, PART, STATS,
         KC, KSCALE, KOFF, KLEV, KIDX, KDEL, NBK,   # keys: words, static scale and offset,
         VC, VSCALE, VZERO, NBV,                    # codebook, slot index and delta, body sizes
-        kc_b, kc_h, kc_p, ki_b, ki_h, ki_p, kd_b, kd_h, kd_p,   # element strides (sequence,
-        vc_b, vc_h, vc_p, vm_b, vm_h, vm_p,                     # head row, slot)
+        kc_b, kc_h, vc_b, vc_h,   # code rows (8 words) a sequence, a head
+        m_b, m_h,                 # metadata bytes a sequence, a head (one a slot)
         num_kv, positions, num_splits, first_split, split_rows, sm_scale,
         G: gl.constexpr, D: gl.constexpr, BOOK: gl.constexpr, PRE_ROPE: gl.constexpr,
         BLOCK_N: gl.constexpr,
@@ -336,6 +388,9 @@ if available():
         gl.static_assert(gl.to_linear_layout(MMA, [4, 16, 8]) == SCORES)
         gl.static_assert(gl.to_linear_layout(B_OP, [4, 16, 8]) == PROBS)
         BN: gl.constexpr = BLOCK_N
+        # the codes' ring: before RoPE one buffer (4 programs of the tables' 48 KB and it fill
+        # an H100's 228 KB; the tile's codes are read before the next copy), after it two
+        STAGES: gl.constexpr = 1 if PRE_ROPE else 2
         SLOT_TABLE: gl.constexpr = (2 * D + 1) * 8
         C: gl.constexpr = D // 2
         b, hk, split = gl.program_id(0), gl.program_id(1), gl.program_id(2)
@@ -375,19 +430,27 @@ if available():
             qt = (qt.to(gl.float32) * gl.expand_dims(gl.expand_dims(s_k.to(gl.float32), 0), 2)
                   ).to(gl.float16)  # fmt: skip
             q_pairs = packed_pairs(qt)
-        k_base = b.to(gl.int64) * kc_b + hk * kc_h
-        v_base = b.to(gl.int64) * vc_b + hk * vc_h
-        i_base = b.to(gl.int64) * ki_b + hk * ki_h
-        d_base = b.to(gl.int64) * kd_b + hk * kd_h
-        m_base = b.to(gl.int64) * vm_b + hk * vm_h
-        if PRE_ROPE:
-            k_at = _offsets(KEY_PAIRS, 4, 16, 8, 16 * kc_p, kc_p, 1)
-        else:
-            k_at = _offsets(KEY_WORDS, 4, 16, 8, 16 * kc_p, kc_p, 1)
-        v_at = _offsets(VALUE_WORDS, 4, 16, 8, 16 * vc_p, vc_p, 1)
         warp = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
         pos = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
         at = gl.expand_dims(warp * 16, 1) + gl.expand_dims(pos, 0)  # [4, 16] in the tile
+        # the pipeline: each tile's codes (a thread 16 bytes of each stream) and bytes copied
+        # while the tile before it is computed; the codes' buffers a ring of STAGES, the
+        # bytes' a ring of 2 (read late in the tile)
+        kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 16, 8], TILE)
+        vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 16, 8], TILE)
+        mbuf = gl.allocate_shared_memory(gl.int32, [2, 128], FLAT)
+        k_at = KC + (b.to(gl.int64) * kc_b + hk * kc_h) * 8 + _offsets(COPY, 4, 16, 8, 128, 8, 1)
+        v_at = VC + (b.to(gl.int64) * vc_b + hk * vc_h) * 8 + _offsets(COPY, 4, 16, 8, 128, 8, 1)
+        m_at, m_live, meta, sink_meta = _meta_copy(KIDX, KDEL, VSCALE, VZERO, SINK,
+                                                   b.to(gl.int64) * m_b + hk * m_h,
+                                                   b.to(gl.int64) * positions, mbuf,
+                                                   at)  # fmt: skip
+        if lo < hi:
+            async_copy.async_load(kbuf.index(0), k_at + lo * 8)
+            async_copy.async_load(vbuf.index(0), v_at + lo * 8)
+            async_copy.async_load(mbuf.index(0), m_at + lo // 4, mask=m_live)
+            async_copy.commit_group()
+        ring = 0
         slot_heads = gl.expand_dims(
             gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, MMA))), 0),
             0)  # fmt: skip
@@ -409,7 +472,21 @@ if available():
         o_w = gl.zeros([4, 16, 8], gl.float32, layout=MMA)
         acc = gl.zeros([4, D, 8], gl.float32, layout=MMA)  # transposed: channels x query heads
         for start in range(lo, hi, BN):
-            words = gl.load(KC + k_base + start * kc_p + _unsigned(k_at))  # budget: steady loop
+            async_copy.wait_group(0)  # this tile's copies landed, and (the barrier) every
+            gl.barrier()  # warp's: the buffers of the tile before are free
+            k_tile, v_tile = kbuf.index(ring * (STAGES - 1)), vbuf.index(ring * (STAGES - 1))
+            words = k_tile.load(KEY_PAIRS if PRE_ROPE else KEY_WORDS)
+            if STAGES == 1:  # read before the next tile's copy overwrites them
+                vw = v_tile.load(VALUE_WORDS)
+                gl.barrier()
+            ahead = gl.minimum(start + BN, hi - BN)  # past the last tile: the last again
+            next_k = kbuf.index((1 - ring) * (STAGES - 1))
+            async_copy.async_load(next_k, k_at + ahead * 8)  # budget: steady loop
+            async_copy.async_load(vbuf.index((1 - ring) * (STAGES - 1)), v_at + ahead * 8)
+            async_copy.async_load(mbuf.index(1 - ring), m_at + ahead // 4, mask=m_live)
+            async_copy.commit_group()
+            tile_meta, tile_sink = meta + ring * 512, sink_meta + ring * 512
+            ring = 1 - ring
             if PRE_ROPE:
                 q_rot = q_own * gl.expand_dims(cos_a, 1) + q_pair * gl.expand_dims(sin_a, 1)
                 q_rot = gl.convert_layout(q_rot.to(gl.float16), gl.SliceLayout(0, B_OP))
@@ -422,8 +499,8 @@ if available():
                                   gl.distributed_type(gl.float32, [4, 16, 8], MMA),
                                   is_pure=True)  # fmt: skip
             p_at = start + at
-            index = gl.load(KIDX + i_base + _unsigned(p_at * ki_p)).to(gl.int32)
-            code = gl.load(KDEL + d_base + _unsigned(p_at * kd_p)).to(gl.int32)
+            index = _shared_byte(tile_meta, 0)
+            code = _shared_byte(tile_meta, 68)
             half = (((code & 0x7F) << 7) | ((code & 0x80) << 8)).to(gl.int16)
             delta = half.to(gl.float16, bitcast=True).to(gl.float32) * 256.0  # tiles.fp8_decode
             slot = gl.load(table + _unsigned(gl.expand_dims(index * 8, 2) + slot_heads))  # q_c s_c
@@ -434,12 +511,10 @@ if available():
             else:
                 s += q_off
             s = (s + slot * gl.expand_dims(delta, 2)) * sm_scale
-            s = gl.where(gl.expand_dims(gl.load(SINK + b * positions + _unsigned(p_at)) == 0, 2), s,
+            s = gl.where(gl.expand_dims(_shared_byte(tile_sink, 0) == 0, 2), s,
                          float("-inf"))  # fmt: skip
-            m_row = m_base + _unsigned(p_at * vm_p)
-            w = ((gl.load(VSCALE + m_row).to(gl.int32) + SCALE_BASE) << 20).to(
-                gl.float32, bitcast=True)  # fmt: skip
-            v_off = -(gl.load(VZERO + m_row).to(gl.float32) * ZERO_STEP) * w
+            w = ((_shared_byte(tile_meta, 136) + SCALE_BASE) << 20).to(gl.float32, bitcast=True)
+            v_off = -(_shared_byte(tile_meta, 204).to(gl.float32) * ZERO_STEP) * w
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: zeros
             p = gl.exp2(s - gl.expand_dims(m_use, 1))
@@ -447,11 +522,13 @@ if available():
             l_w = l_w * alpha + p
             o_w = o_w * alpha + p * gl.expand_dims(v_off, 2)
             pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
-            vw = gl.load(VC + v_base + start * vc_p + _unsigned(v_at))
+            if STAGES == 2:
+                vw = v_tile.load(VALUE_WORDS)
             acc = gl.inline_asm(values_asm, ("=f", "r", "h", "f"), [vw, pw, acc * alpha],
                                 gl.distributed_type(gl.float32, [4, D, 8], MMA),
                                 is_pure=True)  # fmt: skip
             m_i = m_new
+        async_copy.wait_group(0)  # the last tile's copy again: landed before the memory is reused
         if PRE_ROPE:
             rope_kept(tables)
         # the warps' splits merged at their largest max (-inf where nothing was read)
@@ -490,24 +567,50 @@ def applies(k_layout, v_layout, head_dim: int, group: int, dtype, paged: bool, w
             and dtype == torch.float16 and not paged and not window)  # fmt: skip
 
 
+def copied_strides(ks, vs, sinks) -> tuple[int, ...]:
+    """The strides the kernel's copies take: each code buffer's (sequence, head) in rows of 8
+    words (so that the compiler knows each row's 16-byte pieces aligned), then the one byte
+    stride pair of the slot index, slot delta and value metadata (`_meta_copy` copies them
+    with one offset). Raises where the buffers are not as the copies read them: dense code
+    rows, one byte a slot alike in each byte stream, every buffer word-aligned (its
+    storage's start is: allocators align it)."""
+    rows = []
+    for strides in (ks.strides.codes, vs.strides.codes):
+        b, h, p = strides
+        if p != 8 or b % 8 or h % 8:
+            raise ValueError(f"the whole-tile kernel copies dense 8-word code rows: {strides}")
+        rows += [b // 8, h // 8]
+    meta = {ks.strides.index, ks.strides.delta, vs.strides.meta}
+    buffers = (ks.codes, vs.codes, ks.slot_index, ks.slot_delta, vs.scale, vs.offset,
+               sinks.is_sink)  # fmt: skip
+    shifted = any(t.storage_offset() * t.element_size() % 4 for t in buffers)
+    if len(meta) != 1 or next(iter(meta))[2] != 1 or shifted:
+        raise ValueError(f"the whole-tile kernel copies word-aligned byte rows alike: {meta}")
+    ((b, h, _),) = meta
+    return (*rows, b, h)
+
+
 def launch(q, ks, vs, k_layout, sinks, inv_freq, part, stats, splits: int, first_split: int,
-           sm_scale: float, positions: int):  # fmt: skip
+           sm_scale: float, positions: int, warmup: bool = False):  # fmt: skip
     """`_body_kernel` over (sequences, KV heads, splits) for decode_attention: its splits are
     rows first_split .. first_split + splits - 1 of part / stats (the Triton kernel's before
-    them). Returns what the launch returns (the compiled kernel: its registers size the
-    splits)."""
+    them). Returns the compiled kernel (its registers and shared memory size the splits);
+    `warmup`: compiled, not launched (the split counts are not specialized on: the launch
+    that follows runs this compile)."""
     B, H, _, D = q.shape
     hkv = ks.tail.shape[1]
     # per program: the slot table [2 D + 1, 8] and the table words of each thread (2 x 128)
     table = torch.empty(B * hkv * splits, (2 * D + 1) * 8 + 2 * 128, device=q.device,
                         dtype=torch.float32)  # fmt: skip
-    return _body_kernel[(B, hkv, splits)](
+    grid = (B, hkv, splits)
+    run = functools.partial(_body_kernel.warmup, grid=grid) if warmup else _body_kernel[grid]
+    return run(
         q, inv_freq if inv_freq is not None else table, sinks.is_sink, table, part, stats,
         ks.codes, ks.scale, ks.offset, ks.levels, ks.slot_index, ks.slot_delta, ks.n_body,
         vs.codes, vs.scale, vs.offset, vs.n_body,
-        *ks.strides.codes, *ks.strides.index, *ks.strides.delta, *vs.strides.codes,
-        *vs.strides.meta, hkv, positions, splits, first_split, first_split + splits, sm_scale,
+        *copied_strides(ks, vs, sinks), hkv, positions, splits, first_split,
+        first_split + splits, sm_scale,
         G=H // hkv, D=D, BOOK=k_layout.BOOK, PRE_ROPE=inv_freq is not None, BLOCK_N=BLOCK_N,
-        num_warps=WARPS, num_stages=1,  # plain loads: no pipeline
-        maxnreg=MAX_REGISTERS if inv_freq is not None else None,
+        num_warps=WARPS, num_stages=1,  # its pipeline is its own (cp.async), not Triton's
+        maxnreg=MAX_REGISTERS[inv_freq is not None],
     )  # fmt: skip

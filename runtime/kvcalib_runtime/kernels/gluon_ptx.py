@@ -200,11 +200,21 @@ def values_asm(outputs, inputs):
 
 @gluon.constexpr_function
 def rows_asm(outputs, inputs):
-    """PTX: each table's row of this thread (the buffers' addresses + 64 tid)."""
-    (*rows,), (*buffers, tid) = outputs, inputs
+    """PTX: shared addresses, output t's registers buffer t's address plus offset t's (the
+    inputs: the buffers, then the offsets)."""
+    half = len(inputs) // 2
+    buffers, offsets = inputs[:half], inputs[half:]
     return "\n".join(
-        f"add.u32 {r[0]}, {b[0]}, {tid[0]};" for r, b in zip(rows, buffers, strict=True)
+        f"add.u32 {r}, {b[0]}, {x};"
+        for out, b, off in zip(outputs, buffers, offsets, strict=True)
+        for r, x in zip(out, off, strict=True)
     )
+
+
+@gluon.constexpr_function
+def byte_asm(offset) -> str:
+    """PTX: $0 the byte at shared address $1 + offset."""
+    return f"ld.shared.u8 $0, [$1 + {offset}];"
 
 
 @gluon.constexpr_function

@@ -14,7 +14,8 @@ runs the kernels' Python and takes `PACKED=False`; here the compiled PTX runs, i
 - With kernels.decode_gluon's whole tiles (kvcalib-2's layout at 128 channels, keys before and
   after RoPE), decode_attention meets the same rule over sequences of 1,090, 700 and 130
   positions (the Gluon kernel reads 1,024, 640 and 64 of them); without the Gluon kernel's
-  splits it misses the rule by two orders of magnitude: the tiles it reads are checked.
+  splits it misses the rule by two orders of magnitude: the tiles it reads are checked. So does
+  an executor whose copies land one tile late: the kernel's waits are checked.
 """
 
 import sys
@@ -65,3 +66,11 @@ def test_the_gluon_whole_tiles_meet_the_flash_rule():
     for case, r in result.items():
         assert r["error"] <= r["bound"], (case, r)
         assert r["without"] > 100 * r["bound"], (case, r)
+
+
+def test_the_gluon_tiles_are_read_after_their_copies_land():
+    """An executor whose cp.async.wait_group leaves one group more in flight (each tile read
+    before its copy lands: the previous tile's codes, or zeros) misses the rule by two orders
+    of magnitude: the rule sees the pipeline's waits."""
+    for case, r in executed("gluon", "80", "--copies-late").items():
+        assert r["error"] > 100 * r["bound"], (case, r)
