@@ -207,23 +207,25 @@ class _Launched:
 
 @contextlib.contextmanager
 def pretend_gpu(sms: int, capturing: bool, launches: list, arch: int = 90):
-    """The host side of a CUDA device with `sms` SMs: device properties, stream capture,
-    events, synchronization, indexing (`index`); every `JITFunction.run` appended to
-    `launches` as (fn, args, kwargs, grid) instead of launched, and answered with the kernel
-    compiled for sm_{arch} should the launcher read it (`_Launched`)."""
+    """The host side of a CUDA device with `sms` SMs, sm_{arch}: device properties and
+    capability, stream capture, events, synchronization, indexing (`index`); every
+    `JITFunction.run` appended to `launches` as (fn, args, kwargs, grid) instead of launched,
+    and answered with the kernel compiled for sm_{arch} should the launcher read it
+    (`_Launched`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from triton.runtime.jit import JITFunction
 
     props = type("Props", (), {"multi_processor_count": sms, "name": "pretend"})()
     saved = [(torch.cuda, n, getattr(torch.cuda, n)) for n in
-             ("get_device_properties", "is_current_stream_capturing", "Event", "synchronize",
-              "current_device")]  # fmt: skip
+             ("get_device_properties", "get_device_capability", "is_current_stream_capturing",
+              "Event", "synchronize", "current_device")]  # fmt: skip
     saved.append((JITFunction, "run", JITFunction.run))
     getitem = torch.Tensor.__getitem__  # torch._C.TensorBase's: shadowed here, then unshadowed
     torch.Tensor.__getitem__ = lambda t, key: (
         index(t, key) if t.device.type == "cuda" else getitem(t, key)
     )
     torch.cuda.get_device_properties = lambda *a, **k: props
+    torch.cuda.get_device_capability = lambda *a, **k: divmod(arch, 10)
     torch.cuda.is_current_stream_capturing = lambda: capturing
     torch.cuda.Event = _Event
     torch.cuda.synchronize = lambda *a: None

@@ -193,8 +193,9 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
         scratch = torch.empty(1, device=q.device, dtype=torch.float32)
         body = decode_gluon.launch(q, k_buffers, v_buffers, k_layout, sink_buffers, inv_freq,
                                    scratch, scratch, 1, 0, 1.0, positions, warmup=True)  # fmt: skip
-        config.RESIDENT[key, "gluon"] = config.resident(body.n_regs, decode_gluon.WARPS,
-                                                        body.metadata.shared)  # fmt: skip
+        config.RESIDENT[key, "gluon"] = config.resident(
+            body.n_regs, decode_gluon.WARPS, body.metadata.shared, config.shared_per_sm(q.device)
+        )
     body_held = config.RESIDENT.get((key, "gluon"), 1)
     body_splits = (config.num_splits(q.device, B * hkv, span, decode_gluon.BLOCK_N, body_held)
                    if whole else 0)  # fmt: skip
@@ -228,8 +229,9 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
         # fmt: on
         # later launches split by it (Triton returns no kernel where a cache hook compiled it)
         if q.device.type == "cuda" and kernel is not None and (key, choice) not in config.RESIDENT:
-            config.RESIDENT[key, choice] = config.resident(kernel.n_regs, warps,
-                                                         kernel.metadata.shared)  # fmt: skip
+            config.RESIDENT[key, choice] = config.resident(
+                kernel.n_regs, warps, kernel.metadata.shared, config.shared_per_sm(q.device)
+            )
         _combine_kernel[(B * H,)](
             part,
             stats,

@@ -40,12 +40,24 @@ def num_splits(device: torch.device, programs: int, span: int, block_n: int,
     return max(1, min(wanted, triton.cdiv(span, 4 * block_n)))
 
 
-def resident(regs: int, warps: int, shared: int) -> int:
-    """Programs an SM (sm_80/sm_90: 64K registers, 64 warps, 32 blocks, 227 KB of shared
-    memory) holds at once, of a kernel using regs registers per thread (allocated 8 at a time,
-    per warp), `warps` warps and `shared` bytes."""
+# shared memory an SM holds, by compute capability (CUDA's programming guide); others: the least
+SHARED_PER_SM = {(8, 0): 164 * 1024, (8, 7): 164 * 1024, (9, 0): 228 * 1024}
+SHARED_LEAST = 100 * 1024  # sm_86, sm_89, sm_120
+RESERVED = 1024  # shared memory the system takes a program
+
+
+def shared_per_sm(device: torch.device) -> int:
+    """The shared memory an SM of `device` holds (bytes)."""
+    return SHARED_PER_SM.get(torch.cuda.get_device_capability(device), SHARED_LEAST)
+
+
+def resident(regs: int, warps: int, shared: int, shared_sm: int) -> int:
+    """Programs an SM (64K registers, 64 warps, 32 programs, `shared_sm` bytes of shared
+    memory: `shared_per_sm`) holds at once, of a kernel using regs registers per thread
+    (allocated 8 at a time, per warp), `warps` warps and `shared` bytes (and the system's
+    RESERVED a program)."""
     by_regs = 65536 // (triton.cdiv(max(regs, 1), 8) * 8 * 32 * warps)
-    by_shared = 232448 // shared if shared else 32
+    by_shared = shared_sm // (shared + RESERVED) if shared else 32
     return max(1, min(by_regs, 64 // warps, 32, by_shared))
 
 

@@ -188,14 +188,20 @@ def test_splits_fill_the_gpu_by_the_compiled_kernels_occupancy(monkeypatch):
     """num_splits is FlashInfer's rule: resident programs per SM (from the compiled kernel's
     registers, warps and shared memory) x SMs, no split when the programs fill that. At
     32/8/128 x batch 16 on an H100 (132 SMs, 128 programs): 208 registers x 8 warps hold one
-    program per SM, so splitting only adds a second wave; 128 registers x 4 warps hold four."""
+    program per SM, so splitting only adds a second wave; 128 registers x 4 warps hold four.
+    Shared memory caps it, each program's and the 1 KB the system reserves a program: the Gluon
+    tiles before RoPE (56 KB) fit four to an H100's 228 KB, two to an A100's 164 KB."""
     monkeypatch.setattr(cfg, "_sm_count", lambda device: 132)
     cuda = torch.device("cuda")
-    assert cfg.resident(208, 8, 22000) == 1
-    assert cfg.resident(128, 4, 22000) == 4
-    assert cfg.resident(128, 4, 100000) == 2  # shared memory caps it
-    assert cfg.num_splits(cuda, 128, 32768, 64, cfg.resident(208, 8, 22000)) == 1
-    assert cfg.num_splits(cuda, 128, 32768, 64, cfg.resident(128, 4, 22000)) == 4
+    h100 = cfg.SHARED_PER_SM[9, 0]
+    assert cfg.resident(208, 8, 22000, h100) == 1
+    assert cfg.resident(128, 4, 22000, h100) == 4
+    assert cfg.resident(128, 4, 100000, h100) == 2
+    assert cfg.resident(128, 4, 57344, h100) == 4
+    assert cfg.resident(128, 4, 57344, cfg.SHARED_PER_SM[8, 0]) == 2
+    assert cfg.resident(128, 4, 57345, h100) == 3  # a byte more than fits four
+    assert cfg.num_splits(cuda, 128, 32768, 64, cfg.resident(208, 8, 22000, h100)) == 1
+    assert cfg.num_splits(cuda, 128, 32768, 64, cfg.resident(128, 4, 22000, h100)) == 4
     assert cfg.num_splits(cuda, 8, 32768, 64, 4) == 66  # batch 1: 4 x 132 / 8
     assert cfg.num_splits(cuda, 8, 1024, 64, 4) == 4  # at least 4 blocks a split
     assert cfg.num_splits(torch.device("cpu"), 8, 32768, 64, 4) == 1
