@@ -412,9 +412,9 @@ class Cta:
             size = _int(size)
             given = self.read(rest[0]).astype(np.int64) if rest else np.full(self.threads, size)
             at, _ = self.address(dst, "shared")
-            if (at % size).any():
-                raise PTXError(f"a cp.async of {size} bytes to a misaligned shared address")
             source, _ = self.address(src)
+            if (at[active] % size).any() or (source[active] % size).any():
+                raise PTXError(f"a cp.async of {size} bytes at a misaligned address")
             data = np.zeros((self.threads, size), U64)
             for i in range(size):
                 reads = active & (given > i)

@@ -290,12 +290,12 @@ if available():
     @gluon.jit
     def _meta_copy(KIDX, KDEL, VSCALE, VZERO, SINK, head_at, sink_at, mbuf, tile):
         """The copy of a tile's per-position bytes: its slot indices, slot deltas, value scales
-        and zero points (bytes head_at + p of each: one offset, `meta_strides`) and sink flags
+        and zero points (bytes head_at + p of each: one offset, `copied_strides`) and sink flags
         (sink_at + p), 64 a stream. cp.async copies 4 bytes at least, and a row of one byte a
         slot starts anywhere in a word: each stream is copied as the 17 words from the one
         holding its first byte (85 threads, one word each; the 17th only where that byte is
         not a word's first, so that every word read holds a byte of its tensor), stream s at
-        bytes 68 s .. 68 s + 67 of a buffer of `mbuf`'s ring, its first byte `shift` on.
+        bytes 68 s .. 68 s + 67 of a buffer of `mbuf`'s ring, its first byte `lead` bytes in.
         Returns (each thread's source word at position 0 and whether it copies, as async_load
         takes them; the shared addresses of tile positions `tile` [4, 16] of the first stream
         and of the sink flags in buffer 0: `_shared_byte` reads the others 68 bytes apart)."""
