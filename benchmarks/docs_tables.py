@@ -484,6 +484,11 @@ FLOOR_NAMES = {
     "gluon": ("the skeleton in Gluon", "post-RoPE"),
     "gluon+features": ("the Gluon skeleton with kvcalib-2's per-position work", "post-RoPE"),
     "gluon+features, pre-RoPE": ("the same, keys before RoPE", "pre-RoPE"),
+    "gluon 4-bit": (
+        "the Gluon skeleton at 4 bits (codebook keys and values, a table of level "
+        "pairs in shared memory)",
+        "post-RoPE",
+    ),
 }
 
 
@@ -504,7 +509,8 @@ def render_floor() -> str:
     rows += [(*FLOOR_NAMES[r["formulation"]][:1], FLOOR_NAMES[r["formulation"]][1],
               r["registers"], r["per_position"]) for r in floor["rows"]]  # fmt: skip
     lines = [
-        f"kvcalib-2 at 32/8/128, sm_90, compiled on a CPU (Triton {floor['triton']}); the "
+        f"kvcalib-2 (the last row: 4-bit codebooks) at 32/8/128, sm_90, compiled on a CPU "
+        f"(Triton {floor['triton']}); the "
         f"instruction floor is per position x {STEP_ROWS / 1e6:.2f} M rows / an H200's issue "
         f"rate ({H200_ISSUE:.3g} warp-instructions a second). Issue 51's targets: 30 a "
         "position after RoPE, 36 before, 128 registers.",

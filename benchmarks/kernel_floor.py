@@ -1,14 +1,14 @@
 """The decode loop's floor in each formulation, read on a CPU (issue 51): what a whole-tile loop
 of kvcalib-2's key and value reads costs per (position x KV head) at 32/8/128 on sm_90, before
-and with kvcalib-2's features.
+and with kvcalib-2's features, and at 4 bits.
 
     python benchmarks/kernel_floor.py --out benchmarks/kernel_budget/floor.json  # kernel-floor
 
-Every row does the same work per tile of 64 positions (G = 4 query heads a KV head, D = 128,
-fp16): 2-bit key words decoded to fp16 levels by the byte-permute table (kernels.packed), 2-bit
-value words to their uniform levels 0 .. 3 (as kvcalib-2 stores values), scores, an online
-softmax whose probabilities are scaled per position (a "token" value scale) with a rank-1 offset
-term, and p . v. Keys after RoPE.
+Every row but the last does the same work per tile of 64 positions (G = 4 query heads a KV
+head, D = 128, fp16): 2-bit key words decoded to fp16 levels by the byte-permute table
+(kernels.packed), 2-bit value words to their uniform levels 0 .. 3 (as kvcalib-2 stores
+values), scores, an online softmax whose probabilities are scaled per position (a "token" value
+scale) with a rank-1 offset term, and p . v. Keys after RoPE.
 
   triton          the decode kernel's formulation in Triton: `packed.levels` tiles [BN, D/2] (a
                   thread holds a word's 16 channels), K q^T and V^T p with positions as the
@@ -45,6 +45,16 @@ term, and p . v. Keys after RoPE.
                   addition, then to every warp through shared memory), the slot's q rotated by
                   its absolute position (the SFU's cos, sin); bounded at 128 registers, as the
                   kernel's launch is.
+  gluon 4-bit     the "gluon" row with 4-bit codes (kvcalib-4's: a codebook for keys and one for
+                  values), each read through a table of level pairs in shared memory (256
+                  words, entry x the fp16 levels of codes x % 16 and x // 16; gluon_ptx's
+                  `_pair_key_decode`): a key register is one byte of a word, three instructions
+                  (its byte, its address, the load); a value register pairs two positions'
+                  codes of a channel, put in one byte by a shift and a select per four
+                  registers first. Keys words 4i .. 4i + 3 (16 bytes a position), values words
+                  2r, 2r + 1 of four positions. What the instruction count does not see: the
+                  table's loads are random in its 32 banks, so a warp's load takes several of
+                  shared memory's cycles.
 
 Not in any row: the cp.async pipeline of the code words (plain loads here), the per-program
 setup, the tiles where body meets ring. tests/runtime/kernels/test_kernel_floor.py executes the
@@ -73,37 +83,42 @@ import budget_read as read
 import kernel_budget
 
 from kvcalib_runtime.kernels import packed
-from kvcalib_runtime.kernels.decode_gluon import (
+from kvcalib_runtime.kernels.decode_gluon import MAX_REGISTERS, _in_registers
+from kvcalib_runtime.kernels.gluon_layouts import (
     A_OP,
     B_OP,
+    FLAT,
     KEY_PAIRS,
     KEY_WORDS,
+    KEY_WORDS4,
     KEYS,
-    MAX_REGISTERS,
     MMA,
+    ONE_A_THREAD,
     PROBS,
     Q_ROWS,
     QUERY,
     SCORES,
     VALUE_WORDS,
+    VALUE_WORDS4,
     VALUES,
-    _in_registers,
-    _offsets,
-    _trig,
     key_channel,
+    key_channel4,
+    offsets,
     packed_pairs,
     rope_kept,
     rope_tables,
     rotated_scores,
+    trig,
     value_channel,
     value_unit,
 )
-from kvcalib_runtime.kernels.gluon_ptx import scores_asm, values_asm
+from kvcalib_runtime.kernels.gluon_ptx import rows_asm, scores_asm, values_asm
 from kvcalib_runtime.layouts import metabyte
 
 G, D, BN, WARPS = 4, 128, 64, 4
-FORMULATIONS = ("triton", "gluon", "gluon+features", "gluon+features, pre-RoPE")
+FORMULATIONS = ("triton", "gluon", "gluon+features", "gluon+features, pre-RoPE", "gluon 4-bit")
 SCALE_BASE = gl.constexpr(metabyte.BASE)  # one-byte value scales (layouts.metabyte)
+FLAT_LOAD = gl.BlockedLayout([4], [32], [4], [0])
 
 
 @triton.jit
@@ -158,28 +173,40 @@ def _triton_loop(Q, KC, VC, W, B, OUT, n, T, G: tl.constexpr, D: tl.constexpr,
 def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, TABLE, INV_FREQ,
                 KSCALE, KOFF,
                 G: gl.constexpr, D: gl.constexpr, FEATURES: gl.constexpr,
-                PRE_ROPE: gl.constexpr):  # fmt: skip
+                PRE_ROPE: gl.constexpr, BITS: gl.constexpr):  # fmt: skip
     BN: gl.constexpr = 64
+    WORDS: gl.constexpr = D * BITS // 32  # a position's code words
+    gl.static_assert(BITS == 2 or not (FEATURES or PRE_ROPE))
     gl.static_assert(gl.to_linear_layout(A_OP, [4, 16, D]) == KEYS)
     gl.static_assert(gl.to_linear_layout(A_OP, [4, D, 16]) == VALUES)
     gl.static_assert(gl.to_linear_layout(B_OP, [4, D, 8]) == QUERY)
     gl.static_assert(gl.to_linear_layout(MMA, [4, 16, 8]) == SCORES)
     gl.static_assert(gl.to_linear_layout(B_OP, [4, 16, 8]) == PROBS)
-    lo, hi = _in_registers(T + 4, gl.load(T), gl.load(T + 1))
+    if BITS == 4:  # the keys' and the values' tables of level pairs, in shared memory
+        pairs = gl.allocate_shared_memory(gl.int32, [512], FLAT)
+        pairs.store(gl.load(T + gl.arange(0, 512, layout=FLAT_LOAD)))
+        gl.barrier()
+        zero = gl.zeros([128], gl.int32, ONE_A_THREAD)
+        k_table, v_table = gl.inline_asm(rows_asm, ("=r", "=r", "r", "r", "r", "r"),
+                                         [pairs, pairs, zero, zero + 1024], [zero.type] * 2,
+                                         is_pure=False)  # fmt: skip
+    else:
+        lo, hi = _in_registers(T + 4, gl.load(T), gl.load(T + 1))
     # q^T [4, D, 8] as the B operand, K index k read from the channel gluon_ptx.key_asm puts there
     k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
-    chan = key_channel(k, PRE_ROPE)
+    chan = key_channel4(k) if BITS == 4 else key_channel(k, PRE_ROPE)
     heads = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, B_OP)))
-    at_q = _offsets(B_OP, 4, D, 8, 0, 0, D) + gl.expand_dims(gl.expand_dims(chan, 0), 2)
+    at_q = offsets(B_OP, 4, D, 8, 0, 0, D) + gl.expand_dims(gl.expand_dims(chan, 0), 2)
     qt = gl.load(Q + at_q, mask=gl.expand_dims(gl.expand_dims(heads < G, 0), 0) & (at_q >= 0),
                  other=0.0)  # fmt: skip
     if not PRE_ROPE:
         q_pairs = packed_pairs(qt)
-    if PRE_ROPE:
-        k_at = _offsets(KEY_PAIRS, 4, 16, 8, 16 * (D // 16), D // 16, 1)
+    if BITS == 4:
+        k_at = offsets(KEY_WORDS4, 4, 16, WORDS, 16 * WORDS, WORDS, 1)
+        v_at = offsets(VALUE_WORDS4, 4, 16, WORDS, 16 * WORDS, WORDS, 1)
     else:
-        k_at = _offsets(KEY_WORDS, 4, 16, 8, 16 * (D // 16), D // 16, 1)
-    v_at = _offsets(VALUE_WORDS, 4, 16, 8, 16 * (D // 16), D // 16, 1)
+        k_at = offsets(KEY_PAIRS if PRE_ROPE else KEY_WORDS, 4, 16, WORDS, 16 * WORDS, WORDS, 1)
+        v_at = offsets(VALUE_WORDS, 4, 16, WORDS, 16 * WORDS, WORDS, 1)
     warp = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
     pos = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
     at = gl.expand_dims(warp * 16, 1) + gl.expand_dims(pos, 0)  # [4, 16] positions in the tile
@@ -209,13 +236,17 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
     o_w = gl.zeros([4, 16, 8], gl.float32, layout=MMA)
     acc = gl.zeros([4, D, 8], gl.float32, layout=MMA)  # transposed: channels x query heads
     for start in range(0, n, BN):
-        words = gl.load(KC + start * (D // 16) + k_at)
+        words = gl.load(KC + start * WORDS + k_at)
         if PRE_ROPE:
             q_rot = q_own * gl.expand_dims(cos_a, 1) + q_pair * gl.expand_dims(sin_a, 1)
             q_rot = gl.convert_layout(q_rot.to(gl.float16), gl.SliceLayout(0, B_OP))
             qt = gl.expand_dims(q_rot, 0).broadcast_to([4, D, 8])
             cos_a, sin_a = cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
             s = rotated_scores(words, lo, hi, tables, qt)
+        elif BITS == 4:  # reads shared memory: not pure
+            s = gl.inline_asm(scores_asm, ("=f", "r", "r", "r"), [words, k_table, q_pairs],
+                              gl.distributed_type(gl.float32, [4, 16, 8], MMA),
+                              is_pure=False)  # fmt: skip
         else:
             s = gl.inline_asm(scores_asm, ("=f", "r", "r", "r", "r"), [words, lo, hi, q_pairs],
                               gl.distributed_type(gl.float32, [4, 16, 8], MMA),
@@ -229,7 +260,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
             slot = gl.load(TABLE + gl.expand_dims(index * 8, 2) + slot_heads)  # q c step
             if PRE_ROPE:  # q . R(p) (delta e_c): q_c cos + sign q_pair sin at p f_c, by the SFU
                 pair = gl.load(TABLE + (D + 1) * 8 + gl.expand_dims(index * 8, 2) + slot_heads)
-                cos, sin = _trig(rows.to(gl.float32) * gl.load(INV_FREQ + index % (D // 2)))
+                cos, sin = trig(rows.to(gl.float32) * gl.load(INV_FREQ + index % (D // 2)))
                 slot = slot * gl.expand_dims(cos, 2) + pair * gl.expand_dims(sin, 2)
             s += slot * gl.expand_dims(delta, 2)
             s = gl.where(gl.expand_dims(gl.load(SINK + rows) == 0, 2), s + q_off, float("-inf"))
@@ -245,19 +276,29 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
         l_w = l_w * alpha + p
         o_w = o_w * alpha + p * gl.expand_dims(b, 2)
         pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
-        words = gl.load(VC + start * (D // 16) + v_at)
-        acc = gl.inline_asm(values_asm, ("=f", "r", "h", "f"), [words, pw, acc * alpha],
-                            gl.distributed_type(gl.float32, [4, D, 8], MMA),
-                            is_pure=True)  # fmt: skip
+        words = gl.load(VC + start * WORDS + v_at)
+        if BITS == 4:
+            acc = gl.inline_asm(values_asm, ("=f", "r", "r", "h", "f"),
+                                [words, v_table, pw, acc * alpha],
+                                gl.distributed_type(gl.float32, [4, D, 8], MMA),
+                                is_pure=False)  # fmt: skip
+        else:
+            acc = gl.inline_asm(values_asm, ("=f", "r", "h", "f"), [words, pw, acc * alpha],
+                                gl.distributed_type(gl.float32, [4, D, 8], MMA),
+                                is_pure=True)  # fmt: skip
         m_i = m_new
     if PRE_ROPE:
         rope_kept(tables)
+    if BITS == 4:  # the tables read by address: kept allocated through the loop (`rope_kept`)
+        gl.inline_asm("", ("r",), [pairs], [], is_pure=False)
     scale = gl.exp2(m_i - gl.expand_dims(gl.max(m_i, axis=0), 0))  # each warp's split to one max
     COLS: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, MMA))
     total = gl.convert_layout(gl.sum(gl.sum(l_w, axis=1) * scale, axis=0), COLS)
     offset = gl.convert_layout(gl.sum(gl.sum(o_w, axis=1) * scale, axis=0), COLS)
     row = gl.arange(0, D, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA)))
-    out = gl.sum(acc * gl.expand_dims(scale, 1), axis=0) * gl.expand_dims(value_unit(row), 1)
+    out = gl.sum(acc * gl.expand_dims(scale, 1), axis=0)
+    if BITS == 2:
+        out = out * gl.expand_dims(value_unit(row), 1)
     out = (out + gl.expand_dims(offset, 0)) / gl.expand_dims(total, 0)
     head = gl.arange(0, 8, layout=COLS)
     channel = value_channel(row)
@@ -271,6 +312,13 @@ FEATURE_ARGS = {"SINK": "*u8", "INDEX": "*u8", "DELTA": "*u8", "VSCALE": "*u8", 
                 "TABLE": "*fp32", "INV_FREQ": "*fp32", "KSCALE": "*fp32",
                 "KOFF": "*fp32"}  # fmt: skip
 ALIGNED = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 5, 7)}
+CONSTANTS = ("G", "D", "FEATURES", "PRE_ROPE", "BITS")
+
+
+def constants(name: str) -> dict:
+    """The Gluon skeleton's constexpr arguments for formulation `name`."""
+    return {"G": G, "D": D, "FEATURES": "features" in name, "PRE_ROPE": "pre-RoPE" in name,
+            "BITS": 4 if "4-bit" in name else 2}  # fmt: skip
 
 
 def measure(name: str) -> dict:
@@ -281,11 +329,8 @@ def measure(name: str) -> dict:
         options = {"num_warps": WARPS, "num_stages": 2}
     else:
         signature = {k: v for k, v in SIGNATURE.items() if v != "constexpr"}
-        signature.update(FEATURE_ARGS, G="constexpr", D="constexpr", FEATURES="constexpr",
-                         PRE_ROPE="constexpr")  # fmt: skip
-        src = gluon.GluonASTSource(_gluon_loop, signature,
-                                   {"G": G, "D": D, "FEATURES": "features" in name,
-                                    "PRE_ROPE": "pre-RoPE" in name},
+        signature.update(FEATURE_ARGS, **dict.fromkeys(CONSTANTS, "constexpr"))
+        src = gluon.GluonASTSource(_gluon_loop, signature, constants(name),
                                    {**ALIGNED, (13,): [["tt.divisibility", 16]]})  # fmt: skip
         options = {"num_warps": WARPS}
         if "pre-RoPE" in name:  # the kernel's launch bound

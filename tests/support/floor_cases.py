@@ -1,5 +1,5 @@
-"""The Gluon skeleton of benchmarks/kernel_floor.py: its inputs (random codes, a random level
-table and kvcalib-2's per-position metadata) and the attention it computes, in fp32 torch."""
+"""The Gluon skeleton of benchmarks/kernel_floor.py: its inputs (random codes, random level
+tables and kvcalib-2's per-position metadata) and the attention it computes, in fp32 torch."""
 
 import torch
 
@@ -14,23 +14,37 @@ def skeleton_args(q, kc, vc, table, meta, out, n: int) -> list:
             torch.ones(q.shape[1]), torch.zeros(q.shape[1])]  # fmt: skip
 
 
-def skeleton_inputs(gen, n: int, d: int, g: int):
+def _int32(words: torch.Tensor) -> torch.Tensor:
+    """32-bit patterns (int64, 0 .. 2^32 - 1) as int32."""
+    return words.where(words < 2**31, words - 2**32).to(torch.int32)
+
+
+def skeleton_inputs(gen, n: int, d: int, g: int, bits: int = 2):
     """The skeleton's arguments for n positions (a multiple of 64), g query heads of d
-    channels: (q, key words, value words, the level tables: the keys' and the values' uniform
-    0 .. 3), the per-position metadata, and what the reference needs: levels [n, d] of keys
-    and values (the codes), fp32."""
-    key_codes = torch.randint(0, 4, (n, d), generator=gen)
-    value_codes = torch.randint(0, 4, (n, d), generator=gen)
+    channels: (q, key words, value words, the level tables: at 2 bits the keys' table words
+    and the values' uniform 0 .. 3; at 4 bits two random codebooks' tables of level pairs,
+    the keys' then the values'), the per-position metadata, and what the reference needs:
+    levels [n, d] of keys and values (at 2 bits the values' codes), fp32."""
+    key_codes = torch.randint(0, 2**bits, (n, d), generator=gen)
+    value_codes = torch.randint(0, 2**bits, (n, d), generator=gen)
 
     def pack(codes):
-        words = (codes.view(n, d // 16, 16) << 2 * torch.arange(16)).sum(-1)
-        return words.to(torch.int64).where(words < 2**31, words - 2**32).to(torch.int32)
+        per = 32 // bits
+        return _int32((codes.view(n, d // per, per) << bits * torch.arange(per)).sum(-1))
 
-    levels = torch.randn(4, generator=gen).to(torch.float16)
-    bits = levels.view(torch.int16).long() & 0xFFFF
-    table = torch.tensor([bits[0] | bits[1] << 16, bits[2] | bits[3] << 16, 0x3C000000, 0x42004000])
-    table = table.where(table < 2**31, table - 2**32).to(torch.int32)
-    table = torch.cat([table, torch.zeros(2 * 128, dtype=torch.int32)])  # each thread's copy
+    levels = torch.randn(4 if bits == 2 else 16, generator=gen).to(torch.float16)
+    pattern = levels.view(torch.int16).long() & 0xFFFF
+    if bits == 2:
+        table = _int32(torch.tensor([pattern[0] | pattern[1] << 16, pattern[2] | pattern[3] << 16,
+                                     0x3C000000, 0x42004000]))  # fmt: skip
+        table = torch.cat([table, torch.zeros(2 * 128, dtype=torch.int32)])  # each thread's copy
+        value_levels = torch.arange(4.0)
+    else:
+        value_levels = torch.randn(16, generator=gen).to(torch.float16)
+        x = torch.arange(256)
+        pairs = [(p[x % 16] | p[x // 16] << 16)
+                 for p in (pattern, value_levels.view(torch.int16).long() & 0xFFFF)]  # fmt: skip
+        table = _int32(torch.cat(pairs))
     q = torch.randn(g, d, generator=gen).to(torch.float16)
     meta = dict(w=torch.rand(n, generator=gen) + 0.5, b=torch.randn(n, generator=gen) * 0.1,
                 sink=(torch.rand(n, generator=gen) < 0.05).to(torch.uint8),
@@ -42,7 +56,7 @@ def skeleton_inputs(gen, n: int, d: int, g: int):
                 freq=1e4 ** -(torch.arange(d // 2) / (d // 2)))  # fmt: skip
     meta["delta"][(meta["delta"] & 0x7F) > 0x77] = 0  # finite E4M3 bytes only
     args = (q, pack(key_codes), pack(value_codes), table)
-    return args, meta, levels.float()[key_codes], value_codes.float()
+    return args, meta, levels.float()[key_codes], value_levels.float()[value_codes]
 
 
 def skeleton_reference(q, keys, values, meta, features: bool, pre: bool):

@@ -5,11 +5,13 @@ skeleton to the plain decode with it."""
 import torch
 
 
-def run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def run_ptx(asm: str, regs: dict[str, torch.Tensor],
+            shared: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """Execute inline PTX of one thread on int64 tensors of 32-bit values, `regs` its operands
     by name ($n, or the block's own registers): prmt.b32 in its default mode, and.b32, or.b32,
     shl.b32, shr.u32, mad.lo.u32, sub.rn.f16x2 (each half rounded once), mov.b32 d, src and
-    mov.b32 {lo, hi}, src (the PTX ISA's definitions)."""
+    mov.b32 {lo, hi}, src (the PTX ISA's definitions), and ld.shared.b32 d, [a] of the words
+    `shared` (int64, word-aligned addresses: word a / 4)."""
     mask = 0xFFFFFFFF
 
     def value(token):
@@ -34,6 +36,11 @@ def run_ptx(asm: str, regs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             regs[lo], regs[hi] = value(src.strip()) & 0xFFFF, value(src.strip()) >> 16
             continue
         dst, *src = [a.strip() for a in args.split(",")]
+        if op == "ld.shared.b32":
+            at = value(src[0].strip("[]"))
+            assert shared is not None and not (at % 4).any(), "a word-aligned shared load"
+            regs[dst] = shared[at // 4]
+            continue
         if op == "mov.b32":
             regs[dst] = value(src[0]) & mask
             continue

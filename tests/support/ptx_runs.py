@@ -130,8 +130,9 @@ def gluon(arch: int, copies_late: bool = False) -> dict:
 
 
 def skeleton() -> dict:
-    """kernel_floor's Gluon loop (with and without kvcalib-2's features, keys after and before
-    RoPE) over 256 positions: its error against the attention it computes, and the scale."""
+    """kernel_floor's Gluon loops (with and without kvcalib-2's features, keys after and before
+    RoPE, and 4-bit codebooks) over 256 positions: each one's error against the attention it
+    computes, and the scale."""
     import kernel_floor as kf
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -140,11 +141,10 @@ def skeleton() -> dict:
     from support.floor_cases import skeleton_args, skeleton_inputs, skeleton_reference
 
     out = {}
-    for features, pre in ((False, False), (True, False), (True, True)):
+    for name in kf.FORMULATIONS[1:]:
         signature = {k: v for k, v in kf.SIGNATURE.items() if v != "constexpr"}
-        signature.update(kf.FEATURE_ARGS, G="constexpr", D="constexpr", FEATURES="constexpr",
-                         PRE_ROPE="constexpr")  # fmt: skip
-        constants = {"G": kf.G, "D": kf.D, "FEATURES": features, "PRE_ROPE": pre}
+        signature.update(kf.FEATURE_ARGS, **dict.fromkeys(kf.CONSTANTS, "constexpr"))
+        constants = kf.constants(name)
         src = gluon.GluonASTSource(kf._gluon_loop, signature, constants,
                                    {**kf.ALIGNED, (13,): [["tt.divisibility", 16]]})  # fmt: skip
         with knobs.compilation.scope():
@@ -153,11 +153,12 @@ def skeleton() -> dict:
                                     options={"num_warps": kf.WARPS})  # fmt: skip
         gen = torch.Generator().manual_seed(2)
         n = 256
-        (q, kc, vc, table), meta, keys, values = skeleton_inputs(gen, n, kf.D, kf.G)
-        expected = skeleton_reference(q, keys, values, meta, features, pre)
+        (q, kc, vc, table), meta, keys, values = skeleton_inputs(gen, n, kf.D, kf.G,
+                                                                 constants["BITS"])  # fmt: skip
+        expected = skeleton_reference(q, keys, values, meta, constants["FEATURES"],
+                                      constants["PRE_ROPE"])  # fmt: skip
         got = torch.zeros(kf.G, kf.D)
         ptx_cta.run_kernel(kernel, skeleton_args(q, kc, vc, table, meta, got, n))
-        name = "gluon" + ("+features" if features else "") + (", pre-RoPE" if pre else "")
         out[name] = {"error": float((got - expected).abs().max()),
                      "scale": float(expected.abs().max())}  # fmt: skip
     return out

@@ -41,7 +41,13 @@ def num_splits(device: torch.device, programs: int, span: int, block_n: int,
 
 
 # shared memory an SM holds, by compute capability (CUDA's programming guide); others: the least
-SHARED_PER_SM = {(8, 0): 164 * 1024, (8, 7): 164 * 1024, (9, 0): 228 * 1024}
+SHARED_PER_SM = {
+    (8, 0): 164 * 1024,  # A100
+    (8, 7): 164 * 1024,  # Jetson Orin
+    (9, 0): 228 * 1024,  # H100, H200
+    (10, 0): 228 * 1024,  # B200
+    (10, 3): 228 * 1024,  # B300
+}
 SHARED_LEAST = 100 * 1024  # sm_86, sm_89, sm_120
 RESERVED = 1024  # shared memory the system takes a program
 

@@ -1,8 +1,9 @@
 """The inline PTX of kernels.decode_gluon's fused blocks, written by constexpr functions that
 Gluon calls with each operand's per-thread register names: the codes decoded straight into
-mma.sync fragments (keys by the byte-permute lookup of kernels.packed, values by the
-magic-number conversion), pre-RoPE keys scaled, offset and rotated from shared-memory tables,
-and the tensor-core products. Strings only: the layouts they assume are decode_gluon's
+mma.sync fragments (2-bit keys by the byte-permute lookup of kernels.packed, 2-bit values
+by the magic-number conversion, 4-bit codebooks by a table of level pairs in shared memory),
+pre-RoPE keys scaled, offset and rotated from shared-memory tables, and the tensor-core
+products. Strings only: the layouts they assume are decode_gluon's
 (`key_register`, `value_register` say which register holds which code). Imported by
 decode_gluon where its Gluon is available.
 """
@@ -97,6 +98,82 @@ def _value_decode(a, words) -> list[str]:
 
 
 @gluon.constexpr_function
+def pair_key_register(e: int, h: int, j: int) -> int:
+    """A_OP register of byte j (codes 2j, 2j + 1) of the 4-bit key word e + 4h (words 4i + e of
+    positions r, r + 8h): k-step 2e + j // 2, its half j % 2."""
+    return h + 2 * (j & 1) + 4 * (j >> 1) + 8 * e
+
+
+@gluon.constexpr_function
+def pair_value_register(q: int, w: int, c: int) -> int:
+    """A_OP register of channel 8w + q of the 4-bit value words w of positions 2i + 8c and
+    2i + 8c + 1 (its two fp16: the two positions'): row r + 8 (8w + q) of the transposed
+    values."""
+    return (q & 1) + 2 * c + 4 * (4 * w + (q >> 1))
+
+
+@gluon.constexpr_function
+def _pair_lookup(a, r: int, source: str, byte: int, table: str) -> list[str]:
+    """PTX: register a[r] the table word that byte `byte` of `source` indexes (a shared
+    address: table + 4 byte). Temporary s."""
+    select = 0x4440 + byte  # byte `byte`, then three bytes of the zero operand
+    return [f"prmt.b32 s, {source}, 0, {select:#06x};", f"mad.lo.u32 s, s, 4, {table};",
+            f"ld.shared.b32 {a[r]}, [s];"]  # fmt: skip
+
+
+@gluon.constexpr_function
+def _pair_key_decode(a, words, table) -> list[str]:
+    """PTX: 4-bit key words (code n in bits 4n .. 4n + 3) into A_OP registers a
+    (`pair_key_register`): byte j, codes 2j and 2j + 1, indexes the table of level pairs (256
+    words at the shared address `table`: entry x the levels of codes x % 16 and x // 16 as
+    two fp16), which holds that register. Temporary s."""
+    lines = []
+    for reg, word in enumerate(words):
+        for j in range(4):
+            lines += _pair_lookup(a, pair_key_register(reg % 4, reg // 4, j), word, j, table)
+    return lines
+
+
+@gluon.constexpr_function
+def _pair_value_decode(a, words, table) -> list[str]:
+    """PTX: 4-bit value words w of positions (2i + 8c, 2i + 8c + 1) (registers 2w + 4c and
+    + 1) into A_OP registers a (`pair_value_register`): a channel's codes of both positions
+    put in one byte (the first position's in its low nibble: the even channels' by a shift
+    and a select, the odd ones' likewise), which indexes the table of level pairs
+    (`_pair_key_decode`'s). Temporaries s, t, u."""
+    lines = []
+    for c in range(2):
+        for w in range(2):
+            first, second = words[2 * w + 4 * c], words[2 * w + 4 * c + 1]
+            lines += [f"shl.b32 u, {second}, 4;", "and.b32 u, u, 0xF0F0F0F0;",
+                      f"and.b32 t, {first}, 0x0F0F0F0F;", "or.b32 t, t, u;"]  # fmt: skip
+            for j in range(4):  # even channels 2j
+                lines += _pair_lookup(a, pair_value_register(2 * j, w, c), "t", j, table)
+            lines += [f"shr.u32 u, {first}, 4;", "and.b32 u, u, 0x0F0F0F0F;",
+                      f"and.b32 t, {second}, 0xF0F0F0F0;", "or.b32 t, t, u;"]  # fmt: skip
+            for j in range(4):  # odd channels 2j + 1
+                lines += _pair_lookup(a, pair_value_register(2 * j + 1, w, c), "t", j, table)
+    return lines
+
+
+@gluon.constexpr_function
+def _keys(a, words, tables) -> list[str]:
+    """PTX: key words into A_OP registers a: tables (lo, hi), the 2-bit table words
+    (`_key_decode`), or (table,), a 4-bit codebook's table of level pairs
+    (`_pair_key_decode`)."""
+    if len(tables) == 2:
+        return _key_decode(a, words, tables[0], tables[1])
+    return _pair_key_decode(a, words, tables[0][0])
+
+
+@gluon.constexpr_function
+def _values(a, words, table) -> list[str]:
+    """PTX: value words into the transposed values' A_OP registers a: 2-bit uniform codes
+    (`_value_decode`), or with (table,) a 4-bit codebook's (`_pair_value_decode`)."""
+    return _pair_value_decode(a, words, table[0][0]) if table else _value_decode(a, words)
+
+
+@gluon.constexpr_function
 def _unpacked(out, a) -> list[str]:
     """PTX: registers a split into the fp16 outputs out (two an A_OP register)."""
     return [f"mov.b32 {{{out[2 * j]}, {out[2 * j + 1]}}}, {x};" for j, x in enumerate(a)]
@@ -121,31 +198,31 @@ def _declared(*names) -> str:
 
 @gluon.constexpr_function
 def key_asm(outputs, inputs):
-    """Key words to fp16 A_OP values (`_key_decode` alone: what the register tests of
-    tests/runtime/kernels/test_kernel_floor.py read, and kernel_floor's skeleton)."""
-    (out,), (words, lo, hi) = outputs, inputs
+    """Key words to fp16 A_OP values (`_keys` alone: what the register tests of
+    tests/runtime/kernels/test_kernel_floor.py read), after the words the 2-bit table words
+    or a 4-bit codebook's table of level pairs."""
+    (out,), (words, *tables) = outputs, inputs
     a = _fragments("a", len(out) // 2)
-    return "\n".join([_declared(*a), *_key_decode(a, words, lo, hi), *_unpacked(out, a)]) + " }"
+    return "\n".join([_declared(*a), *_keys(a, words, tables), *_unpacked(out, a)]) + " }"
 
 
 @gluon.constexpr_function
 def value_asm(outputs, inputs):
-    """Value words to fp16 A_OP values of the transposed values (`_value_decode` alone, as
+    """Value words to fp16 A_OP values of the transposed values (`_values` alone, as
     `key_asm`)."""
-    (out,), (words,) = outputs, inputs
+    (out,), (words, *table) = outputs, inputs
     a = _fragments("a", len(out) // 2)
-    return "\n".join([_declared(*a), *_value_decode(a, words), *_unpacked(out, a)]) + " }"
+    return "\n".join([_declared(*a), *_values(a, words, table), *_unpacked(out, a)]) + " }"
 
 
 @gluon.constexpr_function
 def scores_asm(outputs, inputs):
-    """A post-RoPE tile's scores K q^T [4, 16, 8] (MMA, fp32) from its key words, the table
-    words and q^T's B_OP registers (decode_gluon.`packed_pairs`): `_key_decode` into the
-    fragments, then
-    the D / 16 k-steps."""
-    (out,), (words, lo, hi, q) = outputs, inputs
+    """A post-RoPE tile's scores K q^T [4, 16, 8] (MMA, fp32) from its key words, the tables
+    (`_keys`) and q^T's B_OP registers (gluon_layouts.`packed_pairs`): the decode into the
+    fragments, then the D / 16 k-steps."""
+    (out,), (words, *tables, q) = outputs, inputs
     a = _fragments("a", 2 * len(q))
-    lines = [_declared(*a), *_key_decode(a, words, lo, hi), *_scores(out, a, q)]
+    lines = [_declared(*a), *_keys(a, words, tables), *_scores(out, a, q)]
     return "\n".join(lines) + " }"
 
 
@@ -187,12 +264,13 @@ def rotated_scores_asm(outputs, inputs):
 @gluon.constexpr_function
 def values_asm(outputs, inputs):
     """acc + V^T p [4, D, 8] (MMA, fp32), row m times 1 / value_unit(m), from a tile's
-    value words, its probabilities (the scores' layout, fp16) and acc: `_transposed`,
-    `_value_decode` into the fragments (as many as the accumulator's registers: four a
-    16-row block), then one product a block."""
-    (out,), (words, p, acc) = outputs, inputs
+    value words (after them a 4-bit codebook's table of level pairs: `_values`), its
+    probabilities (the scores' layout, fp16) and acc: `_transposed`, the decode into the
+    fragments (as many as the accumulator's registers: four a 16-row block), then one
+    product a block."""
+    (out,), (words, *table, p, acc) = outputs, inputs
     a, b = _fragments("a", len(out)), _fragments("b", 2)
-    lines = [_declared(*a, *b), *_transposed(b, p), *_value_decode(a, words)]
+    lines = [_declared(*a, *b), *_transposed(b, p), *_values(a, words, table)]
     for m in range(0, len(out), 4):
         lines.append(_mma(out[m : m + 4], a[m : m + 4], b, acc[m : m + 4]))
     return "\n".join(lines) + " }"

@@ -36,7 +36,7 @@ if triton.__version__ != kb.TRITON:  # Gluon's API moves between releases
 
 import kernel_floor as kf  # noqa: E402
 
-from kvcalib_runtime.kernels import decode_gluon as dg  # noqa: E402
+from kvcalib_runtime.kernels import gluon_layouts as dg  # noqa: E402
 from kvcalib_runtime.kernels import gluon_ptx  # noqa: E402
 
 LANES = range(32)
@@ -59,16 +59,28 @@ def level_table(gen):
     return bits[0] | bits[1] << 16, bits[2] | bits[3] << 16, bits
 
 
-def run(asm_fn, outputs: int, words: torch.Tensor, *tables) -> torch.Tensor:
-    """One thread's asm block (decode_gluon's constexpr function) on its `words` [n] (samples x
-    n as columns) and table words: its `outputs` 16-bit results [samples, outputs]."""
+def run(asm_fn, outputs: int, words: torch.Tensor, *tables, shared=None) -> torch.Tensor:
+    """One thread's asm block (gluon_ptx's constexpr function) on its `words` [n] (samples x
+    n as columns) and table words (or a table's shared address, `shared` the words there):
+    its `outputs` 16-bit results [samples, outputs]."""
     names = tuple(f"${n}" for n in range(outputs))
     given = tuple(f"${outputs + n}" for n in range(words.shape[1]))
     table = tuple((f"${outputs + len(given) + n}",) for n in range(len(tables)))
     regs = {name: words[:, n] for n, name in enumerate(given)}
-    regs.update({name: word for (name,), word in zip(table, tables, strict=True)})
-    regs = run_ptx(asm_fn((names,), (given, *table)), regs)
+    regs.update({name: torch.as_tensor(word) for (name,), word in zip(table, tables, strict=True)})
+    regs = run_ptx(asm_fn((names,), (given, *table)), regs, shared)
     return torch.stack([regs[name] for name in names], 1)
+
+
+def pair_table(gen, at: int):
+    """Sixteen random fp16 levels as a table of level pairs at shared address `at` (entry x:
+    the levels of codes x % 16 and x // 16), the shared words holding it, and the levels'
+    16-bit patterns."""
+    bits = torch.randn(16, generator=gen).to(torch.float16).view(torch.int16).long() & 0xFFFF
+    x = torch.arange(256)
+    shared = torch.zeros(at // 4 + 256, dtype=torch.long)
+    shared[at // 4 :] = bits[x % 16] | bits[x // 16] << 16
+    return shared, bits
 
 
 def test_the_relabelings_are_permutations():
@@ -76,6 +88,7 @@ def test_the_relabelings_are_permutations():
     them."""
     for pairs in (False, True):
         assert sorted(dg.key_channel.fn(torch.arange(128), pairs).tolist()) == list(range(128))
+    assert sorted(dg.key_channel4.fn(torch.arange(128)).tolist()) == list(range(128))
     assert sorted(dg.value_channel.fn(torch.arange(128)).tolist()) == list(range(128))
 
 
@@ -101,6 +114,50 @@ def test_each_key_register_holds_the_level_of_the_channel_q_reads_at_its_k(pairs
             if pairs:
                 assert int(dg.key_channel.fn(torch.tensor(k ^ 64), pairs)) == channel ^ 64
             assert torch.equal(out[:, reg], bits[codes[:, e + 2 * h, channel % 16]]), (lane, reg)
+
+
+def test_each_4_bit_key_register_holds_the_level_of_the_channel_q_reads_at_its_k():
+    """Lane (i, r) decodes words 4i + e of positions r, r + 8 (register e + 4h) by the table of
+    level pairs: A-operand register R holds, at its (position, K index), the level of code
+    key_channel4(k) % 8 of the word holding key_channel4(k), for every register of every lane,
+    on random codes, every code at every place of a word."""
+    gen = torch.Generator().manual_seed(3)
+    at = 0x460  # the table's shared address: any word-aligned one
+    shared, bits = pair_table(gen, at)
+    for lane in LANES:
+        codes = torch.randint(0, 16, (32, 8, 8), generator=gen)  # samples, word (e + 4h), code
+        codes[:16, 0] = torch.arange(16)[:, None]
+        words = (codes << 4 * torch.arange(8)).sum(-1)
+        out = run(gluon_ptx.key_asm, 64, words, at, shared=shared)
+        for reg in range(64):
+            _, position, k = coords(dg.KEYS, reg, lane)
+            channel = int(dg.key_channel4.fn(torch.tensor(k)))
+            e, h = channel // 8 - 4 * (lane % 4), position // 8
+            assert e in range(4) and position % 8 == lane // 4, (lane, reg)
+            assert torch.equal(out[:, reg], bits[codes[:, e + 4 * h, channel % 8]]), (lane, reg)
+
+
+def test_each_4_bit_value_register_holds_the_level_of_its_position_at_the_row_stored_out():
+    """Lane (i, r) decodes words 2r + w of positions 2i + b + 8c (register b + 2w + 4c) by the
+    table of level pairs: A-operand register R of the transposed values holds, at its (row m,
+    position), the level of that position's code of channel value_channel(m), the row stored
+    to that channel; every register of every lane, every code at every place."""
+    gen = torch.Generator().manual_seed(4)
+    at = 0x200
+    shared, bits = pair_table(gen, at)
+    for lane in LANES:
+        i, r = lane % 4, lane // 4
+        codes = torch.randint(0, 16, (32, 8, 8), generator=gen)  # samples, b + 2w + 4c, code
+        codes[:16, 0] = torch.arange(16)[:, None]
+        words = (codes << 4 * torch.arange(8)).sum(-1)
+        out = run(gluon_ptx.value_asm, 64, words, at, shared=shared)
+        for reg in range(64):
+            _, m, position = coords(dg.VALUES, reg, lane)
+            channel = int(dg.value_channel.fn(torch.tensor(m)))
+            b, c, w = position % 2, position // 8, channel // 8 - 2 * r
+            assert (position // 2) % 4 == i and w in (0, 1), (lane, reg)
+            level = bits[codes[:, b + 2 * w + 4 * c, channel % 8]]
+            assert torch.equal(out[:, reg], level), (lane, reg)
 
 
 def test_each_value_register_holds_the_code_of_its_position_at_the_row_stored_out():
@@ -164,25 +221,27 @@ def test_the_gluon_skeleton_is_attention_executed_on_the_cpu():
     of random codes: within 2e-2 of the largest output, the fp16 operands' rounding (the GPU
     test's bound)."""
     result = executed("skeleton")
-    assert set(result) == {"gluon", "gluon+features", "gluon+features, pre-RoPE"}
+    assert set(result) == set(kf.FORMULATIONS[1:])
     for name, r in result.items():
         assert r["error"] <= 2e-2 * r["scale"], name
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("features", "pre"), [(False, False), (True, False), (True, True)])
-def test_the_gluon_skeleton_is_attention_on_a_gpu(features, pre):
+@pytest.mark.parametrize("name", kf.FORMULATIONS[1:])
+def test_the_gluon_skeleton_is_attention_on_a_gpu(name):
     """What the CPU cannot run: the skeleton's output (each warp's split merged) against the
     attention it computes, in fp32 torch, within fp16 operand rounding (2e-2 of the largest
-    output), over 1,024 positions of random codes, with and without kvcalib-2's features and
-    keys before RoPE."""
+    output), over 1,024 positions of random codes, with and without kvcalib-2's features,
+    keys before RoPE, and 4-bit codebooks."""
     gen = torch.Generator().manual_seed(2)
     n = 1024
-    (q, kc, vc, table), meta, keys, values = skeleton_inputs(gen, n, kf.D, kf.G)
-    expected = skeleton_reference(q, keys, values, meta, features, pre)
+    constants = kf.constants(name)
+    (q, kc, vc, table), meta, keys, values = skeleton_inputs(gen, n, kf.D, kf.G,
+                                                             constants["BITS"])  # fmt: skip
+    expected = skeleton_reference(q, keys, values, meta, constants["FEATURES"],
+                                  constants["PRE_ROPE"])  # fmt: skip
     out = torch.zeros(kf.G, kf.D, device="cuda")
     args = [a.cuda() if isinstance(a, torch.Tensor) else a
             for a in skeleton_args(q, kc, vc, table, meta, out, n)]  # fmt: skip
-    kf._gluon_loop[(1,)](*args, G=kf.G, D=kf.D, FEATURES=features, PRE_ROPE=pre,
-                         num_warps=kf.WARPS)  # fmt: skip
+    kf._gluon_loop[(1,)](*args, **constants, num_warps=kf.WARPS)
     assert (out.cpu() - expected).abs().max() <= 2e-2 * expected.abs().max()
