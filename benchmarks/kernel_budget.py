@@ -107,11 +107,13 @@ class Variant:
 
 
 def variants(quick: bool) -> list[Variant]:
-    """The quick set (the test's): kvcalib-2 and the full-precision stream at 32/8/128 on sm_90.
-    The sweep: every recipe, shape and key position, contiguous and paged, sm_90 and sm_80."""
+    """The quick set (the test's): kvcalib-2, kvcalib-4 and the full-precision stream at
+    32/8/128 on sm_90. The sweep: every recipe, shape and key position, contiguous and paged,
+    sm_90 and sm_80."""
     if quick:
         return [Variant(90, r, "32/8/128", pre, False, False)
-                for r in ("kvcalib-2", "full-precision") for pre in (True, False)]  # fmt: skip
+                for r in ("kvcalib-2", "kvcalib-4", "full-precision")
+                for pre in (True, False)]  # fmt: skip
     out = []
     for arch in GPUS:
         for shape in SHAPES:

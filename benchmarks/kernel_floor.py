@@ -88,6 +88,7 @@ from kvcalib_runtime.kernels.gluon_layouts import (
     A_OP,
     B_OP,
     FLAT,
+    FOUR_A_THREAD,
     KEY_PAIRS,
     KEY_WORDS,
     KEY_WORDS4,
@@ -101,8 +102,7 @@ from kvcalib_runtime.kernels.gluon_layouts import (
     VALUE_WORDS,
     VALUE_WORDS4,
     VALUES,
-    key_channel,
-    key_channel4,
+    channel_at,
     offsets,
     packed_pairs,
     rope_kept,
@@ -118,7 +118,6 @@ from kvcalib_runtime.layouts import metabyte
 G, D, BN, WARPS = 4, 128, 64, 4
 FORMULATIONS = ("triton", "gluon", "gluon+features", "gluon+features, pre-RoPE", "gluon 4-bit")
 SCALE_BASE = gl.constexpr(metabyte.BASE)  # one-byte value scales (layouts.metabyte)
-FLAT_LOAD = gl.BlockedLayout([4], [32], [4], [0])
 
 
 @triton.jit
@@ -184,7 +183,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
     gl.static_assert(gl.to_linear_layout(B_OP, [4, 16, 8]) == PROBS)
     if BITS == 4:  # the keys' and the values' tables of level pairs, in shared memory
         pairs = gl.allocate_shared_memory(gl.int32, [512], FLAT)
-        pairs.store(gl.load(T + gl.arange(0, 512, layout=FLAT_LOAD)))
+        pairs.store(gl.load(T + gl.arange(0, 512, layout=FOUR_A_THREAD)))
         gl.barrier()
         zero = gl.zeros([128], gl.int32, ONE_A_THREAD)
         k_table, v_table = gl.inline_asm(rows_asm, ("=r", "=r", "r", "r", "r", "r"),
@@ -194,7 +193,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
         lo, hi = _in_registers(T + 4, gl.load(T), gl.load(T + 1))
     # q^T [4, D, 8] as the B operand, K index k read from the channel gluon_ptx.key_asm puts there
     k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
-    chan = key_channel4(k) if BITS == 4 else key_channel(k, PRE_ROPE)
+    chan = channel_at(k, PRE_ROPE, BITS)
     heads = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, B_OP)))
     at_q = offsets(B_OP, 4, D, 8, 0, 0, D) + gl.expand_dims(gl.expand_dims(chan, 0), 2)
     qt = gl.load(Q + at_q, mask=gl.expand_dims(gl.expand_dims(heads < G, 0), 0) & (at_q >= 0),
@@ -218,9 +217,9 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
     if PRE_ROPE:  # keys rotated by R(j), j < 64 in the tile; q by R(start)^T each tile
         # scales of one and offsets of zero: the kernel's arithmetic on kvcalib-2's keys, not
         # its values
-        tables = rope_tables(KSCALE, KOFF, INV_FREQ, D)
+        tables = rope_tables(KSCALE, KOFF, INV_FREQ, D, BITS)
         kq = gl.arange(0, D, layout=gl.SliceLayout(1, Q_ROWS))
-        cq = key_channel(kq, True)
+        cq = channel_at(kq, True, BITS)
         gq = gl.arange(0, 8, layout=gl.SliceLayout(0, Q_ROWS))
         q_live = gl.expand_dims(kq >= 0, 1) & gl.expand_dims(gq < G, 0)
         q_own = gl.load(Q + gl.expand_dims(cq, 1) + gl.expand_dims(gq * D, 0), mask=q_live,
@@ -242,7 +241,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
             q_rot = gl.convert_layout(q_rot.to(gl.float16), gl.SliceLayout(0, B_OP))
             qt = gl.expand_dims(q_rot, 0).broadcast_to([4, D, 8])
             cos_a, sin_a = cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
-            s = rotated_scores(words, lo, hi, tables, qt)
+            s = rotated_scores(words, (lo, hi), tables, qt, BITS)
         elif BITS == 4:  # reads shared memory: not pure
             s = gl.inline_asm(scores_asm, ("=f", "r", "r", "r"), [words, k_table, q_pairs],
                               gl.distributed_type(gl.float32, [4, 16, 8], MMA),
@@ -334,7 +333,7 @@ def measure(name: str) -> dict:
                                    {**ALIGNED, (13,): [["tt.divisibility", 16]]})  # fmt: skip
         options = {"num_warps": WARPS}
         if "pre-RoPE" in name:  # the kernel's launch bound
-            options["maxnreg"] = MAX_REGISTERS[True]
+            options["maxnreg"] = MAX_REGISTERS[True, 2]
     with knobs.compilation.scope():
         knobs.compilation.always_compile = True  # Triton's cache keys miss the layouts' globals
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

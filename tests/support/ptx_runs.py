@@ -106,7 +106,7 @@ def gluon(arch: int, copies_late: bool = False) -> dict:
             self, op, [str(int(ops[0], 0) + 1)] if op[2] == "wait_group" else ops, active
         )
 
-    def skipped(q, ks, vs, k_layout, sinks, inv_freq, part, stats, splits, first, *_):
+    def skipped(q, ks, vs, k_layout, v_layout, sinks, inv_freq, part, stats, splits, first, *_):
         part[:, :, first:] = 0
         stats[:, :, first:, 0] = float("-inf")
         stats[:, :, first:, 1] = 0

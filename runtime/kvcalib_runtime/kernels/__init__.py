@@ -8,9 +8,9 @@
                       metadata, exact slots, RoPE)
     decode_attention  attention of one new token per sequence over the quantized cache;
                       decode_reference is its spec in plain torch
-    decode_gluon      its whole tiles for kvcalib-2's layout at 128 channels a head, in Gluon
-                      (on a GPU; the Triton kernel reads the rest); gluon_layouts its
-                      registers' layouts, gluon_ptx its inline PTX
+    decode_gluon      its whole tiles for kvcalib-2's and -4's layouts at 128 channels a
+                      head, in Gluon (on a GPU; the Triton kernel reads the rest);
+                      gluon_layouts its registers' layouts, gluon_ptx its inline PTX
     paged             the same kernel over vLLM-style pages, read through a block table, and
                       its reference (gather, then decode_attention's)
 

@@ -183,16 +183,18 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
     fold_k = inv_freq is None and k_layout.GRAN in (tiles.STATIC.value, tiles.VECTORS.value)
     fold_v = tiles.foldable(v_layout, D // 2) and v_layout.K == 0
     key = (D, G, inv_freq is not None, q.dtype, k_layout, v_layout, page)
-    # the body's whole tiles by the Gluon kernel (kvcalib-2's layout at 128 channels, on a GPU),
-    # the rest (one tile, the ring, the sinks and the new token) by the Triton kernel's split
+    # the body's whole tiles by the Gluon kernel (kvcalib-2's and -4's layouts at 128
+    # channels, on a GPU), the rest (one tile, the ring, the sinks and the new token) by the
+    # Triton kernel's split
     whole = decode_gluon.applies(k_layout, v_layout, D, G, q.dtype, paged, window)
     whole = whole and decode_gluon.runs_on(q.device)
     if whole and q.device.type == "cuda" and (key, "gluon") not in config.RESIDENT:
         # its programs an SM, read off its compile before its first grid (a CUDA graph
         # captured at the first step keeps that grid)
         scratch = torch.empty(1, device=q.device, dtype=torch.float32)
-        body = decode_gluon.launch(q, k_buffers, v_buffers, k_layout, sink_buffers, inv_freq,
-                                   scratch, scratch, 1, 0, 1.0, positions, warmup=True)  # fmt: skip
+        body = decode_gluon.launch(q, k_buffers, v_buffers, k_layout, v_layout, sink_buffers,
+                                   inv_freq, scratch, scratch, 1, 0, 1.0, positions,
+                                   warmup=True)  # fmt: skip
         config.RESIDENT[key, "gluon"] = config.resident(
             body.n_regs, decode_gluon.WARPS, body.metadata.shared, config.shared_per_sm(q.device)
         )
@@ -207,8 +209,9 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
         part = torch.empty(B, H, splits + body_splits, D, device=q.device, dtype=torch.float32)
         stats = torch.empty(B, H, splits + body_splits, 2, device=q.device, dtype=torch.float32)
         if whole:
-            decode_gluon.launch(q, k_buffers, v_buffers, k_layout, sink_buffers, inv_freq, part,
-                                stats, body_splits, splits, D**-0.5 * LOG2E, positions)  # fmt: skip
+            decode_gluon.launch(q, k_buffers, v_buffers, k_layout, v_layout, sink_buffers,
+                                inv_freq, part, stats, body_splits, splits, D**-0.5 * LOG2E,
+                                positions)  # fmt: skip
         # fmt: off
         kernel = _decode_split_kernel[(B, hkv, splits)](
             q, k_new, v_new, sink_buffers,

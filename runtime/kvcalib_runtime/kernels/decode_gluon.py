@@ -1,7 +1,8 @@
-"""The decode kernel's whole tiles in Gluon, for kvcalib-2's layout at 128 channels a head: the
-body's 64-position tiles that both bodies hold (`_body_kernel`), beside the Triton kernel
-(kernels.decode_kernel), which then reads only what follows them (the last partial tile, the
-residual ring, the sink slots and the new token); the combine merges both kernels' splits.
+"""The decode kernel's whole tiles in Gluon, for kvcalib-2's and kvcalib-4's layouts at 128
+channels a head: the body's 64-position tiles that both bodies hold (`_body_kernel`), beside
+the Triton kernel (kernels.decode_kernel), which then reads only what follows them (the last
+partial tile, the residual ring, the sink slots and the new token); the combine merges both
+kernels' splits.
 
 Why Gluon: Triton moves each decoded tile to the tensor cores' operand layout through shared
 memory and repacks the 16-bit table outputs every tile, ~29 warp-instructions a position before
@@ -28,21 +29,31 @@ loop, and those 64 registers free); q is rotated once a tile.
 The pipeline: every per-position stream reaches shared memory by cp.async while the tile before
 is computed, the codes 16 bytes a thread of each stream, the five one-byte streams (slot index
 and delta, value scale and zero point, sink flag) 4 bytes a thread (`_meta_copy`), then read
-from there (the codes in their operands' layouts, the bytes by address: `_shared_byte`). The
+from there (the codes in their operands' layouts, the bytes by address: `_shared_at`). The
 codes' buffers are a ring of two after RoPE (one barrier a tile); before it one buffer (the
 tables leave room for no more at 4 programs an SM), read at the tile's start, a second barrier
 before the next copy. Offsets that stay per position reach their pointers zero-extended
 (`_unsigned`), so that ptxas need not hold 64-bit addresses across the loop; the launch is
-bounded to 128 registers before RoPE, 96 after (`MAX_REGISTERS`).
+bounded to 128 registers before RoPE, 96 after (`MAX_REGISTERS`; at 4 bits 168 and 128).
 
-What it reads (`applies`): keys "static" (per-channel scale and offset) with a 2-bit codebook
-and one exact slot per row whose delta is an E4M3 byte in steps of the channel's scale, before
-or after RoPE; values "token" (one group a row), 2-bit uniform, asymmetric, with a one-byte
-scale and zero point (layouts.metabyte); fp16, G <= 8 query heads a KV head, contiguous bodies
+What it reads (`applies`, `READS`): kvcalib-2's layout, keys "static" (per-channel scale and
+offset) with a 2-bit codebook and one exact slot per row whose delta is an E4M3 byte in steps
+of the channel's scale, before or after RoPE; values "token" (one group a row), 2-bit uniform,
+asymmetric, with a one-byte scale and zero point (layouts.metabyte). Or kvcalib-4's (BITS 4):
+keys the same with a 4-bit codebook and an fp16 delta; values a 4-bit symmetric codebook with
+an fp16 scale a row. Both fp16, G <= 8 query heads a KV head, contiguous bodies
 (`copied_strides`), no sliding window. The slot's score is q . R(p) (delta s_c e_c) from a
-per-program table of q_c s_c and its RoPE partner's (global scratch, written at the program's
-start: the loop's one load from global memory that is not a copy, a gather by the slot's
-index), its angle by the SFU.
+per-program table of q_c s_c (q_c: fp16 deltas are not in steps) and its RoPE partner's
+(global scratch, written at the program's start: the loop's one load from global memory that
+is not a copy, a gather by the slot's index), its angle by the SFU.
+
+At 4 bits a byte of codes (two channels) indexes a table of level pairs in shared memory (256
+words a codebook, built once a program: `_pair_tables`; gluon_ptx's `_pair_key_decode`), three
+instructions a register; a value register pairs two positions' codes of a channel, put in one
+byte first. Each position's codes are 16 words (KEY_WORDS4, KEY_PAIRS4, VALUE_WORDS4, two
+16-byte copies a thread a stream), the slot deltas and value scales two-byte streams of 33
+words (`_meta_copy`). The table's loads fall at random among shared memory's 32 banks: the
+instruction count does not see their conflicts.
 
 Gluon's API moves between Triton releases: `available()` holds it to the one it is written
 for, and the decode launcher uses the Triton kernel alone elsewhere. No interpreter runs Gluon:
@@ -59,11 +70,14 @@ from kvcalib_runtime.layouts import Kind, metabyte
 TRITON = "3.9.0"  # the Gluon this module is written for
 BLOCK_N = 64  # positions a tile: 4 warps of 16
 WARPS = 4
-# Registers a thread, bounded so that an SM holds 4 programs (16 warps) with keys before RoPE
-# and 5 (20) after (CUDA's __launch_bounds__(128, n)): unbounded, ptxas takes 130 and 112,
-# which leave 3 and 4; bounded, neither spills and each issues about as many instructions
-# (benchmarks/kernel_budget).
-MAX_REGISTERS = {True: 128, False: 96}  # keys pre-RoPE?
+# Registers a thread (CUDA's __launch_bounds__(128, n)), by (keys pre-RoPE?, code bits). At 2
+# bits, bounded so that an SM holds 4 programs (16 warps) with keys before RoPE and 5 (20)
+# after: unbounded, ptxas takes 130 and 112, which leave 3 and 4; bounded, neither spills and
+# each issues about as many instructions. At 4 bits, as many as the programs an SM holds
+# allow without a spill: before RoPE its shared memory holds 3 (63.5 KB each on an H100),
+# whose 168 registers spill nothing (128 spilled 40 bytes, read in the loop); after RoPE 128
+# (4 programs; 96 spilled 40 bytes) (benchmarks/kernel_budget).
+MAX_REGISTERS = {(True, 2): 128, (False, 2): 96, (True, 4): 168, (False, 4): 128}
 
 
 def available() -> bool:
@@ -80,9 +94,13 @@ if available():
         A_OP,
         B_OP,
         COPY,
+        COPY4,
         FLAT,
+        FOUR_A_THREAD,
         KEY_PAIRS,
+        KEY_PAIRS4,
         KEY_WORDS,
+        KEY_WORDS4,
         KEYS,
         MMA,
         ONE_A_THREAD,
@@ -92,8 +110,9 @@ if available():
         SCORES,
         TILE,
         VALUE_WORDS,
+        VALUE_WORDS4,
         VALUES,
-        key_channel,
+        channel_at,
         offsets,
         packed_pairs,
         rope_kept,
@@ -103,46 +122,73 @@ if available():
         value_channel,
         value_unit,
     )
-    from kvcalib_runtime.kernels.gluon_ptx import byte_asm, rows_asm, scores_asm, values_asm
+    from kvcalib_runtime.kernels.gluon_ptx import rows_asm, scores_asm, shared_asm, values_asm
 
     SCALE_BASE = gl.constexpr(metabyte.BASE)
     ZERO_STEP = gl.constexpr(3.0 / metabyte.ZERO_STEPS)  # 2-bit uniform: SPAN 3 (tiles.zero_decode)
 
+    @gluon.constexpr_function
+    def _meta_starts(WIDE):
+        """The words of `_meta_copy`'s buffer where its five streams start (and where they
+        end): 17 words a one-byte stream, 33 a two-byte one (none for the zero points at 4
+        bits)."""
+        words = (17, 33, 33, 0, 17) if WIDE else (17, 17, 17, 17, 17)
+        return [sum(words[:s]) for s in range(6)]
+
     @gluon.jit
-    def _meta_copy(KIDX, KDEL, VSCALE, VZERO, SINK, head_at, sink_at, mbuf, tile):
-        """The copy of a tile's per-position bytes: its slot indices, slot deltas, value scales
-        and zero points (bytes head_at + p of each: one offset, `copied_strides`) and sink flags
-        (sink_at + p), 64 a stream. cp.async copies 4 bytes at least, and a row of one byte a
-        slot starts anywhere in a word: each stream is copied as the 17 words from the one
-        holding its first byte (85 threads, one word each; the 17th only where that byte is
-        not a word's first, so that every word read holds a byte of its tensor), stream s at
-        bytes 68 s .. 68 s + 67 of a buffer of `mbuf`'s ring, its first byte `lead` bytes in.
-        Returns (each thread's source word at position 0 and whether it copies, as async_load
-        takes them; the shared addresses of tile positions `tile` [4, 16] of the first stream
-        and of the sink flags in buffer 0: `_shared_byte` reads the others 68 bytes apart)."""
+    def _meta_copy(KIDX, KDEL, VSCALE, VZERO, SINK, head_at, sink_at, mbuf, tile,
+                   WIDE: gl.constexpr):  # fmt: skip
+        """The copy of a tile's per-position streams: its slot indices, slot deltas, value
+        scales and zero points (elements head_at + p of each: one offset, `copied_strides`)
+        and sink flags (sink_at + p), 64 a stream; one byte each, or WIDE (4 bits: the deltas
+        and scales fp16, no zero points). cp.async copies 4 bytes at least, and a row of one
+        byte a slot starts anywhere in a word (of two bytes, at either half): each stream is
+        copied as the 17 (33) words from the one holding its first byte, one word a thread (the
+        last only where that byte is not a word's first, so that every word read holds a byte
+        of its tensor), stream s from word `_meta_starts(WIDE)[s]` of a buffer of `mbuf`'s
+        ring, its first byte `lead` bytes in. Returns (each thread's source word at position 0,
+        whether it copies, as async_load takes them, and its stream's bytes a position; the
+        shared addresses, in buffer 0, of
+        tile positions `tile` [4, 16] of the one-byte per-head streams, of the two-byte ones
+        (less their start) and of the sink flags: `_shared_at` reads them)."""
+        STARTS: gl.constexpr = _meta_starts(WIDE)
         e = gl.arange(0, 128, layout=ONE_A_THREAD)
-        stream, word = e // 17, e % 17
+        stream = ((e >= STARTS[1]).to(gl.int32) + (e >= STARTS[2]).to(gl.int32)
+                  + (e >= STARTS[3]).to(gl.int32) + (e >= STARTS[4]).to(gl.int32))  # fmt: skip
+        word = e - gl.where(stream == 0, 0, gl.where(stream == 1, STARTS[1], gl.where(
+            stream == 2, STARTS[2], gl.where(stream == 3, STARTS[3], STARTS[4]))))  # fmt: skip
+        WIDTH: gl.constexpr = 2 if WIDE else 1  # of the slot deltas and value scales
+        width = gl.where((stream == 1) | (stream == 2), WIDTH, 1)
         shift = (head_at & 3).to(gl.int32)
+        half_shift = ((2 * head_at) & 3).to(gl.int32)
         sink_shift = (sink_at & 3).to(gl.int32)
-        lead = gl.where(stream == 4, sink_shift, shift)
+        lead = gl.where(stream == 4, sink_shift, gl.where(width == 2, half_shift, shift))
         i8: gl.constexpr = gl.pointer_type(gl.int8)
         per_head = gl.where(stream == 0, KIDX.to(i8, bitcast=True),
                             gl.where(stream == 1, KDEL.to(i8, bitcast=True),
                                      gl.where(stream == 2, VSCALE.to(i8, bitcast=True),
                                               VZERO.to(i8, bitcast=True))))  # fmt: skip
-        at = gl.where(stream == 4, SINK.to(i8, bitcast=True) + sink_at, per_head + head_at)
+        at = gl.where(stream == 4, SINK.to(i8, bitcast=True) + sink_at,
+                      per_head + head_at * width)  # fmt: skip
         at = (at + (4 * word - lead)).to(gl.pointer_type(gl.int32), bitcast=True)
-        live = (stream < 5) & ((word < 16) | (lead > 0))
-        heads, sinks = gl.inline_asm(rows_asm, ("=r", "=r", "r", "r", "r", "r"),
-                                     [mbuf, mbuf, tile + shift, tile + 272 + sink_shift],
-                                     [tile.type] * 2, is_pure=False)  # fmt: skip
-        return at, live, heads, sinks
+        live = (stream < 5) & ((word < 16 * width) | (lead > 0))
+        heads, halves, sinks = gl.inline_asm(
+            rows_asm, ("=r", "=r", "=r", "r", "r", "r", "r", "r", "r"),
+            [mbuf, mbuf, mbuf, tile + shift, 2 * tile + half_shift,
+             tile + 4 * STARTS[4] + sink_shift], [tile.type] * 3, is_pure=False,
+        )  # fmt: skip
+        return at, live, width, heads, halves, sinks
 
     @gluon.jit
-    def _shared_byte(at, OFFSET: gl.constexpr):
-        """The byte at shared address at + OFFSET, zero-extended (the address is one that
-        Gluon's allocator does not see: `_meta_copy`'s)."""
-        return gl.inline_asm_elementwise(byte_asm(OFFSET), "=r,r", [at], dtype=gl.int32,
+    def _meta_source(at, width, start, WIDE: gl.constexpr):
+        """`_meta_copy`'s source words for the tile at `start` (a multiple of 64)."""
+        return at + (start // 4) * width if WIDE else at + start // 4
+
+    @gluon.jit
+    def _shared_at(at, OFFSET: gl.constexpr, BITS: gl.constexpr):
+        """The BITS-bit unsigned integer (8 or 16) at shared address at + OFFSET, zero-extended
+        (the address is one that Gluon's allocator does not see: `_meta_copy`'s)."""
+        return gl.inline_asm_elementwise(shared_asm(OFFSET, BITS), "=r,r", [at], dtype=gl.int32,
                                          is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
@@ -176,34 +222,57 @@ if available():
         b = gl.load(LEVELS + first + 1).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32)
         return (a & 0xFFFF) | (b << 16)
 
+    @gluon.jit
+    def _pair_tables(KLEV, VLEV):
+        """The keys' and the values' tables of level pairs (4 bits, gluon_ptx's
+        `_pair_key_decode`) in shared memory, from their codebook rows KLEV, VLEV (16 fp32):
+        entry x of each the fp16 levels of codes x % 16 and x // 16. Returns the buffer (to keep
+        it allocated: the loop reads it by address) and each table's shared address."""
+        x = gl.arange(0, 512, layout=FOUR_A_THREAD)
+        row = gl.where(x < 256, KLEV, VLEV)
+        lo = gl.load(row + x % 16).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32)
+        hi = gl.load(row + (x // 16) % 16).to(gl.float16).to(gl.int16, bitcast=True)
+        pairs = gl.allocate_shared_memory(gl.int32, [512], FLAT)
+        pairs.store((lo & 0xFFFF) | (hi.to(gl.int32) << 16))
+        zero = gl.zeros([128], gl.int32, ONE_A_THREAD)
+        k_table, v_table = gl.inline_asm(rows_asm, ("=r", "=r", "r", "r", "r", "r"),
+                                         [pairs, pairs, zero, zero + 1024], [zero.type] * 2,
+                                         is_pure=False)  # fmt: skip
+        return pairs, k_table, v_table
+
     # fmt: off
     @gluon.jit(do_not_specialize=["num_splits", "first_split", "split_rows"])  # `launch`'s warmup
     def _body_kernel(
         Q, INV_FREQ, SINK, TABLE, PART, STATS,
         KC, KSCALE, KOFF, KLEV, KIDX, KDEL, NBK,   # keys: words, static scale and offset,
-        VC, VSCALE, VZERO, NBV,                    # codebook, slot index and delta, body sizes
-        kc_b, kc_h, vc_b, vc_h,   # code rows (8 words) a sequence, a head
-        m_b, m_h,                 # metadata bytes a sequence, a head (one a slot)
+        VC, VSCALE, VZERO, VLEV, NBV,              # codebook, slot index and delta, body sizes
+        kc_b, kc_h, vc_b, vc_h,   # code rows (D BITS / 32 words) a sequence, a head
+        m_b, m_h,                 # metadata elements a sequence, a head (one a slot)
         num_kv, positions, num_splits, first_split, split_rows, sm_scale,
-        G: gl.constexpr, D: gl.constexpr, BOOK: gl.constexpr, PRE_ROPE: gl.constexpr,
-        BLOCK_N: gl.constexpr,
+        G: gl.constexpr, D: gl.constexpr, BITS: gl.constexpr, BOOK: gl.constexpr,
+        VBOOK: gl.constexpr, PRE_ROPE: gl.constexpr, BLOCK_N: gl.constexpr,
     ):
         # fmt: on
         """Program (b, KV head hk, split): the split-th chunk of the 64-position tiles that
         both bodies of sequence b hold, for query heads hk * G .. hk * G + G - 1, written as
         split first_split + split of PART / STATS (split_rows a head), as the Triton kernel
-        writes its own. Sinks are masked (their exact copies are the Triton kernel's)."""
+        writes its own. Sinks are masked (their exact copies are the Triton kernel's). BITS:
+        kvcalib-2's layout (2) or kvcalib-4's (4: the module docstring)."""
         gl.static_assert(D == 128 and BLOCK_N == 64)  # the layouts' shapes
+        gl.static_assert(BITS == 2 or BITS == 4)
         gl.static_assert(gl.to_linear_layout(A_OP, [4, 16, D]) == KEYS)
         gl.static_assert(gl.to_linear_layout(A_OP, [4, D, 16]) == VALUES)
         gl.static_assert(gl.to_linear_layout(B_OP, [4, D, 8]) == QUERY)
         gl.static_assert(gl.to_linear_layout(MMA, [4, 16, 8]) == SCORES)
         gl.static_assert(gl.to_linear_layout(B_OP, [4, 16, 8]) == PROBS)
         BN: gl.constexpr = BLOCK_N
+        WIDE: gl.constexpr = BITS == 4  # fp16 slot deltas and value scales, codebook values
+        WORDS: gl.constexpr = D * BITS // 32  # a position's code words
         # the codes' ring: before RoPE one buffer (4 programs of the tables' 48 KB and it fill
         # an H100's 228 KB; the tile's codes are read before the next copy), after it two
         STAGES: gl.constexpr = 1 if PRE_ROPE else 2
         SLOT_TABLE: gl.constexpr = (2 * D + 1) * 8
+        STARTS: gl.constexpr = _meta_starts(WIDE)
         C: gl.constexpr = D // 2
         b, hk, split = gl.program_id(0), gl.program_id(1), gl.program_id(2)
         kv = b.to(gl.int64) * num_kv + hk
@@ -211,7 +280,8 @@ if available():
         chunk = gl.cdiv(gl.cdiv(whole, num_splits), BN) * BN
         lo = split * chunk
         hi = gl.minimum(lo + chunk, whole)
-        # the slot table, [2 D + 1, 8] per program: q_c s_c, the RoPE partner's +- q s_c, q . o
+        # the slot table, [2 D + 1, 8] per program: q_c s_c (q_c where the slot's delta is
+        # exact, 4 bits), the RoPE partner's +- q s_c, q . o
         gq = gl.arange(0, 8, layout=gl.SliceLayout(0, Q_ROWS))
         cq = gl.arange(0, D, layout=gl.SliceLayout(1, Q_ROWS))
         q_live = gl.expand_dims(cq >= 0, 1) & gl.expand_dims(gq < G, 0)
@@ -220,19 +290,26 @@ if available():
         t_pair = gl.load(q_at + gl.expand_dims((cq + C) % D, 1), mask=q_live,
                          other=0.0).to(gl.float32)  # fmt: skip
         t_pair = t_pair * gl.expand_dims(gl.where(cq < C, 1.0, -1.0), 1)
-        s_q = gl.expand_dims(gl.load(KSCALE + hk * D + cq).to(gl.float32), 1)
         o_q = gl.expand_dims(gl.load(KOFF + hk * D + cq).to(gl.float32), 1)
         table = TABLE + (kv * gl.num_programs(2) + split) * (SLOT_TABLE + 2 * 128)
-        rows = gl.expand_dims(cq * 8, 1) + gl.expand_dims(gq, 0)
-        gl.store(table + rows, t_own * s_q)
-        gl.store(table + D * 8 + rows, t_pair * s_q)
         gl.store(table + 2 * D * 8 + gq, gl.sum(t_own * o_q, axis=0))
-        levels = KLEV + hk * BOOK
-        k_lo, k_hi = _in_registers(table + SLOT_TABLE, _table_word(levels, 0),
-                                   _table_word(levels, 2))
+        if not WIDE:  # E4M3 deltas in steps of the channel's scale
+            s_q = gl.expand_dims(gl.load(KSCALE + hk * D + cq).to(gl.float32), 1)
+            t_own, t_pair = t_own * s_q, t_pair * s_q
+        rows = gl.expand_dims(cq * 8, 1) + gl.expand_dims(gq, 0)
+        gl.store(table + rows, t_own)
+        gl.store(table + D * 8 + rows, t_pair)
+        if WIDE:
+            pairs, k_table, v_table = _pair_tables(KLEV + hk * BOOK, VLEV + hk * VBOOK)
+            keys = (k_table, k_table)
+            gl.barrier()  # the tables and the slot table written
+        else:
+            levels = KLEV + hk * BOOK
+            keys = _in_registers(table + SLOT_TABLE, _table_word(levels, 0),
+                                 _table_word(levels, 2))  # fmt: skip
         # q^T [4, D, 8] as the B operand, K index k read from the channel key_asm puts there
         k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
-        chan = key_channel(k, PRE_ROPE)
+        chan = channel_at(k, PRE_ROPE, BITS)
         heads = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, B_OP)))
         at_q = offsets(B_OP, 4, D, 8, 0, 0, D) + gl.expand_dims(gl.expand_dims(chan, 0), 2)
         head_live = gl.expand_dims(gl.expand_dims(heads < G, 0), 0) & (at_q >= 0)
@@ -245,23 +322,25 @@ if available():
         warp = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
         pos = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
         at = gl.expand_dims(warp * 16, 1) + gl.expand_dims(pos, 0)  # [4, 16] in the tile
-        # the pipeline: each tile's codes (a thread 16 bytes of each stream) and bytes copied
-        # while the tile before it is computed; the codes' buffers a ring of STAGES, the
-        # bytes' a ring of 2 (read late in the tile)
-        kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 16, 8], TILE)
-        vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 16, 8], TILE)
+        # the pipeline: each tile's codes (a thread 16 bytes a piece of each stream) and
+        # metadata copied while the tile before it is computed; the codes' buffers a ring of
+        # STAGES, the metadata's a ring of 2 (read late in the tile)
+        kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 16, WORDS], TILE)
+        vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 16, WORDS], TILE)
         mbuf = gl.allocate_shared_memory(gl.int32, [2, 128], FLAT)
-        piece = offsets(COPY, 4, 16, 8, 128, 8, 1)  # a thread's 16 bytes of a tile's codes
-        k_at = KC + (b.to(gl.int64) * kc_b + hk * kc_h) * 8 + piece
-        v_at = VC + (b.to(gl.int64) * vc_b + hk * vc_h) * 8 + piece
-        m_at, m_live, meta, sink_meta = _meta_copy(KIDX, KDEL, VSCALE, VZERO, SINK,
-                                                   b.to(gl.int64) * m_b + hk * m_h,
-                                                   b.to(gl.int64) * positions, mbuf,
-                                                   at)  # fmt: skip
+        # a thread's 16-byte pieces of a tile's codes
+        piece = offsets(COPY4 if WIDE else COPY, 4, 16, WORDS, 16 * WORDS, WORDS, 1)
+        k_at = KC + (b.to(gl.int64) * kc_b + hk * kc_h) * WORDS + piece
+        v_at = VC + (b.to(gl.int64) * vc_b + hk * vc_h) * WORDS + piece
+        m_at, m_live, m_width, meta, m_halves, sink_meta = _meta_copy(
+            KIDX, KDEL, VSCALE, VZERO, SINK, b.to(gl.int64) * m_b + hk * m_h,
+            b.to(gl.int64) * positions, mbuf, at, WIDE,
+        )  # fmt: skip
         if lo < hi:
-            async_copy.async_load(kbuf.index(0), k_at + lo * 8)
-            async_copy.async_load(vbuf.index(0), v_at + lo * 8)
-            async_copy.async_load(mbuf.index(0), m_at + lo // 4, mask=m_live)
+            async_copy.async_load(kbuf.index(0), k_at + lo * WORDS)
+            async_copy.async_load(vbuf.index(0), v_at + lo * WORDS)
+            async_copy.async_load(mbuf.index(0), _meta_source(m_at, m_width, lo, WIDE),
+                                  mask=m_live)  # fmt: skip
             async_copy.commit_group()
         ring = 0
         slot_heads = gl.expand_dims(
@@ -269,15 +348,16 @@ if available():
             0)  # fmt: skip
         q_off = gl.load(table + 2 * D * 8 + slot_heads)
         if PRE_ROPE:  # keys x s + o, rotated by R(j) (j < 64 in the tile); q by R(start)^T
-            tables = rope_tables(KSCALE + hk * D, KOFF + hk * D, INV_FREQ, D)
+            tables = rope_tables(KSCALE + hk * D, KOFF + hk * D, INV_FREQ, D, BITS)
+            q_chan = channel_at(cq, True, BITS)
             q_own = gl.load(Q + (kv * G) * D + gl.expand_dims(gq * D, 0)
-                            + gl.expand_dims(key_channel(cq, True), 1), mask=q_live,
+                            + gl.expand_dims(q_chan, 1), mask=q_live,
                             other=0.0).to(gl.float32)  # fmt: skip
             q_pair = gl.load(Q + (kv * G) * D + gl.expand_dims(gq * D, 0)
-                             + gl.expand_dims((key_channel(cq, True) + C) % D, 1),
+                             + gl.expand_dims((q_chan + C) % D, 1),
                              mask=q_live, other=0.0).to(gl.float32)  # fmt: skip
-            q_pair = q_pair * gl.expand_dims(gl.where(key_channel(cq, True) < C, 1.0, -1.0), 1)
-            fq = gl.load(INV_FREQ + key_channel(cq, True) % C)
+            q_pair = q_pair * gl.expand_dims(gl.where(q_chan < C, 1.0, -1.0), 1)
+            fq = gl.load(INV_FREQ + q_chan % C)
             cos_a, sin_a = trig(lo.to(gl.float32) * fq)
             cos_b, sin_b = trig(fq * BN)
         m_i = gl.full([4, 8], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
@@ -288,34 +368,47 @@ if available():
             async_copy.wait_group(0)  # this tile's copies landed, and (the barrier) every
             gl.barrier()  # warp's: the buffers of the tile before are free
             k_tile, v_tile = kbuf.index(ring * (STAGES - 1)), vbuf.index(ring * (STAGES - 1))
-            words = k_tile.load(KEY_PAIRS if PRE_ROPE else KEY_WORDS)
+            if WIDE:
+                words = k_tile.load(KEY_PAIRS4 if PRE_ROPE else KEY_WORDS4)
+            else:
+                words = k_tile.load(KEY_PAIRS if PRE_ROPE else KEY_WORDS)
             if STAGES == 1:  # read before the next tile's copy overwrites them
-                vw = v_tile.load(VALUE_WORDS)
+                vw = v_tile.load(VALUE_WORDS4 if WIDE else VALUE_WORDS)
                 gl.barrier()
             ahead = gl.minimum(start + BN, hi - BN)  # past the last tile: the last again
             next_k = kbuf.index((1 - ring) * (STAGES - 1))
-            async_copy.async_load(next_k, k_at + ahead * 8)  # budget: steady loop
-            async_copy.async_load(vbuf.index((1 - ring) * (STAGES - 1)), v_at + ahead * 8)
-            async_copy.async_load(mbuf.index(1 - ring), m_at + ahead // 4, mask=m_live)
+            async_copy.async_load(next_k, k_at + ahead * WORDS)  # budget: steady loop
+            async_copy.async_load(vbuf.index((1 - ring) * (STAGES - 1)), v_at + ahead * WORDS)
+            async_copy.async_load(mbuf.index(1 - ring), _meta_source(m_at, m_width, ahead, WIDE),
+                                  mask=m_live)  # fmt: skip
             async_copy.commit_group()
             tile_meta, tile_sink = meta + ring * 512, sink_meta + ring * 512
+            tile_halves = m_halves + ring * 512
             ring = 1 - ring
             if PRE_ROPE:
                 q_rot = q_own * gl.expand_dims(cos_a, 1) + q_pair * gl.expand_dims(sin_a, 1)
                 q_rot = gl.convert_layout(q_rot.to(gl.float16), gl.SliceLayout(0, B_OP))
                 qt = gl.expand_dims(q_rot, 0).broadcast_to([4, D, 8])
                 cos_a, sin_a = cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
-                s = rotated_scores(words, k_lo, k_hi, tables, qt)
+                s = rotated_scores(words, keys, tables, qt, BITS)
+            elif WIDE:  # reads the table of level pairs: not pure
+                s = gl.inline_asm(scores_asm, ("=f", "r", "r", "r"), [words, k_table, q_pairs],
+                                  gl.distributed_type(gl.float32, [4, 16, 8], MMA),
+                                  is_pure=False)  # fmt: skip
             else:
                 s = gl.inline_asm(scores_asm, ("=f", "r", "r", "r", "r"),
-                                  [words, k_lo, k_hi, q_pairs],
+                                  [words, keys[0], keys[1], q_pairs],
                                   gl.distributed_type(gl.float32, [4, 16, 8], MMA),
                                   is_pure=True)  # fmt: skip
             p_at = start + at
-            index = _shared_byte(tile_meta, 0)
-            code = _shared_byte(tile_meta, 68)
-            half = (((code & 0x7F) << 7) | ((code & 0x80) << 8)).to(gl.int16)
-            delta = half.to(gl.float16, bitcast=True).to(gl.float32) * 256.0  # tiles.fp8_decode
+            index = _shared_at(tile_meta, 0, 8)
+            if WIDE:  # fp16, exact
+                delta = _shared_at(tile_halves, 4 * STARTS[1], 16).to(gl.int16)
+                delta = delta.to(gl.float16, bitcast=True).to(gl.float32)
+            else:  # tiles.fp8_decode
+                code = _shared_at(tile_meta, 4 * STARTS[1], 8)
+                half = (((code & 0x7F) << 7) | ((code & 0x80) << 8)).to(gl.int16)
+                delta = half.to(gl.float16, bitcast=True).to(gl.float32) * 256.0
             slot = gl.load(table + _unsigned(gl.expand_dims(index * 8, 2) + slot_heads))  # q_c s_c
             if PRE_ROPE:  # q . R(p) (delta s_c e_c): q_c cos + q_pair sin (sign in the table)
                 pair = gl.load(table + D * 8 + _unsigned(gl.expand_dims(index * 8, 2) + slot_heads))
@@ -324,26 +417,39 @@ if available():
             else:
                 s += q_off
             s = (s + slot * gl.expand_dims(delta, 2)) * sm_scale
-            s = gl.where(gl.expand_dims(_shared_byte(tile_sink, 0) == 0, 2), s,
+            s = gl.where(gl.expand_dims(_shared_at(tile_sink, 0, 8) == 0, 2), s,
                          float("-inf"))  # fmt: skip
-            w = ((_shared_byte(tile_meta, 136) + SCALE_BASE) << 20).to(gl.float32, bitcast=True)
-            v_off = -(_shared_byte(tile_meta, 204).to(gl.float32) * ZERO_STEP) * w
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: zeros
             p = gl.exp2(s - gl.expand_dims(m_use, 1))
             alpha = gl.expand_dims(gl.exp2(m_i - m_use), 1)
             l_w = l_w * alpha + p
-            o_w = o_w * alpha + p * gl.expand_dims(v_off, 2)
+            if WIDE:  # symmetric codebook values: scale x level
+                w = _shared_at(tile_halves, 4 * STARTS[2], 16).to(gl.int16)
+                w = w.to(gl.float16, bitcast=True).to(gl.float32)
+            else:  # uniform: one-byte scale and zero point (layouts.metabyte)
+                w = ((_shared_at(tile_meta, 4 * STARTS[2], 8) + SCALE_BASE) << 20).to(
+                    gl.float32, bitcast=True)  # fmt: skip
+                v_off = -(_shared_at(tile_meta, 4 * STARTS[3], 8).to(gl.float32) * ZERO_STEP) * w
+                o_w = o_w * alpha + p * gl.expand_dims(v_off, 2)
             pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
             if STAGES == 2:
-                vw = v_tile.load(VALUE_WORDS)
-            acc = gl.inline_asm(values_asm, ("=f", "r", "h", "f"), [vw, pw, acc * alpha],
-                                gl.distributed_type(gl.float32, [4, D, 8], MMA),
-                                is_pure=True)  # fmt: skip
+                vw = v_tile.load(VALUE_WORDS4 if WIDE else VALUE_WORDS)
+            if WIDE:
+                acc = gl.inline_asm(values_asm, ("=f", "r", "r", "h", "f"),
+                                    [vw, v_table, pw, acc * alpha],
+                                    gl.distributed_type(gl.float32, [4, D, 8], MMA),
+                                    is_pure=False)  # fmt: skip
+            else:
+                acc = gl.inline_asm(values_asm, ("=f", "r", "h", "f"), [vw, pw, acc * alpha],
+                                    gl.distributed_type(gl.float32, [4, D, 8], MMA),
+                                    is_pure=True)  # fmt: skip
             m_i = m_new
         async_copy.wait_group(0)  # the last tile's copy again: landed before the memory is reused
         if PRE_ROPE:
             rope_kept(tables)
+        if WIDE:  # the tables of level pairs, read by address: kept allocated (`rope_kept`)
+            gl.inline_asm("", ("r",), [pairs], [], is_pure=False)
         # the warps' splits merged at their largest max (-inf where nothing was read)
         m_all = gl.max(m_i, axis=0)
         scale = gl.exp2(m_i - gl.expand_dims(gl.where(m_all == float("-inf"), 0.0, m_all), 0))
@@ -351,8 +457,9 @@ if available():
         total = gl.convert_layout(gl.sum(gl.sum(l_w, axis=1) * scale, axis=0), COLS)
         offset = gl.convert_layout(gl.sum(gl.sum(o_w, axis=1) * scale, axis=0), COLS)
         row = gl.arange(0, D, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA)))
-        out = gl.sum(acc * gl.expand_dims(scale, 1), axis=0) * gl.expand_dims(value_unit(row), 1)
-        out += gl.expand_dims(offset, 0)
+        out = gl.sum(acc * gl.expand_dims(scale, 1), axis=0)
+        if not WIDE:  # the rows' powers of two (`value_unit`), the zero points' term
+            out = out * gl.expand_dims(value_unit(row), 1) + gl.expand_dims(offset, 0)
         head = gl.arange(0, 8, layout=COLS)
         line = (kv * G + head) * split_rows + first_split + split  # [8] rows of PART / STATS
         gl.store(PART + gl.expand_dims(line * D, 0) + gl.expand_dims(value_channel(row), 1), out,
@@ -367,44 +474,56 @@ def runs_on(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+# What `_body_kernel` reads, by code width: the fields of the keys' and the values'
+# StreamLayout (kvcalib-2's layout at 2 bits, kvcalib-4's at 4; both words of codes, no ring)
+READS = {
+    2: (dict(GRAN=int(Kind.STATIC), CB=True, SYM=False, K=1, FP8=True),
+        dict(GRAN=int(Kind.TOKEN), CB=False, SYM=False, K=0, BYTE=True)),
+    4: (dict(GRAN=int(Kind.STATIC), CB=True, SYM=False, K=1, FP8=False),
+        dict(GRAN=int(Kind.TOKEN), CB=True, SYM=True, K=0, BYTE=False)),
+}  # fmt: skip
+
+
 def applies(k_layout, v_layout, head_dim: int, group: int, dtype, paged: bool, window) -> bool:
-    """Whether `_body_kernel` reads these streams (the module docstring's layout)."""
-    keys = (k_layout.BITS == 2 and int(Kind.STATIC) == k_layout.GRAN and k_layout.CB
-            and not k_layout.SYM and k_layout.K == 1 and k_layout.FP8 and k_layout.UNIT == 32
-            and not k_layout.RING)  # fmt: skip
-    values = (v_layout.BITS == 2 and int(Kind.TOKEN) == v_layout.GRAN and not v_layout.CB
-              and not v_layout.SYM and v_layout.K == 0 and v_layout.BYTE
-              and head_dim == v_layout.GROUP and v_layout.UNIT == 32
-              and not v_layout.RING)  # fmt: skip
-    return (available() and keys and values and head_dim == 128 and group <= 8
+    """Whether `_body_kernel` reads these streams (`READS`; the module docstring's layouts)."""
+    if k_layout.BITS not in READS or v_layout.BITS != k_layout.BITS:
+        return False
+    wanted = READS[k_layout.BITS]
+    read = all(
+        all(getattr(layout, name) == value for name, value in fields.items())
+        and layout.UNIT == 32 and not layout.RING
+        for layout, fields in zip((k_layout, v_layout), wanted, strict=True)
+    )  # fmt: skip
+    return (available() and read and v_layout.GROUP == head_dim == 128 and group <= 8
             and dtype == torch.float16 and not paged and not window)  # fmt: skip
 
 
-def copied_strides(ks, vs, sinks) -> tuple[int, ...]:
-    """The strides the kernel's copies take: each code buffer's (sequence, head) in rows of 8
-    words (so that the compiler knows each row's 16-byte pieces aligned), then the one byte
-    stride pair of the slot index, slot delta and value metadata (`_meta_copy` copies them
-    with one offset). Raises where the buffers are not as the copies read them: dense code
-    rows, one byte a slot alike in each byte stream, every buffer word-aligned (its
-    storage's start is: allocators align it)."""
+def copied_strides(ks, vs, sinks, words: int) -> tuple[int, ...]:
+    """The strides the kernel's copies take: each code buffer's (sequence, head) in rows of
+    `words` words (so that the compiler knows each row's 16-byte pieces aligned), then the
+    one element stride pair of the slot index, slot delta and value metadata (`_meta_copy`
+    copies them with one offset). Raises where the buffers are not as the copies read them:
+    dense code rows, one element a slot alike in each per-head stream, every buffer
+    word-aligned (its storage's start is: allocators align it)."""
     rows = []
     for strides in (ks.strides.codes, vs.strides.codes):
         b, h, p = strides
-        if p != 8 or b % 8 or h % 8:
-            raise ValueError(f"the whole-tile kernel copies dense 8-word code rows: {strides}")
-        rows += [b // 8, h // 8]
+        if p != words or b % words or h % words:
+            raise ValueError(f"the whole-tile kernel copies dense {words}-word code rows: "
+                             f"{strides}")  # fmt: skip
+        rows += [b // words, h // words]
     meta = {ks.strides.index, ks.strides.delta, vs.strides.meta}
     buffers = (ks.codes, vs.codes, ks.slot_index, ks.slot_delta, vs.scale, vs.offset,
                sinks.is_sink)  # fmt: skip
     shifted = any(t.storage_offset() * t.element_size() % 4 for t in buffers)
     if len(meta) != 1 or next(iter(meta))[2] != 1 or shifted:
-        raise ValueError(f"the whole-tile kernel copies word-aligned byte rows alike: {meta}")
+        raise ValueError(f"the whole-tile kernel copies word-aligned metadata rows alike: {meta}")
     ((b, h, _),) = meta
     return (*rows, b, h)
 
 
-def launch(q, ks, vs, k_layout, sinks, inv_freq, part, stats, splits: int, first_split: int,
-           sm_scale: float, positions: int, warmup: bool = False):  # fmt: skip
+def launch(q, ks, vs, k_layout, v_layout, sinks, inv_freq, part, stats, splits: int,
+           first_split: int, sm_scale: float, positions: int, warmup: bool = False):  # fmt: skip
     """`_body_kernel` over (sequences, KV heads, splits) for decode_attention: its splits are
     rows first_split .. first_split + splits - 1 of part / stats (the Triton kernel's before
     them). Returns the compiled kernel (its registers and shared memory size the splits);
@@ -412,6 +531,7 @@ def launch(q, ks, vs, k_layout, sinks, inv_freq, part, stats, splits: int, first
     that follows runs this compile)."""
     B, H, _, D = q.shape
     hkv = ks.tail.shape[1]
+    bits = k_layout.BITS
     # per program: the slot table [2 D + 1, 8] and the table words of each thread (2 x 128)
     table = torch.empty(B * hkv * splits, (2 * D + 1) * 8 + 2 * 128, device=q.device,
                         dtype=torch.float32)  # fmt: skip
@@ -420,10 +540,11 @@ def launch(q, ks, vs, k_layout, sinks, inv_freq, part, stats, splits: int, first
     return run(
         q, inv_freq if inv_freq is not None else table, sinks.is_sink, table, part, stats,
         ks.codes, ks.scale, ks.offset, ks.levels, ks.slot_index, ks.slot_delta, ks.n_body,
-        vs.codes, vs.scale, vs.offset, vs.n_body,
-        *copied_strides(ks, vs, sinks), hkv, positions, splits, first_split,
+        vs.codes, vs.scale, vs.offset, vs.levels, vs.n_body,
+        *copied_strides(ks, vs, sinks, D * bits // 32), hkv, positions, splits, first_split,
         first_split + splits, sm_scale,
-        G=H // hkv, D=D, BOOK=k_layout.BOOK, PRE_ROPE=inv_freq is not None, BLOCK_N=BLOCK_N,
+        G=H // hkv, D=D, BITS=bits, BOOK=k_layout.BOOK, VBOOK=v_layout.BOOK,
+        PRE_ROPE=inv_freq is not None, BLOCK_N=BLOCK_N,
         num_warps=WARPS, num_stages=1,  # its pipeline is its own (cp.async), not Triton's
-        maxnreg=MAX_REGISTERS[inv_freq is not None],
+        maxnreg=MAX_REGISTERS[inv_freq is not None, bits],
     )  # fmt: skip

@@ -18,6 +18,7 @@ A_OP = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
 B_OP = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
 Q_ROWS = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])  # q [D, 8]: a channel a thread
 ONE_A_THREAD = gl.BlockedLayout([1], [32], [4], [0])
+FOUR_A_THREAD = gl.BlockedLayout([4], [32], [4], [0])
 # Keys as A_OP [4, 16, D]: thread (i, r) holds positions r, r + 8 and K indices
 # 2i + b + 8c + 16 kappa; its code words [warp, position, word] are words i + 4e (KEY_PAIRS,
 # so that a channel and its RoPE partner, K index k ^ 64, are in one thread) or 2i + e
@@ -39,11 +40,16 @@ VALUE_WORDS = gl.DistributedLinearLayout(
     warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 8])  # fmt: skip
 
 # At 4 bits (`gluon_ptx.pair_key_register`, `pair_value_register`), the same operands from
-# words of 8 codes: keys, words 4i + e of positions r, r + 8 (KEY_WORDS4: 16 contiguous
-# bytes a position); values, words 2r, 2r + 1 of positions 2i + b + 8c (VALUE_WORDS4)
+# words of 8 codes: keys, words 4i + e (KEY_WORDS4: 16 contiguous bytes a position) or i + 4e
+# (KEY_PAIRS4: a channel and its RoPE partner in one thread) of positions r, r + 8; values,
+# words 2r, 2r + 1 of positions 2i + b + 8c (VALUE_WORDS4)
 KEY_WORDS4 = gl.DistributedLinearLayout(
     reg_bases=[[0, 0, 1], [0, 0, 2], [0, 8, 0]],
     lane_bases=[[0, 0, 4], [0, 0, 8], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+    warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 16])  # fmt: skip
+KEY_PAIRS4 = gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 4], [0, 0, 8], [0, 8, 0]],
+    lane_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
     warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 16])  # fmt: skip
 VALUE_WORDS4 = gl.DistributedLinearLayout(
     reg_bases=[[0, 1, 0], [0, 0, 1], [0, 8, 0]],
@@ -85,7 +91,9 @@ ROPE_CHUNK = _linear([[0, 8, 0], [0, 0, 4]],
                      [4, 16, 8])  # fmt: skip
 FLAT = gl.SwizzledSharedLayout(1, 1, 1, [0])
 TILE = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+# a tile's codes [4, 16, words] copied 16 bytes a thread: 8 words a position (2 bits), 16 (4)
 COPY = gl.BlockedLayout([1, 1, 4], [1, 16, 2], [4, 1, 1], [2, 1, 0])
+COPY4 = gl.BlockedLayout([1, 1, 4], [1, 8, 4], [4, 1, 1], [2, 1, 0])
 
 
 @gluon.jit
@@ -99,12 +107,20 @@ def key_channel(k, PAIRS: gl.constexpr):
 
 
 @gluon.jit
-def key_channel4(k):
+def key_channel4(k, PAIRS: gl.constexpr):
     """The channel whose 4-bit code `key_asm` puts at K index k = 16 kappa + 8c + 2i + b (with
-    a table of level pairs, KEY_WORDS4): code 2j + b of word 4i + e, kappa = 2e + j // 2,
-    c = j % 2."""
-    kappa = k >> 4
-    return 32 * ((k >> 1) & 3) + 8 * (kappa >> 1) + 4 * (kappa & 1) + 2 * ((k >> 3) & 1) + (k & 1)
+    a table of level pairs): code 2j + b of word 4i + e (KEY_WORDS4), kappa = 2e + j // 2,
+    c = j % 2; with PAIRS (KEY_PAIRS4) of word i + 4e, so that K index k ^ 64 holds its RoPE
+    partner."""
+    kappa, i = k >> 4, (k >> 1) & 3
+    word = i + 4 * (kappa >> 1) if PAIRS else 4 * i + (kappa >> 1)
+    return 8 * word + 4 * (kappa & 1) + 2 * ((k >> 3) & 1) + (k & 1)
+
+
+@gluon.jit
+def channel_at(k, PAIRS: gl.constexpr, BITS: gl.constexpr):
+    """The channel at K index k of a tile's keys: `key_channel` (2 bits), `key_channel4`."""
+    return key_channel4(k, PAIRS) if BITS == 4 else key_channel(k, PAIRS)
 
 
 @gluon.jit
@@ -168,7 +184,7 @@ def _pack16(x):
 
 
 @gluon.jit
-def rope_tables(SCALE, OFFSET, INV_FREQ, D: gl.constexpr):
+def rope_tables(SCALE, OFFSET, INV_FREQ, D: gl.constexpr, BITS: gl.constexpr):
     """The six tables that scale, offset and rotate pre-RoPE keys in `rotated_scores_asm`,
     built once a program in shared memory, 8 KB each, a 64-byte row a thread (tid = 32 warp +
     lane), its words those of the A_OP registers of the lower K half it holds, in their
@@ -197,8 +213,8 @@ def rope_tables(SCALE, OFFSET, INV_FREQ, D: gl.constexpr):
     e = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(0, ROPE_HALVES)))
     j = offsets(ROPE_HALVES, 4, 16, 16, 16, 1, 0).to(gl.float32)
     for kappa in gl.static_range(D // 32):
-        low = key_channel(16 * kappa + e, True)
-        high = key_channel(16 * kappa + C + e, True)
+        low = channel_at(16 * kappa + e, True, BITS)
+        high = channel_at(16 * kappa + C + e, True, BITS)
         f = gl.expand_dims(gl.expand_dims(gl.load(INV_FREQ + low % C), 0), 0)
         s_l = gl.expand_dims(gl.expand_dims(gl.load(SCALE + low).to(gl.float32), 0), 0)
         s_h = gl.expand_dims(gl.expand_dims(gl.load(SCALE + high).to(gl.float32), 0), 0)
@@ -222,15 +238,24 @@ def rope_tables(SCALE, OFFSET, INV_FREQ, D: gl.constexpr):
 
 
 @gluon.jit
-def rotated_scores(words, lo, hi, tables, qt):
+def rotated_scores(words, keys, tables, qt, BITS: gl.constexpr):
     """`rotated_scores_asm` on a tile's key words and q_a^T, the tables read from shared
-    memory (`rope_tables`' rows)."""
+    memory (`rope_tables`' rows); keys: (lo, hi), the 2-bit table words, or at 4 bits
+    (table, table), the shared address of the table of level pairs (once)."""
     (r1, r2, r3, r4, r5, r6), _ = tables
-    return gl.inline_asm(
-        rotated_scores_asm, ("=f", "r", "r", "r", "r", "r", "r", "r", "r", "r", "h"),
-        [words, lo, hi, r1, r2, r3, r4, r5, r6, qt],
-        gl.distributed_type(gl.float32, [4, 16, 8], MMA), is_pure=False,
-    )  # fmt: skip
+    if BITS == 4:
+        out = gl.inline_asm(
+            rotated_scores_asm, ("=f", "r", "r", "r", "r", "r", "r", "r", "r", "h"),
+            [words, keys[0], r1, r2, r3, r4, r5, r6, qt],
+            gl.distributed_type(gl.float32, [4, 16, 8], MMA), is_pure=False,
+        )  # fmt: skip
+    else:
+        out = gl.inline_asm(
+            rotated_scores_asm, ("=f", "r", "r", "r", "r", "r", "r", "r", "r", "r", "h"),
+            [words, keys[0], keys[1], r1, r2, r3, r4, r5, r6, qt],
+            gl.distributed_type(gl.float32, [4, 16, 8], MMA), is_pure=False,
+        )  # fmt: skip
+    return out
 
 
 @gluon.jit

@@ -122,55 +122,67 @@ def _pair_lookup(a, r: int, source: str, byte: int, table: str) -> list[str]:
 
 
 @gluon.constexpr_function
-def _pair_key_decode(a, words, table) -> list[str]:
+def _pair_key_decode(a, words, table, chunks=(0, 1, 2, 3)) -> list[str]:
     """PTX: 4-bit key words (code n in bits 4n .. 4n + 3) into A_OP registers a
     (`pair_key_register`): byte j, codes 2j and 2j + 1, indexes the table of level pairs (256
     words at the shared address `table`: entry x the levels of codes x % 16 and x // 16 as
-    two fp16), which holds that register. Temporary s."""
+    two fp16), which holds that register. `chunks`: which k-steps kappa (mod 4: a chunk is
+    k-steps k and k + 4, as `_key_decode`'s shifts) to decode. Temporary s."""
     lines = []
     for reg, word in enumerate(words):
         for j in range(4):
-            lines += _pair_lookup(a, pair_key_register(reg % 4, reg // 4, j), word, j, table)
+            if (2 * (reg % 4) + j // 2) % 4 in chunks:
+                lines += _pair_lookup(a, pair_key_register(reg % 4, reg // 4, j), word, j, table)
     return lines
 
 
 @gluon.constexpr_function
-def _pair_value_decode(a, words, table) -> list[str]:
+def _pair_value_blocks(a, words, table) -> list[list[str]]:
     """PTX: 4-bit value words w of positions (2i + 8c, 2i + 8c + 1) (registers 2w + 4c and
-    + 1) into A_OP registers a (`pair_value_register`): a channel's codes of both positions
-    put in one byte (the first position's in its low nibble: the even channels' by a shift
-    and a select, the odd ones' likewise), which indexes the table of level pairs
-    (`_pair_key_decode`'s). Temporaries s, t, u."""
-    lines = []
-    for c in range(2):
-        for w in range(2):
+    + 1) into A_OP registers a (`pair_value_register`), as the lines of each 16-row block m
+    (registers 4m .. 4m + 3: channels 8w + 2q', + 1 of both position pairs, m = 4w + q'): a
+    channel's codes of both positions put in one byte (the first position's in its low
+    nibble: the even channels' by a shift and a select, the odd ones' likewise; before block
+    4w, into x0 .. x3), which indexes the table of level pairs (`_pair_key_decode`'s).
+    Temporaries s, u, x0 .. x3."""
+    blocks = []
+    for w in range(2):
+        lines = []
+        for c in range(2):
             first, second = words[2 * w + 4 * c], words[2 * w + 4 * c + 1]
+            even, odd = f"x{2 * c}", f"x{2 * c + 1}"
             lines += [f"shl.b32 u, {second}, 4;", "and.b32 u, u, 0xF0F0F0F0;",
-                      f"and.b32 t, {first}, 0x0F0F0F0F;", "or.b32 t, t, u;"]  # fmt: skip
-            for j in range(4):  # even channels 2j
-                lines += _pair_lookup(a, pair_value_register(2 * j, w, c), "t", j, table)
-            lines += [f"shr.u32 u, {first}, 4;", "and.b32 u, u, 0x0F0F0F0F;",
-                      f"and.b32 t, {second}, 0xF0F0F0F0;", "or.b32 t, t, u;"]  # fmt: skip
-            for j in range(4):  # odd channels 2j + 1
-                lines += _pair_lookup(a, pair_value_register(2 * j + 1, w, c), "t", j, table)
-    return lines
+                      f"and.b32 {even}, {first}, 0x0F0F0F0F;", f"or.b32 {even}, {even}, u;",
+                      f"shr.u32 u, {first}, 4;", "and.b32 u, u, 0x0F0F0F0F;",
+                      f"and.b32 {odd}, {second}, 0xF0F0F0F0;",
+                      f"or.b32 {odd}, {odd}, u;"]  # fmt: skip
+        for q in range(4):  # block 4w + q: channels 8w + 2q (byte q of x0, x2), + 1 (x1, x3)
+            for c in range(2):
+                for parity in range(2):
+                    r = pair_value_register(2 * q + parity, w, c)
+                    lines += _pair_lookup(a, r, f"x{2 * c + parity}", q, table)
+            blocks.append(lines)
+            lines = []
+    return blocks
 
 
 @gluon.constexpr_function
-def _keys(a, words, tables) -> list[str]:
-    """PTX: key words into A_OP registers a: tables (lo, hi), the 2-bit table words
-    (`_key_decode`), or (table,), a 4-bit codebook's table of level pairs
-    (`_pair_key_decode`)."""
+def _keys(a, words, tables, chunks=(0, 1, 2, 3)) -> list[str]:
+    """PTX: key words into A_OP registers a, k-steps k and k + D/32 for k in `chunks`: tables
+    (lo, hi), the 2-bit table words (`_key_decode`), or (table,), a 4-bit codebook's table of
+    level pairs (`_pair_key_decode`)."""
     if len(tables) == 2:
-        return _key_decode(a, words, tables[0], tables[1])
-    return _pair_key_decode(a, words, tables[0][0])
+        return _key_decode(a, words, tables[0], tables[1], chunks)
+    return _pair_key_decode(a, words, tables[0][0], chunks)
 
 
 @gluon.constexpr_function
 def _values(a, words, table) -> list[str]:
     """PTX: value words into the transposed values' A_OP registers a: 2-bit uniform codes
-    (`_value_decode`), or with (table,) a 4-bit codebook's (`_pair_value_decode`)."""
-    return _pair_value_decode(a, words, table[0][0]) if table else _value_decode(a, words)
+    (`_value_decode`), or with (table,) a 4-bit codebook's (`_pair_value_blocks`)."""
+    if table:
+        return [line for block in _pair_value_blocks(a, words, table[0][0]) for line in block]
+    return _value_decode(a, words)
 
 
 @gluon.constexpr_function
@@ -193,7 +205,7 @@ def _transposed(b, p) -> list[str]:
 
 @gluon.constexpr_function
 def _declared(*names) -> str:
-    return "{ .reg .b32 s, t, u, " + ", ".join(names) + ";"
+    return "{ .reg .b32 s, t, u, x0, x1, x2, x3, " + ", ".join(names) + ";"
 
 
 @gluon.constexpr_function
@@ -222,7 +234,15 @@ def scores_asm(outputs, inputs):
     fragments, then the D / 16 k-steps."""
     (out,), (words, *tables, q) = outputs, inputs
     a = _fragments("a", 2 * len(q))
-    lines = [_declared(*a), *_keys(a, words, tables), *_scores(out, a, q)]
+    if len(tables) == 2:
+        lines = [_declared(*a), *_keys(a, words, tables), *_scores(out, a, q)]
+    else:  # each chunk's products after its decode: fewer fragments live at once
+        steps = len(q) // 4  # k-steps to a chunk's second
+        lines = [_declared(*a), *(f"mov.b32 {x}, 0f00000000;" for x in out)]
+        for k in range(steps):
+            lines += _keys(a, words, tables, (k,))
+            for s in (k, k + steps):
+                lines.append(_mma(out, a[4 * s : 4 * s + 4], q[2 * s : 2 * s + 2], out))
     return "\n".join(lines) + " }"
 
 
@@ -231,13 +251,15 @@ def rotated_scores_asm(outputs, inputs):
     """A pre-RoPE tile's scores (R(j) (x s + o)) q_a^T [4, 16, 8] (MMA, fp32), q_a being q
     rotated by the tile's start, from its key words, the table words, this thread's row of
     each of decode_gluon.`rope_tables`' six tables (a shared address) and q_a^T (B_OP, fp16:
-    two a register). One chunk a code k of each byte: the chunk's words of the six tables (one
-    ld.shared.v4 each), `_key_decode` into k-steps k and k + D/32 (a lower K index's RoPE
+    two a register). The key tables (`_keys`): the 2-bit table words, or a 4-bit codebook's
+    table of level pairs. One chunk a k-step k < D/32: the chunk's words of the six tables (one
+    ld.shared.v4 each), the decode into k-steps k and k + D/32 (a lower K index's RoPE
     partner, K index k ^ D/2, is D/32 k-steps on), each pair of registers scaled, offset
     and rotated at once (low = x_l c1 + x_h c2 + c3, high = x_h c4 + x_l c5 + c6: four
     fma), then the chunk's two k-steps: a chunk's fragments and table words are dead after
     its products."""
-    (out,), (words, lo, hi, *rows, qh) = outputs, inputs
+    (out,), (words, *tables, r1, r2, r3, r4, r5, r6, qh) = outputs, inputs
+    rows = (r1, r2, r3, r4, r5, r6)
     a, q = _fragments("a", len(qh)), _fragments("q", len(qh) // 2)
     half, steps = len(a) // 2, len(a) // 8  # lower registers; k-steps to the partner
     c = [_fragments(f"c{t}_", half) for t in range(len(rows))]
@@ -249,7 +271,7 @@ def rotated_scores_asm(outputs, inputs):
         for table, (row,) in zip(c, rows, strict=True):
             words_k = ", ".join(table[4 * k : 4 * k + 4])
             lines.append(f"ld.shared.v4.b32 {{{words_k}}}, [{row} + {16 * k}];")
-        lines += _key_decode(a, words, lo, hi, (k,))
+        lines += _keys(a, words, tables, (k,))
         for j in range(4 * k, 4 * k + 4):
             low, high = a[j], a[j + half]
             lines += [f"fma.rn.f16x2 x, {high}, {c2[j]}, {c3[j]};",
@@ -270,9 +292,15 @@ def values_asm(outputs, inputs):
     product a block."""
     (out,), (words, *table, p, acc) = outputs, inputs
     a, b = _fragments("a", len(out)), _fragments("b", 2)
-    lines = [_declared(*a, *b), *_transposed(b, p), *_values(a, words, table)]
-    for m in range(0, len(out), 4):
-        lines.append(_mma(out[m : m + 4], a[m : m + 4], b, acc[m : m + 4]))
+    lines = [_declared(*a, *b), *_transposed(b, p)]
+    if table:  # each block's product after its decode: fewer fragments live at once
+        for m, block in enumerate(_pair_value_blocks(a, words, table[0][0])):
+            lines += [*block, _mma(out[4 * m : 4 * m + 4], a[4 * m : 4 * m + 4], b,
+                                   acc[4 * m : 4 * m + 4])]  # fmt: skip
+    else:
+        lines += _value_decode(a, words)
+        for m in range(0, len(out), 4):
+            lines.append(_mma(out[m : m + 4], a[m : m + 4], b, acc[m : m + 4]))
     return "\n".join(lines) + " }"
 
 
@@ -290,9 +318,9 @@ def rows_asm(outputs, inputs):
 
 
 @gluon.constexpr_function
-def byte_asm(offset) -> str:
-    """PTX: $0 the byte at shared address $1 + offset."""
-    return f"ld.shared.u8 $0, [$1 + {offset}];"
+def shared_asm(offset, bits) -> str:
+    """PTX: $0 the `bits`-bit unsigned integer (8 or 16) at shared address $1 + offset."""
+    return f"ld.shared.u{bits} $0, [$1 + {offset}];"
 
 
 @gluon.constexpr_function

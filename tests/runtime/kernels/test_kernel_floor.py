@@ -88,7 +88,7 @@ def test_the_relabelings_are_permutations():
     them."""
     for pairs in (False, True):
         assert sorted(dg.key_channel.fn(torch.arange(128), pairs).tolist()) == list(range(128))
-    assert sorted(dg.key_channel4.fn(torch.arange(128)).tolist()) == list(range(128))
+        assert sorted(dg.key_channel4.fn(torch.arange(128), pairs).tolist()) == list(range(128))
     assert sorted(dg.value_channel.fn(torch.arange(128)).tolist()) == list(range(128))
 
 
@@ -116,11 +116,13 @@ def test_each_key_register_holds_the_level_of_the_channel_q_reads_at_its_k(pairs
             assert torch.equal(out[:, reg], bits[codes[:, e + 2 * h, channel % 16]]), (lane, reg)
 
 
-def test_each_4_bit_key_register_holds_the_level_of_the_channel_q_reads_at_its_k():
-    """Lane (i, r) decodes words 4i + e of positions r, r + 8 (register e + 4h) by the table of
-    level pairs: A-operand register R holds, at its (position, K index), the level of code
-    key_channel4(k) % 8 of the word holding key_channel4(k), for every register of every lane,
-    on random codes, every code at every place of a word."""
+@pytest.mark.parametrize("pairs", [False, True])
+def test_each_4_bit_key_register_holds_the_level_of_the_channel_q_reads_at_its_k(pairs):
+    """Lane (i, r) decodes words 4i + e (pairs, keys before RoPE: i + 4e) of positions r, r + 8
+    (register e + 4h) by the table of level pairs: A-operand register R holds, at its
+    (position, K index), the level of code key_channel4(k) % 8 of the word holding
+    key_channel4(k), for every register of every lane, on random codes, every code at every
+    place of a word; with pairs, K index k ^ 64 holds the RoPE partner, channel + D/2."""
     gen = torch.Generator().manual_seed(3)
     at = 0x460  # the table's shared address: any word-aligned one
     shared, bits = pair_table(gen, at)
@@ -131,9 +133,12 @@ def test_each_4_bit_key_register_holds_the_level_of_the_channel_q_reads_at_its_k
         out = run(gluon_ptx.key_asm, 64, words, at, shared=shared)
         for reg in range(64):
             _, position, k = coords(dg.KEYS, reg, lane)
-            channel = int(dg.key_channel4.fn(torch.tensor(k)))
-            e, h = channel // 8 - 4 * (lane % 4), position // 8
-            assert e in range(4) and position % 8 == lane // 4, (lane, reg)
+            channel = int(dg.key_channel4.fn(torch.tensor(k), pairs))
+            first, step = (lane % 4, 4) if pairs else (4 * (lane % 4), 1)
+            (e, other), h = divmod(channel // 8 - first, step), position // 8
+            assert e in range(4) and other == 0 and position % 8 == lane // 4, (lane, reg)
+            if pairs:
+                assert int(dg.key_channel4.fn(torch.tensor(k ^ 64), pairs)) == channel ^ 64
             assert torch.equal(out[:, reg], bits[codes[:, e + 4 * h, channel % 8]]), (lane, reg)
 
 
