@@ -381,8 +381,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="budget.json, budget.md, cubins")
     parser.add_argument("--results", action="store_true", help="only rewrite RESULTS.md's "
                         "budget section from DIR/budget.json")  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="kvcalib-2 and the exact stream "
-                        "at 32/8/128, sm_90, the chosen config only")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="kvcalib-2, kvcalib-4 and the "
+                        "exact stream at 32/8/128, sm_90, the chosen config only")  # fmt: skip
     args = parser.parse_args(argv)
     if args.results:
         report.write_results(json.loads((args.out / "budget.json").read_text()))

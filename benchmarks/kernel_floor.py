@@ -94,7 +94,6 @@ from kvcalib_runtime.kernels.gluon_layouts import (
     KEY_WORDS4,
     KEYS,
     MMA,
-    ONE_A_THREAD,
     PROBS,
     Q_ROWS,
     QUERY,
@@ -105,14 +104,16 @@ from kvcalib_runtime.kernels.gluon_layouts import (
     channel_at,
     offsets,
     packed_pairs,
+    pair_addresses,
     rope_kept,
     rope_tables,
     rotated_scores,
+    scores,
     trig,
     value_channel,
+    value_products,
     value_unit,
 )
-from kvcalib_runtime.kernels.gluon_ptx import rows_asm, scores_asm, values_asm
 from kvcalib_runtime.layouts import metabyte
 
 G, D, BN, WARPS = 4, 128, 64, 4
@@ -185,12 +186,11 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
         pairs = gl.allocate_shared_memory(gl.int32, [512], FLAT)
         pairs.store(gl.load(T + gl.arange(0, 512, layout=FOUR_A_THREAD)))
         gl.barrier()
-        zero = gl.zeros([128], gl.int32, ONE_A_THREAD)
-        k_table, v_table = gl.inline_asm(rows_asm, ("=r", "=r", "r", "r", "r", "r"),
-                                         [pairs, pairs, zero, zero + 1024], [zero.type] * 2,
-                                         is_pure=False)  # fmt: skip
+        k_table, v_table = pair_addresses(pairs)
+        keys = (k_table, k_table)
     else:
-        lo, hi = _in_registers(T + 4, gl.load(T), gl.load(T + 1))
+        keys = _in_registers(T + 4, gl.load(T), gl.load(T + 1))
+        v_table = keys[0]  # unread: 2-bit values need no table
     # q^T [4, D, 8] as the B operand, K index k read from the channel gluon_ptx.key_asm puts there
     k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
     chan = channel_at(k, PRE_ROPE, BITS)
@@ -241,15 +241,9 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
             q_rot = gl.convert_layout(q_rot.to(gl.float16), gl.SliceLayout(0, B_OP))
             qt = gl.expand_dims(q_rot, 0).broadcast_to([4, D, 8])
             cos_a, sin_a = cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
-            s = rotated_scores(words, (lo, hi), tables, qt, BITS)
-        elif BITS == 4:  # reads shared memory: not pure
-            s = gl.inline_asm(scores_asm, ("=f", "r", "r", "r"), [words, k_table, q_pairs],
-                              gl.distributed_type(gl.float32, [4, 16, 8], MMA),
-                              is_pure=False)  # fmt: skip
+            s = rotated_scores(words, keys, tables, qt, BITS)
         else:
-            s = gl.inline_asm(scores_asm, ("=f", "r", "r", "r", "r"), [words, lo, hi, q_pairs],
-                              gl.distributed_type(gl.float32, [4, 16, 8], MMA),
-                              is_pure=True)  # fmt: skip
+            s = scores(words, keys, q_pairs, BITS)
         if FEATURES:  # kvcalib-2's: one exact key slot, the sink mask, one-byte value metadata
             rows = start + at
             index = gl.load(INDEX + rows).to(gl.int32)
@@ -276,15 +270,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
         o_w = o_w * alpha + p * gl.expand_dims(b, 2)
         pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
         words = gl.load(VC + start * WORDS + v_at)
-        if BITS == 4:
-            acc = gl.inline_asm(values_asm, ("=f", "r", "r", "h", "f"),
-                                [words, v_table, pw, acc * alpha],
-                                gl.distributed_type(gl.float32, [4, D, 8], MMA),
-                                is_pure=False)  # fmt: skip
-        else:
-            acc = gl.inline_asm(values_asm, ("=f", "r", "h", "f"), [words, pw, acc * alpha],
-                                gl.distributed_type(gl.float32, [4, D, 8], MMA),
-                                is_pure=True)  # fmt: skip
+        acc = value_products(words, v_table, pw, acc * alpha, BITS)
         m_i = m_new
     if PRE_ROPE:
         rope_kept(tables)

@@ -115,14 +115,17 @@ if available():
         channel_at,
         offsets,
         packed_pairs,
+        pair_addresses,
         rope_kept,
         rope_tables,
         rotated_scores,
+        scores,
         trig,
         value_channel,
+        value_products,
         value_unit,
     )
-    from kvcalib_runtime.kernels.gluon_ptx import rows_asm, scores_asm, shared_asm, values_asm
+    from kvcalib_runtime.kernels.gluon_ptx import rows_asm, shared_asm
 
     SCALE_BASE = gl.constexpr(metabyte.BASE)
     ZERO_STEP = gl.constexpr(3.0 / metabyte.ZERO_STEPS)  # 2-bit uniform: SPAN 3 (tiles.zero_decode)
@@ -234,10 +237,7 @@ if available():
         hi = gl.load(row + (x // 16) % 16).to(gl.float16).to(gl.int16, bitcast=True)
         pairs = gl.allocate_shared_memory(gl.int32, [512], FLAT)
         pairs.store((lo & 0xFFFF) | (hi.to(gl.int32) << 16))
-        zero = gl.zeros([128], gl.int32, ONE_A_THREAD)
-        k_table, v_table = gl.inline_asm(rows_asm, ("=r", "=r", "r", "r", "r", "r"),
-                                         [pairs, pairs, zero, zero + 1024], [zero.type] * 2,
-                                         is_pure=False)  # fmt: skip
+        k_table, v_table = pair_addresses(pairs)
         return pairs, k_table, v_table
 
     # fmt: off
@@ -307,6 +307,7 @@ if available():
             levels = KLEV + hk * BOOK
             keys = _in_registers(table + SLOT_TABLE, _table_word(levels, 0),
                                  _table_word(levels, 2))  # fmt: skip
+            v_table = keys[0]  # unread: 2-bit values need no table
         # q^T [4, D, 8] as the B operand, K index k read from the channel key_asm puts there
         k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
         chan = channel_at(k, PRE_ROPE, BITS)
@@ -391,15 +392,8 @@ if available():
                 qt = gl.expand_dims(q_rot, 0).broadcast_to([4, D, 8])
                 cos_a, sin_a = cos_a * cos_b - sin_a * sin_b, sin_a * cos_b + cos_a * sin_b
                 s = rotated_scores(words, keys, tables, qt, BITS)
-            elif WIDE:  # reads the table of level pairs: not pure
-                s = gl.inline_asm(scores_asm, ("=f", "r", "r", "r"), [words, k_table, q_pairs],
-                                  gl.distributed_type(gl.float32, [4, 16, 8], MMA),
-                                  is_pure=False)  # fmt: skip
             else:
-                s = gl.inline_asm(scores_asm, ("=f", "r", "r", "r", "r"),
-                                  [words, keys[0], keys[1], q_pairs],
-                                  gl.distributed_type(gl.float32, [4, 16, 8], MMA),
-                                  is_pure=True)  # fmt: skip
+                s = scores(words, keys, q_pairs, BITS)
             p_at = start + at
             index = _shared_at(tile_meta, 0, 8)
             if WIDE:  # fp16, exact
@@ -435,15 +429,7 @@ if available():
             pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
             if STAGES == 2:
                 vw = v_tile.load(VALUE_WORDS4 if WIDE else VALUE_WORDS)
-            if WIDE:
-                acc = gl.inline_asm(values_asm, ("=f", "r", "r", "h", "f"),
-                                    [vw, v_table, pw, acc * alpha],
-                                    gl.distributed_type(gl.float32, [4, D, 8], MMA),
-                                    is_pure=False)  # fmt: skip
-            else:
-                acc = gl.inline_asm(values_asm, ("=f", "r", "h", "f"), [vw, pw, acc * alpha],
-                                    gl.distributed_type(gl.float32, [4, D, 8], MMA),
-                                    is_pure=True)  # fmt: skip
+            acc = value_products(vw, v_table, pw, acc * alpha, BITS)
             m_i = m_new
         async_copy.wait_group(0)  # the last tile's copy again: landed before the memory is reused
         if PRE_ROPE:

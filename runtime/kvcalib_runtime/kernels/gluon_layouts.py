@@ -10,7 +10,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from kvcalib_runtime.kernels import tiles
-from kvcalib_runtime.kernels.gluon_ptx import rotated_scores_asm, rows_asm, stored_asm
+from kvcalib_runtime.kernels.gluon_ptx import (
+    rotated_scores_asm,
+    rows_asm,
+    scores_asm,
+    stored_asm,
+    values_asm,
+)
 
 MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1],
                                 instr_shape=[1, 16, 8])  # fmt: skip
@@ -255,6 +261,50 @@ def rotated_scores(words, keys, tables, qt, BITS: gl.constexpr):
             [words, keys[0], keys[1], r1, r2, r3, r4, r5, r6, qt],
             gl.distributed_type(gl.float32, [4, 16, 8], MMA), is_pure=False,
         )  # fmt: skip
+    return out
+
+
+@gluon.jit
+def pair_addresses(pairs):
+    """The shared addresses of the two tables of level pairs in `pairs` [512] (gluon_ptx's
+    `_pair_key_decode`: the keys' words 0 .. 255, the values' 256 .. 511), in every thread's
+    registers: the products read them by address."""
+    zero = gl.zeros([128], gl.int32, ONE_A_THREAD)
+    return gl.inline_asm(rows_asm, ("=r", "=r", "r", "r", "r", "r"),
+                         [pairs, pairs, zero, zero + 1024], [zero.type] * 2,
+                         is_pure=False)  # fmt: skip
+
+
+@gluon.jit
+def scores(words, keys, q_pairs, BITS: gl.constexpr):
+    """`scores_asm` on a post-RoPE tile's key words and q^T's pairs (`packed_pairs`); keys as
+    `rotated_scores` takes them. At 4 bits it reads shared memory: not pure."""
+    if BITS == 4:
+        out = gl.inline_asm(scores_asm, ("=f", "r", "r", "r"), [words, keys[0], q_pairs],
+                            gl.distributed_type(gl.float32, [4, 16, 8], MMA),
+                            is_pure=False)  # fmt: skip
+    else:
+        out = gl.inline_asm(scores_asm, ("=f", "r", "r", "r", "r"),
+                            [words, keys[0], keys[1], q_pairs],
+                            gl.distributed_type(gl.float32, [4, 16, 8], MMA),
+                            is_pure=True)  # fmt: skip
+    return out
+
+
+@gluon.jit
+def value_products(words, table, p, acc, BITS: gl.constexpr):
+    """`values_asm`: acc + V^T p from a tile's value words, its probabilities (fp16, the
+    scores' layout) and acc [4, D, 8]; `table` the shared address of the values' table of
+    level pairs at 4 bits (read: not pure), unread at 2."""
+    D: gl.constexpr = acc.shape[1]
+    if BITS == 4:
+        out = gl.inline_asm(values_asm, ("=f", "r", "r", "h", "f"), [words, table, p, acc],
+                            gl.distributed_type(gl.float32, [4, D, 8], MMA),
+                            is_pure=False)  # fmt: skip
+    else:
+        out = gl.inline_asm(values_asm, ("=f", "r", "h", "f"), [words, p, acc],
+                            gl.distributed_type(gl.float32, [4, D, 8], MMA),
+                            is_pure=True)  # fmt: skip
     return out
 
 
