@@ -489,6 +489,10 @@ FLOOR_NAMES = {
         "pairs in shared memory)",
         "post-RoPE",
     ),
+    "gluon 3-bit": (
+        "the same at 3 bits (12 words a position, read by address)",
+        "post-RoPE",
+    ),
 }
 
 
@@ -511,7 +515,8 @@ def render_floor() -> str:
     rows += [(*FLOOR_NAMES[r["formulation"]][:1], FLOOR_NAMES[r["formulation"]][1],
               r["registers"], r["per_position"]) for r in floor["rows"]]  # fmt: skip
     lines = [
-        f"kvcalib-2 (and kvcalib-4's Gluon tiles; the skeletons' last row: 4-bit codebooks) at "
+        f"kvcalib-2 (and kvcalib-4's Gluon tiles; the skeletons' last rows: 4- and 3-bit "
+        "codebooks) at "
         f"32/8/128, sm_90, compiled on a CPU (Triton {floor['triton']}); the instruction floor "
         f"is per position x {STEP_ROWS / 1e6:.2f} M rows / an H200's issue rate "
         f"({H200_ISSUE:.3g} warp-instructions a second). Issue 51's targets: kvcalib-2 30 a "

@@ -1,10 +1,10 @@
 """The decode loop's floor in each formulation, read on a CPU (issue 51): what a whole-tile loop
 of kvcalib-2's key and value reads costs per (position x KV head) at 32/8/128 on sm_90, before
-and with kvcalib-2's features, and at 4 bits.
+and with kvcalib-2's features, and at 4 and 3 bits.
 
     python benchmarks/kernel_floor.py --out benchmarks/kernel_budget/floor.json  # kernel-floor
 
-Every row but the last does the same work per tile of 64 positions (G = 4 query heads a KV
+Every row but the last two does the same work per tile of 64 positions (G = 4 query heads a KV
 head, D = 128, fp16): 2-bit key words decoded to fp16 levels by the byte-permute table
 (kernels.packed), 2-bit value words to their uniform levels 0 .. 3 (as kvcalib-2 stores
 values), scores, an online softmax whose probabilities are scaled per position (a "token" value
@@ -55,6 +55,14 @@ scale) with a rank-1 offset term, and p . v. Keys after RoPE.
                   2r, 2r + 1 of four positions. What the instruction count does not see: the
                   table's loads are random in its 32 banks, so a warp's load takes several of
                   shared memory's cycles.
+  gluon 3-bit     the same at 3 bits (kvcalib-3's codebooks): a position's 128 codes are 12
+                  words, which no linear layout splits among a row's 4 lanes, so each lane reads
+                  its words by address (gluon_layouts' KEY_SLOTS3, VALUE_SLOTS3): keys, the 96
+                  bits of channels 32i .. 32i + 31, each pair of codes 6 bits (a shift, or a
+                  funnel shift across words, and a mask) indexing a 64-word table of level
+                  pairs; values, the 48 bits of channels 16r .. 16r + 15 of each position
+                  (two words, funnel-shifted into place), a pair of channels looked up at each
+                  position, two permutes putting each channel's two positions in one register.
 
 Not in any row: the cp.async pipeline of the code words (plain loads here), the per-program
 setup, the tiles where body meets ring. tests/runtime/kernels/test_kernel_floor.py executes the
@@ -90,14 +98,17 @@ from kvcalib_runtime.kernels.gluon_layouts import (
     FLAT,
     FOUR_A_THREAD,
     KEY_PAIRS,
+    KEY_SLOTS3,
     KEY_WORDS,
     KEY_WORDS4,
     KEYS,
     MMA,
+    ONE_A_THREAD,
     PROBS,
     Q_ROWS,
     QUERY,
     SCORES,
+    VALUE_SLOTS3,
     VALUE_WORDS,
     VALUE_WORDS4,
     VALUES,
@@ -117,7 +128,14 @@ from kvcalib_runtime.kernels.gluon_layouts import (
 from kvcalib_runtime.layouts import metabyte
 
 G, D, BN, WARPS = 4, 128, 64, 4
-FORMULATIONS = ("triton", "gluon", "gluon+features", "gluon+features, pre-RoPE", "gluon 4-bit")
+FORMULATIONS = (
+    "triton",
+    "gluon",
+    "gluon+features",
+    "gluon+features, pre-RoPE",
+    "gluon 4-bit",
+    "gluon 3-bit",
+)
 SCALE_BASE = gl.constexpr(metabyte.BASE)  # one-byte value scales (layouts.metabyte)
 
 
@@ -164,9 +182,25 @@ def _triton_loop(Q, KC, VC, W, B, OUT, n, T, G: tl.constexpr, D: tl.constexpr,
 
 
 # -- Gluon: [warp, position, query head] products, each warp its own split --------------------
+
 # The layouts, the relabelings and the inline PTX (decode and products in one block, the table
 # words in each thread's registers) are kernels.decode_gluon's (the launched kernel's whole
 # tiles), imported: this skeleton is that loop without its cache's addressing.
+
+
+@gluon.jit
+def _slots(layout: gl.constexpr, d0: gl.constexpr, d1: gl.constexpr, d2: gl.constexpr,
+           d3: gl.constexpr, s0, s1, s2, s3):  # fmt: skip
+    """s0 i + s1 j + s2 k + s3 l over [d0, d1, d2, d3] in `layout` (`offsets` in four
+    dimensions)."""
+    i = gl.arange(0, d0, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, layout))))
+    j = gl.arange(0, d1, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, layout))))
+    k = gl.arange(0, d2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, layout))))
+    m = gl.arange(0, d3, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, layout))))
+    out = gl.expand_dims(gl.expand_dims(gl.expand_dims(i * s0, 1), 2), 3)
+    out = out + gl.expand_dims(gl.expand_dims(gl.expand_dims(j * s1, 0), 2), 3)
+    out = out + gl.expand_dims(gl.expand_dims(gl.expand_dims(k * s2, 0), 1), 3)
+    return out + gl.expand_dims(gl.expand_dims(gl.expand_dims(m * s3, 0), 1), 2)
 
 
 @gluon.jit
@@ -182,7 +216,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
     gl.static_assert(gl.to_linear_layout(B_OP, [4, D, 8]) == QUERY)
     gl.static_assert(gl.to_linear_layout(MMA, [4, 16, 8]) == SCORES)
     gl.static_assert(gl.to_linear_layout(B_OP, [4, 16, 8]) == PROBS)
-    if BITS == 4:  # the keys' and the values' tables of level pairs, in shared memory
+    if BITS != 2:  # the keys' and the values' tables of level pairs, in shared memory
         pairs = gl.allocate_shared_memory(gl.int32, [512], FLAT)
         pairs.store(gl.load(T + gl.arange(0, 512, layout=FOUR_A_THREAD)))
         gl.barrier()
@@ -200,7 +234,15 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
                  other=0.0)  # fmt: skip
     if not PRE_ROPE:
         q_pairs = packed_pairs(qt)
-    if BITS == 4:
+    k_live = True
+    shift = gl.zeros([128], gl.int32, ONE_A_THREAD)  # of each thread's 3-bit value words
+    if BITS == 3:  # words read by address (gluon_layouts' KEY_SLOTS3, VALUE_SLOTS3)
+        k_at = _slots(KEY_SLOTS3, 4, 16, 4, 4, 16 * WORDS, WORDS, 3, 1)
+        k_live = _slots(KEY_SLOTS3, 4, 16, 4, 4, 0, 0, 0, 1) < 3
+        v_at = (_slots(VALUE_SLOTS3, 4, 16, 8, 2, 16 * WORDS, WORDS, 0, 1)
+                + _slots(VALUE_SLOTS3, 4, 16, 8, 2, 0, 0, 1, 0) * 3 // 2)  # fmt: skip
+        shift = 16 * ((gl.arange(0, 128, layout=ONE_A_THREAD) >> 2) & 1)
+    elif BITS == 4:
         k_at = offsets(KEY_WORDS4, 4, 16, WORDS, 16 * WORDS, WORDS, 1)
         v_at = offsets(VALUE_WORDS4, 4, 16, WORDS, 16 * WORDS, WORDS, 1)
     else:
@@ -235,7 +277,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
     o_w = gl.zeros([4, 16, 8], gl.float32, layout=MMA)
     acc = gl.zeros([4, D, 8], gl.float32, layout=MMA)  # transposed: channels x query heads
     for start in range(0, n, BN):
-        words = gl.load(KC + start * WORDS + k_at)
+        words = gl.load(KC + start * WORDS + k_at, mask=k_live, other=0)
         if PRE_ROPE:
             q_rot = q_own * gl.expand_dims(cos_a, 1) + q_pair * gl.expand_dims(sin_a, 1)
             q_rot = gl.convert_layout(q_rot.to(gl.float16), gl.SliceLayout(0, B_OP))
@@ -270,7 +312,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
         o_w = o_w * alpha + p * gl.expand_dims(b, 2)
         pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
         words = gl.load(VC + start * WORDS + v_at)
-        acc = value_products(words, v_table, pw, acc * alpha, BITS)
+        acc = value_products(words, v_table, shift, pw, acc * alpha, BITS)
         m_i = m_new
     if PRE_ROPE:
         rope_kept(tables)
@@ -303,7 +345,7 @@ CONSTANTS = ("G", "D", "FEATURES", "PRE_ROPE", "BITS")
 def constants(name: str) -> dict:
     """The Gluon skeleton's constexpr arguments for formulation `name`."""
     return {"G": G, "D": D, "FEATURES": "features" in name, "PRE_ROPE": "pre-RoPE" in name,
-            "BITS": 4 if "4-bit" in name else 2}  # fmt: skip
+            "BITS": 4 if "4-bit" in name else 3 if "3-bit" in name else 2}  # fmt: skip
 
 
 def measure(name: str) -> dict:

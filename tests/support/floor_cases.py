@@ -22,17 +22,18 @@ def _int32(words: torch.Tensor) -> torch.Tensor:
 def skeleton_inputs(gen, n: int, d: int, g: int, bits: int = 2):
     """The skeleton's arguments for n positions (a multiple of 64), g query heads of d
     channels: (q, key words, value words, the level tables: at 2 bits the keys' table words
-    and the values' uniform 0 .. 3; at 4 bits two random codebooks' tables of level pairs,
-    the keys' then the values'), the per-position metadata, and what the reference needs:
-    levels [n, d] of keys and values (at 2 bits the values' codes), fp32."""
+    and the values' uniform 0 .. 3; at 3 and 4 bits two random codebooks' tables of level
+    pairs, the keys' at word 0, the values' at word 256), the per-position metadata, and what
+    the reference needs: levels [n, d] of keys and values (at 2 bits the values' codes),
+    fp32. Code c of a position is at bits c bits .. of its row (3 bits: across words)."""
     key_codes = torch.randint(0, 2**bits, (n, d), generator=gen)
     value_codes = torch.randint(0, 2**bits, (n, d), generator=gen)
 
     def pack(codes):
-        per = 32 // bits
-        return _int32((codes.view(n, d // per, per) << bits * torch.arange(per)).sum(-1))
+        stream = ((codes[..., None] >> torch.arange(bits)) & 1).reshape(n, -1, 32)
+        return _int32((stream << torch.arange(32)).sum(-1))
 
-    levels = torch.randn(4 if bits == 2 else 16, generator=gen).to(torch.float16)
+    levels = torch.randn(2**bits, generator=gen).to(torch.float16)
     pattern = levels.view(torch.int16).long() & 0xFFFF
     if bits == 2:
         table = _int32(torch.tensor([pattern[0] | pattern[1] << 16, pattern[2] | pattern[3] << 16,
@@ -40,9 +41,9 @@ def skeleton_inputs(gen, n: int, d: int, g: int, bits: int = 2):
         table = torch.cat([table, torch.zeros(2 * 128, dtype=torch.int32)])  # each thread's copy
         value_levels = torch.arange(4.0)
     else:
-        value_levels = torch.randn(16, generator=gen).to(torch.float16)
-        x = torch.arange(256)
-        pairs = [(p[x % 16] | p[x // 16] << 16)
+        value_levels = torch.randn(2**bits, generator=gen).to(torch.float16)
+        x = torch.arange(256) % 4**bits
+        pairs = [(p[x % 2**bits] | p[x // 2**bits] << 16)
                  for p in (pattern, value_levels.view(torch.int16).long() & 0xFFFF)]  # fmt: skip
         table = _int32(torch.cat(pairs))
     q = torch.randn(g, d, generator=gen).to(torch.float16)

@@ -9,9 +9,10 @@ def run_ptx(asm: str, regs: dict[str, torch.Tensor],
             shared: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     """Execute inline PTX of one thread on int64 tensors of 32-bit values, `regs` its operands
     by name ($n, or the block's own registers): prmt.b32 in its default mode, and.b32, or.b32,
-    shl.b32, shr.u32, mad.lo.u32, sub.rn.f16x2 (each half rounded once), mov.b32 d, src and
-    mov.b32 {lo, hi}, src (the PTX ISA's definitions), and ld.shared.b32 d, [a] of the words
-    `shared` (int64, word-aligned addresses: word a / 4)."""
+    shl.b32, shr.u32, mad.lo.u32, shf.r.clamp.b32 (the funnel shift of {b, a} right by
+    min(c, 32)), sub.rn.f16x2 (each half rounded once), mov.b32 d, src and mov.b32 {lo, hi},
+    src (the PTX ISA's definitions), and ld.shared.b32 d, [a] of the words `shared` (int64,
+    word-aligned addresses: word a / 4)."""
     mask = 0xFFFFFFFF
 
     def value(token):
@@ -55,6 +56,8 @@ def run_ptx(asm: str, regs: dict[str, torch.Tensor],
             out = a >> b
         elif op == "sub.rn.f16x2":  # the exact difference, rounded once to fp16
             out = packed(halves(a) - halves(b))
+        elif op == "shf.r.clamp.b32":
+            out = ((b << 32) | a) >> value(src[2]).clamp(max=32)
         elif op == "mad.lo.u32":
             out = a * b + value(src[2])
         elif op == "prmt.b32":  # byte i of d: byte (selector nibble i) of {b, a}

@@ -429,7 +429,7 @@ if available():
             pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
             if STAGES == 2:
                 vw = v_tile.load(VALUE_WORDS4 if WIDE else VALUE_WORDS)
-            acc = value_products(vw, v_table, pw, acc * alpha, BITS)
+            acc = value_products(vw, v_table, v_table, pw, acc * alpha, BITS)
             m_i = m_new
         async_copy.wait_group(0)  # the last tile's copy again: landed before the memory is reused
         if PRE_ROPE:

@@ -13,8 +13,10 @@ from kvcalib_runtime.kernels import tiles
 from kvcalib_runtime.kernels.gluon_ptx import (
     rotated_scores_asm,
     rows_asm,
+    scores3_asm,
     scores_asm,
     stored_asm,
+    values3_asm,
     values_asm,
 )
 
@@ -61,6 +63,21 @@ VALUE_WORDS4 = gl.DistributedLinearLayout(
     reg_bases=[[0, 1, 0], [0, 0, 1], [0, 8, 0]],
     lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
     warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 16])  # fmt: skip
+
+# At 3 bits a position's 128 codes are 12 words, which no linear layout splits among 4 lanes:
+# the words are read by address (benchmarks/kernel_floor's skeleton: from global memory), a
+# layout naming only which thread reads which. Keys [4, 16, 4, 4]: lane (i, r) reads words
+# 3i + e (e < 3, 96 bits: channels 32i .. 32i + 31) of positions r, r + 8 (KEY_SLOTS3,
+# register e + 4h); values [4, 16, 8, 2]: the two words holding bits 48r .. 48r + 47 (channels
+# 16r .. 16r + 15) of positions 2i + b + 8c (VALUE_SLOTS3, register slot + 2b + 4c)
+KEY_SLOTS3 = gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 8, 0, 0]],
+    lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
+    warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, 16, 4, 4])  # fmt: skip
+VALUE_SLOTS3 = gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [0, 1, 0, 0], [0, 8, 0, 0]],
+    lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
+    warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, 16, 8, 2])  # fmt: skip
 
 
 def _linear(reg_bases, lane_bases, shape):
@@ -124,9 +141,21 @@ def key_channel4(k, PAIRS: gl.constexpr):
 
 
 @gluon.jit
+def key_channel3(k):
+    """The channel whose 3-bit code `key3_asm` puts at K index k = 16 kappa + 8c + 2i + b:
+    code 2j + b of lane i's group (channels 32i ..), j = 2 kappa + c (keys after RoPE)."""
+    return 32 * ((k >> 1) & 3) + 4 * (k >> 4) + 2 * ((k >> 3) & 1) + (k & 1)
+
+
+@gluon.jit
 def channel_at(k, PAIRS: gl.constexpr, BITS: gl.constexpr):
-    """The channel at K index k of a tile's keys: `key_channel` (2 bits), `key_channel4`."""
-    return key_channel4(k, PAIRS) if BITS == 4 else key_channel(k, PAIRS)
+    """The channel at K index k of a tile's keys: `key_channel` (2 bits), `key_channel3`
+    (3, after RoPE), `key_channel4`."""
+    if BITS == 3:
+        out = key_channel3(k)
+    else:
+        out = key_channel4(k, PAIRS) if BITS == 4 else key_channel(k, PAIRS)
+    return out
 
 
 @gluon.jit
@@ -278,8 +307,12 @@ def pair_addresses(pairs):
 @gluon.jit
 def scores(words, keys, q_pairs, BITS: gl.constexpr):
     """`scores_asm` on a post-RoPE tile's key words and q^T's pairs (`packed_pairs`); keys as
-    `rotated_scores` takes them. At 4 bits it reads shared memory: not pure."""
-    if BITS == 4:
+    `rotated_scores` takes them. At 3 and 4 bits it reads shared memory: not pure."""
+    if BITS == 3:
+        out = gl.inline_asm(scores3_asm, ("=f", "r", "r", "r"), [words, keys[0], q_pairs],
+                            gl.distributed_type(gl.float32, [4, 16, 8], MMA),
+                            is_pure=False)  # fmt: skip
+    elif BITS == 4:
         out = gl.inline_asm(scores_asm, ("=f", "r", "r", "r"), [words, keys[0], q_pairs],
                             gl.distributed_type(gl.float32, [4, 16, 8], MMA),
                             is_pure=False)  # fmt: skip
@@ -292,12 +325,18 @@ def scores(words, keys, q_pairs, BITS: gl.constexpr):
 
 
 @gluon.jit
-def value_products(words, table, p, acc, BITS: gl.constexpr):
+def value_products(words, table, shift, p, acc, BITS: gl.constexpr):
     """`values_asm`: acc + V^T p from a tile's value words, its probabilities (fp16, the
     scores' layout) and acc [4, D, 8]; `table` the shared address of the values' table of
-    level pairs at 4 bits (read: not pure), unread at 2."""
+    level pairs at 3 and 4 bits (read: not pure), unread at 2; `shift` each thread's shift of
+    its 3-bit words (VALUE_SLOTS3), unread at 2 and 4."""
     D: gl.constexpr = acc.shape[1]
-    if BITS == 4:
+    if BITS == 3:
+        out = gl.inline_asm(values3_asm, ("=f", "r", "r", "r", "h", "f"),
+                            [words, shift, table, p, acc],
+                            gl.distributed_type(gl.float32, [4, D, 8], MMA),
+                            is_pure=False)  # fmt: skip
+    elif BITS == 4:
         out = gl.inline_asm(values_asm, ("=f", "r", "r", "h", "f"), [words, table, p, acc],
                             gl.distributed_type(gl.float32, [4, D, 8], MMA),
                             is_pure=False)  # fmt: skip

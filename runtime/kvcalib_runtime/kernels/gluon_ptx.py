@@ -167,6 +167,74 @@ def _pair_value_blocks(a, words, table) -> list[list[str]]:
 
 
 @gluon.constexpr_function
+def _field(dst: str, words, bit: int, width: int) -> list[str]:
+    """PTX: dst the `width` bits at `bit` of the bit string `words` (registers, the first's
+    bit 0 first): one shift, or one funnel shift where they cross a word, then a mask."""
+    w, off = divmod(bit, 32)
+    if off + width > 32:
+        lines = [f"shf.r.clamp.b32 {dst}, {words[w]}, {words[w + 1]}, {off};"]
+    elif off:
+        lines = [f"shr.u32 {dst}, {words[w]}, {off};"]
+    else:
+        lines = [f"mov.b32 {dst}, {words[w]};"]
+    return [*lines, f"and.b32 {dst}, {dst}, {2**width - 1};"]
+
+
+@gluon.constexpr_function
+def pair3_key_register(h: int, j: int) -> int:
+    """A_OP register of pair j (codes 2j, 2j + 1) of a 3-bit key group of position r + 8h
+    (words 3i .. 3i + 2: 32 codes): k-step j // 2, its half j % 2."""
+    return h + 2 * (j & 1) + 4 * (j >> 1)
+
+
+@gluon.constexpr_function
+def _pair3_key_decode(a, words, table, chunks=(0, 1, 2, 3)) -> list[str]:
+    """PTX: 3-bit key groups (registers e + 4h, e < 3: words 3i + e of position r + 8h, code
+    n at bits 3n of the group) into A_OP registers a (`pair3_key_register`): pair j, the 6
+    bits at 6j, indexes a table of level pairs (64 words at the shared address `table`:
+    entry x the levels of codes x % 8 and x // 8). `chunks`: as `_pair_key_decode`'s.
+    Temporary s."""
+    lines = []
+    for h in range(2):
+        group = words[4 * h : 4 * h + 3]
+        for j in range(16):
+            if (j >> 1) % 4 in chunks:
+                r = pair3_key_register(h, j)
+                lines += [*_field("s", group, 6 * j, 6), f"mad.lo.u32 s, s, 4, {table};",
+                          f"ld.shared.b32 {a[r]}, [s];"]  # fmt: skip
+    return lines
+
+
+@gluon.constexpr_function
+def _pair3_value_blocks(a, words, shift: str, table) -> list[list[str]]:
+    """PTX: 3-bit value groups into the transposed values' A_OP registers a (row r + 8q holding
+    channel 16r + q, as at 4 bits: `pair_value_register`'s order), as the lines of each
+    16-row block j (channels 16r + 2j, + 1). Registers 2b + 4c, + 1 (the words holding bits
+    48r .. 48r + 47 of position 2i + b + 8c: channels 16r .. 16r + 15) are first shifted by
+    `shift` (16 where r is odd) into x_(b + 2c) and y_(b + 2c); pair j (6 bits at 6j) of each
+    position indexes the table of level pairs (`_pair3_key_decode`'s) and two permutes put
+    each channel's two positions in one register. Temporaries s, t, u, x0 .. x3, y0 .. y3,
+    p0 .. p3."""
+    lines = []
+    for n in range(4):
+        first, second = words[2 * n], words[2 * n + 1]
+        lines += [f"shf.r.clamp.b32 x{n}, {first}, {second}, {shift};",
+                  f"shr.u32 y{n}, {second}, {shift};"]  # fmt: skip
+    blocks = []
+    for j in range(8):
+        for n in range(4):
+            lines += [*_field("s", [f"x{n}", f"y{n}"], 6 * j, 6),
+                      f"mad.lo.u32 s, s, 4, {table};", f"ld.shared.b32 p{n}, [s];"]  # fmt: skip
+        for c in range(2):
+            even, odd = pair_value_register(2 * j, 0, c), pair_value_register(2 * j + 1, 0, c)
+            lines += [f"prmt.b32 {a[even]}, p{2 * c}, p{2 * c + 1}, 0x5410;",
+                      f"prmt.b32 {a[odd]}, p{2 * c}, p{2 * c + 1}, 0x7632;"]  # fmt: skip
+        blocks.append(lines)
+        lines = []
+    return blocks
+
+
+@gluon.constexpr_function
 def _keys(a, words, tables, chunks=(0, 1, 2, 3)) -> list[str]:
     """PTX: key words into A_OP registers a, k-steps k and k + D/32 for k in `chunks`: tables
     (lo, hi), the 2-bit table words (`_key_decode`), or (table,), a 4-bit codebook's table of
@@ -205,7 +273,8 @@ def _transposed(b, p) -> list[str]:
 
 @gluon.constexpr_function
 def _declared(*names) -> str:
-    return "{ .reg .b32 s, t, u, x0, x1, x2, x3, " + ", ".join(names) + ";"
+    temporaries = "s, t, u, x0, x1, x2, x3, y0, y1, y2, y3, p0, p1, p2, p3"
+    return "{ .reg .b32 " + temporaries + ", " + ", ".join(names) + ";"
 
 
 @gluon.constexpr_function
@@ -236,13 +305,65 @@ def scores_asm(outputs, inputs):
     a = _fragments("a", 2 * len(q))
     if len(tables) == 2:
         lines = [_declared(*a), *_keys(a, words, tables), *_scores(out, a, q)]
-    else:  # each chunk's products after its decode: fewer fragments live at once
-        steps = len(q) // 4  # k-steps to a chunk's second
-        lines = [_declared(*a), *(f"mov.b32 {x}, 0f00000000;" for x in out)]
-        for k in range(steps):
-            lines += _keys(a, words, tables, (k,))
-            for s in (k, k + steps):
-                lines.append(_mma(out, a[4 * s : 4 * s + 4], q[2 * s : 2 * s + 2], out))
+    else:
+        lines = [_declared(*a), *_chunked_scores(out, a, q, lambda ks: _keys(a, words, tables, ks))]
+    return "\n".join(lines) + " }"
+
+
+@gluon.constexpr_function
+def _chunked_scores(out, a, q, decode) -> list[str]:
+    """PTX: the scores out = A q^T from zero, each chunk's two k-steps (k, k + D/32) right
+    after `decode((k,))` writes their fragments: fewer fragments live at once."""
+    steps = len(q) // 4  # k-steps to a chunk's second
+    lines = [f"mov.b32 {x}, 0f00000000;" for x in out]
+    for k in range(steps):
+        lines += decode((k,))
+        for s in (k, k + steps):
+            lines.append(_mma(out, a[4 * s : 4 * s + 4], q[2 * s : 2 * s + 2], out))
+    return lines
+
+
+@gluon.constexpr_function
+def key3_asm(outputs, inputs):
+    """3-bit key groups to fp16 A_OP values (`_pair3_key_decode` alone, as `key_asm`): the
+    words, then the table of level pairs' shared address."""
+    (out,), (words, (table,)) = outputs, inputs
+    a = _fragments("a", len(out) // 2)
+    lines = [_declared(*a), *_pair3_key_decode(a, words, table), *_unpacked(out, a)]
+    return "\n".join(lines) + " }"
+
+
+@gluon.constexpr_function
+def value3_asm(outputs, inputs):
+    """3-bit value groups to fp16 A_OP values of the transposed values (`_pair3_value_blocks`
+    alone): the words, each thread's shift, the table's shared address."""
+    (out,), (words, (shift,), (table,)) = outputs, inputs
+    a = _fragments("a", len(out) // 2)
+    blocks = _pair3_value_blocks(a, words, shift, table)
+    lines = [_declared(*a), *(line for block in blocks for line in block), *_unpacked(out, a)]
+    return "\n".join(lines) + " }"
+
+
+@gluon.constexpr_function
+def scores3_asm(outputs, inputs):
+    """`scores_asm` for 3-bit key groups (`_pair3_key_decode`): the words, the table's shared
+    address, q^T's pairs."""
+    (out,), (words, (table,), q) = outputs, inputs
+    a = _fragments("a", 2 * len(q))
+    decode = lambda ks: _pair3_key_decode(a, words, table, ks)  # noqa: E731
+    return "\n".join([_declared(*a), *_chunked_scores(out, a, q, decode)]) + " }"
+
+
+@gluon.constexpr_function
+def values3_asm(outputs, inputs):
+    """`values_asm` for 3-bit value groups (`_pair3_value_blocks`): the words, each thread's
+    shift, the table's shared address, the probabilities, acc."""
+    (out,), (words, (shift,), (table,), p, acc) = outputs, inputs
+    a, b = _fragments("a", len(out)), _fragments("b", 2)
+    lines = [_declared(*a, *b), *_transposed(b, p)]
+    for m, block in enumerate(_pair3_value_blocks(a, words, shift, table)):
+        lines += [*block, _mma(out[4 * m : 4 * m + 4], a[4 * m : 4 * m + 4], b,
+                               acc[4 * m : 4 * m + 4])]  # fmt: skip
     return "\n".join(lines) + " }"
 
 

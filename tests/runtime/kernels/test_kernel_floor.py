@@ -72,15 +72,22 @@ def run(asm_fn, outputs: int, words: torch.Tensor, *tables, shared=None) -> torc
     return torch.stack([regs[name] for name in names], 1)
 
 
-def pair_table(gen, at: int):
-    """Sixteen random fp16 levels as a table of level pairs at shared address `at` (entry x:
-    the levels of codes x % 16 and x // 16), the shared words holding it, and the levels'
-    16-bit patterns."""
-    bits = torch.randn(16, generator=gen).to(torch.float16).view(torch.int16).long() & 0xFFFF
-    x = torch.arange(256)
-    shared = torch.zeros(at // 4 + 256, dtype=torch.long)
-    shared[at // 4 :] = bits[x % 16] | bits[x // 16] << 16
+def pair_table(gen, at: int, levels: int = 16):
+    """`levels` random fp16 levels as a table of level pairs at shared address `at` (entry x:
+    the levels of codes x % levels and x // levels), the shared words holding it, and the
+    levels' 16-bit patterns."""
+    bits = torch.randn(levels, generator=gen).to(torch.float16).view(torch.int16).long() & 0xFFFF
+    x = torch.arange(levels**2)
+    shared = torch.zeros(at // 4 + levels**2, dtype=torch.long)
+    shared[at // 4 :] = bits[x % levels] | bits[x // levels] << 16
     return shared, bits
+
+
+def bit_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [..., n] packed as one bit string a row (code c at bits c bits ..), in 32-bit
+    words [..., n bits / 32] (int64)."""
+    stream = ((codes[..., None] >> torch.arange(bits)) & 1).flatten(-2)
+    return (stream.unflatten(-1, (-1, 32)) << torch.arange(32)).sum(-1)
 
 
 def test_the_relabelings_are_permutations():
@@ -89,6 +96,7 @@ def test_the_relabelings_are_permutations():
     for pairs in (False, True):
         assert sorted(dg.key_channel.fn(torch.arange(128), pairs).tolist()) == list(range(128))
         assert sorted(dg.key_channel4.fn(torch.arange(128), pairs).tolist()) == list(range(128))
+    assert sorted(dg.key_channel3.fn(torch.arange(128)).tolist()) == list(range(128))
     assert sorted(dg.value_channel.fn(torch.arange(128)).tolist()) == list(range(128))
 
 
@@ -162,6 +170,55 @@ def test_each_4_bit_value_register_holds_the_level_of_its_position_at_the_row_st
             b, c, w = position % 2, position // 8, channel // 8 - 2 * r
             assert (position // 2) % 4 == i and w in (0, 1), (lane, reg)
             level = bits[codes[:, b + 2 * w + 4 * c, channel % 8]]
+            assert torch.equal(out[:, reg], level), (lane, reg)
+
+
+def test_each_3_bit_key_register_holds_the_level_of_the_channel_q_reads_at_its_k():
+    """Lane (i, r) reads words 3i .. 3i + 2 of positions r, r + 8 (registers e + 4h, e < 3:
+    channels 32i .. 32i + 31, a code's 3 bits across words where they fall so) and decodes
+    them by the table of level pairs: A-operand register R holds, at its (position, K index),
+    the level of channel key_channel3(k), for every register of every lane, on random codes
+    with every code at each of a group's first places."""
+    gen = torch.Generator().manual_seed(5)
+    at = 0x300
+    shared, bits = pair_table(gen, at, 8)
+    for lane in LANES:
+        i = lane % 4
+        codes = torch.randint(0, 8, (32, 2, 32), generator=gen)  # samples, h, channel - 32i
+        codes[:8, :, :12] = torch.arange(8)[:, None, None]
+        words = torch.randint(0, 2**32, (32, 8), generator=gen)  # register 4h + 3: unread
+        for h in range(2):
+            words[:, 4 * h : 4 * h + 3] = bit_rows(codes[:, h], 3)
+        out = run(gluon_ptx.key3_asm, 64, words, at, shared=shared)
+        for reg in range(64):
+            _, position, k = coords(dg.KEYS, reg, lane)
+            channel = int(dg.key_channel3.fn(torch.tensor(k))) - 32 * i
+            assert channel in range(32) and position % 8 == lane // 4, (lane, reg)
+            level = bits[codes[:, position // 8, channel]]
+            assert torch.equal(out[:, reg], level), (lane, reg)
+
+
+def test_each_3_bit_value_register_holds_the_level_of_its_position_at_the_row_stored_out():
+    """Lane (i, r) reads the two words holding bits 48r .. 48r + 47 of positions 2i + b + 8c
+    (registers 2 (b + 2c) and + 1; channels 16r .. 16r + 15, shifted by 16 where r is odd):
+    A-operand register R of the transposed values holds, at its (row m, position), the level
+    of that position's code of channel value_channel(m); every register of every lane."""
+    gen = torch.Generator().manual_seed(6)
+    at = 0x500
+    shared, bits = pair_table(gen, at, 8)
+    for lane in LANES:
+        i, r = lane % 4, lane // 4
+        codes = torch.randint(0, 8, (32, 4, 128), generator=gen)  # samples, b + 2c, channel
+        codes[:8, 0, 16 * r : 16 * r + 16] = torch.arange(8)[:, None]
+        rows = bit_rows(codes, 3)  # [32, 4, 12]
+        words = rows[:, :, 3 * r // 2 : 3 * r // 2 + 2].flatten(1)
+        out = run(gluon_ptx.value3_asm, 64, words, 16 * (r % 2), at, shared=shared)
+        for reg in range(64):
+            _, m, position = coords(dg.VALUES, reg, lane)
+            channel = int(dg.value_channel.fn(torch.tensor(m)))
+            b, c = position % 2, position // 8
+            assert (position // 2) % 4 == i and channel // 16 == r, (lane, reg)
+            level = bits[codes[:, b + 2 * c, channel]]
             assert torch.equal(out[:, reg], level), (lane, reg)
 
 
