@@ -111,12 +111,14 @@ def h200_measured(results: str) -> dict[str, dict[str, float]]:
 
 def results_section(doc: dict, results: str) -> str:
     """RESULTS.md's budget section, from budget.json: kvcalib-2's rows (and the full-precision
-    stream's) at 32/8/128 on sm_90, and the floors they predict at 32K x 16 on an H100 and an
-    H200 beside what the H200 measured."""
+    stream's, and kvcalib-4's Gluon tiles) at 32/8/128 on sm_90, and the floors they predict at
+    32K x 16 on an H100 and an H200 beside what the H200 measured."""
 
     def shown(r):
         if "registers" not in r or r["paged"] or (r["arch"], r["shape"]) != ("sm_90", "32/8/128"):
             return False
+        if r["recipe"] == "kvcalib-4":
+            return r["chosen"] and r["kernel"] == "_body_kernel"
         return r["recipe"] == "kvcalib-2" or (r["recipe"] == "full-precision" and r["chosen"])
 
     rows = [r for r in doc["rows"] if shown(r)]
@@ -135,7 +137,9 @@ def results_section(doc: dict, results: str) -> str:
         "(`*`: untuned; the others are the candidates the launcher times). Its body's whole "
         "tiles are the Gluon kernel's (kernels.decode_gluon); the Triton kernel's rows there "
         "read only what follows them (a partial tile, the ring, the sinks, the new token), so "
-        "the Gluon rows predict the step:",
+        "the Gluon rows predict the step. Listed with them: kvcalib-4's Gluon tiles (4-bit "
+        "codebook keys with an fp16 exact slot, 4-bit codebook values with an fp16 scale a "
+        "row):",
         "",
         *table(rows),
         "",
@@ -161,8 +165,8 @@ def results_section(doc: dict, results: str) -> str:
             issue = r["per_position"] * positions / (sms * SCHEDULERS * clock * 1e9) * 1e6
             byte = r["bytes_read_32k_x16"] / (tbs * 1e12) * 1e6
             at = measured.get(r["keys"], {}) if name == "H200" else {}
-            ours = at.get("ours" if r["recipe"] == "kvcalib-2" else "exact", "")
-            if ours and r["kernel"] == "_body_kernel":  # written after that run: never timed
+            ours = at.get({"kvcalib-2": "ours", "full-precision": "exact"}.get(r["recipe"]), "")
+            if at and r["kernel"] == "_body_kernel":  # written after that run: never timed
                 ours = "not run"
             lines.append(
                 f"| {r['recipe']} {r['keys']} ({KERNELS[r['kernel']]}) | {r['block_n']}, "

@@ -23,9 +23,9 @@ importable (the integration tests import the toolkit): how it ran on 2026-12-04.
    reports what it measured). The whole grid (three shapes, bf16, 131K) is `bench_decode.py`
    alone: ~72 rows at 4K and 32K, over 10 minutes
 3. `gpu_steps.py registers`: the decode kernel's n_regs / n_spills on this GPU for every
-   configuration it compiles (kvcalib-2 and the full-precision stream at 32/8/128, keys pre-
-   and post-RoPE) beside the CPU compile's registers (benchmarks/kernel_budget/budget.json);
-   at most STEP_SECONDS["registers"]
+   configuration it compiles (kvcalib-2, the full-precision stream and, time allowing,
+   kvcalib-4 at 32/8/128, keys pre- and post-RoPE) beside the CPU compile's registers
+   (benchmarks/kernel_budget/budget.json); at most STEP_SECONDS["registers"]
 4. `gpu_steps.py e2e`: tokens/s of the runtime (kvcalib-2 cache, CUDA graph) on a
    random-weight Qwen2.5-0.5B at 16K context, batch 16, against transformers' SDPA over an
    fp16 cache; at most STEP_SECONDS["e2e"]
