@@ -91,7 +91,7 @@ import budget_read as read
 import kernel_budget
 
 from kvcalib_runtime.kernels import packed
-from kvcalib_runtime.kernels.decode_gluon import MAX_REGISTERS, _in_registers
+from kvcalib_runtime.kernels.decode_gluon import MAX_REGISTERS
 from kvcalib_runtime.kernels.gluon_layouts import (
     A_OP,
     B_OP,
@@ -125,6 +125,7 @@ from kvcalib_runtime.kernels.gluon_layouts import (
     value_products,
     value_unit,
 )
+from kvcalib_runtime.kernels.gluon_streams import in_registers
 from kvcalib_runtime.layouts import metabyte
 
 G, D, BN, WARPS = 4, 128, 64, 4
@@ -223,7 +224,7 @@ def _gluon_loop(Q, KC, VC, W, B, OUT, n, T, SINK, INDEX, DELTA, VSCALE, VZERO, T
         k_table, v_table = pair_addresses(pairs)
         keys = (k_table, k_table)
     else:
-        keys = _in_registers(T + 4, gl.load(T), gl.load(T + 1))
+        keys = in_registers(T + 4, gl.load(T), gl.load(T + 1))
         v_table = keys[0]  # unread: 2-bit values need no table
     # q^T [4, D, 8] as the B operand, K index k read from the channel gluon_ptx.key_asm puts there
     k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))

@@ -10,7 +10,8 @@
                       decode_reference is its spec in plain torch
     decode_gluon      its whole tiles for kvcalib-2's and -4's layouts at 128 channels a
                       head, in Gluon (on a GPU; the Triton kernel reads the rest);
-                      gluon_layouts its registers' layouts, gluon_ptx its inline PTX
+                      gluon_layouts its registers' layouts, gluon_streams its tables and
+                      metadata copies, gluon_ptx its inline PTX
     paged             the same kernel over vLLM-style pages, read through a block table, and
                       its reference (gather, then decode_attention's)
 

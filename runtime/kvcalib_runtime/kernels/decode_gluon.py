@@ -20,16 +20,17 @@ probabilities reach the B operand by one movmatrix transpose a half. Each tile's
 tensor-core products are one inline-PTX block (kernels.gluon_ptx: `scores_asm`,
 `rotated_scores_asm`, `values_asm`): the codes decoded straight into the mma.sync fragments,
 pre-RoPE keys scaled, offset and rotated there, four half2 fma a channel pair; the keys' table
-words are ordinary registers of every thread (`_in_registers`). Before RoPE, the six tables that
-scale, offset and rotate the keys are in shared memory (`rope_tables`, built once a program, 96
-words a thread), read by address in the fused block, each k-step's 24 just before its products
-(fewer instructions than scaling, then rotating, from four tables held in registers across the
-loop, and those 64 registers free); q is rotated once a tile.
+words are ordinary registers of every thread (kernels.gluon_streams' `in_registers`). Before
+RoPE, the six tables that scale, offset and rotate the keys are in shared memory
+(`rope_tables`, built once a program, 96 words a thread), read by address in the fused block,
+each k-step's 24 just before its products (fewer instructions than scaling, then rotating, from
+four tables held in registers across the loop, and those 64 registers free); q is rotated once
+a tile.
 
 The pipeline: every per-position stream reaches shared memory by cp.async while the tile before
 is computed, the codes 16 bytes a thread of each stream, the five one-byte streams (slot index
-and delta, value scale and zero point, sink flag) 4 bytes a thread (`_meta_copy`), then read
-from there (the codes in their operands' layouts, the bytes by address: `_shared_at`). The
+and delta, value scale and zero point, sink flag) 4 bytes a thread (`meta_copy`), then read
+from there (the codes in their operands' layouts, the bytes by address: `shared_at`). The
 codes' buffers are a ring of two after RoPE (one barrier a tile); before it one buffer (the
 tables leave room for no more at 4 programs an SM), read at the tile's start, a second barrier
 before the next copy. Offsets that stay per position reach their pointers zero-extended
@@ -48,11 +49,11 @@ per-program table of q_c s_c (q_c: fp16 deltas are not in steps) and its RoPE pa
 is not a copy, a gather by the slot's index), its angle by the SFU.
 
 At 4 bits a byte of codes (two channels) indexes a table of level pairs in shared memory (256
-words a codebook, built once a program: `_pair_tables`; gluon_ptx's `_pair_key_decode`), three
+words a codebook, built once a program: `pair_tables`; gluon_ptx's `_pair_key_decode`), three
 instructions a register; a value register pairs two positions' codes of a channel, put in one
 byte first. Each position's codes are 16 words (KEY_WORDS4, KEY_PAIRS4, VALUE_WORDS4, two
 16-byte copies a thread a stream), the slot deltas and value scales two-byte streams of 33
-words (`_meta_copy`). The table's loads fall at random among shared memory's 32 banks: the
+words (`meta_copy`). The table's loads fall at random among shared memory's 32 banks: the
 instruction count does not see their conflicts.
 
 Gluon's API moves between Triton releases: `available()` holds it to the one it is written
@@ -96,14 +97,12 @@ if available():
         COPY,
         COPY4,
         FLAT,
-        FOUR_A_THREAD,
         KEY_PAIRS,
         KEY_PAIRS4,
         KEY_WORDS,
         KEY_WORDS4,
         KEYS,
         MMA,
-        ONE_A_THREAD,
         PROBS,
         Q_ROWS,
         QUERY,
@@ -115,7 +114,6 @@ if available():
         channel_at,
         offsets,
         packed_pairs,
-        pair_addresses,
         rope_kept,
         rope_tables,
         rotated_scores,
@@ -125,74 +123,18 @@ if available():
         value_products,
         value_unit,
     )
-    from kvcalib_runtime.kernels.gluon_ptx import rows_asm, shared_asm
+    from kvcalib_runtime.kernels.gluon_streams import (
+        in_registers,
+        meta_copy,
+        meta_source,
+        meta_starts,
+        pair_tables,
+        shared_at,
+        table_word,
+    )
 
     SCALE_BASE = gl.constexpr(metabyte.BASE)
     ZERO_STEP = gl.constexpr(3.0 / metabyte.ZERO_STEPS)  # 2-bit uniform: SPAN 3 (tiles.zero_decode)
-
-    @gluon.constexpr_function
-    def _meta_starts(WIDE):
-        """The words of `_meta_copy`'s buffer where its five streams start (and where they
-        end): 17 words a one-byte stream, 33 a two-byte one (none for the zero points at 4
-        bits)."""
-        words = (17, 33, 33, 0, 17) if WIDE else (17, 17, 17, 17, 17)
-        return [sum(words[:s]) for s in range(6)]
-
-    @gluon.jit
-    def _meta_copy(KIDX, KDEL, VSCALE, VZERO, SINK, head_at, sink_at, mbuf, tile,
-                   WIDE: gl.constexpr):  # fmt: skip
-        """The copy of a tile's per-position streams: its slot indices, slot deltas, value
-        scales and zero points (elements head_at + p of each: one offset, `copied_strides`)
-        and sink flags (sink_at + p), 64 a stream; one byte each, or WIDE (4 bits: the deltas
-        and scales fp16, no zero points). cp.async copies 4 bytes at least, and a row of one
-        byte a slot starts anywhere in a word (of two bytes, at either half): each stream is
-        copied as the 17 (33) words from the one holding its first byte, one word a thread (the
-        last only where that byte is not a word's first, so that every word read holds a byte
-        of its tensor), stream s from word `_meta_starts(WIDE)[s]` of a buffer of `mbuf`'s
-        ring, its first byte `lead` bytes in. Returns (each thread's source word at position 0,
-        whether it copies, as async_load takes them, and its stream's bytes a position; the
-        shared addresses, in buffer 0, of
-        tile positions `tile` [4, 16] of the one-byte per-head streams, of the two-byte ones
-        (less their start) and of the sink flags: `_shared_at` reads them)."""
-        STARTS: gl.constexpr = _meta_starts(WIDE)
-        e = gl.arange(0, 128, layout=ONE_A_THREAD)
-        stream = ((e >= STARTS[1]).to(gl.int32) + (e >= STARTS[2]).to(gl.int32)
-                  + (e >= STARTS[3]).to(gl.int32) + (e >= STARTS[4]).to(gl.int32))  # fmt: skip
-        word = e - gl.where(stream == 0, 0, gl.where(stream == 1, STARTS[1], gl.where(
-            stream == 2, STARTS[2], gl.where(stream == 3, STARTS[3], STARTS[4]))))  # fmt: skip
-        WIDTH: gl.constexpr = 2 if WIDE else 1  # of the slot deltas and value scales
-        width = gl.where((stream == 1) | (stream == 2), WIDTH, 1)
-        shift = (head_at & 3).to(gl.int32)
-        half_shift = ((2 * head_at) & 3).to(gl.int32)
-        sink_shift = (sink_at & 3).to(gl.int32)
-        lead = gl.where(stream == 4, sink_shift, gl.where(width == 2, half_shift, shift))
-        i8: gl.constexpr = gl.pointer_type(gl.int8)
-        per_head = gl.where(stream == 0, KIDX.to(i8, bitcast=True),
-                            gl.where(stream == 1, KDEL.to(i8, bitcast=True),
-                                     gl.where(stream == 2, VSCALE.to(i8, bitcast=True),
-                                              VZERO.to(i8, bitcast=True))))  # fmt: skip
-        at = gl.where(stream == 4, SINK.to(i8, bitcast=True) + sink_at,
-                      per_head + head_at * width)  # fmt: skip
-        at = (at + (4 * word - lead)).to(gl.pointer_type(gl.int32), bitcast=True)
-        live = (stream < 5) & ((word < 16 * width) | (lead > 0))
-        heads, halves, sinks = gl.inline_asm(
-            rows_asm, ("=r", "=r", "=r", "r", "r", "r", "r", "r", "r"),
-            [mbuf, mbuf, mbuf, tile + shift, 2 * tile + half_shift,
-             tile + 4 * STARTS[4] + sink_shift], [tile.type] * 3, is_pure=False,
-        )  # fmt: skip
-        return at, live, width, heads, halves, sinks
-
-    @gluon.jit
-    def _meta_source(at, width, start, WIDE: gl.constexpr):
-        """`_meta_copy`'s source words for the tile at `start` (a multiple of 64)."""
-        return at + (start // 4) * width if WIDE else at + start // 4
-
-    @gluon.jit
-    def _shared_at(at, OFFSET: gl.constexpr, BITS: gl.constexpr):
-        """The BITS-bit unsigned integer (8 or 16) at shared address at + OFFSET, zero-extended
-        (the address is one that Gluon's allocator does not see: `_meta_copy`'s)."""
-        return gl.inline_asm_elementwise(shared_asm(OFFSET, BITS), "=r,r", [at], dtype=gl.int32,
-                                         is_pure=False, pack=1)  # fmt: skip
 
     @gluon.jit
     def _unsigned(x):
@@ -201,44 +143,6 @@ if available():
         the loop's 64-bit addresses in registers; zero-extended, it computes each from its
         32-bit offset when needed."""
         return x.to(gl.uint32, bitcast=True).to(gl.int64)
-
-    @gluon.jit
-    def _in_registers(at, lo, hi):
-        """The two table words (every thread's the same) in ordinary registers of each thread,
-        and a barrier (which also publishes what the program wrote before it). ptxas keeps a
-        value every thread shares in a uniform register, and a permute's table operands must
-        be ordinary ones: it copied them in before each permute, ~40 copies a tile. Each thread
-        stores them at at[2t ..] and reads its neighbour's copy (t ^ 1) after the barrier: a
-        value ptxas cannot know is shared, held in registers across the loop."""
-        tid = gl.arange(0, 128, layout=ONE_A_THREAD)
-        at = at.to(gl.pointer_type(gl.int32), bitcast=True)
-        mine, theirs = at + 2 * tid, at + 2 * (tid ^ 1)
-        gl.store(mine, gl.full([128], lo, gl.int32, ONE_A_THREAD))
-        gl.store(mine + 1, gl.full([128], hi, gl.int32, ONE_A_THREAD))
-        gl.barrier()
-        return gl.load(theirs), gl.load(theirs + 1)
-
-    @gluon.jit
-    def _table_word(LEVELS, first: gl.constexpr):
-        """Levels first, first + 1 of a codebook row (fp32) as one int32 of two fp16."""
-        a = gl.load(LEVELS + first).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32)
-        b = gl.load(LEVELS + first + 1).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32)
-        return (a & 0xFFFF) | (b << 16)
-
-    @gluon.jit
-    def _pair_tables(KLEV, VLEV):
-        """The keys' and the values' tables of level pairs (4 bits, gluon_ptx's
-        `_pair_key_decode`) in shared memory, from their codebook rows KLEV, VLEV (16 fp32):
-        entry x of each the fp16 levels of codes x % 16 and x // 16. Returns the buffer (to keep
-        it allocated: the loop reads it by address) and each table's shared address."""
-        x = gl.arange(0, 512, layout=FOUR_A_THREAD)
-        row = gl.where(x < 256, KLEV, VLEV)
-        lo = gl.load(row + x % 16).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32)
-        hi = gl.load(row + (x // 16) % 16).to(gl.float16).to(gl.int16, bitcast=True)
-        pairs = gl.allocate_shared_memory(gl.int32, [512], FLAT)
-        pairs.store((lo & 0xFFFF) | (hi.to(gl.int32) << 16))
-        k_table, v_table = pair_addresses(pairs)
-        return pairs, k_table, v_table
 
     # fmt: off
     @gluon.jit(do_not_specialize=["num_splits", "first_split", "split_rows"])  # `launch`'s warmup
@@ -272,7 +176,7 @@ if available():
         # an H100's 228 KB; the tile's codes are read before the next copy), after it two
         STAGES: gl.constexpr = 1 if PRE_ROPE else 2
         SLOT_TABLE: gl.constexpr = (2 * D + 1) * 8
-        STARTS: gl.constexpr = _meta_starts(WIDE)
+        STARTS: gl.constexpr = meta_starts(WIDE)
         C: gl.constexpr = D // 2
         b, hk, split = gl.program_id(0), gl.program_id(1), gl.program_id(2)
         kv = b.to(gl.int64) * num_kv + hk
@@ -300,13 +204,13 @@ if available():
         gl.store(table + rows, t_own)
         gl.store(table + D * 8 + rows, t_pair)
         if WIDE:
-            pairs, k_table, v_table = _pair_tables(KLEV + hk * BOOK, VLEV + hk * VBOOK)
+            pairs, k_table, v_table = pair_tables(KLEV + hk * BOOK, VLEV + hk * VBOOK)
             keys = (k_table, k_table)
             gl.barrier()  # the tables and the slot table written
         else:
             levels = KLEV + hk * BOOK
-            keys = _in_registers(table + SLOT_TABLE, _table_word(levels, 0),
-                                 _table_word(levels, 2))  # fmt: skip
+            keys = in_registers(table + SLOT_TABLE, table_word(levels, 0),
+                                 table_word(levels, 2))  # fmt: skip
             v_table = keys[0]  # unread: 2-bit values need no table
         # q^T [4, D, 8] as the B operand, K index k read from the channel key_asm puts there
         k = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
@@ -333,14 +237,14 @@ if available():
         piece = offsets(COPY4 if WIDE else COPY, 4, 16, WORDS, 16 * WORDS, WORDS, 1)
         k_at = KC + (b.to(gl.int64) * kc_b + hk * kc_h) * WORDS + piece
         v_at = VC + (b.to(gl.int64) * vc_b + hk * vc_h) * WORDS + piece
-        m_at, m_live, m_width, meta, m_halves, sink_meta = _meta_copy(
+        m_at, m_live, m_width, meta, m_halves, sink_meta = meta_copy(
             KIDX, KDEL, VSCALE, VZERO, SINK, b.to(gl.int64) * m_b + hk * m_h,
             b.to(gl.int64) * positions, mbuf, at, WIDE,
         )  # fmt: skip
         if lo < hi:
             async_copy.async_load(kbuf.index(0), k_at + lo * WORDS)
             async_copy.async_load(vbuf.index(0), v_at + lo * WORDS)
-            async_copy.async_load(mbuf.index(0), _meta_source(m_at, m_width, lo, WIDE),
+            async_copy.async_load(mbuf.index(0), meta_source(m_at, m_width, lo, WIDE),
                                   mask=m_live)  # fmt: skip
             async_copy.commit_group()
         ring = 0
@@ -380,7 +284,7 @@ if available():
             next_k = kbuf.index((1 - ring) * (STAGES - 1))
             async_copy.async_load(next_k, k_at + ahead * WORDS)  # budget: steady loop
             async_copy.async_load(vbuf.index((1 - ring) * (STAGES - 1)), v_at + ahead * WORDS)
-            async_copy.async_load(mbuf.index(1 - ring), _meta_source(m_at, m_width, ahead, WIDE),
+            async_copy.async_load(mbuf.index(1 - ring), meta_source(m_at, m_width, ahead, WIDE),
                                   mask=m_live)  # fmt: skip
             async_copy.commit_group()
             tile_meta, tile_sink = meta + ring * 512, sink_meta + ring * 512
@@ -395,12 +299,12 @@ if available():
             else:
                 s = scores(words, keys, q_pairs, BITS)
             p_at = start + at
-            index = _shared_at(tile_meta, 0, 8)
+            index = shared_at(tile_meta, 0, 8)
             if WIDE:  # fp16, exact
-                delta = _shared_at(tile_halves, 4 * STARTS[1], 16).to(gl.int16)
+                delta = shared_at(tile_halves, 4 * STARTS[1], 16).to(gl.int16)
                 delta = delta.to(gl.float16, bitcast=True).to(gl.float32)
             else:  # tiles.fp8_decode
-                code = _shared_at(tile_meta, 4 * STARTS[1], 8)
+                code = shared_at(tile_meta, 4 * STARTS[1], 8)
                 half = (((code & 0x7F) << 7) | ((code & 0x80) << 8)).to(gl.int16)
                 delta = half.to(gl.float16, bitcast=True).to(gl.float32) * 256.0
             slot = gl.load(table + _unsigned(gl.expand_dims(index * 8, 2) + slot_heads))  # q_c s_c
@@ -411,7 +315,7 @@ if available():
             else:
                 s += q_off
             s = (s + slot * gl.expand_dims(delta, 2)) * sm_scale
-            s = gl.where(gl.expand_dims(_shared_at(tile_sink, 0, 8) == 0, 2), s,
+            s = gl.where(gl.expand_dims(shared_at(tile_sink, 0, 8) == 0, 2), s,
                          float("-inf"))  # fmt: skip
             m_new = gl.maximum(m_i, gl.max(s, axis=1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # nothing valid yet: zeros
@@ -419,12 +323,12 @@ if available():
             alpha = gl.expand_dims(gl.exp2(m_i - m_use), 1)
             l_w = l_w * alpha + p
             if WIDE:  # symmetric codebook values: scale x level
-                w = _shared_at(tile_halves, 4 * STARTS[2], 16).to(gl.int16)
+                w = shared_at(tile_halves, 4 * STARTS[2], 16).to(gl.int16)
                 w = w.to(gl.float16, bitcast=True).to(gl.float32)
             else:  # uniform: one-byte scale and zero point (layouts.metabyte)
-                w = ((_shared_at(tile_meta, 4 * STARTS[2], 8) + SCALE_BASE) << 20).to(
+                w = ((shared_at(tile_meta, 4 * STARTS[2], 8) + SCALE_BASE) << 20).to(
                     gl.float32, bitcast=True)  # fmt: skip
-                v_off = -(_shared_at(tile_meta, 4 * STARTS[3], 8).to(gl.float32) * ZERO_STEP) * w
+                v_off = -(shared_at(tile_meta, 4 * STARTS[3], 8).to(gl.float32) * ZERO_STEP) * w
                 o_w = o_w * alpha + p * gl.expand_dims(v_off, 2)
             pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
             if STAGES == 2:
@@ -487,7 +391,7 @@ def applies(k_layout, v_layout, head_dim: int, group: int, dtype, paged: bool, w
 def copied_strides(ks, vs, sinks, words: int) -> tuple[int, ...]:
     """The strides the kernel's copies take: each code buffer's (sequence, head) in rows of
     `words` words (so that the compiler knows each row's 16-byte pieces aligned), then the
-    one element stride pair of the slot index, slot delta and value metadata (`_meta_copy`
+    one element stride pair of the slot index, slot delta and value metadata (`meta_copy`
     copies them with one offset). Raises where the buffers are not as the copies read them:
     dense code rows, one element a slot alike in each per-head stream, every buffer
     word-aligned (its storage's start is: allocators align it)."""
