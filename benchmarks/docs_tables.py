@@ -484,15 +484,8 @@ FLOOR_NAMES = {
     "gluon": ("the skeleton in Gluon", "post-RoPE"),
     "gluon+features": ("the Gluon skeleton with kvcalib-2's per-position work", "post-RoPE"),
     "gluon+features, pre-RoPE": ("the same, keys before RoPE", "pre-RoPE"),
-    "gluon 4-bit": (
-        "the Gluon skeleton at 4 bits (codebook keys and values, a table of level "
-        "pairs in shared memory)",
-        "post-RoPE",
-    ),
-    "gluon 3-bit": (
-        "the same at 3 bits (12 words a position, read by address)",
-        "post-RoPE",
-    ),
+    "gluon 4-bit": ("the Gluon skeleton at 4 bits (codebooks, tables of level pairs)", "post-RoPE"),
+    "gluon 3-bit": ("the same at 3 bits (12 words a position, read by address)", "post-RoPE"),
 }
 
 
