@@ -111,13 +111,13 @@ def h200_measured(results: str) -> dict[str, dict[str, float]]:
 
 def results_section(doc: dict, results: str) -> str:
     """RESULTS.md's budget section, from budget.json: kvcalib-2's rows (and the full-precision
-    stream's, and kvcalib-4's Gluon tiles) at 32/8/128 on sm_90, and the floors they predict at
-    32K x 16 on an H100 and an H200 beside what the H200 measured."""
+    stream's, and kvcalib-3's and kvcalib-4's Gluon tiles) at 32/8/128 on sm_90, and the
+    floors they predict at 32K x 16 on an H100 and an H200 beside what the H200 measured."""
 
     def shown(r):
         if "registers" not in r or r["paged"] or (r["arch"], r["shape"]) != ("sm_90", "32/8/128"):
             return False
-        if r["recipe"] == "kvcalib-4":
+        if r["recipe"] in ("kvcalib-3", "kvcalib-4"):
             return r["chosen"] and r["kernel"] == "_body_kernel"
         return r["recipe"] == "kvcalib-2" or (r["recipe"] == "full-precision" and r["chosen"])
 
@@ -137,9 +137,9 @@ def results_section(doc: dict, results: str) -> str:
         "(`*`: untuned; the others are the candidates the launcher times). Its body's whole "
         "tiles are the Gluon kernel's (kernels.decode_gluon); the Triton kernel's rows there "
         "read only what follows them (a partial tile, the ring, the sinks, the new token), so "
-        "the Gluon rows predict the step. Listed with them: kvcalib-4's Gluon tiles (4-bit "
-        "codebook keys with an fp16 exact slot, 4-bit codebook values with an fp16 scale a "
-        "row):",
+        "the Gluon rows predict the step. Listed with them: kvcalib-3's and kvcalib-4's Gluon "
+        "tiles (3- and 4-bit codebook keys with an fp16 exact slot, codebook values with an "
+        "fp16 scale a row):",
         "",
         *table(rows),
         "",

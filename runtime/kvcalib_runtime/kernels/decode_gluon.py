@@ -1,8 +1,7 @@
-"""The decode kernel's whole tiles in Gluon, for kvcalib-2's and kvcalib-4's layouts at 128
-channels a head: the body's 64-position tiles that both bodies hold (`_body_kernel`), beside
-the Triton kernel (kernels.decode_kernel), which then reads only what follows them (the last
-partial tile, the residual ring, the sink slots and the new token); the combine merges both
-kernels' splits.
+"""The decode kernel's whole tiles in Gluon, for kvcalib-2's, kvcalib-3's and kvcalib-4's layouts at
+128 channels a head: the body's 64-position tiles that both bodies hold (`_body_kernel`), beside the
+Triton kernel (kernels.decode_kernel), which then reads only what follows them (the last partial
+tile, the residual ring, the sink slots and the new token); the combine merges both kernels' splits.
 
 Why Gluon: Triton moves each decoded tile to the tensor cores' operand layout through shared
 memory and repacks the 16-bit table outputs every tile, ~29 warp-instructions a position before
@@ -37,16 +36,16 @@ before the next copy. Offsets that stay per position reach their pointers zero-e
 (`_unsigned`), so that ptxas need not hold 64-bit addresses across the loop; the launch is
 bounded to 128 registers before RoPE, 96 after (`MAX_REGISTERS`; at 4 bits 168 and 128).
 
-What it reads (`applies`, `READS`): kvcalib-2's layout, keys "static" (per-channel scale and
-offset) with a 2-bit codebook and one exact slot per row whose delta is an E4M3 byte in steps
-of the channel's scale, before or after RoPE; values "token" (one group a row), 2-bit uniform,
-asymmetric, with a one-byte scale and zero point (layouts.metabyte). Or kvcalib-4's (BITS 4):
-keys the same with a 4-bit codebook and an fp16 delta; values a 4-bit symmetric codebook with
-an fp16 scale a row. Both fp16, G <= 8 query heads a KV head, contiguous bodies
-(`copied_strides`), no sliding window. The slot's score is q . R(p) (delta s_c e_c) from a
-per-program table of q_c s_c (q_c: fp16 deltas are not in steps) and its RoPE partner's
-(global scratch, written at the program's start: the loop's one load from global memory that
-is not a copy, a gather by the slot's index), its angle by the SFU.
+What it reads (`applies`, `READS`): kvcalib-2's layout, keys "static" (per-channel scale and offset)
+with a 2-bit codebook and one exact slot per row whose delta is an E4M3 byte in steps of the
+channel's scale, before or after RoPE; values "token" (one group a row), 2-bit uniform, asymmetric,
+with a one-byte scale and zero point (layouts.metabyte). Or kvcalib-4's (BITS 4) and kvcalib-3's
+(BITS 3): keys the same with a 4- or 3-bit codebook and an fp16 delta; values a symmetric codebook
+of the same width with an fp16 scale a row. All fp16, G <= 8 query heads a KV head, contiguous
+bodies (`copied_strides`), no sliding window. The slot's score is q . R(p) (delta s_c e_c) from a
+per-program table of q_c s_c (q_c: fp16 deltas are not in steps) and its RoPE partner's (global
+scratch, written at the program's start: the loop's one load from global memory that is not a copy,
+a gather by the slot's index), its angle by the SFU.
 
 At 4 bits a byte of codes (two channels) indexes a table of level pairs in shared memory (256
 words a codebook, built once a program: `pair_tables`; gluon_ptx's `_pair_key_decode`), three
@@ -55,6 +54,16 @@ byte first. Each position's codes are 16 words (KEY_WORDS4, KEY_PAIRS4, VALUE_WO
 16-byte copies a thread a stream), the slot deltas and value scales two-byte streams of 33
 words (`meta_copy`). The table's loads fall at random among shared memory's 32 banks: the
 instruction count does not see their conflicts.
+
+At 3 bits the same, with tables of 64 words (a pair of codes is 6 bits: a shift, or a funnel
+shift where it crosses a word, and a mask; gluon_ptx's `_pair3_key_decode`,
+`_pair3_rope_key_decode`, `_pair3_value_blocks`). A position's codes are 12 words, which no
+linear layout splits among a row's 4 lanes: a tile's rows are copied flat (768 words of a
+1,024-word buffer, 16 bytes a piece) and each thread reads its words by address at constant
+offsets from one address of its own (gluon_streams' `slot_bases`, `words3`; conflict-free:
+the 32 lanes of a key read fall in 32 banks). Keys after RoPE, lane i reads channels 32i ..
+32i + 31 (KEY_SLOTS3); before it, channels 16i .. 16i + 15 and their RoPE partners 64 on (the
+two words holding each, shifted: `key_channel3`'s PAIRS).
 
 Gluon's API moves between Triton releases: `available()` holds it to the one it is written
 for, and the decode launcher uses the Triton kernel alone elsewhere. No interpreter runs Gluon:
@@ -77,8 +86,10 @@ WARPS = 4
 # each issues about as many instructions. At 4 bits, as many as the programs an SM holds
 # allow without a spill: before RoPE its shared memory holds 3 (63.5 KB each on an H100),
 # whose 168 registers spill nothing (128 spilled 40 bytes, read in the loop); after RoPE 128
-# (4 programs; 96 spilled 40 bytes) (benchmarks/kernel_budget).
-MAX_REGISTERS = {(True, 2): 128, (False, 2): 96, (True, 4): 168, (False, 4): 128}
+# (4 programs; 96 spilled 40 bytes) (benchmarks/kernel_budget). At 3 bits the same as at 4:
+# before RoPE 3 programs an SM (62 KB), 168 registers, no spill; after it ptxas takes 121.
+MAX_REGISTERS = {(True, 2): 128, (False, 2): 96, (True, 3): 168, (False, 3): 128,
+                 (True, 4): 168, (False, 4): 128}  # fmt: skip
 
 
 def available() -> bool:
@@ -97,6 +108,7 @@ if available():
         COPY,
         COPY4,
         FLAT,
+        FOUR_A_THREAD,
         KEY_PAIRS,
         KEY_PAIRS4,
         KEY_WORDS,
@@ -130,7 +142,9 @@ if available():
         meta_starts,
         pair_tables,
         shared_at,
+        slot_bases,
         table_word,
+        words3,
     )
 
     SCALE_BASE = gl.constexpr(metabyte.BASE)
@@ -161,16 +175,16 @@ if available():
         both bodies of sequence b hold, for query heads hk * G .. hk * G + G - 1, written as
         split first_split + split of PART / STATS (split_rows a head), as the Triton kernel
         writes its own. Sinks are masked (their exact copies are the Triton kernel's). BITS:
-        kvcalib-2's layout (2) or kvcalib-4's (4: the module docstring)."""
+        kvcalib-2's layout (2), kvcalib-3's (3) or kvcalib-4's (4: the module docstring)."""
         gl.static_assert(D == 128 and BLOCK_N == 64)  # the layouts' shapes
-        gl.static_assert(BITS == 2 or BITS == 4)
+        gl.static_assert(BITS == 2 or BITS == 3 or BITS == 4)
         gl.static_assert(gl.to_linear_layout(A_OP, [4, 16, D]) == KEYS)
         gl.static_assert(gl.to_linear_layout(A_OP, [4, D, 16]) == VALUES)
         gl.static_assert(gl.to_linear_layout(B_OP, [4, D, 8]) == QUERY)
         gl.static_assert(gl.to_linear_layout(MMA, [4, 16, 8]) == SCORES)
         gl.static_assert(gl.to_linear_layout(B_OP, [4, 16, 8]) == PROBS)
         BN: gl.constexpr = BLOCK_N
-        WIDE: gl.constexpr = BITS == 4  # fp16 slot deltas and value scales, codebook values
+        WIDE: gl.constexpr = BITS != 2  # fp16 slot deltas and value scales, codebook values
         WORDS: gl.constexpr = D * BITS // 32  # a position's code words
         # the codes' ring: before RoPE one buffer (4 programs of the tables' 48 KB and it fill
         # an H100's 228 KB; the tile's codes are read before the next copy), after it two
@@ -204,7 +218,7 @@ if available():
         gl.store(table + rows, t_own)
         gl.store(table + D * 8 + rows, t_pair)
         if WIDE:
-            pairs, k_table, v_table = pair_tables(KLEV + hk * BOOK, VLEV + hk * VBOOK)
+            pairs, k_table, v_table = pair_tables(KLEV + hk * BOOK, VLEV + hk * VBOOK, BITS)
             keys = (k_table, k_table)
             gl.barrier()  # the tables and the slot table written
         else:
@@ -230,11 +244,22 @@ if available():
         # the pipeline: each tile's codes (a thread 16 bytes a piece of each stream) and
         # metadata copied while the tile before it is computed; the codes' buffers a ring of
         # STAGES, the metadata's a ring of 2 (read late in the tile)
-        kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 16, WORDS], TILE)
-        vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 16, WORDS], TILE)
         mbuf = gl.allocate_shared_memory(gl.int32, [2, 128], FLAT)
-        # a thread's 16-byte pieces of a tile's codes
-        piece = offsets(COPY4 if WIDE else COPY, 4, 16, WORDS, 16 * WORDS, WORDS, 1)
+        FLAT_TILE: gl.constexpr = 1024  # words: a 3-bit tile's 768, in a power of two
+        if BITS == 3:  # 12 words a position: a tile's rows in a flat buffer, read by address
+            kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, FLAT_TILE], FLAT)
+            vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, FLAT_TILE], FLAT)
+            piece = gl.arange(0, FLAT_TILE, layout=FOUR_A_THREAD)
+            c_live = piece < BN * WORDS
+            k_base, v_base, k_shift, v_shift = slot_bases(kbuf, vbuf, PRE_ROPE)
+            keys = (k_table, k_shift)
+        else:
+            kbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 16, WORDS], TILE)
+            vbuf = gl.allocate_shared_memory(gl.int32, [STAGES, 4, 16, WORDS], TILE)
+            # a thread's 16-byte pieces of a tile's codes
+            piece = offsets(COPY4 if WIDE else COPY, 4, 16, WORDS, 16 * WORDS, WORDS, 1)
+            c_live = None
+            v_shift = v_table  # unread: only 3-bit words are shifted
         k_at = KC + (b.to(gl.int64) * kc_b + hk * kc_h) * WORDS + piece
         v_at = VC + (b.to(gl.int64) * vc_b + hk * vc_h) * WORDS + piece
         m_at, m_live, m_width, meta, m_halves, sink_meta = meta_copy(
@@ -242,8 +267,8 @@ if available():
             b.to(gl.int64) * positions, mbuf, at, WIDE,
         )  # fmt: skip
         if lo < hi:
-            async_copy.async_load(kbuf.index(0), k_at + lo * WORDS)
-            async_copy.async_load(vbuf.index(0), v_at + lo * WORDS)
+            async_copy.async_load(kbuf.index(0), k_at + lo * WORDS, mask=c_live)
+            async_copy.async_load(vbuf.index(0), v_at + lo * WORDS, mask=c_live)
             async_copy.async_load(mbuf.index(0), meta_source(m_at, m_width, lo, WIDE),
                                   mask=m_live)  # fmt: skip
             async_copy.commit_group()
@@ -272,18 +297,25 @@ if available():
         for start in range(lo, hi, BN):
             async_copy.wait_group(0)  # this tile's copies landed, and (the barrier) every
             gl.barrier()  # warp's: the buffers of the tile before are free
-            k_tile, v_tile = kbuf.index(ring * (STAGES - 1)), vbuf.index(ring * (STAGES - 1))
-            if WIDE:
+            stage = ring * (STAGES - 1)
+            k_tile, v_tile = kbuf.index(stage), vbuf.index(stage)
+            if BITS == 3:
+                words = words3(k_base, stage, 4 * FLAT_TILE, PRE_ROPE, False)
+            elif WIDE:
                 words = k_tile.load(KEY_PAIRS4 if PRE_ROPE else KEY_WORDS4)
             else:
                 words = k_tile.load(KEY_PAIRS if PRE_ROPE else KEY_WORDS)
             if STAGES == 1:  # read before the next tile's copy overwrites them
-                vw = v_tile.load(VALUE_WORDS4 if WIDE else VALUE_WORDS)
+                if BITS == 3:
+                    vw = words3(v_base, stage, 4 * FLAT_TILE, False, True)
+                else:
+                    vw = v_tile.load(VALUE_WORDS4 if WIDE else VALUE_WORDS)
                 gl.barrier()
             ahead = gl.minimum(start + BN, hi - BN)  # past the last tile: the last again
             next_k = kbuf.index((1 - ring) * (STAGES - 1))
-            async_copy.async_load(next_k, k_at + ahead * WORDS)  # budget: steady loop
-            async_copy.async_load(vbuf.index((1 - ring) * (STAGES - 1)), v_at + ahead * WORDS)
+            async_copy.async_load(next_k, k_at + ahead * WORDS, mask=c_live)  # budget: steady loop
+            async_copy.async_load(vbuf.index((1 - ring) * (STAGES - 1)), v_at + ahead * WORDS,
+                                  mask=c_live)  # fmt: skip
             async_copy.async_load(mbuf.index(1 - ring), meta_source(m_at, m_width, ahead, WIDE),
                                   mask=m_live)  # fmt: skip
             async_copy.commit_group()
@@ -332,8 +364,11 @@ if available():
                 o_w = o_w * alpha + p * gl.expand_dims(v_off, 2)
             pw = (p * gl.expand_dims(w, 2)).to(gl.float16)
             if STAGES == 2:
-                vw = v_tile.load(VALUE_WORDS4 if WIDE else VALUE_WORDS)
-            acc = value_products(vw, v_table, v_table, pw, acc * alpha, BITS)
+                if BITS == 3:
+                    vw = words3(v_base, stage, 4 * FLAT_TILE, False, True)
+                else:
+                    vw = v_tile.load(VALUE_WORDS4 if WIDE else VALUE_WORDS)
+            acc = value_products(vw, v_table, v_shift, pw, acc * alpha, BITS)
             m_i = m_new
         async_copy.wait_group(0)  # the last tile's copy again: landed before the memory is reused
         if PRE_ROPE:
@@ -365,13 +400,19 @@ def runs_on(device) -> bool:
 
 
 # What `_body_kernel` reads, by code width: the fields of the keys' and the values'
-# StreamLayout (kvcalib-2's layout at 2 bits, kvcalib-4's at 4; both words of codes, no ring)
+# StreamLayout (kvcalib-2's layout at 2 bits, kvcalib-3's at 3, kvcalib-4's at 4; no ring;
+# code rows of words, or at 3 bits of bytes: `copied_strides` checks them whole words)
 READS = {
-    2: (dict(GRAN=int(Kind.STATIC), CB=True, SYM=False, K=1, FP8=True),
-        dict(GRAN=int(Kind.TOKEN), CB=False, SYM=False, K=0, BYTE=True)),
-    4: (dict(GRAN=int(Kind.STATIC), CB=True, SYM=False, K=1, FP8=False),
-        dict(GRAN=int(Kind.TOKEN), CB=True, SYM=True, K=0, BYTE=False)),
-}  # fmt: skip
+    2: (
+        dict(GRAN=int(Kind.STATIC), CB=True, SYM=False, K=1, FP8=True),
+        dict(GRAN=int(Kind.TOKEN), CB=False, SYM=False, K=0, BYTE=True),
+    ),
+    4: (
+        dict(GRAN=int(Kind.STATIC), CB=True, SYM=False, K=1, FP8=False),
+        dict(GRAN=int(Kind.TOKEN), CB=True, SYM=True, K=0, BYTE=False),
+    ),
+}
+READS[3] = READS[4]  # kvcalib-3's layout: kvcalib-4's at 3 bits  # fmt: skip
 
 
 def applies(k_layout, v_layout, head_dim: int, group: int, dtype, paged: bool, window) -> bool:
@@ -381,7 +422,7 @@ def applies(k_layout, v_layout, head_dim: int, group: int, dtype, paged: bool, w
     wanted = READS[k_layout.BITS]
     read = all(
         all(getattr(layout, name) == value for name, value in fields.items())
-        and layout.UNIT == 32 and not layout.RING
+        and layout.UNIT in (8, 32) and not layout.RING
         for layout, fields in zip((k_layout, v_layout), wanted, strict=True)
     )  # fmt: skip
     return (available() and read and v_layout.GROUP == head_dim == 128 and group <= 8
@@ -396,12 +437,12 @@ def copied_strides(ks, vs, sinks, words: int) -> tuple[int, ...]:
     dense code rows, one element a slot alike in each per-head stream, every buffer
     word-aligned (its storage's start is: allocators align it)."""
     rows = []
-    for strides in (ks.strides.codes, vs.strides.codes):
-        b, h, p = strides
-        if p != words or b % words or h % words:
+    for codes, strides in ((ks.codes, ks.strides.codes), (vs.codes, vs.strides.codes)):
+        b, h, p = (s * codes.element_size() for s in strides)  # bytes (rows of UNIT 8: bytes)
+        if p != 4 * words or b % (4 * words) or h % (4 * words):
             raise ValueError(f"the whole-tile kernel copies dense {words}-word code rows: "
                              f"{strides}")  # fmt: skip
-        rows += [b // words, h // words]
+        rows += [b // (4 * words), h // (4 * words)]
     meta = {ks.strides.index, ks.strides.delta, vs.strides.meta}
     buffers = (ks.codes, vs.codes, ks.slot_index, ks.slot_delta, vs.scale, vs.offset,
                sinks.is_sink)  # fmt: skip
@@ -410,6 +451,12 @@ def copied_strides(ks, vs, sinks, words: int) -> tuple[int, ...]:
         raise ValueError(f"the whole-tile kernel copies word-aligned metadata rows alike: {meta}")
     ((b, h, _),) = meta
     return (*rows, b, h)
+
+
+def _words(codes: torch.Tensor) -> torch.Tensor:
+    """A code buffer as the kernel reads it, int32 words (rows of bytes, UNIT 8, viewed so:
+    `copied_strides` has checked them whole words)."""
+    return codes if codes.dtype == torch.int32 else codes.view(torch.int32)
 
 
 def launch(q, ks, vs, k_layout, v_layout, sinks, inv_freq, part, stats, splits: int,
@@ -429,8 +476,8 @@ def launch(q, ks, vs, k_layout, v_layout, sinks, inv_freq, part, stats, splits: 
     run = functools.partial(_body_kernel.warmup, grid=grid) if warmup else _body_kernel[grid]
     return run(
         q, inv_freq if inv_freq is not None else table, sinks.is_sink, table, part, stats,
-        ks.codes, ks.scale, ks.offset, ks.levels, ks.slot_index, ks.slot_delta, ks.n_body,
-        vs.codes, vs.scale, vs.offset, vs.levels, vs.n_body,
+        _words(ks.codes), ks.scale, ks.offset, ks.levels, ks.slot_index, ks.slot_delta,
+        ks.n_body, _words(vs.codes), vs.scale, vs.offset, vs.levels, vs.n_body,
         *copied_strides(ks, vs, sinks, D * bits // 32), hkv, positions, splits, first_split,
         first_split + splits, sm_scale,
         G=H // hkv, D=D, BITS=bits, BOOK=k_layout.BOOK, VBOOK=v_layout.BOOK,

@@ -11,6 +11,7 @@ from triton.experimental.gluon import language as gl
 
 from kvcalib_runtime.kernels import tiles
 from kvcalib_runtime.kernels.gluon_ptx import (
+    rotated_scores3_asm,
     rotated_scores_asm,
     rows_asm,
     scores3_asm,
@@ -64,12 +65,14 @@ VALUE_WORDS4 = gl.DistributedLinearLayout(
     lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 2], [0, 0, 4], [0, 0, 8]],
     warp_bases=[[1, 0, 0], [2, 0, 0]], block_bases=[], shape=[4, 16, 16])  # fmt: skip
 
-# At 3 bits a position's 128 codes are 12 words, which no linear layout splits among 4 lanes:
-# the words are read by address (benchmarks/kernel_floor's skeleton: from global memory), a
-# layout naming only which thread reads which. Keys [4, 16, 4, 4]: lane (i, r) reads words
-# 3i + e (e < 3, 96 bits: channels 32i .. 32i + 31) of positions r, r + 8 (KEY_SLOTS3,
-# register e + 4h); values [4, 16, 8, 2]: the two words holding bits 48r .. 48r + 47 (channels
-# 16r .. 16r + 15) of positions 2i + b + 8c (VALUE_SLOTS3, register slot + 2b + 4c)
+# At 3 bits a position's 128 codes are 12 words, which no linear layout splits among 4 lanes: the
+# words are read by address (decode_gluon: from shared memory; benchmarks/kernel_floor's skeleton:
+# from global memory), a layout naming only which thread reads which. Keys [4, 16, 4, 4]: lane (i,
+# r) reads words 3i + e (e < 3, 96 bits: channels 32i .. 32i + 31) of positions r, r + 8
+# (KEY_SLOTS3, register e + 4h; before RoPE, in registers 4h + 2g, + 1, the two words holding
+# channels 16i .. 16i + 15, g = 0, and their RoPE partners', g = 1); values [4, 16, 8, 2]: the two
+# words holding bits 48r .. 48r + 47 (channels 16r .. 16r + 15) of positions 2i + b + 8c
+# (VALUE_SLOTS3, register slot + 2b + 4c)
 KEY_SLOTS3 = gl.DistributedLinearLayout(
     reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 8, 0, 0]],
     lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
@@ -141,18 +144,25 @@ def key_channel4(k, PAIRS: gl.constexpr):
 
 
 @gluon.jit
-def key_channel3(k):
+def key_channel3(k, PAIRS: gl.constexpr):
     """The channel whose 3-bit code `key3_asm` puts at K index k = 16 kappa + 8c + 2i + b:
-    code 2j + b of lane i's group (channels 32i ..), j = 2 kappa + c (keys after RoPE)."""
-    return 32 * ((k >> 1) & 3) + 4 * (k >> 4) + 2 * ((k >> 3) & 1) + (k & 1)
+    code 2j + b of lane i's group (channels 32i ..), j = 2 kappa + c; with PAIRS
+    (`key3_pairs_asm`) of lane i's 16 channels 16i .. (kappa < 4) or their RoPE partners
+    64 on (kappa >= 4), j = 2 (kappa % 4) + c, so that K index k ^ 64 holds the partner."""
+    i, kappa, c = (k >> 1) & 3, k >> 4, (k >> 3) & 1
+    if PAIRS:
+        out = 64 * (kappa >> 2) + 16 * i + 4 * (kappa & 3) + 2 * c + (k & 1)
+    else:
+        out = 32 * i + 4 * kappa + 2 * c + (k & 1)
+    return out
 
 
 @gluon.jit
 def channel_at(k, PAIRS: gl.constexpr, BITS: gl.constexpr):
-    """The channel at K index k of a tile's keys: `key_channel` (2 bits), `key_channel3`
-    (3, after RoPE), `key_channel4`."""
+    """The channel at K index k of a tile's keys: `key_channel` (2 bits), `key_channel3`,
+    `key_channel4`."""
     if BITS == 3:
-        out = key_channel3(k)
+        out = key_channel3(k, PAIRS)
     else:
         out = key_channel4(k, PAIRS) if BITS == 4 else key_channel(k, PAIRS)
     return out
@@ -276,9 +286,16 @@ def rope_tables(SCALE, OFFSET, INV_FREQ, D: gl.constexpr, BITS: gl.constexpr):
 def rotated_scores(words, keys, tables, qt, BITS: gl.constexpr):
     """`rotated_scores_asm` on a tile's key words and q_a^T, the tables read from shared
     memory (`rope_tables`' rows); keys: (lo, hi), the 2-bit table words, or at 4 bits
-    (table, table), the shared address of the table of level pairs (once)."""
+    (table, table), the shared address of the table of level pairs (once), at 3 bits (table,
+    each thread's shift of its words: 16 where they start at a word's middle)."""
     (r1, r2, r3, r4, r5, r6), _ = tables
-    if BITS == 4:
+    if BITS == 3:
+        out = gl.inline_asm(
+            rotated_scores3_asm, ("=f", "r", "r", "r", "r", "r", "r", "r", "r", "r", "h"),
+            [words, keys[1], keys[0], r1, r2, r3, r4, r5, r6, qt],
+            gl.distributed_type(gl.float32, [4, 16, 8], MMA), is_pure=False,
+        )  # fmt: skip
+    elif BITS == 4:
         out = gl.inline_asm(
             rotated_scores_asm, ("=f", "r", "r", "r", "r", "r", "r", "r", "r", "h"),
             [words, keys[0], r1, r2, r3, r4, r5, r6, qt],

@@ -1,11 +1,11 @@
 """The inline PTX of kernels.decode_gluon's fused blocks, written by constexpr functions that
 Gluon calls with each operand's per-thread register names: the codes decoded straight into
 mma.sync fragments (2-bit keys by the byte-permute lookup of kernels.packed, 2-bit values
-by the magic-number conversion, 4-bit codebooks by a table of level pairs in shared memory),
-pre-RoPE keys scaled, offset and rotated from shared-memory tables, and the tensor-core
-products. Strings only: the layouts they assume are decode_gluon's
-(`key_register`, `value_register` say which register holds which code). Imported by
-decode_gluon where its Gluon is available.
+by the magic-number conversion, 3- and 4-bit codebooks by a table of level pairs in shared
+memory), pre-RoPE keys scaled, offset and rotated from shared-memory tables, the tensor-core
+products, and the loads of 3-bit code words by address. Strings only: the layouts they assume
+are decode_gluon's (`key_register`, `value_register` say which register holds which code).
+Imported by decode_gluon where its Gluon is available.
 """
 
 from triton.experimental import gluon
@@ -206,6 +206,41 @@ def _pair3_key_decode(a, words, table, chunks=(0, 1, 2, 3)) -> list[str]:
 
 
 @gluon.constexpr_function
+def _shifted(words, shift: str, groups: int) -> list[str]:
+    """PTX: 3-bit groups of 48 bits (16 codes), each the two words (2n, 2n + 1) that hold it
+    less `shift` bits (16 where the group starts at a word's middle), into x_n (its first 32
+    bits) and y_n (the 16 after them)."""
+    lines = []
+    for n in range(groups):
+        first, second = words[2 * n], words[2 * n + 1]
+        lines += [f"shf.r.clamp.b32 x{n}, {first}, {second}, {shift};",
+                  f"shr.u32 y{n}, {second}, {shift};"]  # fmt: skip
+    return lines
+
+
+@gluon.constexpr_function
+def _pair3_rope_key_decode(a, table, chunks=(0, 1, 2, 3)) -> list[str]:
+    """PTX: pre-RoPE 3-bit key groups, shifted into x_(2h + g), y_(2h + g) (`_shifted`: the 16
+    channels 16i .. 16i + 15 of position r + 8h, g = 0, and their RoPE partners 64 on, g = 1),
+    into A_OP registers a: pair j (6 bits at 6j) indexes the table of level pairs
+    (`_pair3_key_decode`'s) into `pair3_key_register`(h, j), k-step j // 2, 4 k-steps on for
+    the partners (K index k ^ 64). `chunks`: k-steps j // 2 (and 4 on) to decode. Temporary
+    s."""
+    lines = []
+    for h in range(2):
+        for g in range(2):
+            for j in range(8):
+                if j >> 1 in chunks:
+                    group = [f"x{2 * h + g}", f"y{2 * h + g}"]
+                    lines += [
+                        *_field("s", group, 6 * j, 6),
+                        f"mad.lo.u32 s, s, 4, {table};",
+                        f"ld.shared.b32 {a[pair3_key_register(h, j) + 16 * g]}, [s];",
+                    ]
+    return lines
+
+
+@gluon.constexpr_function
 def _pair3_value_blocks(a, words, shift: str, table) -> list[list[str]]:
     """PTX: 3-bit value groups into the transposed values' A_OP registers a (row r + 8q holding
     channel 16r + q, as at 4 bits: `pair_value_register`'s order), as the lines of each
@@ -215,11 +250,7 @@ def _pair3_value_blocks(a, words, shift: str, table) -> list[list[str]]:
     position indexes the table of level pairs (`_pair3_key_decode`'s) and two permutes put
     each channel's two positions in one register. Temporaries s, t, u, x0 .. x3, y0 .. y3,
     p0 .. p3."""
-    lines = []
-    for n in range(4):
-        first, second = words[2 * n], words[2 * n + 1]
-        lines += [f"shf.r.clamp.b32 x{n}, {first}, {second}, {shift};",
-                  f"shr.u32 y{n}, {second}, {shift};"]  # fmt: skip
+    lines = _shifted(words, shift, 4)
     blocks = []
     for j in range(8):
         for n in range(4):
@@ -334,6 +365,18 @@ def key3_asm(outputs, inputs):
 
 
 @gluon.constexpr_function
+def key3_pairs_asm(outputs, inputs):
+    """Pre-RoPE 3-bit key groups to fp16 A_OP values (`_pair3_rope_key_decode` alone, as
+    `key_asm`): the words (registers 4h + 2g, + 1: `_shifted`'s), each thread's shift, the
+    table of level pairs' shared address."""
+    (out,), (words, (shift,), (table,)) = outputs, inputs
+    a = _fragments("a", len(out) // 2)
+    lines = [_declared(*a), *_shifted(words, shift, 4), *_pair3_rope_key_decode(a, table),
+             *_unpacked(out, a)]  # fmt: skip
+    return "\n".join(lines) + " }"
+
+
+@gluon.constexpr_function
 def value3_asm(outputs, inputs):
     """3-bit value groups to fp16 A_OP values of the transposed values (`_pair3_value_blocks`
     alone): the words, each thread's shift, the table's shared address."""
@@ -373,18 +416,34 @@ def rotated_scores_asm(outputs, inputs):
     rotated by the tile's start, from its key words, the table words, this thread's row of
     each of decode_gluon.`rope_tables`' six tables (a shared address) and q_a^T (B_OP, fp16:
     two a register). The key tables (`_keys`): the 2-bit table words, or a 4-bit codebook's
-    table of level pairs. One chunk a k-step k < D/32: the chunk's words of the six tables (one
-    ld.shared.v4 each), the decode into k-steps k and k + D/32 (a lower K index's RoPE
-    partner, K index k ^ D/2, is D/32 k-steps on), each pair of registers scaled, offset
-    and rotated at once (low = x_l c1 + x_h c2 + c3, high = x_h c4 + x_l c5 + c6: four
-    fma), then the chunk's two k-steps: a chunk's fragments and table words are dead after
-    its products."""
+    table of level pairs (`_rotated_scores` says the rest)."""
     (out,), (words, *tables, r1, r2, r3, r4, r5, r6, qh) = outputs, inputs
-    rows = (r1, r2, r3, r4, r5, r6)
+    return _rotated_scores(out, (r1, r2, r3, r4, r5, r6), qh, [],
+                           lambda a, ks: _keys(a, words, tables, ks))  # fmt: skip
+
+
+@gluon.constexpr_function
+def rotated_scores3_asm(outputs, inputs):
+    """`rotated_scores_asm` for pre-RoPE 3-bit key groups (`_pair3_rope_key_decode`): the
+    words, each thread's shift, the table of level pairs' shared address, the six tables'
+    rows, q_a^T."""
+    (out,), (words, (shift,), (table,), r1, r2, r3, r4, r5, r6, qh) = outputs, inputs
+    return _rotated_scores(out, (r1, r2, r3, r4, r5, r6), qh, _shifted(words, shift, 4),
+                           lambda a, ks: _pair3_rope_key_decode(a, table, ks))  # fmt: skip
+
+
+@gluon.constexpr_function
+def _rotated_scores(out, rows, qh, prologue, decode) -> str:
+    """The PTX of `rotated_scores_asm`: `prologue`'s lines, then one chunk a k-step k < D/32:
+    the chunk's words of the six tables (one ld.shared.v4 each), `decode`(a, (k,)) into
+    k-steps k and k + D/32 (a lower K index's RoPE partner, K index k ^ D/2, is D/32 k-steps
+    on), each pair of registers scaled, offset and rotated at once (low = x_l c1 + x_h c2 +
+    c3, high = x_h c4 + x_l c5 + c6: four fma), then the chunk's two k-steps: a chunk's
+    fragments and table words are dead after its products."""
     a, q = _fragments("a", len(qh)), _fragments("q", len(qh) // 2)
     half, steps = len(a) // 2, len(a) // 8  # lower registers; k-steps to the partner
     c = [_fragments(f"c{t}_", half) for t in range(len(rows))]
-    lines = [_declared(*a, *q, *(x for table in c for x in table), "x", "y")]
+    lines = [_declared(*a, *q, *(x for table in c for x in table), "x", "y"), *prologue]
     lines += [f"mov.b32 {x}, {{{qh[2 * j]}, {qh[2 * j + 1]}}};" for j, x in enumerate(q)]
     lines += [f"mov.b32 {x}, 0f00000000;" for x in out]
     c1, c2, c3, c4, c5, c6 = c
@@ -392,7 +451,7 @@ def rotated_scores_asm(outputs, inputs):
         for table, (row,) in zip(c, rows, strict=True):
             words_k = ", ".join(table[4 * k : 4 * k + 4])
             lines.append(f"ld.shared.v4.b32 {{{words_k}}}, [{row} + {16 * k}];")
-        lines += _keys(a, words, tables, (k,))
+        lines += decode(a, (k,))
         for j in range(4 * k, 4 * k + 4):
             low, high = a[j], a[j + half]
             lines += [f"fma.rn.f16x2 x, {high}, {c2[j]}, {c3[j]};",
@@ -439,8 +498,52 @@ def rows_asm(outputs, inputs):
 
 
 @gluon.constexpr_function
+def _loaded(out, base, offsets) -> str:
+    """PTX: out[m] the word at shared address base + offsets[m] (None: zero, a register the
+    decode does not read)."""
+    return "\n".join(
+        f"ld.shared.b32 {x}, [{base} + {at}];" if at is not None else f"mov.b32 {x}, 0;"
+        for x, at in zip(out, offsets, strict=True)
+    )
+
+
+# A tile's 3-bit code rows in shared memory, 48 bytes a position (12 words): each thread's
+# words at constant offsets from one address of its own (decode_gluon's `slot_bases`)
+ROW3 = 48
+
+
+@gluon.constexpr_function
+def key3_slots_asm(outputs, inputs):
+    """Post-RoPE 3-bit key words (gluon_layouts.KEY_SLOTS3: words 3i + e of positions r, r + 8
+    in registers e + 4h, e < 3; e = 3 unread) from the address of word 3i of position r."""
+    (out,), ((base,),) = outputs, inputs
+    return _loaded(out, base, [4 * (m % 4) + 8 * ROW3 * (m // 4) if m % 4 < 3 else None
+                               for m in range(len(out))])  # fmt: skip
+
+
+@gluon.constexpr_function
+def key3_pairs_slots_asm(outputs, inputs):
+    """Pre-RoPE 3-bit key words (KEY_SLOTS3 read as pairs: the two words holding channels 16i
+    .. 16i + 15 of positions r, r + 8, then the two holding their RoPE partners, 6 words on, in
+    registers 4h + 2g, + 1) from the address of the first word of position r."""
+    (out,), ((base,),) = outputs, inputs
+    return _loaded(out, base, [4 * (m % 2) + 24 * ((m // 2) % 2) + 8 * ROW3 * (m // 4)
+                               for m in range(len(out))])  # fmt: skip
+
+
+@gluon.constexpr_function
+def value3_slots_asm(outputs, inputs):
+    """3-bit value words (gluon_layouts.VALUE_SLOTS3: the two words holding channels 16r ..
+    16r + 15 of positions 2i + b + 8c in registers 2 (b + 2c), + 1) from the address of the
+    first word of position 2i."""
+    (out,), ((base,),) = outputs, inputs
+    return _loaded(out, base, [4 * (m % 2) + ROW3 * ((m // 2) % 2) + 8 * ROW3 * (m // 4)
+                               for m in range(len(out))])  # fmt: skip
+
+
+@gluon.constexpr_function
 def shared_asm(offset, bits) -> str:
-    """PTX: $0 the `bits`-bit unsigned integer (8 or 16) at shared address $1 + offset."""
+    """PTX: $0 the `bits`-bit unsigned integer (8, 16 or 32) at shared address $1 + offset."""
     return f"ld.shared.u{bits} $0, [$1 + {offset}];"
 
 

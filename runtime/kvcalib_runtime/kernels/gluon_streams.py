@@ -1,7 +1,8 @@
-"""What kernels.decode_gluon's tiles read besides their codes: the codebooks' tables (2 bits:
-two table words in every thread's ordinary registers, `in_registers`; 4 bits: tables of level
-pairs in shared memory, `pair_tables`) and the per-position metadata, copied a tile ahead by
-cp.async (`meta_copy`, `meta_source`) and read by address (`shared_at`). Imported by
+"""What kernels.decode_gluon's tiles read besides their codes in their operands' layouts: the
+codebooks' tables (2 bits: two table words in every thread's ordinary registers,
+`in_registers`; 3 and 4 bits: tables of level pairs in shared memory, `pair_tables`), 3-bit
+code words read by address (`slot_bases`, `words3`) and the per-position metadata, copied a
+tile ahead by cp.async (`meta_copy`, `meta_source`) and read by address (`shared_at`). Imported by
 decode_gluon (and benchmarks/kernel_floor's skeleton) where its Gluon is available.
 """
 
@@ -11,10 +12,21 @@ from triton.experimental.gluon import language as gl
 from kvcalib_runtime.kernels.gluon_layouts import (
     FLAT,
     FOUR_A_THREAD,
+    KEY_SLOTS3,
     ONE_A_THREAD,
+    VALUE_SLOTS3,
     pair_addresses,
 )
-from kvcalib_runtime.kernels.gluon_ptx import rows_asm, shared_asm
+from kvcalib_runtime.kernels.gluon_ptx import (
+    ROW3,
+    key3_pairs_slots_asm,
+    key3_slots_asm,
+    rows_asm,
+    shared_asm,
+    value3_slots_asm,
+)
+
+ROW = gl.constexpr(ROW3)  # bytes a position of 3-bit code rows
 
 
 @gluon.jit
@@ -43,15 +55,17 @@ def table_word(LEVELS, first: gl.constexpr):
 
 
 @gluon.jit
-def pair_tables(KLEV, VLEV):
-    """The keys' and the values' tables of level pairs (4 bits, gluon_ptx's
-    `_pair_key_decode`) in shared memory, from their codebook rows KLEV, VLEV (16 fp32):
-    entry x of each the fp16 levels of codes x % 16 and x // 16. Returns the buffer (to keep
-    it allocated: the loop reads it by address) and each table's shared address."""
+def pair_tables(KLEV, VLEV, BITS: gl.constexpr):
+    """The keys' and the values' tables of level pairs (BITS 4 or 3, gluon_ptx's
+    `_pair_key_decode`, `_pair3_key_decode`) in shared memory, from their codebook rows KLEV,
+    VLEV (2^BITS fp32): entry x of each the fp16 levels of codes x % 2^BITS and x >> BITS
+    (256 words apart; at 3 bits the first 64 read). Returns the buffer (to keep it
+    allocated: the loop reads it by address) and each table's shared address."""
     x = gl.arange(0, 512, layout=FOUR_A_THREAD)
     row = gl.where(x < 256, KLEV, VLEV)
-    lo = gl.load(row + x % 16).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32)
-    hi = gl.load(row + (x // 16) % 16).to(gl.float16).to(gl.int16, bitcast=True)
+    LEVELS: gl.constexpr = 1 << BITS
+    lo = gl.load(row + x % LEVELS).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32)
+    hi = gl.load(row + ((x % 256) >> BITS) % LEVELS).to(gl.float16).to(gl.int16, bitcast=True)
     pairs = gl.allocate_shared_memory(gl.int32, [512], FLAT)
     pairs.store((lo & 0xFFFF) | (hi.to(gl.int32) << 16))
     k_table, v_table = pair_addresses(pairs)
@@ -124,3 +138,38 @@ def shared_at(at, OFFSET: gl.constexpr, BITS: gl.constexpr):
     (the address is one that Gluon's allocator does not see: `meta_copy`'s)."""
     return gl.inline_asm_elementwise(shared_asm(OFFSET, BITS), "=r,r", [at], dtype=gl.int32,
                                      is_pure=False, pack=1)  # fmt: skip
+
+
+@gluon.jit
+def slot_bases(kbuf, vbuf, PAIRS: gl.constexpr):
+    """At 3 bits, each thread's shared address in the first tile of `kbuf` and `vbuf` (a tile's
+    code rows, 48 bytes a position) from which gluon_ptx's `key3_slots_asm` (with PAIRS,
+    `key3_pairs_slots_asm`) and `value3_slots_asm` read its words: lane (i, r) of warp w, keys
+    word 3i (PAIRS: word 3i // 2) of position 16w + r, values word 3r // 2 of position 16w +
+    2i; and the shift of its key and value words (16 where they start at a word's middle)."""
+    tid = gl.arange(0, 128, layout=ONE_A_THREAD)
+    i, r, w = tid & 3, (tid >> 2) & 7, tid >> 5
+    k_word = (3 * i) >> 1 if PAIRS else 3 * i
+    k_at = (16 * w + r) * ROW + 4 * k_word
+    v_at = (16 * w + 2 * i) * ROW + 4 * ((3 * r) >> 1)
+    k_base, v_base = gl.inline_asm(rows_asm, ("=r", "=r", "r", "r", "r", "r"),
+                                   [kbuf, vbuf, k_at, v_at], [tid.type] * 2,
+                                   is_pure=False)  # fmt: skip
+    return k_base, v_base, 16 * (i & 1), 16 * (r & 1)
+
+
+@gluon.jit
+def words3(base, ring, TILE_BYTES: gl.constexpr, PAIRS: gl.constexpr, VALUES: gl.constexpr):
+    """A tile's 3-bit code words in buffer `ring` of a ring of tiles TILE_BYTES apart, from
+    `slot_bases`' address: the keys' (KEY_SLOTS3; with PAIRS read as pairs) or the values'
+    (VALUES: VALUE_SLOTS3)."""
+    at = base + ring * TILE_BYTES
+    if VALUES:
+        out = gl.inline_asm(value3_slots_asm, ("=r", "r"), [at],
+                            gl.distributed_type(gl.int32, [4, 16, 8, 2], VALUE_SLOTS3),
+                            is_pure=False)  # fmt: skip
+    else:
+        out = gl.inline_asm(key3_pairs_slots_asm if PAIRS else key3_slots_asm, ("=r", "r"),
+                            [at], gl.distributed_type(gl.int32, [4, 16, 4, 4], KEY_SLOTS3),
+                            is_pure=False)  # fmt: skip
+    return out

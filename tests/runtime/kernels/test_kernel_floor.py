@@ -96,7 +96,7 @@ def test_the_relabelings_are_permutations():
     for pairs in (False, True):
         assert sorted(dg.key_channel.fn(torch.arange(128), pairs).tolist()) == list(range(128))
         assert sorted(dg.key_channel4.fn(torch.arange(128), pairs).tolist()) == list(range(128))
-    assert sorted(dg.key_channel3.fn(torch.arange(128)).tolist()) == list(range(128))
+        assert sorted(dg.key_channel3.fn(torch.arange(128), pairs).tolist()) == list(range(128))
     assert sorted(dg.value_channel.fn(torch.arange(128)).tolist()) == list(range(128))
 
 
@@ -192,8 +192,36 @@ def test_each_3_bit_key_register_holds_the_level_of_the_channel_q_reads_at_its_k
         out = run(gluon_ptx.key3_asm, 64, words, at, shared=shared)
         for reg in range(64):
             _, position, k = coords(dg.KEYS, reg, lane)
-            channel = int(dg.key_channel3.fn(torch.tensor(k))) - 32 * i
+            channel = int(dg.key_channel3.fn(torch.tensor(k), False)) - 32 * i
             assert channel in range(32) and position % 8 == lane // 4, (lane, reg)
+            level = bits[codes[:, position // 8, channel]]
+            assert torch.equal(out[:, reg], level), (lane, reg)
+
+
+def test_each_pre_rope_3_bit_key_register_holds_the_level_of_the_channel_q_reads_at_its_k():
+    """Keys before RoPE: lane (i, r) reads the two words holding channels 16i .. 16i + 15 of
+    positions r, r + 8 and the two holding their RoPE partners, 6 words on (registers 4h + 2g,
+    + 1; shifted by 16 where i is odd): A-operand register R holds, at its (position, K
+    index), the level of channel key_channel3(k, pairs), and K index k ^ 64 the RoPE partner,
+    channel + D/2; every register of every lane, every code at each of a group's first
+    places."""
+    gen = torch.Generator().manual_seed(7)
+    at = 0x340
+    shared, bits = pair_table(gen, at, 8)
+    for lane in LANES:
+        i = lane % 4
+        codes = torch.randint(0, 8, (32, 2, 128), generator=gen)  # samples, h, channel
+        codes[:8, :, 16 * i : 16 * i + 12] = torch.arange(8)[:, None, None]
+        rows = bit_rows(codes, 3)  # [32, 2, 12]
+        first = 3 * i // 2
+        words = torch.cat([rows[:, h, [first, first + 1, first + 6, first + 7]]
+                           for h in range(2)], 1)  # fmt: skip
+        out = run(gluon_ptx.key3_pairs_asm, 64, words, 16 * (i % 2), at, shared=shared)
+        for reg in range(64):
+            _, position, k = coords(dg.KEYS, reg, lane)
+            channel = int(dg.key_channel3.fn(torch.tensor(k), True))
+            assert channel % 64 // 16 == i and position % 8 == lane // 4, (lane, reg)
+            assert int(dg.key_channel3.fn(torch.tensor(k ^ 64), True)) == channel ^ 64
             level = bits[codes[:, position // 8, channel]]
             assert torch.equal(out[:, reg], level), (lane, reg)
 
