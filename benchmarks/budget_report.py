@@ -111,13 +111,13 @@ def h200_measured(results: str) -> dict[str, dict[str, float]]:
 
 def results_section(doc: dict, results: str) -> str:
     """RESULTS.md's budget section, from budget.json: kvcalib-2's rows (and the full-precision
-    stream's, and kvcalib-3's and kvcalib-4's Gluon tiles) at 32/8/128 on sm_90, and the
+    stream's, and kvcalib-3's, -4's and -1.5's Gluon tiles) at 32/8/128 on sm_90, and the
     floors they predict at 32K x 16 on an H100 and an H200 beside what the H200 measured."""
 
     def shown(r):
         if "registers" not in r or r["paged"] or (r["arch"], r["shape"]) != ("sm_90", "32/8/128"):
             return False
-        if r["recipe"] in ("kvcalib-3", "kvcalib-4"):
+        if r["recipe"] in ("kvcalib-3", "kvcalib-4", "kvcalib-1.5"):
             return r["chosen"] and r["kernel"] == "_body_kernel"
         return r["recipe"] == "kvcalib-2" or (r["recipe"] == "full-precision" and r["chosen"])
 
@@ -139,7 +139,7 @@ def results_section(doc: dict, results: str) -> str:
         "read only what follows them (a partial tile, the ring, the sinks, the new token), so "
         "the Gluon rows predict the step. Listed with them: kvcalib-3's and kvcalib-4's Gluon "
         "tiles (3- and 4-bit codebook keys with an fp16 exact slot, codebook values with an "
-        "fp16 scale a row):",
+        "fp16 scale a row) and kvcalib-1.5's (6-bit indices of 4-channel vectors, no slot):",
         "",
         *table(rows),
         "",

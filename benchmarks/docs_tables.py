@@ -489,13 +489,13 @@ FLOOR_NAMES = {
 }
 
 
-WIDE_GLUON = ("kvcalib-3", "kvcalib-4")  # their Gluon tiles listed beside kvcalib-2's
+WIDE_GLUON = ("kvcalib-3", "kvcalib-4", "kvcalib-1.5")  # Gluon tiles beside kvcalib-2's
 
 
 def render_floor() -> str:
     """The decode kernel's whole-tile loop against its skeletons (kernel_budget/budget.json's
     kvcalib-2 rows at 32/8/128 on sm_90 as launched: the first kernel a step launches, the
-    Gluon whole tiles where they apply, and kvcalib-3's and -4's Gluon tiles;
+    Gluon whole tiles where they apply, and kvcalib-3's, -4's and -1.5's Gluon tiles;
     kernel_budget/floor.json's rows), per position and the instruction floor of a 32K x 16
     step they imply on an H200."""
     budget = _load(BENCH / "kernel_budget" / "budget.json")
@@ -511,7 +511,7 @@ def render_floor() -> str:
     rows += [(*FLOOR_NAMES[r["formulation"]][:1], FLOOR_NAMES[r["formulation"]][1],
               r["registers"], r["per_position"]) for r in floor["rows"]]  # fmt: skip
     lines = [
-        "kvcalib-2 (and kvcalib-3's and -4's Gluon tiles; the skeletons' last rows: 4- and "
+        "kvcalib-2 (and kvcalib-3's, -4's and -1.5's Gluon tiles; the skeletons' last rows: 4- and "
         f"3-bit codebooks) at 32/8/128, sm_90, compiled on a CPU (Triton {floor['triton']}); "
         f"the instruction floor is per position x {STEP_ROWS / 1e6:.2f} M rows / an H200's "
         f"issue rate ({H200_ISSUE:.3g} warp-instructions a second). Issue 51's targets: "

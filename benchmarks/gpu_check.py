@@ -24,7 +24,7 @@ importable (the integration tests import the toolkit): how it ran on 2026-12-04.
    alone: ~72 rows at 4K and 32K, over 10 minutes
 3. `gpu_steps.py registers`: the decode kernel's n_regs / n_spills on this GPU for every
    configuration it compiles (kvcalib-2, the full-precision stream and, time allowing,
-   kvcalib-4 and kvcalib-3 at 32/8/128, keys pre- and post-RoPE) beside the CPU compile's registers
+   kvcalib-4, -3 and -1.5 at 32/8/128, keys pre- and post-RoPE) beside the CPU compile's registers
    (benchmarks/kernel_budget/budget.json); at most STEP_SECONDS["registers"]
 4. `gpu_steps.py e2e`: tokens/s of the runtime (kvcalib-2 cache, CUDA graph) on a
    random-weight Qwen2.5-0.5B at 16K context, batch 16, against transformers' SDPA over an

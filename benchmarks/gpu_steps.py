@@ -6,7 +6,7 @@
 registers  the decode kernel's `n_regs` / `n_spills` as the driver reports them, for the
            configuration the launcher picks untuned (stream capture reported: no tuning, as in
            the budget's `chosen` rows; ~5 s of compile each) for the kernel budget's quick set
-           (kvcalib-2, the full-precision stream, kvcalib-4 and kvcalib-3 at 32/8/128, keys
+           (kvcalib-2, the full-precision stream, kvcalib-4, -3 and -1.5 at 32/8/128, keys
            pre- and post-RoPE, 32K x 16: `kernel_budget.inputs`, allocated on the GPU), beside
            the CPU compile's registers in benchmarks/kernel_budget/budget.json (sm_90 rows)
 e2e        greedy decode steps, tokens/s, of a random-weight Qwen2.5-0.5B (24 layers, 14/2 heads

@@ -107,13 +107,13 @@ class Variant:
 
 
 def variants(quick: bool) -> list[Variant]:
-    """The quick set (the test's): kvcalib-2, the full-precision stream, kvcalib-4 and
-    kvcalib-3 at 32/8/128 on sm_90 (kvcalib-4 and -3 last: `make gpu-check` reads their
-    registers if time is left).
+    """The quick set (the test's): kvcalib-2, the full-precision stream, kvcalib-4, -3 and -1.5
+    at 32/8/128 on sm_90 (the last three last: `make gpu-check` reads their registers if time
+    is left).
     The sweep: every recipe, shape and key position, contiguous and paged, sm_90 and sm_80."""
     if quick:
         return [Variant(90, r, "32/8/128", pre, False, False)
-                for r in ("kvcalib-2", "full-precision", "kvcalib-4", "kvcalib-3")
+                for r in ("kvcalib-2", "full-precision", "kvcalib-4", "kvcalib-3", "kvcalib-1.5")
                 for pre in (True, False)]  # fmt: skip
     out = []
     for arch in GPUS:
@@ -382,7 +382,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="budget.json, budget.md, cubins")
     parser.add_argument("--results", action="store_true", help="only rewrite RESULTS.md's "
                         "budget section from DIR/budget.json")  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="kvcalib-2, -3, -4 and the "
+    parser.add_argument("--quick", action="store_true", help="kvcalib-2, -3, -4, -1.5 and the "
                         "exact stream at 32/8/128, sm_90, the chosen config only")  # fmt: skip
     args = parser.parse_args(argv)
     if args.results:

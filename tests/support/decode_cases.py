@@ -53,8 +53,8 @@ DECODE_CASES = {
     "5/6-bit": (S(6, "static"), S(5, symmetric=True), 2, 2, 64, True, None),
 }  # fmt: skip
 
-# kvcalib-2's, kvcalib-3's and kvcalib-4's layouts at 128 channels, which
-# kernels.decode_gluon's whole tiles read on a GPU
+# kvcalib-2's, -3's, -4's and -1.5's layouts at 128 channels, which kernels.decode_gluon's
+# whole tiles read on a GPU
 GLUON_CASES = {
     "kvcalib-2 G4 D128": (S(2, "static", codebook=True, outliers=0.01, outlier_slots=1,
                             slot_rule="error", slot_code="fp8"), S(2, metadata_code="byte"), 8,
@@ -67,6 +67,13 @@ GLUON_CASES = {
     "kvcalib-3 post-RoPE G8 D128": (S(3, "static", codebook=True, outliers=0.01,
                                       outlier_slots=1), S(3, symmetric=True, codebook=True), 8,
                                     1, 128, False, None),
+    "kvcalib-1.5 G4 D128": (S(6, "static", 4, codebook=True, method="vq", pairing="rope"),
+                            S(6, "static", 4, codebook=True, method="vq"), 8, 2, 128, True,
+                            None),
+    "kvcalib-1.5 post-RoPE G8 D128": (S(6, "static", 4, codebook=True, method="vq",
+                                        pairing="rope"),
+                                      S(6, "static", 4, codebook=True, method="vq"), 8, 1, 128,
+                                      False, None),
     "kvcalib-4 G4 D128": (S(4, "static", codebook=True, outliers=0.01, outlier_slots=1),
                           S(4, symmetric=True, codebook=True), 8, 2, 128, True, None),
     "kvcalib-4 post-RoPE G8 D128": (S(4, "static", codebook=True, outliers=0.01,

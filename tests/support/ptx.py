@@ -11,8 +11,8 @@ def run_ptx(asm: str, regs: dict[str, torch.Tensor],
     by name ($n, or the block's own registers): prmt.b32 in its default mode, and.b32, or.b32,
     shl.b32, shr.u32, mad.lo.u32, shf.r.clamp.b32 (the funnel shift of {b, a} right by
     min(c, 32)), sub.rn.f16x2 (each half rounded once), mov.b32 d, src and mov.b32 {lo, hi},
-    src (the PTX ISA's definitions), and ld.shared.b32 d, [a] of the words `shared` (int64,
-    word-aligned addresses: word a / 4)."""
+    src (the PTX ISA's definitions), and ld.shared.b32 d, [a] (ld.shared.v2.b32 {d0, d1}, [a])
+    of the words `shared` (int64, word-aligned addresses: word a / 4)."""
     mask = 0xFFFFFFFF
 
     def value(token):
@@ -35,6 +35,13 @@ def run_ptx(asm: str, regs: dict[str, torch.Tensor],
             pair, src = args.rsplit(",", 1)
             lo, hi = (h.strip(" {}") for h in pair.split(","))
             regs[lo], regs[hi] = value(src.strip()) & 0xFFFF, value(src.strip()) >> 16
+            continue
+        if op == "ld.shared.v2.b32":  # {d0, d1}, [a]: the words at a and a + 4
+            pair, src = args.rsplit(",", 1)
+            at = value(src.strip(" []"))
+            assert shared is not None and not (at % 8).any(), "an 8-byte-aligned shared load"
+            for k, name in enumerate(h.strip(" {}") for h in pair.split(",")):
+                regs[name] = shared[at // 4 + k]
             continue
         dst, *src = [a.strip() for a in args.split(",")]
         if op == "ld.shared.b32":

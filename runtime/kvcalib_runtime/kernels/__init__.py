@@ -8,10 +8,11 @@
                       metadata, exact slots, RoPE)
     decode_attention  attention of one new token per sequence over the quantized cache;
                       decode_reference is its spec in plain torch
-    decode_gluon      its whole tiles for kvcalib-2's and -4's layouts at 128 channels a
-                      head, in Gluon (on a GPU; the Triton kernel reads the rest);
-                      gluon_layouts its registers' layouts, gluon_streams its tables and
-                      metadata copies, gluon_ptx its inline PTX
+    decode_gluon      its whole tiles for kvcalib-2's, -3's, -4's and -1.5's layouts at 128
+                      channels a head, in Gluon (on a GPU; the Triton kernel reads the rest);
+                      gluon_layouts its registers' layouts, gluon_streams its tables, code
+                      rows and metadata copies, gluon_ptx its inline PTX (gluon_rows that of
+                      the code rows read by address: 3-bit codebooks, kvcalib-1.5's vectors)
     paged             the same kernel over vLLM-style pages, read through a block table, and
                       its reference (gather, then decode_attention's)
 

@@ -183,7 +183,7 @@ def decode_attention(q, k_new, v_new, keys: Stored, values: Stored, sinks: Sinks
     fold_k = inv_freq is None and k_layout.GRAN in (tiles.STATIC.value, tiles.VECTORS.value)
     fold_v = tiles.foldable(v_layout, D // 2) and v_layout.K == 0
     key = (D, G, inv_freq is not None, q.dtype, k_layout, v_layout, page)
-    # the body's whole tiles by the Gluon kernel (kvcalib-2's, -3's and -4's layouts at 128
+    # the body's whole tiles by the Gluon kernel (kvcalib-2's, -3's, -4's, -1.5's layouts at 128
     # channels, on a GPU), the rest (one tile, the ring, the sinks and the new token) by the
     # Triton kernel's split
     whole = decode_gluon.applies(k_layout, v_layout, D, G, q.dtype, paged, window)

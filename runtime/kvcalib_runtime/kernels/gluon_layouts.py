@@ -11,14 +11,19 @@ from triton.experimental.gluon import language as gl
 
 from kvcalib_runtime.kernels import tiles
 from kvcalib_runtime.kernels.gluon_ptx import (
-    rotated_scores3_asm,
     rotated_scores_asm,
     rows_asm,
-    scores3_asm,
     scores_asm,
     stored_asm,
-    values3_asm,
     values_asm,
+)
+from kvcalib_runtime.kernels.gluon_rows import (
+    rotated_scores3_asm,
+    rotated_scores_vq_asm,
+    scores3_asm,
+    scores_vq_asm,
+    values3_asm,
+    values_vq_asm,
 )
 
 MMA = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1, 1],
@@ -81,6 +86,15 @@ VALUE_SLOTS3 = gl.DistributedLinearLayout(
     reg_bases=[[0, 0, 0, 1], [0, 1, 0, 0], [0, 8, 0, 0]],
     lane_bases=[[0, 2, 0, 0], [0, 4, 0, 0], [0, 0, 1, 0], [0, 0, 2, 0], [0, 0, 4, 0]],
     warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, 16, 8, 2])  # fmt: skip
+
+# kvcalib-1.5's (6-bit indices of 4-channel vectors, 6 words a position), keys [4, 16, 4, 2]:
+# lane (i, r) reads the two words holding vectors 8i .. 8i + 7 (channels 16i .. 16i + 15 and
+# their RoPE partners) of positions r, r + 8 (KEY_SLOTS6, registers 2h, 2h + 1); values as
+# VALUE_SLOTS3, the two words holding vectors 4r .. 4r + 3 (channels 16r .. 16r + 15)
+KEY_SLOTS6 = gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [0, 8, 0, 0]],
+    lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]],
+    warp_bases=[[1, 0, 0, 0], [2, 0, 0, 0]], block_bases=[], shape=[4, 16, 4, 2])  # fmt: skip
 
 
 def _linear(reg_bases, lane_bases, shape):
@@ -159,10 +173,12 @@ def key_channel3(k, PAIRS: gl.constexpr):
 
 @gluon.jit
 def channel_at(k, PAIRS: gl.constexpr, BITS: gl.constexpr):
-    """The channel at K index k of a tile's keys: `key_channel` (2 bits), `key_channel3`,
-    `key_channel4`."""
+    """The channel at K index k of a tile's keys: `key_channel` (2 bits), `key_channel3` (3;
+    at 6, kvcalib-1.5's vectors: its PAIRS order, keys after RoPE too), `key_channel4`."""
     if BITS == 3:
         out = key_channel3(k, PAIRS)
+    elif BITS == 6:
+        out = key_channel3(k, True)
     else:
         out = key_channel4(k, PAIRS) if BITS == 4 else key_channel(k, PAIRS)
     return out
@@ -287,11 +303,13 @@ def rotated_scores(words, keys, tables, qt, BITS: gl.constexpr):
     """`rotated_scores_asm` on a tile's key words and q_a^T, the tables read from shared
     memory (`rope_tables`' rows); keys: (lo, hi), the 2-bit table words, or at 4 bits
     (table, table), the shared address of the table of level pairs (once), at 3 bits (table,
-    each thread's shift of its words: 16 where they start at a word's middle)."""
+    each thread's shift of its words: 16 where they start at a word's middle), and so at 6
+    (kvcalib-1.5's vectors: its codebook's table)."""
     (r1, r2, r3, r4, r5, r6), _ = tables
-    if BITS == 3:
+    if BITS == 3 or BITS == 6:
         out = gl.inline_asm(
-            rotated_scores3_asm, ("=f", "r", "r", "r", "r", "r", "r", "r", "r", "r", "h"),
+            rotated_scores3_asm if BITS == 3 else rotated_scores_vq_asm,
+            ("=f", "r", "r", "r", "r", "r", "r", "r", "r", "r", "h"),
             [words, keys[1], keys[0], r1, r2, r3, r4, r5, r6, qt],
             gl.distributed_type(gl.float32, [4, 16, 8], MMA), is_pure=False,
         )  # fmt: skip
@@ -325,7 +343,12 @@ def pair_addresses(pairs):
 def scores(words, keys, q_pairs, BITS: gl.constexpr):
     """`scores_asm` on a post-RoPE tile's key words and q^T's pairs (`packed_pairs`); keys as
     `rotated_scores` takes them. At 3 and 4 bits it reads shared memory: not pure."""
-    if BITS == 3:
+    if BITS == 6:
+        out = gl.inline_asm(scores_vq_asm, ("=f", "r", "r", "r", "r"),
+                            [words, keys[1], keys[0], q_pairs],
+                            gl.distributed_type(gl.float32, [4, 16, 8], MMA),
+                            is_pure=False)  # fmt: skip
+    elif BITS == 3:
         out = gl.inline_asm(scores3_asm, ("=f", "r", "r", "r"), [words, keys[0], q_pairs],
                             gl.distributed_type(gl.float32, [4, 16, 8], MMA),
                             is_pure=False)  # fmt: skip
@@ -345,11 +368,13 @@ def scores(words, keys, q_pairs, BITS: gl.constexpr):
 def value_products(words, table, shift, p, acc, BITS: gl.constexpr):
     """`values_asm`: acc + V^T p from a tile's value words, its probabilities (fp16, the
     scores' layout) and acc [4, D, 8]; `table` the shared address of the values' table of
-    level pairs at 3 and 4 bits (read: not pure), unread at 2; `shift` each thread's shift of
-    its 3-bit words (VALUE_SLOTS3), unread at 2 and 4."""
+    level pairs at 3 and 4 bits (at 6, kvcalib-1.5's, of its codebook's entries; read: not
+    pure), unread at 2; `shift` each thread's shift of its 3- or 6-bit words (VALUE_SLOTS3),
+    unread at 2 and 4."""
     D: gl.constexpr = acc.shape[1]
-    if BITS == 3:
-        out = gl.inline_asm(values3_asm, ("=f", "r", "r", "r", "h", "f"),
+    if BITS == 3 or BITS == 6:
+        out = gl.inline_asm(values3_asm if BITS == 3 else values_vq_asm,
+                            ("=f", "r", "r", "r", "h", "f"),
                             [words, shift, table, p, acc],
                             gl.distributed_type(gl.float32, [4, D, 8], MMA),
                             is_pure=False)  # fmt: skip

@@ -1,13 +1,3 @@
-"""The inline PTX of kernels.decode_gluon's fused blocks, written by constexpr functions that
-Gluon calls with each operand's per-thread register names: the codes decoded straight into
-mma.sync fragments (2-bit keys by the byte-permute lookup of kernels.packed, 2-bit values
-by the magic-number conversion, 3- and 4-bit codebooks by a table of level pairs in shared
-memory), pre-RoPE keys scaled, offset and rotated from shared-memory tables, the tensor-core
-products, and the loads of 3-bit code words by address. Strings only: the layouts they assume
-are decode_gluon's (`key_register`, `value_register` say which register holds which code).
-Imported by decode_gluon where its Gluon is available.
-"""
-
 from triton.experimental import gluon
 
 # The decode and the tensor-core products in PTX (the constexpr functions below write it):
@@ -19,7 +9,7 @@ from triton.experimental import gluon
 
 
 @gluon.constexpr_function
-def _mma(d, a, b, c) -> str:
+def mma(d, a, b, c) -> str:
     """PTX: d = a b + c, one m16n8k16 tensor-core product (register lists)."""
     return (
         f"mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{', '.join(d)}}}, "
@@ -33,7 +23,7 @@ def _scores(out, a, q) -> list[str]:
     k-step; B_OP registers q, two)."""
     lines = [f"mov.b32 {x}, 0f00000000;" for x in out]
     for t in range(len(q) // 2):
-        lines.append(_mma(out, a[4 * t : 4 * t + 4], q[2 * t : 2 * t + 2], out))
+        lines.append(mma(out, a[4 * t : 4 * t + 4], q[2 * t : 2 * t + 2], out))
     return lines
 
 
@@ -52,7 +42,7 @@ def value_register(code: int, c: int) -> int:
 
 
 @gluon.constexpr_function
-def _fragments(name: str, count: int) -> list[str]:
+def fragments(name: str, count: int) -> list[str]:
     return [f"{name}{j}" for j in range(count)]
 
 
@@ -167,105 +157,6 @@ def _pair_value_blocks(a, words, table) -> list[list[str]]:
 
 
 @gluon.constexpr_function
-def _field(dst: str, words, bit: int, width: int) -> list[str]:
-    """PTX: dst the `width` bits at `bit` of the bit string `words` (registers, the first's
-    bit 0 first): one shift, or one funnel shift where they cross a word, then a mask."""
-    w, off = divmod(bit, 32)
-    if off + width > 32:
-        lines = [f"shf.r.clamp.b32 {dst}, {words[w]}, {words[w + 1]}, {off};"]
-    elif off:
-        lines = [f"shr.u32 {dst}, {words[w]}, {off};"]
-    else:
-        lines = [f"mov.b32 {dst}, {words[w]};"]
-    return [*lines, f"and.b32 {dst}, {dst}, {2**width - 1};"]
-
-
-@gluon.constexpr_function
-def pair3_key_register(h: int, j: int) -> int:
-    """A_OP register of pair j (codes 2j, 2j + 1) of a 3-bit key group of position r + 8h
-    (words 3i .. 3i + 2: 32 codes): k-step j // 2, its half j % 2."""
-    return h + 2 * (j & 1) + 4 * (j >> 1)
-
-
-@gluon.constexpr_function
-def _pair3_key_decode(a, words, table, chunks=(0, 1, 2, 3)) -> list[str]:
-    """PTX: 3-bit key groups (registers e + 4h, e < 3: words 3i + e of position r + 8h, code
-    n at bits 3n of the group) into A_OP registers a (`pair3_key_register`): pair j, the 6
-    bits at 6j, indexes a table of level pairs (64 words at the shared address `table`:
-    entry x the levels of codes x % 8 and x // 8). `chunks`: as `_pair_key_decode`'s.
-    Temporary s."""
-    lines = []
-    for h in range(2):
-        group = words[4 * h : 4 * h + 3]
-        for j in range(16):
-            if (j >> 1) % 4 in chunks:
-                r = pair3_key_register(h, j)
-                lines += [*_field("s", group, 6 * j, 6), f"mad.lo.u32 s, s, 4, {table};",
-                          f"ld.shared.b32 {a[r]}, [s];"]  # fmt: skip
-    return lines
-
-
-@gluon.constexpr_function
-def _shifted(words, shift: str, groups: int) -> list[str]:
-    """PTX: 3-bit groups of 48 bits (16 codes), each the two words (2n, 2n + 1) that hold it
-    less `shift` bits (16 where the group starts at a word's middle), into x_n (its first 32
-    bits) and y_n (the 16 after them)."""
-    lines = []
-    for n in range(groups):
-        first, second = words[2 * n], words[2 * n + 1]
-        lines += [f"shf.r.clamp.b32 x{n}, {first}, {second}, {shift};",
-                  f"shr.u32 y{n}, {second}, {shift};"]  # fmt: skip
-    return lines
-
-
-@gluon.constexpr_function
-def _pair3_rope_key_decode(a, table, chunks=(0, 1, 2, 3)) -> list[str]:
-    """PTX: pre-RoPE 3-bit key groups, shifted into x_(2h + g), y_(2h + g) (`_shifted`: the 16
-    channels 16i .. 16i + 15 of position r + 8h, g = 0, and their RoPE partners 64 on, g = 1),
-    into A_OP registers a: pair j (6 bits at 6j) indexes the table of level pairs
-    (`_pair3_key_decode`'s) into `pair3_key_register`(h, j), k-step j // 2, 4 k-steps on for
-    the partners (K index k ^ 64). `chunks`: k-steps j // 2 (and 4 on) to decode. Temporary
-    s."""
-    lines = []
-    for h in range(2):
-        for g in range(2):
-            for j in range(8):
-                if j >> 1 in chunks:
-                    group = [f"x{2 * h + g}", f"y{2 * h + g}"]
-                    lines += [
-                        *_field("s", group, 6 * j, 6),
-                        f"mad.lo.u32 s, s, 4, {table};",
-                        f"ld.shared.b32 {a[pair3_key_register(h, j) + 16 * g]}, [s];",
-                    ]
-    return lines
-
-
-@gluon.constexpr_function
-def _pair3_value_blocks(a, words, shift: str, table) -> list[list[str]]:
-    """PTX: 3-bit value groups into the transposed values' A_OP registers a (row r + 8q holding
-    channel 16r + q, as at 4 bits: `pair_value_register`'s order), as the lines of each
-    16-row block j (channels 16r + 2j, + 1). Registers 2b + 4c, + 1 (the words holding bits
-    48r .. 48r + 47 of position 2i + b + 8c: channels 16r .. 16r + 15) are first shifted by
-    `shift` (16 where r is odd) into x_(b + 2c) and y_(b + 2c); pair j (6 bits at 6j) of each
-    position indexes the table of level pairs (`_pair3_key_decode`'s) and two permutes put
-    each channel's two positions in one register. Temporaries s, t, u, x0 .. x3, y0 .. y3,
-    p0 .. p3."""
-    lines = _shifted(words, shift, 4)
-    blocks = []
-    for j in range(8):
-        for n in range(4):
-            lines += [*_field("s", [f"x{n}", f"y{n}"], 6 * j, 6),
-                      f"mad.lo.u32 s, s, 4, {table};", f"ld.shared.b32 p{n}, [s];"]  # fmt: skip
-        for c in range(2):
-            even, odd = pair_value_register(2 * j, 0, c), pair_value_register(2 * j + 1, 0, c)
-            lines += [f"prmt.b32 {a[even]}, p{2 * c}, p{2 * c + 1}, 0x5410;",
-                      f"prmt.b32 {a[odd]}, p{2 * c}, p{2 * c + 1}, 0x7632;"]  # fmt: skip
-        blocks.append(lines)
-        lines = []
-    return blocks
-
-
-@gluon.constexpr_function
 def _keys(a, words, tables, chunks=(0, 1, 2, 3)) -> list[str]:
     """PTX: key words into A_OP registers a, k-steps k and k + D/32 for k in `chunks`: tables
     (lo, hi), the 2-bit table words (`_key_decode`), or (table,), a 4-bit codebook's table of
@@ -285,13 +176,13 @@ def _values(a, words, table) -> list[str]:
 
 
 @gluon.constexpr_function
-def _unpacked(out, a) -> list[str]:
+def unpacked(out, a) -> list[str]:
     """PTX: registers a split into the fp16 outputs out (two an A_OP register)."""
     return [f"mov.b32 {{{out[2 * j]}, {out[2 * j + 1]}}}, {x};" for j, x in enumerate(a)]
 
 
 @gluon.constexpr_function
-def _transposed(b, p) -> list[str]:
+def transposed(b, p) -> list[str]:
     """PTX: the probabilities p from the scores' accumulator layout (positions r, r + 8;
     heads 2i, 2i + 1) to the B_OP registers b (positions 2i, 2i + 1 and + 8; head r): an
     8 x 8 transpose a half. Temporary t."""
@@ -303,7 +194,7 @@ def _transposed(b, p) -> list[str]:
 
 
 @gluon.constexpr_function
-def _declared(*names) -> str:
+def declared(*names) -> str:
     temporaries = "s, t, u, x0, x1, x2, x3, y0, y1, y2, y3, p0, p1, p2, p3"
     return "{ .reg .b32 " + temporaries + ", " + ", ".join(names) + ";"
 
@@ -314,8 +205,8 @@ def key_asm(outputs, inputs):
     tests/runtime/kernels/test_kernel_floor.py read), after the words the 2-bit table words
     or a 4-bit codebook's table of level pairs."""
     (out,), (words, *tables) = outputs, inputs
-    a = _fragments("a", len(out) // 2)
-    return "\n".join([_declared(*a), *_keys(a, words, tables), *_unpacked(out, a)]) + " }"
+    a = fragments("a", len(out) // 2)
+    return "\n".join([declared(*a), *_keys(a, words, tables), *unpacked(out, a)]) + " }"
 
 
 @gluon.constexpr_function
@@ -323,8 +214,8 @@ def value_asm(outputs, inputs):
     """Value words to fp16 A_OP values of the transposed values (`_values` alone, as
     `key_asm`)."""
     (out,), (words, *table) = outputs, inputs
-    a = _fragments("a", len(out) // 2)
-    return "\n".join([_declared(*a), *_values(a, words, table), *_unpacked(out, a)]) + " }"
+    a = fragments("a", len(out) // 2)
+    return "\n".join([declared(*a), *_values(a, words, table), *unpacked(out, a)]) + " }"
 
 
 @gluon.constexpr_function
@@ -333,16 +224,16 @@ def scores_asm(outputs, inputs):
     (`_keys`) and q^T's B_OP registers (gluon_layouts.`packed_pairs`): the decode into the
     fragments, then the D / 16 k-steps."""
     (out,), (words, *tables, q) = outputs, inputs
-    a = _fragments("a", 2 * len(q))
+    a = fragments("a", 2 * len(q))
     if len(tables) == 2:
-        lines = [_declared(*a), *_keys(a, words, tables), *_scores(out, a, q)]
+        lines = [declared(*a), *_keys(a, words, tables), *_scores(out, a, q)]
     else:
-        lines = [_declared(*a), *_chunked_scores(out, a, q, lambda ks: _keys(a, words, tables, ks))]
+        lines = [declared(*a), *chunked_scores(out, a, q, lambda ks: _keys(a, words, tables, ks))]
     return "\n".join(lines) + " }"
 
 
 @gluon.constexpr_function
-def _chunked_scores(out, a, q, decode) -> list[str]:
+def chunked_scores(out, a, q, decode) -> list[str]:
     """PTX: the scores out = A q^T from zero, each chunk's two k-steps (k, k + D/32) right
     after `decode((k,))` writes their fragments: fewer fragments live at once."""
     steps = len(q) // 4  # k-steps to a chunk's second
@@ -350,64 +241,8 @@ def _chunked_scores(out, a, q, decode) -> list[str]:
     for k in range(steps):
         lines += decode((k,))
         for s in (k, k + steps):
-            lines.append(_mma(out, a[4 * s : 4 * s + 4], q[2 * s : 2 * s + 2], out))
+            lines.append(mma(out, a[4 * s : 4 * s + 4], q[2 * s : 2 * s + 2], out))
     return lines
-
-
-@gluon.constexpr_function
-def key3_asm(outputs, inputs):
-    """3-bit key groups to fp16 A_OP values (`_pair3_key_decode` alone, as `key_asm`): the
-    words, then the table of level pairs' shared address."""
-    (out,), (words, (table,)) = outputs, inputs
-    a = _fragments("a", len(out) // 2)
-    lines = [_declared(*a), *_pair3_key_decode(a, words, table), *_unpacked(out, a)]
-    return "\n".join(lines) + " }"
-
-
-@gluon.constexpr_function
-def key3_pairs_asm(outputs, inputs):
-    """Pre-RoPE 3-bit key groups to fp16 A_OP values (`_pair3_rope_key_decode` alone, as
-    `key_asm`): the words (registers 4h + 2g, + 1: `_shifted`'s), each thread's shift, the
-    table of level pairs' shared address."""
-    (out,), (words, (shift,), (table,)) = outputs, inputs
-    a = _fragments("a", len(out) // 2)
-    lines = [_declared(*a), *_shifted(words, shift, 4), *_pair3_rope_key_decode(a, table),
-             *_unpacked(out, a)]  # fmt: skip
-    return "\n".join(lines) + " }"
-
-
-@gluon.constexpr_function
-def value3_asm(outputs, inputs):
-    """3-bit value groups to fp16 A_OP values of the transposed values (`_pair3_value_blocks`
-    alone): the words, each thread's shift, the table's shared address."""
-    (out,), (words, (shift,), (table,)) = outputs, inputs
-    a = _fragments("a", len(out) // 2)
-    blocks = _pair3_value_blocks(a, words, shift, table)
-    lines = [_declared(*a), *(line for block in blocks for line in block), *_unpacked(out, a)]
-    return "\n".join(lines) + " }"
-
-
-@gluon.constexpr_function
-def scores3_asm(outputs, inputs):
-    """`scores_asm` for 3-bit key groups (`_pair3_key_decode`): the words, the table's shared
-    address, q^T's pairs."""
-    (out,), (words, (table,), q) = outputs, inputs
-    a = _fragments("a", 2 * len(q))
-    decode = lambda ks: _pair3_key_decode(a, words, table, ks)  # noqa: E731
-    return "\n".join([_declared(*a), *_chunked_scores(out, a, q, decode)]) + " }"
-
-
-@gluon.constexpr_function
-def values3_asm(outputs, inputs):
-    """`values_asm` for 3-bit value groups (`_pair3_value_blocks`): the words, each thread's
-    shift, the table's shared address, the probabilities, acc."""
-    (out,), (words, (shift,), (table,), p, acc) = outputs, inputs
-    a, b = _fragments("a", len(out)), _fragments("b", 2)
-    lines = [_declared(*a, *b), *_transposed(b, p)]
-    for m, block in enumerate(_pair3_value_blocks(a, words, shift, table)):
-        lines += [*block, _mma(out[4 * m : 4 * m + 4], a[4 * m : 4 * m + 4], b,
-                               acc[4 * m : 4 * m + 4])]  # fmt: skip
-    return "\n".join(lines) + " }"
 
 
 @gluon.constexpr_function
@@ -416,34 +251,24 @@ def rotated_scores_asm(outputs, inputs):
     rotated by the tile's start, from its key words, the table words, this thread's row of
     each of decode_gluon.`rope_tables`' six tables (a shared address) and q_a^T (B_OP, fp16:
     two a register). The key tables (`_keys`): the 2-bit table words, or a 4-bit codebook's
-    table of level pairs (`_rotated_scores` says the rest)."""
+    table of level pairs (`rotated_lines` says the rest)."""
     (out,), (words, *tables, r1, r2, r3, r4, r5, r6, qh) = outputs, inputs
-    return _rotated_scores(out, (r1, r2, r3, r4, r5, r6), qh, [],
+    return rotated_lines(out, (r1, r2, r3, r4, r5, r6), qh, [],
                            lambda a, ks: _keys(a, words, tables, ks))  # fmt: skip
 
 
 @gluon.constexpr_function
-def rotated_scores3_asm(outputs, inputs):
-    """`rotated_scores_asm` for pre-RoPE 3-bit key groups (`_pair3_rope_key_decode`): the
-    words, each thread's shift, the table of level pairs' shared address, the six tables'
-    rows, q_a^T."""
-    (out,), (words, (shift,), (table,), r1, r2, r3, r4, r5, r6, qh) = outputs, inputs
-    return _rotated_scores(out, (r1, r2, r3, r4, r5, r6), qh, _shifted(words, shift, 4),
-                           lambda a, ks: _pair3_rope_key_decode(a, table, ks))  # fmt: skip
-
-
-@gluon.constexpr_function
-def _rotated_scores(out, rows, qh, prologue, decode) -> str:
+def rotated_lines(out, rows, qh, prologue, decode) -> str:
     """The PTX of `rotated_scores_asm`: `prologue`'s lines, then one chunk a k-step k < D/32:
     the chunk's words of the six tables (one ld.shared.v4 each), `decode`(a, (k,)) into
     k-steps k and k + D/32 (a lower K index's RoPE partner, K index k ^ D/2, is D/32 k-steps
     on), each pair of registers scaled, offset and rotated at once (low = x_l c1 + x_h c2 +
     c3, high = x_h c4 + x_l c5 + c6: four fma), then the chunk's two k-steps: a chunk's
     fragments and table words are dead after its products."""
-    a, q = _fragments("a", len(qh)), _fragments("q", len(qh) // 2)
+    a, q = fragments("a", len(qh)), fragments("q", len(qh) // 2)
     half, steps = len(a) // 2, len(a) // 8  # lower registers; k-steps to the partner
-    c = [_fragments(f"c{t}_", half) for t in range(len(rows))]
-    lines = [_declared(*a, *q, *(x for table in c for x in table), "x", "y"), *prologue]
+    c = [fragments(f"c{t}_", half) for t in range(len(rows))]
+    lines = [declared(*a, *q, *(x for table in c for x in table), "x", "y"), *prologue]
     lines += [f"mov.b32 {x}, {{{qh[2 * j]}, {qh[2 * j + 1]}}};" for j, x in enumerate(q)]
     lines += [f"mov.b32 {x}, 0f00000000;" for x in out]
     c1, c2, c3, c4, c5, c6 = c
@@ -459,7 +284,7 @@ def _rotated_scores(out, rows, qh, prologue, decode) -> str:
                       f"fma.rn.f16x2 {low}, {low}, {c1[j]}, x;",
                       f"fma.rn.f16x2 {high}, {high}, {c4[j]}, y;"]  # fmt: skip
         for t in (k, k + steps):
-            lines.append(_mma(out, a[4 * t : 4 * t + 4], q[2 * t : 2 * t + 2], out))
+            lines.append(mma(out, a[4 * t : 4 * t + 4], q[2 * t : 2 * t + 2], out))
     return "\n".join(lines) + " }"
 
 
@@ -467,20 +292,20 @@ def _rotated_scores(out, rows, qh, prologue, decode) -> str:
 def values_asm(outputs, inputs):
     """acc + V^T p [4, D, 8] (MMA, fp32), row m times 1 / value_unit(m), from a tile's
     value words (after them a 4-bit codebook's table of level pairs: `_values`), its
-    probabilities (the scores' layout, fp16) and acc: `_transposed`, the decode into the
+    probabilities (the scores' layout, fp16) and acc: `transposed`, the decode into the
     fragments (as many as the accumulator's registers: four a 16-row block), then one
     product a block."""
     (out,), (words, *table, p, acc) = outputs, inputs
-    a, b = _fragments("a", len(out)), _fragments("b", 2)
-    lines = [_declared(*a, *b), *_transposed(b, p)]
+    a, b = fragments("a", len(out)), fragments("b", 2)
+    lines = [declared(*a, *b), *transposed(b, p)]
     if table:  # each block's product after its decode: fewer fragments live at once
         for m, block in enumerate(_pair_value_blocks(a, words, table[0][0])):
-            lines += [*block, _mma(out[4 * m : 4 * m + 4], a[4 * m : 4 * m + 4], b,
+            lines += [*block, mma(out[4 * m : 4 * m + 4], a[4 * m : 4 * m + 4], b,
                                    acc[4 * m : 4 * m + 4])]  # fmt: skip
     else:
         lines += _value_decode(a, words)
         for m in range(0, len(out), 4):
-            lines.append(_mma(out[m : m + 4], a[m : m + 4], b, acc[m : m + 4]))
+            lines.append(mma(out[m : m + 4], a[m : m + 4], b, acc[m : m + 4]))
     return "\n".join(lines) + " }"
 
 
@@ -495,50 +320,6 @@ def rows_asm(outputs, inputs):
         for out, b, off in zip(outputs, buffers, offsets, strict=True)
         for r, x in zip(out, off, strict=True)
     )
-
-
-@gluon.constexpr_function
-def _loaded(out, base, offsets) -> str:
-    """PTX: out[m] the word at shared address base + offsets[m] (None: zero, a register the
-    decode does not read)."""
-    return "\n".join(
-        f"ld.shared.b32 {x}, [{base} + {at}];" if at is not None else f"mov.b32 {x}, 0;"
-        for x, at in zip(out, offsets, strict=True)
-    )
-
-
-# A tile's 3-bit code rows in shared memory, 48 bytes a position (12 words): each thread's
-# words at constant offsets from one address of its own (decode_gluon's `slot_bases`)
-ROW3 = 48
-
-
-@gluon.constexpr_function
-def key3_slots_asm(outputs, inputs):
-    """Post-RoPE 3-bit key words (gluon_layouts.KEY_SLOTS3: words 3i + e of positions r, r + 8
-    in registers e + 4h, e < 3; e = 3 unread) from the address of word 3i of position r."""
-    (out,), ((base,),) = outputs, inputs
-    return _loaded(out, base, [4 * (m % 4) + 8 * ROW3 * (m // 4) if m % 4 < 3 else None
-                               for m in range(len(out))])  # fmt: skip
-
-
-@gluon.constexpr_function
-def key3_pairs_slots_asm(outputs, inputs):
-    """Pre-RoPE 3-bit key words (KEY_SLOTS3 read as pairs: the two words holding channels 16i
-    .. 16i + 15 of positions r, r + 8, then the two holding their RoPE partners, 6 words on, in
-    registers 4h + 2g, + 1) from the address of the first word of position r."""
-    (out,), ((base,),) = outputs, inputs
-    return _loaded(out, base, [4 * (m % 2) + 24 * ((m // 2) % 2) + 8 * ROW3 * (m // 4)
-                               for m in range(len(out))])  # fmt: skip
-
-
-@gluon.constexpr_function
-def value3_slots_asm(outputs, inputs):
-    """3-bit value words (gluon_layouts.VALUE_SLOTS3: the two words holding channels 16r ..
-    16r + 15 of positions 2i + b + 8c in registers 2 (b + 2c), + 1) from the address of the
-    first word of position 2i."""
-    (out,), ((base,),) = outputs, inputs
-    return _loaded(out, base, [4 * (m % 2) + ROW3 * ((m // 2) % 2) + 8 * ROW3 * (m // 4)
-                               for m in range(len(out))])  # fmt: skip
 
 
 @gluon.constexpr_function

@@ -13,20 +13,24 @@ from kvcalib_runtime.kernels.gluon_layouts import (
     FLAT,
     FOUR_A_THREAD,
     KEY_SLOTS3,
+    KEY_SLOTS6,
     ONE_A_THREAD,
     VALUE_SLOTS3,
     pair_addresses,
 )
-from kvcalib_runtime.kernels.gluon_ptx import (
+from kvcalib_runtime.kernels.gluon_ptx import rows_asm, shared_asm
+from kvcalib_runtime.kernels.gluon_rows import (
     ROW3,
+    ROW6,
     key3_pairs_slots_asm,
     key3_slots_asm,
-    rows_asm,
-    shared_asm,
     value3_slots_asm,
+    vq_key_slots_asm,
+    vq_value_slots_asm,
 )
 
 ROW = gl.constexpr(ROW3)  # bytes a position of 3-bit code rows
+ROW_VQ = gl.constexpr(ROW6)  # and of kvcalib-1.5's
 
 
 @gluon.jit
@@ -57,15 +61,22 @@ def table_word(LEVELS, first: gl.constexpr):
 @gluon.jit
 def pair_tables(KLEV, VLEV, BITS: gl.constexpr):
     """The keys' and the values' tables of level pairs (BITS 4 or 3, gluon_ptx's
-    `_pair_key_decode`, `_pair3_key_decode`) in shared memory, from their codebook rows KLEV,
-    VLEV (2^BITS fp32): entry x of each the fp16 levels of codes x % 2^BITS and x >> BITS
-    (256 words apart; at 3 bits the first 64 read). Returns the buffer (to keep it
-    allocated: the loop reads it by address) and each table's shared address."""
+    `_pair_key_decode`, gluon_rows' `_pair3_key_decode`) in shared memory, from their codebook
+    rows KLEV, VLEV (2^BITS levels): entry x of each the fp16 levels of codes x % 2^BITS and
+    x >> BITS (256 words apart; at 3 bits the first 64 read). BITS 6: kvcalib-1.5's codebooks
+    (64 entries of 4 coordinates), word x of each the fp16 coordinates 2x and 2x + 1 (an
+    entry's two words at 8 index bytes: gluon_rows' `_vq_key_decode`; the first 128 read).
+    Returns the buffer (to keep it allocated: the loop reads it by address) and each table's
+    shared address."""
     x = gl.arange(0, 512, layout=FOUR_A_THREAD)
     row = gl.where(x < 256, KLEV, VLEV)
     LEVELS: gl.constexpr = 1 << BITS
-    lo = gl.load(row + x % LEVELS).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32)
-    hi = gl.load(row + ((x % 256) >> BITS) % LEVELS).to(gl.float16).to(gl.int16, bitcast=True)
+    if BITS == 6:
+        lo_at, hi_at = 2 * (x % 128), 2 * (x % 128) + 1
+    else:
+        lo_at, hi_at = x % LEVELS, ((x % 256) >> BITS) % LEVELS
+    lo = gl.load(row + lo_at).to(gl.float16).to(gl.int16, bitcast=True).to(gl.int32)
+    hi = gl.load(row + hi_at).to(gl.float16).to(gl.int16, bitcast=True)
     pairs = gl.allocate_shared_memory(gl.int32, [512], FLAT)
     pairs.store((lo & 0xFFFF) | (hi.to(gl.int32) << 16))
     k_table, v_table = pair_addresses(pairs)
@@ -83,11 +94,12 @@ def meta_starts(WIDE):
 
 @gluon.jit
 def meta_copy(KIDX, KDEL, VSCALE, VZERO, SINK, head_at, sink_at, mbuf, tile,
-               WIDE: gl.constexpr):  # fmt: skip
+               WIDE: gl.constexpr, SLOTS: gl.constexpr):  # fmt: skip
     """The copy of a tile's per-position streams: its slot indices, slot deltas, value
     scales and zero points (elements head_at + p of each: one offset, `copied_strides`)
     and sink flags (sink_at + p), 64 a stream; one byte each, or WIDE (4 bits: the deltas
-    and scales fp16, no zero points). cp.async copies 4 bytes at least, and a row of one
+    and scales fp16, no zero points); without SLOTS (kvcalib-1.5: no per-position metadata)
+    the sink flags alone. cp.async copies 4 bytes at least, and a row of one
     byte a slot starts anywhere in a word (of two bytes, at either half): each stream is
     copied as the 17 (33) words from the one holding its first byte, one word a thread (the
     last only where that byte is not a word's first, so that every word read holds a byte
@@ -118,6 +130,8 @@ def meta_copy(KIDX, KDEL, VSCALE, VZERO, SINK, head_at, sink_at, mbuf, tile,
                   per_head + head_at * width)  # fmt: skip
     at = (at + (4 * word - lead)).to(gl.pointer_type(gl.int32), bitcast=True)
     live = (stream < 5) & ((word < 16 * width) | (lead > 0))
+    if not SLOTS:
+        live = live & (stream == 4)
     heads, halves, sinks = gl.inline_asm(
         rows_asm, ("=r", "=r", "=r", "r", "r", "r", "r", "r", "r"),
         [mbuf, mbuf, mbuf, tile + shift, 2 * tile + half_shift,
@@ -141,32 +155,44 @@ def shared_at(at, OFFSET: gl.constexpr, BITS: gl.constexpr):
 
 
 @gluon.jit
-def slot_bases(kbuf, vbuf, PAIRS: gl.constexpr):
-    """At 3 bits, each thread's shared address in the first tile of `kbuf` and `vbuf` (a tile's
-    code rows, 48 bytes a position) from which gluon_ptx's `key3_slots_asm` (with PAIRS,
-    `key3_pairs_slots_asm`) and `value3_slots_asm` read its words: lane (i, r) of warp w, keys
-    word 3i (PAIRS: word 3i // 2) of position 16w + r, values word 3r // 2 of position 16w +
-    2i; and the shift of its key and value words (16 where they start at a word's middle)."""
+def slot_bases(kbuf, vbuf, PAIRS: gl.constexpr, BITS: gl.constexpr):
+    """Where code rows are read by address (3 bits, 48 bytes a position; 6, kvcalib-1.5's
+    vectors, 24), each thread's shared address in the first tile of `kbuf` and `vbuf` from
+    which `code_words` reads its words, lane (i, r) of warp w: at 3 bits, keys word 3i
+    (PAIRS: word 3i // 2) of position 16w + r, values word 3r // 2 of position 16w + 2i; at 6,
+    keys word 3i // 2, values word 3r // 4; and the shift of its key and value words (the
+    bit its first code starts at)."""
     tid = gl.arange(0, 128, layout=ONE_A_THREAD)
     i, r, w = tid & 3, (tid >> 2) & 7, tid >> 5
-    k_word = (3 * i) >> 1 if PAIRS else 3 * i
-    k_at = (16 * w + r) * ROW + 4 * k_word
-    v_at = (16 * w + 2 * i) * ROW + 4 * ((3 * r) >> 1)
+    if BITS == 6:
+        k_at = (16 * w + r) * ROW_VQ + 4 * ((3 * i) >> 1)
+        v_at = (16 * w + 2 * i) * ROW_VQ + 4 * ((3 * r) >> 2)
+        k_shift, v_shift = 16 * (i & 1), 8 * ((3 * r) & 3)
+    else:
+        k_word = (3 * i) >> 1 if PAIRS else 3 * i
+        k_at = (16 * w + r) * ROW + 4 * k_word
+        v_at = (16 * w + 2 * i) * ROW + 4 * ((3 * r) >> 1)
+        k_shift, v_shift = 16 * (i & 1), 16 * (r & 1)
     k_base, v_base = gl.inline_asm(rows_asm, ("=r", "=r", "r", "r", "r", "r"),
                                    [kbuf, vbuf, k_at, v_at], [tid.type] * 2,
                                    is_pure=False)  # fmt: skip
-    return k_base, v_base, 16 * (i & 1), 16 * (r & 1)
+    return k_base, v_base, k_shift, v_shift
 
 
 @gluon.jit
-def words3(base, ring, TILE_BYTES: gl.constexpr, PAIRS: gl.constexpr, VALUES: gl.constexpr):
-    """A tile's 3-bit code words in buffer `ring` of a ring of tiles TILE_BYTES apart, from
-    `slot_bases`' address: the keys' (KEY_SLOTS3; with PAIRS read as pairs) or the values'
-    (VALUES: VALUE_SLOTS3)."""
+def code_words(base, ring, TILE_BYTES: gl.constexpr, PAIRS: gl.constexpr,
+               VALUES: gl.constexpr, BITS: gl.constexpr):  # fmt: skip
+    """A tile's code words read by address (BITS 3 or 6: `slot_bases`) in buffer `ring` of a
+    ring of tiles TILE_BYTES apart: the keys' (KEY_SLOTS3, with PAIRS read as pairs; at 6
+    KEY_SLOTS6) or the values' (VALUES: VALUE_SLOTS3)."""
     at = base + ring * TILE_BYTES
     if VALUES:
-        out = gl.inline_asm(value3_slots_asm, ("=r", "r"), [at],
-                            gl.distributed_type(gl.int32, [4, 16, 8, 2], VALUE_SLOTS3),
+        out = gl.inline_asm(value3_slots_asm if BITS == 3 else vq_value_slots_asm, ("=r", "r"),
+                            [at], gl.distributed_type(gl.int32, [4, 16, 8, 2], VALUE_SLOTS3),
+                            is_pure=False)  # fmt: skip
+    elif BITS == 6:
+        out = gl.inline_asm(vq_key_slots_asm, ("=r", "r"), [at],
+                            gl.distributed_type(gl.int32, [4, 16, 4, 2], KEY_SLOTS6),
                             is_pure=False)  # fmt: skip
     else:
         out = gl.inline_asm(key3_pairs_slots_asm if PAIRS else key3_slots_asm, ("=r", "r"),

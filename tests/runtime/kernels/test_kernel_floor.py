@@ -37,7 +37,7 @@ if triton.__version__ != kb.TRITON:  # Gluon's API moves between releases
 import kernel_floor as kf  # noqa: E402
 
 from kvcalib_runtime.kernels import gluon_layouts as dg  # noqa: E402
-from kvcalib_runtime.kernels import gluon_ptx  # noqa: E402
+from kvcalib_runtime.kernels import gluon_ptx, gluon_rows  # noqa: E402
 
 LANES = range(32)
 
@@ -80,6 +80,16 @@ def pair_table(gen, at: int, levels: int = 16):
     x = torch.arange(levels**2)
     shared = torch.zeros(at // 4 + levels**2, dtype=torch.long)
     shared[at // 4 :] = bits[x % levels] | bits[x // levels] << 16
+    return shared, bits
+
+
+def vq_table(gen, at: int):
+    """A random codebook of 64 entries of 4 fp16 coordinates as kvcalib-1.5's table at shared
+    address `at` (entry e: word 2e its coordinates 0, 1, word 2e + 1 its 2, 3), the shared
+    words holding it, and the coordinates' 16-bit patterns [64, 4]."""
+    bits = torch.randn(64, 4, generator=gen).to(torch.float16).view(torch.int16).long() & 0xFFFF
+    shared = torch.zeros(at // 4 + 128, dtype=torch.long)
+    shared[at // 4 :] = (bits[:, 0::2] | bits[:, 1::2] << 16).flatten()
     return shared, bits
 
 
@@ -189,7 +199,7 @@ def test_each_3_bit_key_register_holds_the_level_of_the_channel_q_reads_at_its_k
         words = torch.randint(0, 2**32, (32, 8), generator=gen)  # register 4h + 3: unread
         for h in range(2):
             words[:, 4 * h : 4 * h + 3] = bit_rows(codes[:, h], 3)
-        out = run(gluon_ptx.key3_asm, 64, words, at, shared=shared)
+        out = run(gluon_rows.key3_asm, 64, words, at, shared=shared)
         for reg in range(64):
             _, position, k = coords(dg.KEYS, reg, lane)
             channel = int(dg.key_channel3.fn(torch.tensor(k), False)) - 32 * i
@@ -216,7 +226,7 @@ def test_each_pre_rope_3_bit_key_register_holds_the_level_of_the_channel_q_reads
         first = 3 * i // 2
         words = torch.cat([rows[:, h, [first, first + 1, first + 6, first + 7]]
                            for h in range(2)], 1)  # fmt: skip
-        out = run(gluon_ptx.key3_pairs_asm, 64, words, 16 * (i % 2), at, shared=shared)
+        out = run(gluon_rows.key3_pairs_asm, 64, words, 16 * (i % 2), at, shared=shared)
         for reg in range(64):
             _, position, k = coords(dg.KEYS, reg, lane)
             channel = int(dg.key_channel3.fn(torch.tensor(k), True))
@@ -240,13 +250,66 @@ def test_each_3_bit_value_register_holds_the_level_of_its_position_at_the_row_st
         codes[:8, 0, 16 * r : 16 * r + 16] = torch.arange(8)[:, None]
         rows = bit_rows(codes, 3)  # [32, 4, 12]
         words = rows[:, :, 3 * r // 2 : 3 * r // 2 + 2].flatten(1)
-        out = run(gluon_ptx.value3_asm, 64, words, 16 * (r % 2), at, shared=shared)
+        out = run(gluon_rows.value3_asm, 64, words, 16 * (r % 2), at, shared=shared)
         for reg in range(64):
             _, m, position = coords(dg.VALUES, reg, lane)
             channel = int(dg.value_channel.fn(torch.tensor(m)))
             b, c = position % 2, position // 8
             assert (position // 2) % 4 == i and channel // 16 == r, (lane, reg)
             level = bits[codes[:, b + 2 * c, channel]]
+            assert torch.equal(out[:, reg], level), (lane, reg)
+
+
+def test_each_vq_key_register_holds_the_coordinates_of_the_channels_q_reads_at_its_k():
+    """kvcalib-1.5's keys (6-bit indices of vectors of channels 2V, 2V + 1 and their RoPE
+    partners 64 on): lane (i, r) reads the two words holding vectors 8i .. 8i + 7 of
+    positions r, r + 8 (registers 2h, 2h + 1; shifted by 16 where i is odd); A-operand
+    register R holds, at its (position, K index), the coordinate of channel
+    key_channel3(k, pairs) in its vector's entry, and K index k ^ 64 the partner's; every
+    register of every lane, every index at each of a lane's first places."""
+    gen = torch.Generator().manual_seed(8)
+    at = 0x380
+    shared, bits = vq_table(gen, at)
+    for lane in LANES:
+        i = lane % 4
+        codes = torch.randint(0, 64, (64, 2, 32), generator=gen)  # samples, h, vector
+        codes[:, :, 8 * i] = torch.arange(64)[:, None]
+        rows = bit_rows(codes, 6)  # [64, 2, 6]
+        first = 3 * i // 2
+        words = rows[:, :, first : first + 2].flatten(1)
+        out = run(gluon_rows.vq_key_asm, 64, words, 16 * (i % 2), at, shared=shared)
+        for reg in range(64):
+            _, position, k = coords(dg.KEYS, reg, lane)
+            channel = int(dg.key_channel3.fn(torch.tensor(k), True))
+            vector, coordinate = channel % 64 // 2, channel % 2 + 2 * (channel // 64)
+            assert vector // 8 == i and position % 8 == lane // 4, (lane, reg)
+            level = bits[codes[:, position // 8, vector], coordinate]
+            assert torch.equal(out[:, reg], level), (lane, reg)
+
+
+def test_each_vq_value_register_holds_the_coordinate_of_its_position_at_the_row_stored_out():
+    """kvcalib-1.5's values (6-bit indices of vectors of channels 4u .. 4u + 3): lane (i, r)
+    reads the two words holding vectors 4r .. 4r + 3 of positions 2i + b + 8c (registers
+    2 (b + 2c), + 1; shifted by 24r mod 32): A-operand register R of the transposed values
+    holds, at its (row m, position), the coordinate of channel value_channel(m) in that
+    position's entry; every register of every lane, every index at each of a lane's places."""
+    gen = torch.Generator().manual_seed(9)
+    at = 0x600
+    shared, bits = vq_table(gen, at)
+    for lane in LANES:
+        i, r = lane % 4, lane // 4
+        codes = torch.randint(0, 64, (64, 4, 32), generator=gen)  # samples, b + 2c, vector
+        codes[:, 0, 4 * r : 4 * r + 4] = torch.arange(64)[:, None]
+        rows = bit_rows(codes, 6)  # [64, 4, 6]: a seventh word past the row, zeros
+        rows = torch.cat([rows, torch.zeros_like(rows[:, :, :1])], -1)
+        words = rows[:, :, 3 * r // 4 : 3 * r // 4 + 2].flatten(1)
+        out = run(gluon_rows.vq_value_asm, 64, words, 24 * r % 32, at, shared=shared)
+        for reg in range(64):
+            _, m, position = coords(dg.VALUES, reg, lane)
+            channel = int(dg.value_channel.fn(torch.tensor(m)))
+            b, c = position % 2, position // 8
+            assert (position // 2) % 4 == i and channel // 16 == r, (lane, reg)
+            level = bits[codes[:, b + 2 * c, channel // 4], channel % 4]
             assert torch.equal(out[:, reg], level), (lane, reg)
 
 
