@@ -342,7 +342,7 @@ def pair_addresses(pairs):
 @gluon.jit
 def scores(words, keys, q_pairs, BITS: gl.constexpr):
     """`scores_asm` on a post-RoPE tile's key words and q^T's pairs (`packed_pairs`); keys as
-    `rotated_scores` takes them. At 3 and 4 bits it reads shared memory: not pure."""
+    `rotated_scores` takes them. At 3, 4 and 6 bits it reads shared memory: not pure."""
     if BITS == 6:
         out = gl.inline_asm(scores_vq_asm, ("=f", "r", "r", "r", "r"),
                             [words, keys[1], keys[0], q_pairs],

@@ -1,9 +1,10 @@
 """What kernels.decode_gluon's tiles read besides their codes in their operands' layouts: the
 codebooks' tables (2 bits: two table words in every thread's ordinary registers,
-`in_registers`; 3 and 4 bits: tables of level pairs in shared memory, `pair_tables`), 3-bit
-code words read by address (`slot_bases`, `words3`) and the per-position metadata, copied a
-tile ahead by cp.async (`meta_copy`, `meta_source`) and read by address (`shared_at`). Imported by
-decode_gluon (and benchmarks/kernel_floor's skeleton) where its Gluon is available.
+`in_registers`; 3 and 4 bits and kvcalib-1.5's vectors: tables in shared memory,
+`pair_tables`), code words read by address (3 bits, kvcalib-1.5's: `slot_bases`,
+`code_words`) and the per-position metadata, copied a tile ahead by cp.async (`meta_copy`,
+`meta_source`) and read by address (`shared_at`). Imported by decode_gluon (and
+benchmarks/kernel_floor's skeleton) where its Gluon is available.
 """
 
 from triton.experimental import gluon
@@ -95,20 +96,19 @@ def meta_starts(WIDE):
 @gluon.jit
 def meta_copy(KIDX, KDEL, VSCALE, VZERO, SINK, head_at, sink_at, mbuf, tile,
                WIDE: gl.constexpr, SLOTS: gl.constexpr):  # fmt: skip
-    """The copy of a tile's per-position streams: its slot indices, slot deltas, value
-    scales and zero points (elements head_at + p of each: one offset, `copied_strides`)
-    and sink flags (sink_at + p), 64 a stream; one byte each, or WIDE (4 bits: the deltas
-    and scales fp16, no zero points); without SLOTS (kvcalib-1.5: no per-position metadata)
-    the sink flags alone. cp.async copies 4 bytes at least, and a row of one
-    byte a slot starts anywhere in a word (of two bytes, at either half): each stream is
-    copied as the 17 (33) words from the one holding its first byte, one word a thread (the
-    last only where that byte is not a word's first, so that every word read holds a byte
-    of its tensor), stream s from word `meta_starts(WIDE)[s]` of a buffer of `mbuf`'s
-    ring, its first byte `lead` bytes in. Returns (each thread's source word at position 0,
-    whether it copies, as async_load takes them, and its stream's bytes a position; the
-    shared addresses, in buffer 0, of
-    tile positions `tile` [4, 16] of the one-byte per-head streams, of the two-byte ones
-    (less their start) and of the sink flags: `shared_at` reads them)."""
+    """The copy of a tile's per-position streams: its slot indices, slot deltas, value scales and
+    zero points (elements head_at + p of each: one offset, `copied_strides`) and sink flags
+    (sink_at + p), 64 a stream; one byte each, or WIDE (3, 4 bits: deltas and scales fp16, no
+    zero points); without SLOTS (kvcalib-1.5: no per-position metadata) the sink flags alone.
+    cp.async copies 4 bytes at least, and a row of one byte a slot starts anywhere in a word (of
+    two bytes, at either half): each stream is copied as the 17 (33) words from the one holding
+    its first byte, one word a thread (the last only where that byte is not a word's first, so
+    that every word read holds a byte of its tensor), stream s from word `meta_starts(WIDE)[s]`
+    of a buffer of `mbuf`'s ring, its first byte `lead` bytes in. Returns (each thread's source
+    word at position 0, whether it copies, as async_load takes them, and its stream's bytes a
+    position; the shared addresses, in buffer 0, of tile positions `tile` [4, 16] of the
+    one-byte per-head streams, of the two-byte ones (less their start) and of the sink flags:
+    `shared_at` reads them)."""
     STARTS: gl.constexpr = meta_starts(WIDE)
     e = gl.arange(0, 128, layout=ONE_A_THREAD)
     stream = ((e >= STARTS[1]).to(gl.int32) + (e >= STARTS[2]).to(gl.int32)

@@ -209,7 +209,7 @@ def test_a_stopped_sweep_resumes_from_the_rows_it_kept(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory) -> list[dict]:
-    """The quick set compiled now (~20 s of one core), in a process of its own: the kernels
+    """The quick set compiled now (~6 min of one core), in a process of its own: the kernels
     must compile for sm_90, not run in the interpreter the other tests set up."""
     pytest.importorskip("kvcalib.core.recipe", reason="the presets are read by the toolkit")
     import triton
