@@ -254,7 +254,7 @@ def rotated_scores_asm(outputs, inputs):
     table of level pairs (`rotated_lines` says the rest)."""
     (out,), (words, *tables, r1, r2, r3, r4, r5, r6, qh) = outputs, inputs
     return rotated_lines(out, (r1, r2, r3, r4, r5, r6), qh, [],
-                           lambda a, ks: _keys(a, words, tables, ks))  # fmt: skip
+                         lambda a, ks: _keys(a, words, tables, ks))  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -298,15 +298,25 @@ def values_asm(outputs, inputs):
     (out,), (words, *table, p, acc) = outputs, inputs
     a, b = fragments("a", len(out)), fragments("b", 2)
     lines = [declared(*a, *b), *transposed(b, p)]
-    if table:  # each block's product after its decode: fewer fragments live at once
-        for m, block in enumerate(_pair_value_blocks(a, words, table[0][0])):
-            lines += [*block, mma(out[4 * m : 4 * m + 4], a[4 * m : 4 * m + 4], b,
-                                   acc[4 * m : 4 * m + 4])]  # fmt: skip
+    if table:
+        lines += block_products(out, a, b, acc, _pair_value_blocks(a, words, table[0][0]))
     else:
         lines += _value_decode(a, words)
         for m in range(0, len(out), 4):
             lines.append(mma(out[m : m + 4], a[m : m + 4], b, acc[m : m + 4]))
     return "\n".join(lines) + " }"
+
+
+@gluon.constexpr_function
+def block_products(out, a, b, acc, blocks) -> list[str]:
+    """PTX: each 16-row block m's decode lines (`blocks`), then its product out[4m ..] = a[4m ..]
+    b + acc[4m ..]: each block's product right after its decode, fewer fragments live at
+    once."""
+    lines = []
+    for m, block in enumerate(blocks):
+        lines += [*block, mma(out[4 * m : 4 * m + 4], a[4 * m : 4 * m + 4], b,
+                              acc[4 * m : 4 * m + 4])]  # fmt: skip
+    return lines
 
 
 @gluon.constexpr_function

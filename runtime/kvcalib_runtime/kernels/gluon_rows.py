@@ -9,10 +9,10 @@ products. Imported by decode_gluon where its Gluon is available.
 from triton.experimental import gluon
 
 from kvcalib_runtime.kernels.gluon_ptx import (
+    block_products,
     chunked_scores,
     declared,
     fragments,
-    mma,
     pair_value_register,
     rotated_lines,
     transposed,
@@ -185,9 +185,15 @@ def key3_pairs_asm(outputs, inputs):
     `key_asm`): the words (registers 4h + 2g, + 1: `_shifted`'s), each thread's shift, the
     table of level pairs' shared address."""
     (out,), (words, (shift,), (table,)) = outputs, inputs
+    return _shifted_decode(out, words, shift, 4, lambda a: _pair3_rope_key_decode(a, table))
+
+
+@gluon.constexpr_function
+def _shifted_decode(out, words, shift: str, groups: int, decode) -> str:
+    """PTX: `groups` of words shifted (`_shifted`), `decode`(a) into A_OP registers a, then
+    split into the fp16 outputs out (the register tests' blocks)."""
     a = fragments("a", len(out) // 2)
-    lines = [declared(*a), *_shifted(words, shift, 4), *_pair3_rope_key_decode(a, table),
-             *unpacked(out, a)]  # fmt: skip
+    lines = [declared(*a), *_shifted(words, shift, groups), *decode(a), *unpacked(out, a)]
     return "\n".join(lines) + " }"
 
 
@@ -197,10 +203,7 @@ def vq_key_asm(outputs, inputs):
     `key_asm`): the words (registers 2h, 2h + 1), each thread's shift, the codebook table's
     shared address."""
     (out,), (words, (shift,), (table,)) = outputs, inputs
-    a = fragments("a", len(out) // 2)
-    lines = [declared(*a), *_shifted(words, shift, 2), *_vq_key_decode(a, table),
-             *unpacked(out, a)]  # fmt: skip
-    return "\n".join(lines) + " }"
+    return _shifted_decode(out, words, shift, 2, lambda a: _vq_key_decode(a, table))
 
 
 @gluon.constexpr_function
@@ -208,9 +211,15 @@ def vq_value_asm(outputs, inputs):
     """kvcalib-1.5's value vector indices to fp16 A_OP values of the transposed values
     (`_vq_value_blocks` alone): the words, each thread's shift, the table's shared address."""
     (out,), (words, (shift,), (table,)) = outputs, inputs
+    return _blocks_alone(out, lambda a: _vq_value_blocks(a, words, shift, table))
+
+
+@gluon.constexpr_function
+def _blocks_alone(out, blocks_of) -> str:
+    """PTX: the lines of `blocks_of`(a), a value decode's blocks, into the transposed values'
+    A_OP registers a, split into the fp16 outputs out (the register tests' blocks)."""
     a = fragments("a", len(out) // 2)
-    blocks = _vq_value_blocks(a, words, shift, table)
-    lines = [declared(*a), *(line for block in blocks for line in block), *unpacked(out, a)]
+    lines = [declared(*a), *(line for block in blocks_of(a) for line in block), *unpacked(out, a)]
     return "\n".join(lines) + " }"
 
 
@@ -230,11 +239,15 @@ def values_vq_asm(outputs, inputs):
     """`values_asm` for kvcalib-1.5's value vector indices (`_vq_value_blocks`): the words,
     each thread's shift, the table's shared address, the probabilities, acc."""
     (out,), (words, (shift,), (table,), p, acc) = outputs, inputs
+    return _products(out, p, acc, lambda a: _vq_value_blocks(a, words, shift, table))
+
+
+@gluon.constexpr_function
+def _products(out, p, acc, blocks_of) -> str:
+    """PTX: `values_asm` from a value decode's blocks (`blocks_of`(a)): the probabilities
+    transposed, then each block's product right after its decode."""
     a, b = fragments("a", len(out)), fragments("b", 2)
-    lines = [declared(*a, *b), *transposed(b, p)]
-    for m, block in enumerate(_vq_value_blocks(a, words, shift, table)):
-        lines += [*block, mma(out[4 * m : 4 * m + 4], a[4 * m : 4 * m + 4], b,
-                               acc[4 * m : 4 * m + 4])]  # fmt: skip
+    lines = [declared(*a, *b), *transposed(b, p), *block_products(out, a, b, acc, blocks_of(a))]
     return "\n".join(lines) + " }"
 
 
@@ -243,10 +256,7 @@ def value3_asm(outputs, inputs):
     """3-bit value groups to fp16 A_OP values of the transposed values (`_pair3_value_blocks`
     alone): the words, each thread's shift, the table's shared address."""
     (out,), (words, (shift,), (table,)) = outputs, inputs
-    a = fragments("a", len(out) // 2)
-    blocks = _pair3_value_blocks(a, words, shift, table)
-    lines = [declared(*a), *(line for block in blocks for line in block), *unpacked(out, a)]
-    return "\n".join(lines) + " }"
+    return _blocks_alone(out, lambda a: _pair3_value_blocks(a, words, shift, table))
 
 
 @gluon.constexpr_function
@@ -264,12 +274,7 @@ def values3_asm(outputs, inputs):
     """`values_asm` for 3-bit value groups (`_pair3_value_blocks`): the words, each thread's
     shift, the table's shared address, the probabilities, acc."""
     (out,), (words, (shift,), (table,), p, acc) = outputs, inputs
-    a, b = fragments("a", len(out)), fragments("b", 2)
-    lines = [declared(*a, *b), *transposed(b, p)]
-    for m, block in enumerate(_pair3_value_blocks(a, words, shift, table)):
-        lines += [*block, mma(out[4 * m : 4 * m + 4], a[4 * m : 4 * m + 4], b,
-                               acc[4 * m : 4 * m + 4])]  # fmt: skip
-    return "\n".join(lines) + " }"
+    return _products(out, p, acc, lambda a: _pair3_value_blocks(a, words, shift, table))
 
 
 @gluon.constexpr_function
@@ -279,7 +284,7 @@ def rotated_scores3_asm(outputs, inputs):
     rows, q_a^T."""
     (out,), (words, (shift,), (table,), r1, r2, r3, r4, r5, r6, qh) = outputs, inputs
     return rotated_lines(out, (r1, r2, r3, r4, r5, r6), qh, _shifted(words, shift, 4),
-                           lambda a, ks: _pair3_rope_key_decode(a, table, ks))  # fmt: skip
+                         lambda a, ks: _pair3_rope_key_decode(a, table, ks))  # fmt: skip
 
 
 @gluon.constexpr_function
@@ -288,7 +293,7 @@ def rotated_scores_vq_asm(outputs, inputs):
     each thread's shift, the table's shared address, the six tables' rows, q_a^T."""
     (out,), (words, (shift,), (table,), r1, r2, r3, r4, r5, r6, qh) = outputs, inputs
     return rotated_lines(out, (r1, r2, r3, r4, r5, r6), qh, _shifted(words, shift, 2),
-                           lambda a, ks: _vq_key_decode(a, table, ks))  # fmt: skip
+                         lambda a, ks: _vq_key_decode(a, table, ks))  # fmt: skip
 
 
 @gluon.constexpr_function
