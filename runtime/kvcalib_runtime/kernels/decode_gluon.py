@@ -222,7 +222,7 @@ if available():
         both bodies of sequence b hold, for query heads hk * G .. hk * G + G - 1, written as
         split first_split + split of PART / STATS (split_rows a head), as the Triton kernel
         writes its own. Sinks are masked (their exact copies are the Triton kernel's). BITS:
-        kvcalib-2's layout (2), kvcalib-3's (3) or kvcalib-4's (4: the module docstring)."""
+        kvcalib-2's layout (2), -3's (3), -4's (4) or -1.5's (6: the module docstring)."""
         gl.static_assert(D == 128 and BLOCK_N == 64)  # the layouts' shapes
         gl.static_assert(BITS == 2 or BITS == 3 or BITS == 4 or BITS == 6)
         gl.static_assert(gl.to_linear_layout(A_OP, [4, 16, D]) == KEYS)
@@ -233,7 +233,7 @@ if available():
         BN: gl.constexpr = BLOCK_N
         WIDE: gl.constexpr = BITS != 2  # fp16 slot deltas and value scales, codebook values
         VQ: gl.constexpr = BITS == 6  # kvcalib-1.5: an index a 4-channel vector, no slot
-        WORDS: gl.constexpr = D * BITS // (128 if VQ else 32)  # a position's code words
+        WORDS: gl.constexpr = D // (4 if VQ else 1) * BITS // 32  # a position's code words
         # code rows read by address (3 bits, kvcalib-1.5's), copied flat: a tile's in a
         # buffer of a power of two words
         ADDRESSED: gl.constexpr = BITS == 3 or VQ
@@ -310,7 +310,7 @@ if available():
             # a thread's 16-byte pieces of a tile's codes
             piece = offsets(COPY4 if WIDE else COPY, 4, 16, WORDS, 16 * WORDS, WORDS, 1)
             c_live = None
-            v_shift = v_table  # unread: only 3-bit words are shifted
+            v_shift = v_table  # unread: only words read by address are shifted
         k_at = KC + (b.to(gl.int64) * kc_b + hk * kc_h) * WORDS + piece
         v_at = VC + (b.to(gl.int64) * vc_b + hk * vc_h) * WORDS + piece
         m_at, m_live, m_width, meta, m_halves, sink_meta = meta_copy(
